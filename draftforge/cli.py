@@ -1,0 +1,2 @@
+def main(argv=None):
+    raise SystemExit("draftforge CLI under construction")

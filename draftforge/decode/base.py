@@ -1,0 +1,45 @@
+"""Shared result types of the decoding harness; the eval reports are computed from these.
+
+Conventions: a *round* is one target verification forward. tau counts tokens emitted per
+round, so it includes the bonus/correction token; `accepted_per_round` excludes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DecodeStats:
+    new_tokens: int = 0  # tokens emitted (excluding the prompt)
+    target_forwards: int = 0  # verification rounds after prefill (AR: one per token)
+    accepted_per_round: list[int] = field(default_factory=list)  # draft tokens accepted, bonus excluded
+    drafted_per_round: list[int] = field(default_factory=list)  # gamma: candidates verified per round
+    accept_by_position: list[int] = field(default_factory=list)  # [d] accepted drafts at depth d (0-based)
+    proposed_by_position: list[int] = field(default_factory=list)  # [d] rounds that proposed depth d
+    prefill_time_s: float = 0.0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    total_time_s: float = 0.0  # wall time of the whole generate() call, prefill included
+    chosen_configs: list[str] = field(default_factory=list)  # controller's choice per round (e.g. UCB arm)
+
+    @property
+    def tau(self) -> float:
+        """Tokens emitted per target forward (bonus token counted)."""
+        return self.new_tokens / max(self.target_forwards, 1)
+
+    @property
+    def tau_no_bonus(self) -> float:
+        """Mean draft tokens accepted per round (bonus token not counted)."""
+        n = len(self.accepted_per_round)
+        return sum(self.accepted_per_round) / n if n else 0.0
+
+    @property
+    def other_time_s(self) -> float:
+        return max(self.total_time_s - self.prefill_time_s - self.draft_time_s - self.verify_time_s, 0.0)
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # generated token ids, prompt excluded, EOS included if produced
+    stats: DecodeStats
