@@ -1,0 +1,208 @@
+"""sources -> usable rows -> seeded held-out split -> tokenize (cached map) -> packed blocks."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow.compute as pc
+
+from draftforge.data.chat import tokenize_conversation
+from draftforge.data.packing import StreamPacker, blocks_table, flatten_lists, pack_greedy, pack_stream
+from draftforge.data.sources import load_sources
+from draftforge.errors import DataError
+
+log = logging.getLogger("draftforge.data")
+
+STREAM_EVAL_BLOCKS = 64
+"""When streaming, the eval set is the first this-many blocks of held-out documents."""
+
+
+@dataclass
+class BlockData:
+    """Training-ready blocks: columns `input_ids`, `labels` (-100 = no loss), each block_size long."""
+
+    train: Any
+    eval: Any | None
+    stats: dict = field(default_factory=dict)
+    block_size: int = 0
+
+
+def build_block_data(cfg, tokenizer, block_size: int, seed: int) -> BlockData:
+    """Read `cfg.sources`, hold out `cfg.eval_fraction` of documents (chosen by `seed`), pack."""
+    eos_id, pad_id = _special_ids(tokenizer)
+    _check_config(cfg, block_size)
+    docs = load_sources(cfg)
+    if cfg.streaming:
+        return _build_streaming(docs, cfg, tokenizer, block_size, seed, eos_id, pad_id)
+    docs, stats = _usable_rows(docs, cfg)
+    train_docs, eval_docs = split_documents(docs, cfg.eval_fraction, seed)
+    train, train_stats = _to_blocks(train_docs, cfg, tokenizer, block_size, eos_id, pad_id)
+    stats.update(train_stats, format=cfg.format, block_size=block_size, eval_documents=0, eval_blocks=0)
+    stats["rows_skipped"] += train_stats.pop("truncated_away")
+    eval_ds = None
+    if eval_docs is not None:
+        eval_ds, eval_stats = _to_blocks(eval_docs, cfg, tokenizer, block_size, eos_id, pad_id)
+        stats["rows_skipped"] += eval_stats["truncated_away"]
+        stats.update(eval_documents=eval_stats["documents"], eval_blocks=eval_stats["blocks"])
+        if len(eval_ds) == 0:
+            eval_ds = None
+    if len(train) == 0:
+        raise DataError("no training blocks: every conversation lost its assistant tokens to truncation; "
+                        "raise the block size or shorten the conversations")
+    return BlockData(train=train, eval=eval_ds, stats=stats, block_size=block_size)
+
+
+def describe(bd: BlockData) -> str:
+    """One line for logs: blocks, tokens, loss tokens, padding, documents, skipped rows, eval."""
+    s = bd.stats
+    if s.get("streaming"):
+        return f"data: streaming {s['format']} blocks of {bd.block_size} tokens (eval: held-out {s['eval_fraction']:.1%})"
+    return (f"data: {s['blocks']:,} blocks x {bd.block_size} = {s['tokens']:,} tokens "
+            f"({s['loss_tokens']:,} with loss, padding {s['padding_fraction']:.2%}) from {s['documents']:,} "
+            f"{s['format']} documents; {s['rows_skipped']:,}/{s['rows_read']:,} rows skipped; "
+            f"eval: {s['eval_blocks']:,} blocks from {s['eval_documents']:,} documents")
+
+
+def split_documents(docs: datasets.Dataset, eval_fraction: float, seed: int):
+    """Seeded document-level held-out split; both parts keep the original order."""
+    n = len(docs)
+    n_eval = min(max(round(n * eval_fraction), 1), n - 1) if eval_fraction > 0 and n >= 2 else 0
+    if n_eval == 0:
+        return docs, None
+    perm = np.random.default_rng(seed).permutation(n)
+    return docs.select(np.sort(perm[n_eval:])), docs.select(np.sort(perm[:n_eval]))
+
+
+def _special_ids(tokenizer) -> tuple[int, int]:
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None:
+        raise DataError("the tokenizer has no eos_token; set one (e.g. tokenizer.eos_token = '</s>') "
+                        "so documents can be separated")
+    pad_id = tokenizer.pad_token_id
+    return eos_id, eos_id if pad_id is None else pad_id
+
+
+def _check_config(cfg, block_size: int) -> None:
+    if not isinstance(block_size, int) or block_size < 2:
+        raise DataError(f"block_size must be an integer >= 2, got {block_size!r}")
+    if not 0 <= cfg.eval_fraction < 1:
+        raise DataError(f"data.eval_fraction must be in [0, 1), got {cfg.eval_fraction!r}")
+    if cfg.max_documents is not None and cfg.max_documents < 1:
+        raise DataError(f"data.max_documents must be >= 1 or null, got {cfg.max_documents!r}")
+
+
+def _usable_rows(docs: datasets.Dataset, cfg):
+    """Drop rows marked bad (warn with counts; fail if none is usable); apply max_documents."""
+    if len(docs) == 0:
+        raise DataError(f"data sources {cfg.sources} (split {cfg.split!r}) have no rows; check the paths/split")
+    bad = docs.data.column("bad")
+    reasons = Counter({r["values"]: r["counts"] for r in pc.value_counts(bad).to_pylist() if r["values"]})
+    good_idx = np.flatnonzero(pc.equal(bad, "").to_numpy(zero_copy_only=False))
+    summary = ", ".join(f"{n} x {r}" for r, n in reasons.most_common())
+    if len(good_idx) == 0:
+        hint = f"set data.text_field (now {cfg.text_field!r})" if cfg.format == "text" else \
+            "give rows ShareGPT 'conversations' (from/value) or OpenAI 'messages' (role/content) with an assistant turn"
+        raise DataError(f"no usable rows in {cfg.sources}: all {len(docs)} rows skipped ({summary}); {hint}")
+    if reasons:
+        log.warning("skipped %d of %d data rows: %s", len(docs) - len(good_idx), len(docs), summary)
+    if cfg.max_documents is not None:
+        good_idx = good_idx[: cfg.max_documents]
+    stats = {"rows_read": len(docs), "rows_skipped": sum(reasons.values()), "skip_reasons": dict(reasons)}
+    return docs.select(good_idx), stats
+
+
+def _tokenize_text(batch, tokenizer, eos_id):
+    ids = tokenizer(batch["text"], add_special_tokens=False, verbose=False)["input_ids"]
+    return {"input_ids": [seq + [eos_id] for seq in ids]}
+
+
+def _tokenize_chat(batch, tokenizer, block_size):
+    out = [tokenize_conversation(m, tokenizer, block_size) for m in batch["messages"]]
+    return {"input_ids": [o["input_ids"] for o in out], "labels": [o["labels"] for o in out]}
+
+
+def _tokenize(docs, cfg, tokenizer, block_size: int, eos_id: int):
+    if cfg.format == "text":
+        fn, kwargs = _tokenize_text, {"tokenizer": tokenizer, "eos_id": eos_id}
+    else:
+        fn, kwargs = _tokenize_chat, {"tokenizer": tokenizer, "block_size": block_size}
+    return docs.map(fn, batched=True, fn_kwargs=kwargs, remove_columns=docs.column_names,
+                    num_proc=cfg.num_proc if cfg.num_proc > 1 and len(docs) > 1 else None,
+                    desc=f"tokenizing {cfg.format} ({len(docs):,} documents)")
+
+
+def _to_blocks(docs, cfg, tokenizer, block_size: int, eos_id: int, pad_id: int):
+    tokenized = _tokenize(docs, cfg, tokenizer, block_size, eos_id).flatten_indices()
+    truncated_away = 0
+    if cfg.format == "text":
+        tokens_N = flatten_lists(tokenized.data.column("input_ids"))
+        input_ids_BS, labels_BS = pack_stream(tokens_N, tokens_N, block_size, pad_id)
+    else:
+        input_ids, labels = tokenized["input_ids"], tokenized["labels"]
+        keep = [i for i, lab in enumerate(labels) if any(t != -100 for t in lab)]
+        truncated_away = len(labels) - len(keep)
+        if truncated_away:
+            log.warning("skipped %d conversations whose assistant tokens were all truncated away "
+                        "(block size %d)", truncated_away, block_size)
+        input_ids_BS, labels_BS = pack_greedy([input_ids[i] for i in keep], [labels[i] for i in keep],
+                                              block_size, pad_id)
+    n_tokens = len(tokens_N) if cfg.format == "text" else int(sum(len(input_ids[i]) for i in keep))
+    n_slots = input_ids_BS.size
+    stats = {"documents": len(docs) - truncated_away, "tokens": n_tokens,
+             "loss_tokens": int((labels_BS != -100).sum()), "blocks": int(input_ids_BS.shape[0]),
+             "padding_fraction": (n_slots - n_tokens) / n_slots if n_slots else 0.0,
+             "truncated_away": truncated_away}
+    return datasets.Dataset(blocks_table(input_ids_BS, labels_BS)), stats
+
+
+def _held_out(index: int, seed: int, fraction: float) -> bool:
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < fraction
+
+
+def _stream_blocks(docs, cfg, tokenizer, block_size, eos_id, pad_id, seed, want_eval, max_blocks):
+    """Generator behind the streaming datasets: filter, split by seeded hash, tokenize, pack."""
+    packer, emitted, used = StreamPacker(block_size, pad_id), 0, 0
+    for index, row in enumerate(docs):
+        if cfg.max_documents is not None and used >= cfg.max_documents:
+            break
+        if row["bad"]:
+            continue
+        used += 1
+        if _held_out(index, seed, cfg.eval_fraction) != want_eval:
+            continue
+        if cfg.format == "text":
+            ids = _tokenize_text({"text": [row["text"]]}, tokenizer, eos_id)["input_ids"][0]
+            blocks = packer.add(ids, ids)
+        else:
+            enc = tokenize_conversation(row["messages"], tokenizer, block_size)
+            blocks = packer.add_whole(enc["input_ids"], enc["labels"]) if any(
+                t != -100 for t in enc["labels"]) else ()
+        for block in blocks:
+            yield block
+            emitted += 1
+            if max_blocks is not None and emitted >= max_blocks:
+                return
+    yield from packer.flush()
+
+
+def _build_streaming(docs, cfg, tokenizer, block_size, seed, eos_id, pad_id) -> BlockData:
+    common = {"docs": docs, "cfg": cfg, "tokenizer": tokenizer, "block_size": block_size,
+              "eos_id": eos_id, "pad_id": pad_id, "seed": seed}
+    features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
+                                  "labels": datasets.List(datasets.Value("int32"))})
+    train = datasets.IterableDataset.from_generator(
+        _stream_blocks, features=features, gen_kwargs={**common, "want_eval": False, "max_blocks": None})
+    eval_ds = None
+    if cfg.eval_fraction > 0:
+        eval_ds = datasets.IterableDataset.from_generator(
+            _stream_blocks, features=features,
+            gen_kwargs={**common, "want_eval": True, "max_blocks": STREAM_EVAL_BLOCKS})
+    stats = {"streaming": True, "format": cfg.format, "block_size": block_size, "eval_fraction": cfg.eval_fraction}
+    return BlockData(train=train, eval=eval_ds, stats=stats, block_size=block_size)

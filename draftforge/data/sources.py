@@ -1,0 +1,189 @@
+"""Data sources: resolve recipe source strings into one normalized `datasets` table.
+
+Every source becomes rows of either {"text": str, "bad": str} (format=text) or
+{"messages": [{"role", "content"}], "bad": str} (format=chat). `bad` is "" for a usable
+row and otherwise the reason it is skipped; keeping bad rows (instead of dropping them
+while reading) lets the skip counts survive a datasets cache hit.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from pathlib import Path
+
+import datasets
+
+from draftforge.errors import DataError
+
+FORMATS = ("text", "chat")
+ROW_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+_GLOB_CHARS = set("*?[")
+# ShareGPT speakers -> OpenAI roles; anything else is skipped with a reason.
+ROLE_ALIASES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bot": "assistant",
+    "model": "assistant", "system": "system",
+}
+
+
+def normalize_row(row: dict, fmt: str, text_field: str) -> dict:
+    """One raw row -> the normalized schema of this format (see module docstring)."""
+    if fmt == "text":
+        text = row.get(text_field)
+        if not isinstance(text, str):
+            return {"text": "", "bad": f"missing text field {text_field!r}"}
+        if not text.strip():
+            return {"text": "", "bad": "empty text"}
+        return {"text": text, "bad": ""}
+    return _normalize_chat(row)
+
+
+def _normalize_chat(row: dict) -> dict:
+    turns = row.get("conversations")
+    role_key, content_key = "from", "value"
+    if turns is None:
+        turns = row.get("messages")
+        role_key, content_key = "role", "content"
+    if not isinstance(turns, list) or not turns:
+        return {"messages": [], "bad": "missing 'conversations' or 'messages' field"}
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return {"messages": [], "bad": "a turn is not an object"}
+        role = ROLE_ALIASES.get(str(turn.get(role_key, "")).lower())
+        content = turn.get(content_key)
+        if role is None or not isinstance(content, str):
+            return {"messages": [], "bad": f"turn without a known {role_key!r} or a string {content_key!r}"}
+        messages.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        return {"messages": [], "bad": "no assistant turn"}
+    return {"messages": messages, "bad": ""}
+
+
+def features_for(fmt: str) -> datasets.Features:
+    if fmt == "text":
+        return datasets.Features({"text": datasets.Value("string"), "bad": datasets.Value("string")})
+    turn = {"role": datasets.Value("string"), "content": datasets.Value("string")}
+    return datasets.Features({"messages": datasets.List(turn), "bad": datasets.Value("string")})
+
+
+def is_hf_name(spec: str) -> bool:
+    """`hf:` prefix, or a bare `name` / `org/name` that is not a local path or glob."""
+    if spec.startswith("hf:"):
+        return True
+    if os.path.exists(spec) or _GLOB_CHARS & set(spec):
+        return False
+    looks_like_path = spec.startswith((".", "/", "~")) or Path(spec).suffix != "" or spec.count("/") > 1
+    return not looks_like_path
+
+
+def resolve_local_files(spec: str, file_glob: str) -> list[Path]:
+    """A file, a folder (files matching `file_glob`, sorted) or a glob (sorted)."""
+    path = Path(os.path.expanduser(spec))
+    if _GLOB_CHARS & set(spec):
+        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True))
+        files = [f for f in files if f.is_file()]
+        if not files:
+            raise DataError(f"data source glob {spec!r} matches no files; check the pattern")
+        return files
+    if not path.exists():
+        raise DataError(f"data source {spec!r} does not exist; give an existing file, folder or glob "
+                        "(or a Hugging Face dataset name, optionally prefixed 'hf:')")
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.glob(file_glob) if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise DataError(f"data folder {spec!r} has no files matching file_glob {file_glob!r}")
+    return files
+
+
+def iter_file_rows(path: Path):
+    """Raw rows of one local file; any non-row file (.txt, .py, ...) is one document."""
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{line_no}: malformed JSON line ({e.msg}); fix or remove it") from None
+    elif suffix == ".json":
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: malformed JSON ({e.msg}); fix the file") from None
+        if not isinstance(rows, list):
+            raise DataError(f"{path}: a .json source must hold a list of row objects (use .jsonl for one per line)")
+        yield from rows
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for batch in pq.ParquetFile(path).iter_batches():
+            yield from batch.to_pylist()
+    else:
+        yield {"text": path.read_text(encoding="utf-8", errors="replace")}
+
+
+def _generate_rows(files, fmt, text_field, signature):
+    # `signature` (size, mtime per file) is unused here; it is part of gen_kwargs so the
+    # datasets cache fingerprint changes whenever a file changes.
+    del signature
+    for name in files:
+        for row in iter_file_rows(Path(name)):
+            if not isinstance(row, dict):
+                row = {}
+            if Path(name).suffix.lower() not in ROW_FILE_SUFFIXES and fmt == "text":
+                row = {text_field: row["text"]}
+            yield normalize_row(row, fmt, text_field)
+
+
+def load_local(files: list[Path], fmt: str, text_field: str) -> datasets.Dataset:
+    """Local files -> a normalized Dataset, cached by datasets (keyed on paths, sizes, mtimes)."""
+    names = [str(f.resolve()) for f in files]
+    # Read JSON/JSONL eagerly once so a malformed line is reported with its location
+    # here, not from deep inside the datasets builder.
+    for f in files:
+        if f.suffix.lower() in (".jsonl", ".json"):
+            for _ in iter_file_rows(f):
+                pass
+    signature = [(os.path.getsize(n), os.stat(n).st_mtime_ns) for n in names]
+    ds = datasets.Dataset.from_generator(
+        _generate_rows, features=features_for(fmt),
+        gen_kwargs={"files": names, "fmt": fmt, "text_field": text_field, "signature": signature},
+    )
+    return ds
+
+
+def load_hf(spec: str, cfg, fmt: str, text_field: str):
+    """A Hugging Face dataset (Hub name or local dataset folder) -> normalized rows."""
+    name = spec[3:] if spec.startswith("hf:") else spec
+    try:
+        raw = datasets.load_dataset(name, cfg.hf_config, split=cfg.split, streaming=cfg.streaming)
+    except (ValueError, FileNotFoundError, ConnectionError, OSError) as e:
+        raise DataError(f"could not load Hugging Face dataset {name!r} (config {cfg.hf_config!r}, split "
+                        f"{cfg.split!r}): {e}. Check the name, hf_config, split and network access") from None
+    columns = list(raw.column_names or [])
+    return raw.map(normalize_row, fn_kwargs={"fmt": fmt, "text_field": text_field},
+                   remove_columns=columns, features=features_for(fmt))
+
+
+def load_sources(cfg):
+    """All recipe sources -> one normalized Dataset (or IterableDataset when streaming)."""
+    fmt = cfg.format
+    if fmt not in FORMATS:
+        raise DataError(f"unknown data.format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if not cfg.sources:
+        raise DataError("data.sources is empty; list at least one dataset name, file, folder or glob")
+    parts = []
+    for spec in cfg.sources:
+        if is_hf_name(spec):
+            parts.append(load_hf(spec, cfg, fmt, cfg.text_field))
+        else:
+            files = resolve_local_files(spec, cfg.file_glob)
+            local = load_local(files, fmt, cfg.text_field)
+            parts.append(local.to_iterable_dataset() if cfg.streaming else local)
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
