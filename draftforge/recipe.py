@@ -1,0 +1,280 @@
+"""Recipes: YAML files validated into dataclasses (DESIGN.md principle 2).
+
+Every field has a default and a one-line doc (`field_docs`, printed by
+`draftforge train --help-recipe TASK`). An unknown key, a wrong type or an impossible value
+raises RecipeError naming the dotted key, before any model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import MISSING, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from draftforge.errors import RecipeError
+
+TASKS = ("pretrain", "sft")
+
+
+def doc(default: Any, text: str):
+    """A dataclass field with a default and a one-line doc."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass
+class DataConfig:
+    sources: list[str] = doc([], "HF dataset names, local .txt/.jsonl/.json/.parquet files, folders or globs")
+    format: str = doc("text", "'text': raw documents packed with EOS; 'chat': ShareGPT/OpenAI conversations")
+    text_field: str = doc("text", "column holding the text when format=text")
+    hf_config: str | None = doc(None, "dataset config name for HF datasets")
+    split: str = doc("train", "split to read from HF datasets")
+    streaming: bool = doc(False, "stream HF datasets instead of downloading them whole")
+    eval_fraction: float = doc(0.01, "fraction of documents held out for the eval loss (0 disables)")
+    max_documents: int | None = doc(None, "read at most this many documents (None: all)")
+    num_proc: int = doc(1, "tokenization worker processes")
+    file_glob: str = doc("**/*", "which files of a folder source to read")
+
+    def check(self, at: str) -> None:
+        _require(self.format in ("text", "chat"), f"{at}.format", f"must be 'text' or 'chat', got {self.format!r}")
+        _require(0.0 <= self.eval_fraction < 1.0, f"{at}.eval_fraction", "must be in [0, 1)")
+        _require(self.num_proc >= 1, f"{at}.num_proc", "must be >= 1")
+        _require(self.max_documents is None or self.max_documents > 0, f"{at}.max_documents", "must be > 0")
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = doc(False, "train LoRA adapters (peft) instead of all weights; merged at export")
+    r: int = doc(16, "LoRA rank")
+    alpha: int = doc(32, "LoRA scaling alpha")
+    dropout: float = doc(0.0, "LoRA dropout")
+    target_modules: list[str] = doc([], "module names to adapt ([]: in_proj/out_proj for Mamba, attention+MLP for Llama)")
+
+    def check(self, at: str) -> None:
+        _require(self.r > 0, f"{at}.r", "must be > 0")
+        _require(0.0 <= self.dropout < 1.0, f"{at}.dropout", "must be in [0, 1)")
+
+
+@dataclass
+class ModelConfig:
+    arch: str = doc("mamba2", "'mamba', 'mamba2', 'llama' or any transformers model_type (ignored with init_from)")
+    size: str | None = doc("tiny", "size preset (e.g. tiny, small, 130m for Mamba; tiny-target for Llama)")
+    overrides: dict = doc({}, "explicit config fields that win over the preset (hidden_size, num_hidden_layers, ...)")
+    init_from: str | None = doc(None, "start from this checkpoint: a draftforge run dir, an export dir or a HF model id")
+    tokenizer: str | None = doc(None, "tokenizer path or HF id (normally the target's); default: target, then init_from")
+    target: str | None = doc(None, "the target model this drafter serves (its vocab size is matched; recorded in export)")
+    lora: LoraConfig = field(default_factory=LoraConfig, metadata={"doc": "LoRA options (sft)"})
+
+    def check(self, at: str) -> None:
+        _require(bool(self.tokenizer or self.target or self.init_from), f"{at}.tokenizer",
+                 "set model.tokenizer (or model.target / model.init_from, whose tokenizer is then used)")
+        self.lora.check(f"{at}.lora")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = doc(3e-4, "peak learning rate (AdamW)")
+    weight_decay: float = doc(0.1, "AdamW weight decay (not applied to biases and norms)")
+    betas: list[float] = doc([0.9, 0.95], "AdamW betas")
+    eps: float = doc(1e-8, "AdamW epsilon")
+    warmup_steps: int = doc(100, "linear warm-up steps")
+    schedule: str = doc("cosine", "'cosine', 'linear' or 'constant' after warm-up")
+    min_lr_ratio: float = doc(0.1, "final LR as a fraction of the peak (cosine/linear)")
+    grad_clip: float = doc(1.0, "clip the global grad norm to this (0 disables)")
+
+    def check(self, at: str) -> None:
+        _require(self.lr > 0, f"{at}.lr", "must be > 0")
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{at}.betas", "two values in [0, 1)")
+        _require(self.warmup_steps >= 0, f"{at}.warmup_steps", "must be >= 0")
+        _require(self.schedule in ("cosine", "linear", "constant"), f"{at}.schedule",
+                 f"must be cosine, linear or constant, got {self.schedule!r}")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, f"{at}.min_lr_ratio", "must be in [0, 1]")
+        _require(self.grad_clip >= 0, f"{at}.grad_clip", "must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = doc(1000, "optimizer steps")
+    global_batch_size: int = doc(32, "sequences per optimizer step = micro_batch_size x accumulation x processes")
+    micro_batch_size: int = doc(8, "sequences per forward on one process")
+    block_size: int = doc(512, "tokens per training sequence")
+    precision: str = doc("auto", "'auto' (bf16 on CUDA, fp32 on CPU), 'fp32', 'bf16' or 'fp16'")
+    eval_every: int = doc(200, "eval loss every N steps (0: only at the end)")
+    eval_batches: int = doc(8, "micro-batches of held-out data per eval")
+    save_every: int = doc(500, "checkpoint every N steps (a final one is always written)")
+    keep_checkpoints: int = doc(2, "how many recent checkpoints to keep")
+    log_every: int = doc(10, "log metrics every N steps")
+    trackers: list[str] = doc(["auto"], "Accelerate trackers: tensorboard, wandb; 'auto' = tensorboard if installed")
+    seed: int = doc(0, "seed for init, data order and dropout")
+    export: bool = doc(True, "export safetensors to OUTPUT_DIR/export when training ends")
+
+    def check(self, at: str) -> None:
+        for key in ("max_steps", "global_batch_size", "micro_batch_size", "block_size", "eval_batches",
+                    "keep_checkpoints", "log_every"):
+            _require(getattr(self, key) > 0, f"{at}.{key}", f"must be > 0, got {getattr(self, key)}")
+        for key in ("eval_every", "save_every"):
+            _require(getattr(self, key) >= 0, f"{at}.{key}", "must be >= 0")
+        _require(self.global_batch_size % self.micro_batch_size == 0, f"{at}.global_batch_size",
+                 f"{self.global_batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}")
+        _require(self.precision in ("auto", "fp32", "bf16", "fp16"), f"{at}.precision",
+                 f"must be auto, fp32, bf16 or fp16, got {self.precision!r}")
+
+
+@dataclass
+class Recipe:
+    task: str = doc("pretrain", f"what to train: one of {', '.join(TASKS)}")
+    output_dir: str = doc("runs/draftforge", "run directory: resolved recipe, checkpoints, logs, export")
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "the model being trained"})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "training data"})
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"doc": "optimizer and LR schedule"})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "loop settings"})
+
+    def check(self) -> None:
+        _require(self.task in TASKS, "task", f"must be one of {', '.join(TASKS)}, got {self.task!r}")
+        _require(bool(self.data.sources), "data.sources", "list at least one data source")
+        self.model.check("model")
+        self.data.check("data")
+        self.optim.check("optim")
+        self.train.check("train")
+        if self.task == "sft":
+            _require(self.data.format == "chat", "data.format", "the sft task trains on chat data: set format: chat")
+        if self.model.lora.enabled:
+            _require(self.model.init_from is not None, "model.lora.enabled",
+                     "LoRA adapts a pretrained model: set model.init_from")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _require(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise RecipeError(f"recipe key '{key}': {why}")
+
+
+# ---------------------------------------------------------------- typed conversion
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Convert a YAML value to annotation `tp`, raising RecipeError that names `key`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(value, arg, key)
+            except RecipeError as e:
+                errors.append(str(e))
+        raise RecipeError(errors[0] if errors else f"recipe key '{key}': bad value {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise RecipeError(f"recipe key '{key}': expected a mapping, got {type(value).__name__}")
+        return _build(tp, value, key)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(f"recipe key '{key}': expected a list, got {value!r}")
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        return [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise RecipeError(f"recipe key '{key}': expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    name = getattr(tp, "__name__", str(tp))
+    raise RecipeError(f"recipe key '{key}': expected {name}, got {value!r}")
+
+
+def _build(cls: type, values: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in values.items():
+        dotted = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            close = difflib.get_close_matches(str(k), names, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(names)})"
+            raise RecipeError(f"unknown recipe key '{dotted}'{hint}")
+        kwargs[k] = _convert(v, hints[k], dotted)
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------- loading
+
+def apply_overrides(values: dict, overrides: list[str]) -> dict:
+    """Apply `--set a.b.c=value` overrides (value parsed as YAML) to a nested dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"override {item!r} must look like key.path=value")
+        path, raw = item.split("=", 1)
+        node = values
+        parts = path.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise RecipeError(f"override {item!r}: '{part}' is not a section")
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return values
+
+
+def recipe_from_dict(values: dict, overrides: list[str] = ()) -> Recipe:
+    values = apply_overrides(dict(values or {}), list(overrides))
+    recipe = _build(Recipe, values)
+    recipe.check()
+    return recipe
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file {path} does not exist")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(f"recipe file {path} is not valid YAML: {e}") from None
+    if not isinstance(values, dict):
+        raise RecipeError(f"recipe file {path} must hold a mapping at the top level")
+    return recipe_from_dict(values, overrides)
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
+
+
+def field_docs(cls: type = Recipe, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, doc) for every leaf field, for --help-recipe."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows.extend(field_docs(hints[f.name], key + "."))
+            continue
+        default = f.default if f.default is not MISSING else f.default_factory()
+        rows.append((key, repr(default), f.metadata.get("doc", "")))
+    return rows
