@@ -1,0 +1,97 @@
+"""Mamba / Mamba2 drafters as plain `transformers` causal LMs (Mamba Drafters §A.3).
+
+The drafter's vocabulary must equal the target tokenizer's, so `vocab_size` is always an
+argument, never a preset value. Presets give the shape; explicit dims in `overrides` win.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM, PreTrainedModel
+
+from draftforge.errors import RecipeError
+
+# Shared dims first, then per-architecture extras. Mamba-1 uses a small SSM state (16); Mamba2
+# uses a larger state split into heads of `head_dim` channels (Mamba2 paper §7, as in the
+# Mamba Drafters setup). "130m" is the papers' drafter size: 24 layers, d_model 768.
+MAMBA_PRESETS: dict[str, dict] = {
+    "tiny": {  # CPU smoke tests and the offline testbed drafter
+        "hidden_size": 128, "num_hidden_layers": 2, "expand": 2, "conv_kernel": 4,
+        "mamba": {"state_size": 16},
+        "mamba2": {"state_size": 32, "head_dim": 32, "n_groups": 1, "chunk_size": 64},
+    },
+    "small": {
+        "hidden_size": 384, "num_hidden_layers": 8, "expand": 2, "conv_kernel": 4,
+        "mamba": {"state_size": 16},
+        "mamba2": {"state_size": 64, "head_dim": 64, "n_groups": 1, "chunk_size": 128},
+    },
+    "130m": {
+        "hidden_size": 768, "num_hidden_layers": 24, "expand": 2, "conv_kernel": 4,
+        "mamba": {"state_size": 16},
+        "mamba2": {"state_size": 128, "head_dim": 64, "n_groups": 1, "chunk_size": 256},
+    },
+}
+
+_ARCHES = {"mamba": (MambaConfig, MambaForCausalLM), "mamba2": (Mamba2Config, Mamba2ForCausalLM)}
+_POSITIVE_INT_FIELDS = ("hidden_size", "num_hidden_layers", "state_size", "expand", "conv_kernel",
+                        "head_dim", "n_groups", "num_heads", "chunk_size")
+
+
+def resolve_mamba_dims(arch: str, size: str | None = "tiny", overrides: dict | None = None) -> dict[str, Any]:
+    """Preset dims for `arch` merged with `overrides` (overrides win); validated, num_heads derived."""
+    if arch not in _ARCHES:
+        raise RecipeError(f"model.arch: unknown Mamba architecture {arch!r}; use one of {sorted(_ARCHES)}")
+    dims: dict[str, Any] = {}
+    if size is not None:
+        if size not in MAMBA_PRESETS:
+            raise RecipeError(f"model.size: unknown Mamba preset {size!r}; use one of {sorted(MAMBA_PRESETS)}"
+                              " or give explicit dims")
+        preset = MAMBA_PRESETS[size]
+        dims.update({k: v for k, v in preset.items() if not isinstance(v, dict)})
+        dims.update(preset.get(arch, {}))
+    config_cls = _ARCHES[arch][0]
+    known = set(config_cls().to_dict())
+    for key, value in (overrides or {}).items():
+        if key not in known or key == "vocab_size":
+            hint = "vocab_size comes from the tokenizer" if key == "vocab_size" else f"not a {config_cls.__name__} field"
+            raise RecipeError(f"model.{key}: cannot set this for arch {arch!r} ({hint})")
+        dims[key] = value
+    _validate(arch, dims)
+    return dims
+
+
+def _validate(arch: str, dims: dict[str, Any]) -> None:
+    for key in _POSITIVE_INT_FIELDS:
+        if key in dims and (not isinstance(dims[key], int) or isinstance(dims[key], bool) or dims[key] <= 0):
+            raise RecipeError(f"model.{key}: must be a positive integer, got {dims[key]!r}")
+    if arch != "mamba2":
+        return
+    hidden, expand = dims.get("hidden_size", 4096), dims.get("expand", 2)
+    head_dim, n_groups = dims.get("head_dim", 64), dims.get("n_groups", 8)
+    inner = expand * hidden
+    if inner % head_dim:
+        raise RecipeError(f"model.head_dim: {head_dim} must divide expand*hidden_size = {expand}*{hidden} = {inner}")
+    num_heads = inner // head_dim
+    if "num_heads" in dims and dims["num_heads"] != num_heads:
+        raise RecipeError(f"model.num_heads: {dims['num_heads']} != expand*hidden_size/head_dim = {num_heads};"
+                          " drop num_heads (it is derived) or fix head_dim")
+    if num_heads % n_groups:
+        raise RecipeError(f"model.n_groups: {n_groups} must divide the number of heads ({num_heads})")
+    dims["num_heads"] = num_heads
+
+
+def build_mamba(arch: str, vocab_size: int, *, size: str | None = "tiny", overrides: dict | None = None,
+                pad_token_id=None, bos_token_id=None, eos_token_id=None) -> PreTrainedModel:
+    """A randomly initialised Mamba ("mamba") or Mamba2 ("mamba2") causal LM over `vocab_size` tokens."""
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size <= 0:
+        raise RecipeError(f"vocab_size: must be a positive integer (the target tokenizer's size), got {vocab_size!r}")
+    dims = resolve_mamba_dims(arch, size, overrides)
+    for name, token_id in (("pad_token_id", pad_token_id), ("bos_token_id", bos_token_id),
+                           ("eos_token_id", eos_token_id)):
+        if token_id is not None and not 0 <= token_id < vocab_size:
+            raise RecipeError(f"{name}: {token_id} is outside the vocabulary (size {vocab_size})")
+    config_cls, model_cls = _ARCHES[arch]
+    config = config_cls(vocab_size=vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
+                        eos_token_id=eos_token_id, **dims)
+    return model_cls(config)
