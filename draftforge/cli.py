@@ -1,2 +1,69 @@
-def main(argv=None):
-    raise SystemExit("draftforge CLI under construction")
+"""`draftforge` command line: thin wiring; each subcommand lives in the module that does the work.
+
+A subcommand module exposes `configure(parser)` and `run(args) -> int`. Any DraftforgeError is
+printed as one line (`error: ...`) with exit status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from draftforge import __version__
+from draftforge.errors import DraftforgeError
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "train": ("draftforge.cli_train", "train a drafter from a YAML recipe (pretrain, sft, ...)"),
+    "export": ("draftforge.cli_train:export", "export a run's final checkpoint as safetensors + draftforge.json"),
+    "eval": ("draftforge.eval.command", "measure a drafter's speedup over plain decoding (JSON/Markdown/PNG report)"),
+    "demo": ("draftforge.demo", "the embedded default: build the tiny testbed, train + export a tiny Mamba drafter, "
+                                "measure its speedup"),
+}
+
+
+def _load(spec: str):
+    module, _, prefix = spec.partition(":")
+    mod = importlib.import_module(module)
+    if prefix:
+        return getattr(mod, f"configure_{prefix}"), getattr(mod, f"run_{prefix}")
+    return mod.configure, mod.run
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="draftforge",
+        description="Train the small models behind speculative decoding and prove what each one is worth.")
+    parser.add_argument("--version", action="version", version=f"draftforge {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (spec, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        if only == name:  # import only the module that will run, so the CLI starts fast
+            configure, run = _load(spec)
+            configure(p)
+            p.set_defaults(_run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    only = next((a for a in argv if a in COMMANDS), None)
+    parser = build_parser(only)
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args._run(args) or 0)
+    except DraftforgeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: the last checkpoint is kept; continue with --resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

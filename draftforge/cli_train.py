@@ -1,0 +1,65 @@
+"""`draftforge train` and `draftforge export`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from draftforge.errors import CheckpointError
+
+EPILOG = """examples:
+  draftforge train recipes/tiny/pretrain.yaml
+  draftforge train recipes/pretrain.yaml --set optim.lr=3e-4 --set train.max_steps=5000
+  draftforge train recipes/tiny/pretrain.yaml --resume          # continue from the latest checkpoint
+  accelerate launch --config_file launch/multi_cpu.yaml -m draftforge train recipes/tiny/pretrain.yaml
+  draftforge train --help-recipe pretrain                       # every recipe field with its default and doc
+"""
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.epilog = EPILOG
+    p.add_argument("recipe", nargs="?", help="YAML recipe (see recipes/ and recipes/tiny/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe field, e.g. --set optim.lr=3e-4 (repeatable; value parsed as YAML)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest intact checkpoint of output_dir")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in output_dir")
+    p.add_argument("--help-recipe", metavar="TASK", nargs="?", const="pretrain",
+                   help="print every recipe field with its default and doc, then exit")
+
+
+def run(args) -> int:
+    from draftforge.recipe import field_docs, load_recipe
+
+    if args.help_recipe:
+        print(f"recipe fields (task {args.help_recipe}); set them in YAML or with --set KEY=VALUE\n")
+        rows = field_docs()
+        width = max(len(k) for k, _, _ in rows)
+        for key, default, text in rows:
+            print(f"  {key:<{width}}  {text}  [default: {default}]")
+        return 0
+    if not args.recipe:
+        raise SystemExit("draftforge train: give a recipe file (or --help-recipe TASK)")
+    recipe = load_recipe(args.recipe, args.overrides)
+    from draftforge.train import run as run_training
+
+    run_training(recipe, resume=args.resume, overwrite=args.overwrite)
+    return 0
+
+
+def configure_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="a draftforge run directory (holds recipe.yaml and checkpoints/)")
+    p.add_argument("--out", required=True, help="where to write model.safetensors, config.json, tokenizer, "
+                                                 "draftforge.json")
+    p.add_argument("--checkpoint", help="a specific checkpoint dir (default: the latest intact one)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing export at --out")
+
+
+def run_export(args) -> int:
+    from draftforge.train.export_run import export_checkpoint
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "recipe.yaml").is_file():
+        raise CheckpointError(f"{run_dir} is not a draftforge run directory (no recipe.yaml)")
+    out = export_checkpoint(run_dir, Path(args.out), checkpoint=args.checkpoint, overwrite=args.overwrite)
+    print(f"exported {run_dir} -> {out}")
+    return 0

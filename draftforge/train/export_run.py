@@ -1,0 +1,56 @@
+"""`draftforge export RUN_DIR --out DIR`: turn a run's checkpoint into an exported checkpoint.
+
+The model is rebuilt from the run's own recipe (no data is read), its weights are loaded from
+the checkpoint's safetensors, and it is written with `draftforge.export.export_model`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+from safetensors.torch import load_file
+
+from draftforge.errors import CheckpointError
+from draftforge.train import checkpoint as ckpt
+
+
+def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None, overwrite: bool = False) -> Path:
+    from draftforge.export import export_model, tokenizer_fingerprint
+    from draftforge.recipe import recipe_from_dict
+    from draftforge.train.lm import build_model, load_tokenizer
+
+    recipe = recipe_from_dict(yaml.safe_load((run_dir / "recipe.yaml").read_text()))
+    src = Path(checkpoint) if checkpoint else ckpt.latest_valid(run_dir)
+    problem = ckpt.verify(src)
+    if problem:
+        raise CheckpointError(f"checkpoint {src} is unusable: {problem}")
+    weights = src / "model.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(f"{src} holds no model.safetensors (sharded FSDP/ZeRO-3 state is consolidated by "
+                              "the run's own export at the end of training)")
+    tokenizer = load_tokenizer(recipe)
+    model = build_model(recipe, tokenizer)
+    missing, unexpected = model.load_state_dict(load_file(str(weights)), strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight")}  # tied to the embedding, saved once
+    if set(missing) - tied or unexpected:
+        raise CheckpointError(f"{weights} does not fit the recipe's model (missing {sorted(missing)[:3]}, "
+                              f"unexpected {sorted(unexpected)[:3]})")
+    state = ckpt.read_loop_state(src)
+    metrics = _final_metrics(run_dir, state["step"])
+    meta = {"task": recipe.task, "target": recipe.model.target, "recipe": recipe.to_dict(), "metrics": metrics,
+            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "checkpoint": src.name}
+    return export_model(model, tokenizer, out, metadata=meta, overwrite=overwrite)
+
+
+def _final_metrics(run_dir: Path, step: int) -> dict:
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
+    rows = [r for r in rows if r["step"] <= step]
+    out = {"steps": step}
+    if rows:
+        out["final_loss"] = rows[-1].get("loss")
+        evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+        out["eval_loss"] = evals[-1] if evals else None
+    return out
