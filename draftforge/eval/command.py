@@ -1,0 +1,111 @@
+"""The `draftforge eval` subcommand: flags → EvalConfig → run_eval → Markdown table on stdout."""
+
+from __future__ import annotations
+
+import argparse
+
+from draftforge.errors import RecipeError
+from draftforge.eval.runner import KNOWN_METHODS, EvalConfig, run_eval
+
+
+def parse_floats(values: list[str] | None, flag: str) -> tuple[float, ...]:
+    """Accept repeated flags and comma lists alike: --temperature 0 --temperature 0.7,1."""
+    out = []
+    for v in values or []:
+        for part in str(v).split(","):
+            if part.strip():
+                try:
+                    out.append(float(part))
+                except ValueError:
+                    raise RecipeError(f"{flag} expects numbers, got {part!r}") from None
+    return tuple(out)
+
+
+def parse_tree(text: str, flag: str = "--tree") -> tuple[int, ...]:
+    """'3,2,2,1' → (3, 2, 2, 1); every width must be a positive integer."""
+    try:
+        widths = tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise RecipeError(f"{flag} expects comma-separated integers like 3,2,2,1, got {text!r}") from None
+    if not widths or any(w < 1 for w in widths):
+        raise RecipeError(f"{flag} {text!r}: every tree width must be >= 1 (e.g. 3,2,2,1)")
+    return widths
+
+
+def parse_list(values: list[str] | None) -> tuple[str, ...]:
+    return tuple(p.strip() for v in values or [] for p in v.split(",") if p.strip())
+
+
+def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `draftforge eval` flags to parser."""
+    p = parser
+    p.add_argument("--target", required=True, help="target model: HF id or local path (the model being sped up)")
+    p.add_argument("--drafter", help="drafter: exported draftforge checkpoint, HF Mamba or small causal LM")
+    p.add_argument("--bench", required=True,
+                   help="prompt file: Spec-Bench/MT-bench question.jsonl ('turns'), or JSONL with "
+                        "'prompt'/'text'/'messages'/'input_ids' (e.g. the testbed's held-out prompts)")
+    p.add_argument("--temperature", action="append", metavar="T",
+                   help="sampling temperature; repeat or give a comma list to run several (default 0 = greedy)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    p.add_argument("--methods", action="append", metavar="M",
+                   help=f"decoding methods, comma list or repeated, from {','.join(KNOWN_METHODS)} "
+                        "(default ar,chain,tree; ar is always run as the baseline)")
+    p.add_argument("--chain-length", type=int, default=5, help="draft tokens per round for chain (default 5)")
+    p.add_argument("--tree", default="3,2,2,1",
+                   help="static tree: children per node at each depth, e.g. 3,2,2,1 (default)")
+    p.add_argument("--ucb-trees", action="append", metavar="TREE",
+                   help="a UCB candidate tree like 4,2,1; repeat for each arm (default: the decoder's set)")
+    p.add_argument("--ucb-lambda", type=float, help="UCB exploration weight λ_UCB (default: decoder's)")
+    p.add_argument("--lambda-gamma", type=float,
+                   help="draft-cost weight λ_γ in the UCB reward (default: T_draft/T_target measured online)")
+    p.add_argument("--baseline", action="append", metavar="B",
+                   help="extra baselines, comma list or repeated: ar, hf_assisted (default: ar, plus "
+                        "hf_assisted when the drafter is a Transformer)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass for T > 0 (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling for T > 0, 0 = off (default)")
+    p.add_argument("--num-prompts", type=int, help="use only the first N prompts")
+    p.add_argument("--repeats", type=int, default=1, help="timed passes; the report gives min/median/max tok/s")
+    p.add_argument("--warmup", type=int, default=1, help="prompts run untimed per method before timing (default 1)")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument("--chat-template", choices=("auto", "always", "never"), default="auto",
+                   help="auto: chat prompts ('turns'/'messages') use the target's chat template if it has one")
+    p.add_argument("--out", default="eval_out", help="directory for report.json, report.md and PNG plots")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="model dtype (default: the checkpoint's); greedy self-check must be exact in float32")
+    p.add_argument("--allow-vocab-mismatch", action="store_true",
+                   help="run a drafter whose tokenizer differs from the target's (see draftforge.decode docs)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i (default 0)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-strict-selfcheck", action="store_true",
+                   help="report, instead of failing on, fp32 greedy outputs that differ from AR")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EvalConfig:
+    ucb = tuple(parse_tree(t, "--ucb-trees") for t in args.ucb_trees) if args.ucb_trees else None
+    return EvalConfig(
+        target=args.target, bench=args.bench, drafter=args.drafter,
+        temperatures=parse_floats(args.temperature, "--temperature") or (0.0,),
+        max_new_tokens=args.max_new_tokens,
+        methods=parse_list(args.methods) or ("ar", "chain", "tree"),
+        baselines=parse_list(args.baseline) or None,
+        chain_length=args.chain_length, tree=parse_tree(args.tree), ucb_trees=ucb,
+        ucb_lambda=args.ucb_lambda, lambda_gamma=args.lambda_gamma, top_p=args.top_p, top_k=args.top_k,
+        num_prompts=args.num_prompts, repeats=args.repeats, warmup=args.warmup, ignore_eos=args.ignore_eos,
+        chat_template=args.chat_template, device=args.device, dtype=args.dtype,
+        allow_vocab_mismatch=args.allow_vocab_mismatch, seed=args.seed, out_dir=args.out,
+        plots=not args.no_plots, strict_selfcheck=not args.no_strict_selfcheck,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the eval and print the table and the report paths; user errors propagate as DraftforgeError."""
+    from draftforge.eval.report import markdown_table
+
+    report = run_eval(config_from_args(args))
+    print(markdown_table(report))
+    print()
+    for kind, path in report["files"].items():
+        print(f"{kind}: {path}")
+    return 0

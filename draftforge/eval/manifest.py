@@ -1,0 +1,81 @@
+"""Run manifest: what a reader needs to tell a real speedup from a different machine, library or noise."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import shlex
+import sys
+from datetime import datetime, timezone
+
+LIBRARIES = ("torch", "transformers", "accelerate", "draftforge", "triton", "mamba-ssm", "causal-conv1d")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpu_names() -> list[str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+def library_versions() -> dict[str, str | None]:
+    """Installed versions; None for libraries that are absent (triton and mamba-ssm are optional)."""
+    out = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    argv = sys.argv if argv is None else argv
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def build_manifest(
+    *, device: str, dtype: str, seed: int, repeats: int, command: str | None, tokens_per_s_spread: dict,
+    extra: dict | None = None,
+) -> dict:
+    """tokens_per_s_spread: {"method@T": {"min", "median", "max"}} over repeats."""
+    manifest = {
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "hardware": {
+            "cpu": cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": _torch_threads(),
+            "gpu": gpu_names(),
+            "device": device,
+        },
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "libraries": library_versions(),
+        "dtype": dtype,
+        "seed": seed,
+        "command": command if command is not None else command_line(),
+        "repeats": repeats,
+        "tokens_per_s_spread": tokens_per_s_spread,
+    }
+    if extra:
+        manifest.update(extra)
+    return manifest
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()

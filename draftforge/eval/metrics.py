@@ -1,0 +1,232 @@
+"""Eval metrics computed from the harness's DecodeResults (one record per method × temperature × repeat × prompt).
+
+Conventions (stated again in every report):
+  tau            tokens emitted per target forward, bonus/correction token counted (= new_tokens / forwards)
+  tau_no_bonus   draft tokens accepted per round, bonus not counted
+  tokens_per_s   per repeat: all new tokens of all prompts / all generate() wall time; median over repeats
+  speedup        ratio of medians: median-over-repeats tokens/s of the method / that of AR in the same run
+  gamma_total    verified candidate tokens, summed over all rounds and prompts
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import statistics
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+from draftforge.decode.base import DecodeStats
+
+
+@dataclass
+class RunRecord:
+    method: str
+    temperature: float
+    repeat: int
+    prompt_id: str
+    prompt_len: int
+    tokens: list[int]
+    stats: DecodeStats
+
+    def to_dict(self) -> dict:
+        stats = asdict(self.stats)
+        stats.update(tau=self.stats.tau, tau_no_bonus=self.stats.tau_no_bonus, other_time_s=self.stats.other_time_s)
+        t = self.stats.total_time_s
+        stats["tokens_per_s"] = self.stats.new_tokens / t if t > 0 else None
+        return dict(method=self.method, temperature=self.temperature, repeat=self.repeat,
+                    prompt_id=self.prompt_id, prompt_len=self.prompt_len, tokens=self.tokens, stats=stats)
+
+
+def spread(values: list[float]) -> dict:
+    """min / median / max of a list (None when empty), so a report shows noise next to the figure."""
+    if not values:
+        return {"min": None, "median": None, "max": None}
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def tokens_per_s_by_repeat(records: list[RunRecord]) -> list[float]:
+    by_rep: dict[int, list[RunRecord]] = {}
+    for r in records:
+        by_rep.setdefault(r.repeat, []).append(r)
+    out = []
+    for rep in sorted(by_rep):
+        toks = sum(r.stats.new_tokens for r in by_rep[rep])
+        secs = sum(r.stats.total_time_s for r in by_rep[rep])
+        if secs > 0:
+            out.append(toks / secs)
+    return out
+
+
+def acceptance_by_position(stats_list: list[DecodeStats]) -> list[float | None]:
+    """Rate at depth d = accepted drafts at d / rounds that proposed depth d (0-based depth)."""
+    depth = max((len(s.proposed_by_position) for s in stats_list), default=0)
+    acc, prop = [0] * depth, [0] * depth
+    for s in stats_list:
+        for d, n in enumerate(s.proposed_by_position):
+            prop[d] += n
+        for d, n in enumerate(s.accept_by_position):
+            acc[d] += n
+    return [_ratio(a, p) for a, p in zip(acc, prop)]
+
+
+def tau_histogram(stats_list: list[DecodeStats]) -> dict[int, int]:
+    """How many rounds emitted k tokens (accepted drafts + the bonus/correction token)."""
+    counts = Counter(a + 1 for s in stats_list for a in s.accepted_per_round)
+    return dict(sorted(counts.items()))
+
+
+def eesd_hm(v_d: float | None, r_d: float | None) -> float | None:
+    """EESD harmonic mean HM = 2·v_d·r_d / (v_d + r_d) (Liu et al. 2024, arXiv:2406.03853, §5 analysis).
+
+    The paper balances draft-token generation speed v_d against acceptance rate r_d. The text we
+    could retrieve does not pin down how v_d is normalized, so draftforge defines both explicitly
+    on a 0..1 scale (see `summarize`):
+      r_d = accepted draft tokens / drafted (verified) candidate tokens
+      v_d = t_tgt / (t_tgt + t_d), t_tgt = AR seconds per token in the same run,
+            t_d = draft seconds per drafted token  (1 = free drafting, 0.5 = drafting as slow as the target)
+    """
+    if v_d is None or r_d is None or v_d + r_d == 0:
+        return None
+    return 2 * v_d * r_d / (v_d + r_d)
+
+
+def _time_breakdown(stats_list: list[DecodeStats]) -> dict:
+    parts = {
+        "prefill_s": sum(s.prefill_time_s for s in stats_list),
+        "draft_s": sum(s.draft_time_s for s in stats_list),
+        "verify_s": sum(s.verify_time_s for s in stats_list),
+        "other_s": sum(s.other_time_s for s in stats_list),
+    }
+    total = sum(s.total_time_s for s in stats_list)
+    parts["total_s"] = total
+    parts["fractions"] = {k[:-2]: (v / total if total else None) for k, v in parts.items() if k != "total_s"}
+    return parts
+
+
+def summarize(records: list[RunRecord], ar_records: list[RunRecord] | None = None) -> dict:
+    """Aggregate the records of one method at one temperature; ar_records (same temperature) give speedup/HM."""
+    stats = [r.stats for r in records]
+    new_tokens = sum(s.new_tokens for s in stats)
+    forwards = sum(s.target_forwards for s in stats)
+    rounds = sum(len(s.accepted_per_round) for s in stats)
+    accepted = sum(sum(s.accepted_per_round) for s in stats)
+    drafted = sum(sum(s.drafted_per_round) for s in stats)
+    tps = tokens_per_s_by_repeat(records)
+    out = {
+        "num_records": len(records),
+        "new_tokens": new_tokens,
+        "target_forwards": forwards,
+        "tau": _ratio(new_tokens, forwards),
+        "tau_no_bonus": _ratio(accepted, rounds),
+        "tau_per_prompt": spread([s.tau for s in stats]),
+        "tokens_per_s": statistics.median(tps) if tps else None,
+        "tokens_per_s_spread": spread(tps),
+        "tokens_per_s_by_repeat": tps,
+        "gamma_total": drafted,
+        "acceptance_rate": _ratio(accepted, drafted),
+        "acceptance_by_position": acceptance_by_position(stats),
+        "tau_histogram": tau_histogram(stats),
+        "time": _time_breakdown(stats),
+        "speedup": None,
+        "v_d": None,
+        "r_d": _ratio(accepted, drafted),
+        "hm": None,
+    }
+    if ar_records:
+        ar_tps = tokens_per_s_by_repeat(ar_records)
+        if ar_tps and tps:
+            out["speedup"] = statistics.median(tps) / statistics.median(ar_tps)
+        ar_time = sum(r.stats.total_time_s for r in ar_records)
+        ar_toks = sum(r.stats.new_tokens for r in ar_records)
+        draft_time = out["time"]["draft_s"]
+        if ar_toks and drafted and ar_time > 0:
+            t_tgt, t_d = ar_time / ar_toks, draft_time / drafted
+            out["v_d"] = t_tgt / (t_tgt + t_d)
+            out["hm"] = eesd_hm(out["v_d"], out["r_d"])
+    return out
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token, len(shorter) if one is a strict prefix, None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def near_tie_tolerance(dtype) -> float:
+    """Logit gap below which a flipped argmax is blamed on rounding: a few ulps at logit scale ~1."""
+    import torch
+
+    eps = torch.finfo(dtype).eps if dtype is not None and dtype.is_floating_point else torch.finfo(torch.float32).eps
+    return 8 * eps
+
+
+def is_near_tie(logits_V, tok_a: int, tok_b: int | None, dtype) -> bool:
+    """True when the target scores tok_a and tok_b within rounding noise (scaled by the logit size)."""
+    if tok_b is None:
+        return False
+    la, lb = float(logits_V[tok_a]), float(logits_V[tok_b])
+    return abs(la - lb) <= near_tie_tolerance(dtype) * max(1.0, abs(la), abs(lb))
+
+
+def self_check(
+    records: list[RunRecord], ar_records: list[RunRecord], prompt_ids_map: dict[str, list[int]] | None = None,
+    logits_fn=None, dtype=None,
+) -> dict:
+    """Compare each prompt's output with the AR baseline of the same run (temperature 0 only).
+
+    A prompt counts as identical only if every repeat matches. logits_fn(ids) -> last-position logits
+    lets mismatches be classified as near-ties (the two tokens' target logits within rounding noise).
+    """
+    ar_by_prompt = {}
+    for r in ar_records:
+        ar_by_prompt.setdefault(r.prompt_id, r.tokens)
+    identical: dict[str, bool] = {}
+    near_ties, mismatched = 0, []
+    for r in records:
+        ref = ar_by_prompt.get(r.prompt_id)
+        if ref is None:
+            continue
+        same = r.tokens == ref
+        if not same and identical.get(r.prompt_id, True):
+            mismatched.append(r.prompt_id)
+            i = first_divergence(ref, r.tokens)
+            if logits_fn is not None and prompt_ids_map is not None and i < len(ref):
+                logits_V = logits_fn(prompt_ids_map[r.prompt_id] + ref[:i])
+                other = r.tokens[i] if i < len(r.tokens) else None
+                near_ties += is_near_tie(logits_V, ref[i], other, dtype)
+        identical[r.prompt_id] = identical.get(r.prompt_id, True) and same
+    n_same = sum(identical.values())
+    return {"identical": n_same, "total": len(identical), "near_ties": near_ties, "mismatched_prompts": mismatched,
+            "near_tie_checked": logits_fn is not None}
+
+
+def reset_peak_memory(device: str) -> None:
+    import torch
+
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: str) -> dict:
+    """CUDA allocator peak since the last reset on GPU; process peak RSS on CPU (never resets, so monotone)."""
+    import torch
+
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return {"kind": "cuda_max_memory_allocated", "bytes": int(torch.cuda.max_memory_allocated(device))}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    scale = 1 if sys.platform == "darwin" else 1024  # Linux reports KiB, macOS bytes
+    return {"kind": "process_peak_rss", "bytes": int(rss * scale)}
+
+
+def fmt_num(x, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:.{digits}f}"

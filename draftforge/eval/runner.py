@@ -1,0 +1,259 @@
+"""`run_eval`: every method on the same prompts in one process, after warm-up, with a self-check against AR.
+
+Order of work: load target/drafter/prompts once, build one decoder per method, warm each up (untimed),
+then for every temperature and repeat run all methods over all prompts (methods interleaved per repeat
+so slow drift of the machine hits all of them alike). Reports are written before the self-check can
+fail, so a failing run still leaves its evidence on disk.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import draftforge.decode as decode_api
+from draftforge.errors import DraftforgeError, RecipeError
+from draftforge.eval import metrics
+from draftforge.eval.manifest import build_manifest
+from draftforge.eval.prompts import CHAT_MODES, load_prompts, target_context_length
+
+DRAFT_METHODS = ("chain", "tree", "ucb", "hf_assisted")
+KNOWN_METHODS = ("ar",) + DRAFT_METHODS
+
+
+class SelfCheckError(DraftforgeError):
+    """Greedy speculative output differed from the AR baseline in fp32: the harness is not lossless."""
+
+
+@dataclass
+class EvalConfig:
+    target: str  # HF model id or local path of the target
+    bench: str  # prompt file: question.jsonl (turns), JSONL with prompt/text/messages/input_ids
+    drafter: str | None = None  # drafter id/path; needed by every method except "ar"
+    temperatures: tuple[float, ...] = (0.0,)  # several values run in one process
+    max_new_tokens: int = 128
+    methods: tuple[str, ...] = ("ar", "chain", "tree")  # "ar" is always added
+    baselines: tuple[str, ...] | None = None  # None: AR + hf_assisted when the drafter is a Transformer
+    chain_length: int = 5  # K of fixed-length chain drafting
+    tree: tuple[int, ...] = (3, 2, 2, 1)  # static tree (N1..Nγ): children per node at each depth
+    ucb_trees: tuple[tuple[int, ...], ...] | None = None  # UCB candidate tree configurations (None: decoder default)
+    ucb_lambda: float | None = None  # λ_UCB exploration weight (None: decoder default)
+    lambda_gamma: float | None = None  # λ_γ draft-cost weight (None: measured online)
+    top_p: float = 1.0
+    top_k: int = 0
+    num_prompts: int | None = None  # keep only the first N prompts
+    repeats: int = 1  # timed passes over all prompts; the report gives min/median/max
+    warmup: int = 1  # prompts run untimed per method and temperature before timing
+    ignore_eos: bool = False  # always generate max_new_tokens (fixed-length benchmarks)
+    chat_template: str = "auto"  # auto | always | never
+    device: str = "cpu"
+    dtype: str | None = None  # float32 | bfloat16 | float16 (None: the checkpoint's own)
+    allow_vocab_mismatch: bool = False
+    seed: int = 0
+    out_dir: str = "eval_out"
+    plots: bool = True
+    strict_selfcheck: bool = True  # fp32 greedy mismatch vs AR raises SelfCheckError (after writing reports)
+    command: str | None = None  # recorded in the manifest (default: sys.argv)
+    quiet: bool = False
+    extra_manifest: dict = field(default_factory=dict)
+
+
+def validate(cfg: EvalConfig) -> None:
+    """Reject impossible settings before any model is loaded."""
+    if not cfg.temperatures:
+        raise RecipeError("give at least one --temperature")
+    for t in cfg.temperatures:
+        if t < 0:
+            raise RecipeError(f"--temperature must be >= 0 (0 means greedy), got {t}")
+    if cfg.max_new_tokens < 1:
+        raise RecipeError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.repeats < 1 or cfg.warmup < 0:
+        raise RecipeError(f"--repeats must be >= 1 and warm-up >= 0, got {cfg.repeats} and {cfg.warmup}")
+    if cfg.num_prompts is not None and cfg.num_prompts < 1:
+        raise RecipeError(f"--num-prompts must be >= 1, got {cfg.num_prompts}")
+    if cfg.chain_length < 1:
+        raise RecipeError(f"--chain-length must be >= 1, got {cfg.chain_length}")
+    for tree in (cfg.tree,) + tuple(cfg.ucb_trees or ()):
+        if not tree or any(w < 1 for w in tree):
+            raise RecipeError(f"tree configuration {tree} needs every width >= 1 (e.g. 3,2,2,1)")
+    if not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
+        raise RecipeError(f"--top-p must be in (0, 1] and --top-k >= 0, got {cfg.top_p} and {cfg.top_k}")
+    if cfg.chat_template not in CHAT_MODES:
+        raise RecipeError(f"--chat-template must be one of {CHAT_MODES}, got {cfg.chat_template!r}")
+    for m in tuple(cfg.methods) + tuple(cfg.baselines or ()):
+        if m not in KNOWN_METHODS:
+            raise RecipeError(f"unknown method {m!r}; choose from {', '.join(KNOWN_METHODS)}")
+    if cfg.drafter is None and any(m in DRAFT_METHODS for m in tuple(cfg.methods) + tuple(cfg.baselines or ())):
+        raise RecipeError("speculative methods need --drafter; give one or use --methods ar")
+
+
+def _log(cfg: EvalConfig, msg: str) -> None:
+    if not cfg.quiet:
+        print(f"[eval] {msg}", file=sys.stderr, flush=True)
+
+
+def _method_order(cfg: EvalConfig) -> tuple[list[str], list[str]]:
+    """(methods that must build, optional baselines that may be skipped), AR first, no duplicates."""
+    required = ["ar"] + [m for m in cfg.methods if m != "ar"]
+    if cfg.baselines is None:
+        optional = ["hf_assisted"] if cfg.drafter is not None else []
+    else:
+        required += list(cfg.baselines)
+        optional = []
+    required = list(dict.fromkeys(required))
+    return required, [m for m in optional if m not in required]
+
+
+def _build_decoders(cfg: EvalConfig, target, drafter) -> tuple[dict, list[dict]]:
+    opts = dict(chain_length=cfg.chain_length, tree=tuple(cfg.tree))
+    if cfg.ucb_trees is not None:
+        opts["ucb_trees"] = [tuple(t) for t in cfg.ucb_trees]
+    if cfg.ucb_lambda is not None:
+        opts["ucb_lambda"] = cfg.ucb_lambda
+    if cfg.lambda_gamma is not None:
+        opts["lambda_gamma"] = cfg.lambda_gamma
+    required, optional = _method_order(cfg)
+    decoders, skipped = {}, []
+    for m in required:
+        decoders[m] = decode_api.build_decoder(m, target, None if m == "ar" else drafter, **opts)
+    for m in optional:
+        try:
+            decoders[m] = decode_api.build_decoder(m, target, drafter, **opts)
+        except (DraftforgeError, NotImplementedError, ValueError, TypeError) as e:
+            skipped.append({"method": m, "reason": str(e)})
+            _log(cfg, f"skipping baseline {m}: {e}")
+    return decoders, skipped
+
+
+def _eos_id(cfg: EvalConfig, target):
+    if cfg.ignore_eos:
+        return None
+    tok = getattr(target, "tokenizer", None)
+    if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+        return tok.eos_token_id
+    return getattr(getattr(target.model, "config", None), "eos_token_id", None)
+
+
+def _model_dtype(model):
+    try:
+        return next(model.parameters()).dtype
+    except (StopIteration, AttributeError, TypeError):
+        return getattr(model, "dtype", None)
+
+
+def _run_one(dec, prompt, cfg, temperature, prompt_index, eos):
+    return dec.generate(
+        list(prompt.input_ids), max_new_tokens=cfg.max_new_tokens, temperature=temperature,
+        top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed + prompt_index, eos_token_id=eos,
+    )
+
+
+def _timed_runs(cfg, decoders, prompts, eos) -> tuple[list, dict]:
+    records, memory = [], {}
+    for temp in cfg.temperatures:
+        for method, dec in decoders.items():  # warm-up: untimed, results dropped
+            for i, p in enumerate(prompts[: cfg.warmup]):
+                _run_one(dec, p, cfg, temp, i, eos)
+        for rep in range(cfg.repeats):
+            for method, dec in decoders.items():
+                metrics.reset_peak_memory(cfg.device)
+                start, n_tok = time.perf_counter(), 0
+                for i, p in enumerate(prompts):
+                    res = _run_one(dec, p, cfg, temp, i, eos)
+                    records.append(metrics.RunRecord(method, temp, rep, p.prompt_id, len(p.input_ids),
+                                                     list(res.tokens), res.stats))
+                    n_tok += res.stats.new_tokens
+                key = f"{method}@{temp:g}"
+                mem = metrics.peak_memory(cfg.device)
+                memory[key] = max(memory.get(key, mem), mem, key=lambda m: m["bytes"])
+                secs = time.perf_counter() - start
+                _log(cfg, f"T={temp:g} repeat {rep + 1}/{cfg.repeats} {method:<12} "
+                          f"{len(prompts)} prompts, {n_tok} tokens, {n_tok / max(secs, 1e-9):.1f} tok/s")
+    return records, memory
+
+
+def _logits_fn(target, device):
+    import torch
+
+    model = target.model
+
+    def last_logits(ids):
+        with torch.no_grad():
+            out = model(torch.tensor([ids], device=device))
+        return out.logits[0, -1].float().cpu()
+
+    return last_logits if hasattr(model, "forward") else None
+
+
+def _summaries(cfg, records, memory, prompts, target) -> list[dict]:
+    ids_map = {p.prompt_id: list(p.input_ids) for p in prompts}
+    dtype = _model_dtype(target.model)
+    results = []
+    for temp in cfg.temperatures:
+        at_t = [r for r in records if r.temperature == temp]
+        ar = [r for r in at_t if r.method == "ar"]
+        for method in dict.fromkeys(r.method for r in at_t):
+            mine = [r for r in at_t if r.method == method]
+            row = {"method": method, "temperature": temp, **metrics.summarize(mine, ar)}
+            row["memory"] = memory.get(f"{method}@{temp:g}")
+            row["self_check"] = None
+            if temp == 0 and method != "ar":
+                row["self_check"] = metrics.self_check(mine, ar, ids_map, _logits_fn(target, cfg.device), dtype)
+            results.append(row)
+    return results
+
+
+def _enforce_self_check(cfg, results, dtype, paths) -> None:
+    import torch
+
+    bad = [r for r in results if r["self_check"] and r["self_check"]["identical"] < r["self_check"]["total"]]
+    if not bad or dtype != torch.float32 or not cfg.strict_selfcheck:
+        return
+    lines = [f"{r['method']}: {r['self_check']['identical']}/{r['self_check']['total']} prompts identical "
+             f"(near-ties: {r['self_check']['near_ties']}, prompts {r['self_check']['mismatched_prompts'][:5]})"
+             for r in bad]
+    raise SelfCheckError(
+        "greedy output differs from the AR baseline in fp32, so the decoding harness is not lossless: "
+        + "; ".join(lines) + f". Evidence is in {paths.get('json')}; please report it with that file."
+    )
+
+
+def run_eval(cfg: EvalConfig) -> dict:
+    """Run the evaluation described by cfg; write JSON/Markdown/PNG into cfg.out_dir and return the report."""
+    from draftforge.eval import report as report_mod
+
+    validate(cfg)
+    _log(cfg, f"loading target {cfg.target}")
+    target = decode_api.load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)
+    drafter = None
+    if cfg.drafter is not None:
+        _log(cfg, f"loading drafter {cfg.drafter}")
+        drafter = decode_api.load_drafter(cfg.drafter, target, device=cfg.device, dtype=cfg.dtype,
+                                          allow_vocab_mismatch=cfg.allow_vocab_mismatch)
+    prompts = load_prompts(cfg.bench, target.tokenizer, num_prompts=cfg.num_prompts, chat=cfg.chat_template,
+                           context_length=target_context_length(target.model), max_new_tokens=cfg.max_new_tokens)
+    _log(cfg, f"{len(prompts)} prompts from {cfg.bench}")
+    decoders, skipped = _build_decoders(cfg, target, drafter)
+    records, memory = _timed_runs(cfg, decoders, prompts, _eos_id(cfg, target))
+    results = _summaries(cfg, records, memory, prompts, target)
+    dtype = _model_dtype(target.model)
+    spreads = {f"{r['method']}@{r['temperature']:g}": r["tokens_per_s_spread"] for r in results}
+    report = {
+        "schema": "draftforge.eval/1",
+        "config": asdict(cfg),
+        "conventions": report_mod.CONVENTIONS,
+        "manifest": build_manifest(device=cfg.device, dtype=str(dtype).replace("torch.", ""), seed=cfg.seed,
+                                   repeats=cfg.repeats, command=cfg.command, tokens_per_s_spread=spreads,
+                                   extra=cfg.extra_manifest),
+        "prompts": [{"prompt_id": p.prompt_id, "category": p.category, "num_tokens": len(p.input_ids),
+                     "chat_template": p.used_chat_template} for p in prompts],
+        "results": results,
+        "skipped": skipped,
+        "records": [r.to_dict() for r in records],
+    }
+    paths = report_mod.write_reports(report, cfg.out_dir, plots=cfg.plots)
+    report["files"] = paths
+    _enforce_self_check(cfg, results, dtype, paths)
+    return report

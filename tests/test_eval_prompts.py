@@ -1,0 +1,108 @@
+"""Prompt loading for `draftforge eval`: formats, chat template, and clear errors on bad files."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from draftforge.errors import CompatibilityError, DataError
+from draftforge.eval.prompts import load_prompt_rows, load_prompts, target_context_length
+
+VOCAB = {"[UNK]": 0, "<|user|>": 1, "<|assistant|>": 2, "hello": 3, "world": 4, "how": 5, "are": 6, "you": 7, "</s>": 8}
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} {% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def make_tokenizer(chat_template=TEMPLATE):
+    tk = Tokenizer(models.WordLevel(VOCAB, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", eos_token="</s>")
+    tok.chat_template = chat_template
+    return tok
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_question_jsonl_uses_first_turn_through_chat_template(tmp_path):
+    f = write_jsonl(tmp_path / "question.jsonl", [
+        {"question_id": 81, "category": "writing", "turns": ["hello world", "how are you"]},
+        {"question_id": 82, "category": "qa", "turns": ["how are you"]},
+    ])
+    prompts = load_prompts(f, make_tokenizer())
+    # hand-rendered: "<|user|> hello world <|assistant|>" with add_generation_prompt
+    assert [p.input_ids for p in prompts] == [[1, 3, 4, 2], [1, 5, 6, 7, 2]]
+    assert [p.prompt_id for p in prompts] == ["81", "82"]
+    assert prompts[0].category == "writing" and prompts[0].used_chat_template
+
+
+def test_plain_prompts_are_not_templated_unless_asked(tmp_path):
+    f = write_jsonl(tmp_path / "heldout.jsonl", [{"prompt": "how are you"}, {"text": "hello"}])
+    tok = make_tokenizer()
+    assert [p.input_ids for p in load_prompts(f, tok)] == [[5, 6, 7], [3]]
+    always = load_prompts(f, tok, chat="always")
+    assert [p.input_ids for p in always] == [[1, 5, 6, 7, 2], [1, 3, 2]]
+    never = load_prompts(write_jsonl(tmp_path / "q.jsonl", [{"turns": ["hello world"]}]), tok, chat="never")
+    assert never[0].input_ids == [3, 4] and not never[0].used_chat_template
+
+
+def test_chat_rows_without_template_fall_back_to_plain_text(tmp_path):
+    f = write_jsonl(tmp_path / "q.jsonl", [{"turns": ["hello world"]}])
+    assert load_prompts(f, make_tokenizer(chat_template=None))[0].input_ids == [3, 4]
+    with pytest.raises(CompatibilityError, match="no chat template"):
+        load_prompts(f, make_tokenizer(chat_template=None), chat="always")
+
+
+def test_num_prompts_and_blank_lines(tmp_path):
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello"}, "", {"prompt": "world"}, {"prompt": "you"}])
+    assert len(load_prompt_rows(f)) == 3
+    assert [r.text for r in load_prompt_rows(f, num_prompts=2)] == ["hello", "world"]
+
+
+def test_input_ids_rows_work_without_tokenizer(tmp_path):
+    f = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [4, 5, 6]}])
+    assert load_prompts(f, None)[0].input_ids == [4, 5, 6]
+    with pytest.raises(CompatibilityError, match="no tokenizer"):
+        load_prompts(write_jsonl(tmp_path / "t.jsonl", [{"prompt": "hi"}]), None)
+
+
+def test_malformed_line_reports_file_and_line(tmp_path):
+    f = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "hello"}, {"prompt": "world"}, '{"prompt": "you"'])
+    with pytest.raises(DataError, match=r"bad\.jsonl:3: malformed JSON"):
+        load_prompt_rows(f)
+    g = write_jsonl(tmp_path / "noprompt.jsonl", [{"prompt": "a"}, {"answer": "b"}])
+    with pytest.raises(DataError, match=r"noprompt\.jsonl:2: no prompt found"):
+        load_prompt_rows(g)
+    h = write_jsonl(tmp_path / "list.jsonl", ["[1, 2]"])
+    with pytest.raises(DataError, match=r"list\.jsonl:1: expected a JSON object"):
+        load_prompt_rows(h)
+
+
+def test_empty_and_missing_files(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    with pytest.raises(DataError, match="empty"):
+        load_prompt_rows(empty)
+    with pytest.raises(DataError, match="does not exist"):
+        load_prompt_rows(tmp_path / "nope.jsonl")
+
+
+def test_prompt_longer_than_context(tmp_path):
+    f = write_jsonl(tmp_path / "p.jsonl", [{"input_ids": list(range(10))}])
+    assert len(load_prompts(f, None, context_length=16, max_new_tokens=6)[0].input_ids) == 10
+    with pytest.raises(DataError, match="exceeds the target's context of 16 tokens"):
+        load_prompts(f, None, context_length=16, max_new_tokens=7)
+
+
+def test_target_context_length_reads_config():
+    from transformers import LlamaConfig, MambaConfig
+
+    class M:
+        def __init__(self, config):
+            self.config = config
+
+    assert target_context_length(M(LlamaConfig(max_position_embeddings=77))) == 77
+    assert target_context_length(M(MambaConfig())) is None
