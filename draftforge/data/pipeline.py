@@ -43,8 +43,8 @@ def build_block_data(cfg, tokenizer, block_size: int, seed: int) -> BlockData:
     docs, stats = _usable_rows(docs, cfg)
     train_docs, eval_docs = split_documents(docs, cfg.eval_fraction, seed)
     train, train_stats = _to_blocks(train_docs, cfg, tokenizer, block_size, eos_id, pad_id)
-    stats.update(train_stats, format=cfg.format, block_size=block_size, eval_documents=0, eval_blocks=0)
     stats["rows_skipped"] += train_stats.pop("truncated_away")
+    stats.update(train_stats, format=cfg.format, block_size=block_size, eval_documents=0, eval_blocks=0)
     eval_ds = None
     if eval_docs is not None:
         eval_ds, eval_stats = _to_blocks(eval_docs, cfg, tokenizer, block_size, eos_id, pad_id)
@@ -138,7 +138,7 @@ def _tokenize(docs, cfg, tokenizer, block_size: int, eos_id: int):
 
 
 def _to_blocks(docs, cfg, tokenizer, block_size: int, eos_id: int, pad_id: int):
-    tokenized = _tokenize(docs, cfg, tokenizer, block_size, eos_id).flatten_indices()
+    tokenized = _tokenize(docs, cfg, tokenizer, block_size, eos_id)  # map output has no indices mapping
     truncated_away = 0
     if cfg.format == "text":
         tokens_N = flatten_lists(tokenized.data.column("input_ids"))
