@@ -1,0 +1,173 @@
+"""Exported checkpoints: safetensors + config.json + tokenizer + draftforge.json, written atomically.
+
+An export directory loads with plain `AutoModelForCausalLM.from_pretrained(DIR)`; the
+`draftforge.json` beside it says which method made it, for which target, with which
+tokenizer (by fingerprint), so a drafter is never paired with the wrong target silently.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import draftforge
+from draftforge.errors import CheckpointError, CompatibilityError
+
+FORMAT_VERSION = 1
+METADATA_FILE = "draftforge.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pkl", ".pth", ".pickle")
+# Keys that identify an export: re-exporting the same run (e.g. after a resume) may replace it,
+# anything else in the way is refused unless overwrite=True.
+_IDENTITY_KEYS = ("task", "target", "recipe", "run_dir")
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 over the vocabulary (token -> id, sorted) and the special tokens; stable across save/load."""
+    special = {name: getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    payload = {"vocab": sorted(tokenizer.get_vocab().items()), "special": {k: str(v) if v is not None else None
+                                                                           for k, v in special.items()}}
+    blob = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()
+
+
+def check_tokenizer_compat(drafter_tok, target_tok) -> None:
+    """CompatibilityError unless drafter and target tokenize identically (same vocab and special tokens)."""
+    if tokenizer_fingerprint(drafter_tok) == tokenizer_fingerprint(target_tok):
+        return
+    raise CompatibilityError(
+        f"drafter tokenizer {getattr(drafter_tok, 'name_or_path', '?')!r} ({len(drafter_tok)} tokens) differs from "
+        f"target tokenizer {getattr(target_tok, 'name_or_path', '?')!r} ({len(target_tok)} tokens); "
+        "train the drafter with the target's tokenizer")
+
+
+def _jsonable(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    return json.loads(json.dumps(value, default=str))
+
+
+def _mergeable_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain transformers model to save: LoRA adapters merged into a copy, the caller's model untouched."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft is a dependency, but export must not need it for plain models
+        return model
+    if isinstance(model, PeftModel):
+        return copy.deepcopy(model).merge_and_unload()
+    return model
+
+
+def _check_destination(out_dir: Path, identity: dict, overwrite: bool) -> None:
+    if not out_dir.exists() or overwrite:
+        return
+    if not out_dir.is_dir():
+        raise CheckpointError(f"export path {out_dir} exists and is not a directory; choose another --out")
+    if not any(out_dir.iterdir()):
+        return
+    try:
+        existing = read_export_metadata(out_dir)
+    except CheckpointError:
+        raise CheckpointError(f"{out_dir} already holds files that are not a draftforge export; "
+                              "choose another --out or pass --overwrite") from None
+    if {k: existing.get(k) for k in _IDENTITY_KEYS} != identity:
+        raise CheckpointError(f"{out_dir} already holds a different export (task {existing.get('task')!r}, "
+                              f"target {existing.get('target')!r}); choose another --out or pass --overwrite")
+
+
+def export_model(model: torch.nn.Module, tokenizer, out_dir, *, metadata: dict, overwrite: bool = False) -> Path:
+    """Write model + tokenizer + draftforge.json into `out_dir` atomically (temp dir beside it, then rename)."""
+    out_dir = Path(out_dir).resolve()
+    metadata = _jsonable(metadata)
+    if not metadata.get("task"):
+        raise CheckpointError("export metadata needs a 'task' (pretrain, sft, eesd, ...)")
+    identity = {k: metadata.get(k) for k in _IDENTITY_KEYS}
+    _check_destination(out_dir, identity, overwrite)
+    record = {
+        **metadata,
+        "format_version": FORMAT_VERSION,
+        "task": metadata["task"],
+        "target": metadata.get("target"),
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "recipe": metadata.get("recipe"),
+        "draftforge_version": draftforge.__version__,
+        "metrics": metadata.get("metrics", {}),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        _mergeable_model(model).save_pretrained(tmp_dir)
+        tokenizer.save_pretrained(tmp_dir)
+        (tmp_dir / METADATA_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        _swap_into_place(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _swap_into_place(tmp_dir: Path, out_dir: Path) -> None:
+    """Rename the finished temp dir onto `out_dir`; an old export is moved aside first and removed after."""
+    if not out_dir.exists():
+        tmp_dir.rename(out_dir)
+        return
+    old_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    old_dir.rmdir()
+    out_dir.rename(old_dir)
+    try:
+        tmp_dir.rename(out_dir)
+    except BaseException:
+        old_dir.rename(out_dir)  # put the previous export back
+        raise
+    shutil.rmtree(old_dir, ignore_errors=True)
+
+
+def read_export_metadata(path) -> dict:
+    """The parsed draftforge.json of an export; CheckpointError if it is missing, corrupt or too new."""
+    meta_path = Path(path) / METADATA_FILE
+    if not meta_path.is_file():
+        raise CheckpointError(f"{path} is not a draftforge export (no {METADATA_FILE}); "
+                              "export a run with `draftforge export RUN_DIR --out DIR`")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{meta_path} is corrupt ({err}); re-export the run") from None
+    if not isinstance(meta, dict) or "task" not in meta:
+        raise CheckpointError(f"{meta_path} has no 'task' field; re-export the run")
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"{meta_path} has format_version {meta['format_version']}, newer than this "
+                              f"draftforge ({FORMAT_VERSION}) reads; upgrade draftforge")
+    return meta
+
+
+def load_exported(path, *, expected_task: str | None = None, device="cpu", dtype=None):
+    """(model, tokenizer, metadata) of an export; refuses pickle files, another method's export, a tokenizer mismatch."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"export directory {path} does not exist")
+    pickles = sorted(p.name for p in path.rglob("*") if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(f"{path} contains pickle files {pickles}; they can run arbitrary code when loaded, "
+                              "so draftforge refuses them. Re-export with safetensors or delete them")
+    meta = read_export_metadata(path)
+    if expected_task is not None and meta["task"] != expected_task:
+        raise CheckpointError(f"{path} is a {meta['task']!r} export, but a {expected_task!r} checkpoint is needed")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot load the export in {path}: {err}") from None
+    if tokenizer_fingerprint(tokenizer) != meta.get("tokenizer_fingerprint"):
+        raise CheckpointError(f"the tokenizer files in {path} do not match the fingerprint in {METADATA_FILE}; "
+                              "the export was modified after it was written; re-export the run")
+    return model.to(device).eval(), tokenizer, meta
