@@ -1,0 +1,117 @@
+"""Eval metrics against hand computation."""
+
+import pytest
+import torch
+
+from draftforge.decode.base import DecodeStats
+from draftforge.eval import metrics
+from draftforge.eval.metrics import RunRecord
+
+
+def rec(method, stats, repeat=0, pid="p0", tokens=(1, 2, 3), temperature=0.0):
+    return RunRecord(method, temperature, repeat, pid, 4, list(tokens), stats)
+
+
+def chain_stats():
+    # 3 rounds of K=3 drafts: accepted 3, 1, 0 → emitted 4 + 2 + 1 = 7 tokens in 3 forwards
+    return DecodeStats(new_tokens=7, target_forwards=3, accepted_per_round=[3, 1, 0], drafted_per_round=[3, 3, 3],
+                       accept_by_position=[2, 1, 1], proposed_by_position=[3, 3, 3],
+                       prefill_time_s=0.1, draft_time_s=0.2, verify_time_s=0.3, total_time_s=0.7)
+
+
+def ar_stats(n=7, secs=1.4):
+    return DecodeStats(new_tokens=n, target_forwards=n, total_time_s=secs, verify_time_s=secs)
+
+
+def test_summarize_chain_by_hand():
+    s = metrics.summarize([rec("chain", chain_stats())], [rec("ar", ar_stats())])
+    assert s["tau"] == pytest.approx(7 / 3)
+    assert s["tau_no_bonus"] == pytest.approx(4 / 3)
+    assert s["gamma_total"] == 9
+    assert s["acceptance_rate"] == pytest.approx(4 / 9)
+    assert s["acceptance_by_position"] == pytest.approx([2 / 3, 1 / 3, 1 / 3])
+    assert s["tau_histogram"] == {4: 1, 2: 1, 1: 1}
+    assert s["tokens_per_s"] == pytest.approx(10.0)
+    assert s["speedup"] == pytest.approx(10.0 / 5.0)
+    t = s["time"]
+    assert (t["draft_s"], t["verify_s"], t["other_s"]) == pytest.approx((0.2, 0.3, 0.1))
+    assert t["fractions"]["draft"] == pytest.approx(0.2 / 0.7)
+    # v_d: AR 0.2 s/token, draft 0.2/9 s per drafted token → 0.2/(0.2+0.2/9) = 0.9
+    assert s["v_d"] == pytest.approx(0.9)
+    assert s["hm"] == pytest.approx(2 * 0.9 * (4 / 9) / (0.9 + 4 / 9))
+
+
+def test_speedup_is_ratio_of_medians_over_repeats():
+    fast = [rec("chain", DecodeStats(new_tokens=10, target_forwards=5, total_time_s=t), repeat=i)
+            for i, t in enumerate([1.0, 0.5, 2.0])]  # 10, 20, 5 tok/s → median 10
+    ar = [rec("ar", ar_stats(10, t), repeat=i) for i, t in enumerate([2.0, 2.5, 4.0])]  # 5, 4, 2.5 → median 4
+    s = metrics.summarize(fast, ar)
+    assert s["tokens_per_s_spread"] == {"min": 5.0, "median": 10.0, "max": 20.0}
+    assert s["speedup"] == pytest.approx(10.0 / 4.0)
+
+
+def test_tokens_per_s_pools_prompts_within_a_repeat():
+    recs = [rec("ar", ar_stats(10, 1.0), pid="a"), rec("ar", ar_stats(30, 1.0), pid="b")]
+    assert metrics.tokens_per_s_by_repeat(recs) == [20.0]  # (10 + 30) / 2 s, not mean of 10 and 30
+
+
+def test_acceptance_by_position_handles_ragged_depths():
+    a = DecodeStats(accept_by_position=[1], proposed_by_position=[2])
+    b = DecodeStats(accept_by_position=[2, 1, 0], proposed_by_position=[2, 2, 1])
+    assert metrics.acceptance_by_position([a, b]) == pytest.approx([3 / 4, 1 / 2, 0.0])
+
+
+def test_eesd_hm_formula():
+    assert metrics.eesd_hm(0.5, 0.5) == pytest.approx(0.5)
+    assert metrics.eesd_hm(1.0, 0.25) == pytest.approx(0.4)
+    assert metrics.eesd_hm(None, 0.3) is None and metrics.eesd_hm(0.0, 0.0) is None
+
+
+def test_first_divergence():
+    assert metrics.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert metrics.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert metrics.first_divergence([1, 2], [1, 2, 9]) == 2
+
+
+def test_self_check_counts_prompts_identical_in_every_repeat():
+    ar = [rec("ar", DecodeStats(), pid=p, tokens=t) for p, t in [("a", [1, 2]), ("b", [3, 4]), ("c", [5, 6])]]
+    method = [
+        rec("chain", DecodeStats(), 0, "a", [1, 2]), rec("chain", DecodeStats(), 1, "a", [1, 2]),
+        rec("chain", DecodeStats(), 0, "b", [3, 4]), rec("chain", DecodeStats(), 1, "b", [3, 9]),  # repeat 1 differs
+        rec("chain", DecodeStats(), 0, "c", [5, 7]), rec("chain", DecodeStats(), 1, "c", [5, 7]),
+    ]
+    ids = {"a": [0], "b": [0], "c": [0]}
+
+    def logits_fn(ids_):  # token 4 and 9 tie exactly, 6 is far above 7
+        logits = torch.zeros(10)
+        logits[4] = logits[9] = 2.0
+        logits[6] = 5.0
+        return logits
+
+    sc = metrics.self_check(method, ar, ids, logits_fn, torch.float32)
+    assert (sc["identical"], sc["total"]) == (1, 3)
+    assert sorted(sc["mismatched_prompts"]) == ["b", "c"]
+    assert sc["near_ties"] == 1  # b: 4 vs 9 tie; c: 6 vs 7 is a real difference
+
+
+def test_near_tie_tolerance_scales_with_dtype():
+    logits = torch.tensor([1.0, 1.0 + 2e-3, 0.0])
+    assert metrics.is_near_tie(logits, 0, 1, torch.bfloat16)
+    assert not metrics.is_near_tie(logits, 0, 1, torch.float32)
+    assert not metrics.is_near_tie(logits, 0, 2, torch.bfloat16)
+    assert not metrics.is_near_tie(logits, 0, None, torch.bfloat16)
+
+
+def test_peak_memory_on_cpu_is_rss():
+    mem = metrics.peak_memory("cpu")
+    assert mem["kind"] == "process_peak_rss"
+    import psutil
+
+    assert mem["bytes"] >= psutil.Process().memory_info().rss * 0.5  # peak ≥ (roughly) current
+
+
+def test_record_to_dict_has_raw_and_derived_fields():
+    d = rec("chain", chain_stats()).to_dict()
+    assert d["stats"]["accepted_per_round"] == [3, 1, 0]
+    assert d["stats"]["tau"] == pytest.approx(7 / 3) and d["stats"]["tokens_per_s"] == pytest.approx(10.0)
+    assert d["tokens"] == [1, 2, 3] and d["prompt_len"] == 4

@@ -1,0 +1,195 @@
+"""run_eval and `draftforge eval` with a scripted fake decoding API (the real harness is tested end to end
+in test_eval_e2e.py). The fakes give deterministic tokens and times, so every figure is hand-checkable."""
+
+import argparse
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from draftforge.decode.base import DecodeResult, DecodeStats
+from draftforge.errors import CompatibilityError, DataError, RecipeError
+from draftforge.eval import command, runner
+from draftforge.eval.runner import EvalConfig, SelfCheckError, run_eval
+
+V = 16
+
+
+class FakeModel(torch.nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.config = SimpleNamespace(max_position_embeddings=64, eos_token_id=None)
+
+    def forward(self, ids):  # all logits equal: every disagreement is a near-tie
+        return SimpleNamespace(logits=torch.zeros(ids.shape[0], ids.shape[1], V))
+
+
+def reference_tokens(ids, n):
+    return [(sum(ids) + 7 * i) % V for i in range(n)]
+
+
+class FakeDecoder:
+    """AR: 0.01 s per token. Speculative: K drafts per round, 2 accepted, 0.005 s per token."""
+
+    def __init__(self, method, broken=False):
+        self.method, self.broken, self.calls = method, broken, 0
+
+    def generate(self, input_ids, *, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos_token_id=None):
+        self.calls += 1
+        toks = reference_tokens(input_ids, max_new_tokens)
+        if self.broken:
+            toks[-1] = (toks[-1] + 1) % V
+        n = len(toks)
+        if self.method == "ar":
+            return DecodeResult(toks, DecodeStats(new_tokens=n, target_forwards=n, total_time_s=0.01 * n,
+                                                  verify_time_s=0.01 * n))
+        rounds = n // 3
+        return DecodeResult(toks, DecodeStats(
+            new_tokens=n, target_forwards=rounds, accepted_per_round=[2] * rounds, drafted_per_round=[3] * rounds,
+            accept_by_position=[rounds, rounds, 0], proposed_by_position=[rounds] * 3,
+            draft_time_s=0.002 * n, verify_time_s=0.002 * n, total_time_s=0.005 * n))
+
+
+class FakeAPI:
+    def __init__(self, dtype=torch.float32, broken=(), hf_ok=False):
+        self.dtype, self.broken, self.hf_ok = dtype, set(broken), hf_ok
+        self.decoders, self.loaded = {}, []
+
+    def load_target(self, path, device="cpu", dtype=None):
+        self.loaded.append(path)
+        return SimpleNamespace(model=FakeModel(self.dtype), tokenizer=None)
+
+    def load_drafter(self, path, target, device="cpu", dtype=None, allow_vocab_mismatch=False):
+        return SimpleNamespace(path=path)
+
+    def build_decoder(self, method, target, drafter=None, **opts):
+        if method == "hf_assisted" and not self.hf_ok:
+            raise CompatibilityError("HF assisted generation needs a Transformer drafter")
+        assert (drafter is None) == (method == "ar")
+        self.decoders[method] = FakeDecoder(method, broken=method in self.broken)
+        return self.decoders[method]
+
+
+@pytest.fixture
+def bench(tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"input_ids": [i + 1, 2 * i + 3]}) + "\n" for i in range(3)))
+    return str(f)
+
+
+def cfg_for(bench, tmp_path, **kw):
+    base = dict(target="t", drafter="d", bench=bench, max_new_tokens=6, out_dir=str(tmp_path / "out"), quiet=True)
+    base.update(kw)
+    return EvalConfig(**base)
+
+
+def test_run_eval_reports_all_methods_and_writes_files(bench, tmp_path, monkeypatch):
+    api = FakeAPI()
+    monkeypatch.setattr(runner, "decode_api", api)
+    rep = run_eval(cfg_for(bench, tmp_path, temperatures=(0.0, 1.0), repeats=2, command="draftforge eval x"))
+    results = {(r["method"], r["temperature"]): r for r in rep["results"]}
+    assert set(results) == {(m, t) for m in ("ar", "chain", "tree") for t in (0.0, 1.0)}
+    assert len(rep["records"]) == 3 * 2 * 2 * 3  # methods × temperatures × repeats × prompts
+    chain = results[("chain", 0.0)]
+    assert chain["speedup"] == pytest.approx(2.0)  # 0.01 vs 0.005 s per token
+    assert chain["tau"] == pytest.approx(3.0) and chain["tau_no_bonus"] == pytest.approx(2.0)
+    assert chain["acceptance_by_position"] == pytest.approx([1.0, 1.0, 0.0])
+    assert chain["self_check"]["identical"] == chain["self_check"]["total"] == 3
+    assert results[("chain", 1.0)]["self_check"] is None and results[("ar", 0.0)]["speedup"] == pytest.approx(1.0)
+    assert rep["skipped"][0]["method"] == "hf_assisted"
+    man = rep["manifest"]
+    assert man["command"] == "draftforge eval x" and man["repeats"] == 2 and man["dtype"] == "float32"
+    assert man["libraries"]["torch"] == torch.__version__.split("+")[0] or man["libraries"]["torch"] == torch.__version__
+    assert set(man["tokens_per_s_spread"]["chain@0"]) == {"min", "median", "max"}
+    out = tmp_path / "out"
+    on_disk = json.loads((out / "report.json").read_text())
+    assert len(on_disk["records"]) == len(rep["records"]) and on_disk["records"][0]["stats"]["new_tokens"] == 6
+    md = (out / "report.md").read_text()
+    assert "| chain | 0 | 3.00 | 2.00 |" in md and "3/3" in md and "ratio of medians" in md
+    for png in ("speedup.png", "tau_histogram.png", "acceptance_by_position.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_warmup_runs_are_untimed_and_every_method_sees_the_same_prompts(bench, tmp_path, monkeypatch):
+    api = FakeAPI(hf_ok=True)
+    monkeypatch.setattr(runner, "decode_api", api)
+    rep = run_eval(cfg_for(bench, tmp_path, warmup=2, repeats=3, plots=False))
+    for m, dec in api.decoders.items():
+        assert dec.calls == 2 + 3 * 3  # warm-up prompts + repeats × prompts
+        mine = [r for r in rep["records"] if r["method"] == m]
+        assert [r["prompt_id"] for r in mine] == ["1", "2", "3"] * 3
+    assert "hf_assisted" in api.decoders and not rep["skipped"]
+
+
+def test_fp32_mismatch_raises_after_writing_the_report(bench, tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "decode_api", FakeAPI(broken={"tree"}))
+    with pytest.raises(SelfCheckError, match=r"tree: 0/3 prompts identical"):
+        run_eval(cfg_for(bench, tmp_path, plots=False))
+    on_disk = json.loads((tmp_path / "out" / "report.json").read_text())
+    tree = next(r for r in on_disk["results"] if r["method"] == "tree")
+    assert tree["self_check"]["identical"] == 0
+    monkeypatch.setattr(runner, "decode_api", FakeAPI(broken={"tree"}))
+    run_eval(cfg_for(bench, tmp_path, plots=False, strict_selfcheck=False))  # reported, not raised
+
+
+def test_bf16_mismatch_is_reported_with_near_ties(bench, tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "decode_api", FakeAPI(dtype=torch.bfloat16, broken={"chain"}))
+    rep = run_eval(cfg_for(bench, tmp_path, plots=False))
+    sc = next(r for r in rep["results"] if r["method"] == "chain")["self_check"]
+    assert (sc["identical"], sc["total"], sc["near_ties"]) == (0, 3, 3)  # fake logits all tie
+    assert "0/3 (3 near-tie)" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(temperatures=(0.0, -0.5)), "temperature must be >= 0"),
+    (dict(tree=(3, 0, 1)), "every width >= 1"),
+    (dict(methods=("ar", "medusa")), "unknown method 'medusa'"),
+    (dict(drafter=None), "need --drafter"),
+    (dict(max_new_tokens=0), "max-new-tokens"),
+])
+def test_bad_config_fails_before_loading(bench, tmp_path, monkeypatch, kw, match):
+    api = FakeAPI()
+    monkeypatch.setattr(runner, "decode_api", api)
+    with pytest.raises(RecipeError, match=match):
+        run_eval(cfg_for(bench, tmp_path, **kw))
+    assert api.loaded == []
+
+
+def test_empty_prompt_file_is_a_data_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "decode_api", FakeAPI())
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match="empty"):
+        run_eval(cfg_for(str(empty), tmp_path))
+
+
+def parser():
+    return command.configure(argparse.ArgumentParser(prog="draftforge eval"))
+
+
+def test_command_parses_flags_and_prints_table(bench, tmp_path, monkeypatch, capsys):
+    api = FakeAPI()
+    monkeypatch.setattr(runner, "decode_api", api)
+    args = parser().parse_args([
+        "--target", "t", "--drafter", "d", "--bench", bench, "--temperature", "0,1", "--temperature", "0.5",
+        "--methods", "chain,ucb", "--tree", "2,2", "--ucb-trees", "2,1", "--ucb-trees", "3,1,1",
+        "--baseline", "ar", "--max-new-tokens", "6", "--num-prompts", "2", "--out", str(tmp_path / "o"), "--no-plots",
+    ])
+    cfg = command.config_from_args(args)
+    assert cfg.temperatures == (0.0, 1.0, 0.5) and cfg.tree == (2, 2)
+    assert cfg.ucb_trees == ((2, 1), (3, 1, 1)) and cfg.methods == ("chain", "ucb") and cfg.baselines == ("ar",)
+    assert command.run(args) == 0
+    out = capsys.readouterr().out
+    assert "| ucb | 0.5 |" in out and "speedup vs AR" in out and str(tmp_path / "o" / "report.json") in out
+    assert set(api.decoders) == {"ar", "chain", "ucb"}
+
+
+def test_command_rejects_bad_tree_and_temperature_text():
+    with pytest.raises(RecipeError, match="every tree width must be >= 1"):
+        command.parse_tree("3,-1")
+    with pytest.raises(RecipeError, match="comma-separated integers"):
+        command.parse_tree("3,x")
+    with pytest.raises(RecipeError, match="expects numbers"):
+        command.parse_floats(["0,hot"], "--temperature")
