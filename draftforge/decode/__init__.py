@@ -1,1 +1,20 @@
-"""draftforge.decode"""
+"""draftforge.decode: the lossless speculative decoding harness (batch size 1).
+
+    target = load_target(path_or_model); drafter = load_drafter(path_or_model, target)
+    dec = build_decoder("tree", target, drafter, tree=(3, 2, 2, 1))
+    res = dec.generate(ids, max_new_tokens=128, temperature=0.0)   # -> DecodeResult
+"""
+
+from draftforge.decode.base import DecodeResult, DecodeStats
+from draftforge.decode.control import DEFAULT_UCB_TREES, Controller, FixedChain, FixedTree, NoDraft, UCBTree
+from draftforge.decode.drafters import Drafter, load_drafter
+from draftforge.decode.engine import METHODS, HFAssistedDecoder, SpeculativeDecoder, build_decoder
+from draftforge.decode.sampling import SamplingParams
+from draftforge.decode.targets import Target, load_target
+from draftforge.decode.tree import DraftTree
+
+__all__ = [
+    "METHODS", "DEFAULT_UCB_TREES", "Controller", "DecodeResult", "DecodeStats", "DraftTree", "Drafter",
+    "FixedChain", "FixedTree", "HFAssistedDecoder", "NoDraft", "SamplingParams", "SpeculativeDecoder", "Target",
+    "UCBTree", "build_decoder", "load_drafter", "load_target",
+]

@@ -1,0 +1,105 @@
+"""Controllers: choose the draft shape of the next round.
+
+Every controller returns a tree configuration (N1..Nγ); a chain of length K is (1,)*K.
+UCB follows Mamba Drafters §4.2: k* = argmax_k r̂_k + λ_UCB·sqrt(2 ln t / n_k), reward
+r = -(1/N_accept + λ_γ·γ/N_accept), where N_accept is the tokens emitted by the round (bonus
+included, so >= 1) and γ the draft depth (one drafter forward per depth with batch expansion), so
+-r is proportional to the round's latency per token, (T_target + γ·T_draft) / N_accept / T_target.
+"""
+
+from __future__ import annotations
+
+import math
+
+from draftforge.decode.tree import config_name, validate_widths
+from draftforge.errors import DraftforgeError
+
+DEFAULT_UCB_TREES = ((1, 1, 1, 1, 1), (2, 2, 1, 1), (3, 2, 2, 1), (4, 2, 1), (2, 1, 1, 1, 1, 1))
+
+
+class Controller:
+    def next_config(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def update(self, widths, n_emitted: int, draft_time_s: float, verify_time_s: float) -> None:
+        """Feedback after a round; fixed controllers ignore it."""
+
+
+class NoDraft(Controller):
+    """Autoregressive decoding: no draft, one target forward per token."""
+
+    def next_config(self):
+        return ()
+
+
+class FixedChain(Controller):
+    def __init__(self, k: int):
+        self.widths = validate_widths((1,) * k) if isinstance(k, int) and k > 0 else None
+        if self.widths is None:
+            raise DraftforgeError(f"chain_length must be a positive integer, got {k!r}")
+
+    def next_config(self):
+        return self.widths
+
+
+class FixedTree(Controller):
+    def __init__(self, widths):
+        self.widths = validate_widths(widths)
+
+    def next_config(self):
+        return self.widths
+
+
+class UCBTree(Controller):
+    """UCB1 bandit over tree configurations (Mamba Drafters §4.2).
+
+    lambda_gamma=None measures λ_γ ≈ T_draft/T_target online: mean time of one drafter step
+    (draft time / γ) over mean time of one target forward, over all rounds so far.
+    """
+
+    def __init__(self, candidates=DEFAULT_UCB_TREES, ucb_lambda: float = 0.1, lambda_gamma: float | None = None):
+        self.arms = [validate_widths(c) for c in (candidates or DEFAULT_UCB_TREES)]
+        if ucb_lambda < 0 or (lambda_gamma is not None and lambda_gamma < 0):
+            raise DraftforgeError("ucb_lambda and lambda_gamma must be >= 0")
+        self.ucb_lambda, self.fixed_lambda_gamma = ucb_lambda, lambda_gamma
+        self.counts = [0] * len(self.arms)
+        self.reward_sums = [0.0] * len(self.arms)
+        self.t = 0
+        self.draft_step_time = self.target_time = 0.0
+        self.draft_steps = self.target_rounds = 0
+
+    @property
+    def lambda_gamma(self) -> float:
+        if self.fixed_lambda_gamma is not None:
+            return self.fixed_lambda_gamma
+        if not self.draft_steps or not self.target_time:
+            return 0.0
+        return (self.draft_step_time / self.draft_steps) / (self.target_time / self.target_rounds)
+
+    def scores(self) -> list[float]:
+        return [
+            self.reward_sums[k] / self.counts[k] + self.ucb_lambda * math.sqrt(2 * math.log(self.t) / self.counts[k])
+            for k in range(len(self.arms))
+        ]
+
+    def next_config(self):
+        self.t += 1
+        untried = [k for k, n in enumerate(self.counts) if n == 0]
+        scores = self.scores() if not untried else None
+        self.last_arm = untried[0] if untried else max(range(len(self.arms)), key=scores.__getitem__)
+        return self.arms[self.last_arm]
+
+    def reward(self, widths, n_emitted: int) -> float:
+        return -(1.0 / n_emitted + self.lambda_gamma * len(widths) / n_emitted)
+
+    def update(self, widths, n_emitted, draft_time_s=0.0, verify_time_s=0.0):
+        self.draft_step_time += draft_time_s
+        self.draft_steps += len(widths)
+        self.target_time += verify_time_s
+        self.target_rounds += 1
+        arm = self.last_arm
+        self.counts[arm] += 1
+        self.reward_sums[arm] += self.reward(widths, n_emitted)
+
+    def arm_name(self) -> str:
+        return config_name(self.arms[self.last_arm])

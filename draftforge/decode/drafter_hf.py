@@ -1,0 +1,89 @@
+"""Transformer drafter (the external-drafter baseline): KV cache, chain and tree drafting.
+
+Tree drafting feeds each depth as one packed forward with a tree mask over the nodes already fed;
+rollback keeps the committed prefix plus the accepted nodes' K/V.
+
+Legend: B nodes at one depth, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftforge.decode.drafters import Drafter, propose_children
+from draftforge.decode.sampling import SamplingParams
+from draftforge.decode.targets import CachedLM
+from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask, tree_from_levels
+
+
+class TransformerDrafter(Drafter):
+    kind = "transformer"
+
+    def __init__(self, model, vocab_size: int, tokenizer=None):
+        self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size
+        self.lm = CachedLM(model)
+        self.reset()
+
+    def reset(self) -> None:
+        self.lm.reset()
+        self.last_logits_V = None
+
+    def _sync(self, seq: list[int]) -> torch.Tensor:
+        """Feed committed tokens the cache has not seen; return logits after seq[-1]."""
+        pending = seq[self.lm.length :]
+        if pending:
+            self.last_logits_V = self.lm.forward(pending)[-1]
+        return self.last_logits_V
+
+    def draft(self, seq, widths, params: SamplingParams, generator) -> DraftTree:
+        logits_BV = self._sync(seq)[None]
+        self.committed, self.widths = len(seq), widths
+        levels, q_rows = [], []
+        for i, width in enumerate(widths):
+            children_BW, q_BV = propose_children(logits_BV, width, params, self.vocab_size, generator)
+            levels.append(children_BW.flatten().tolist())
+            q_rows.append(q_BV)
+            if i == len(widths) - 1:
+                break
+            logits_BV = self._feed_level(levels, widths)
+        tokens, parents, depths = tree_from_levels(levels, widths)
+        chain = all(w == 1 for w in widths)
+        q_probs = None if params.greedy else _stack_q(q_rows, len(tokens))
+        return DraftTree(tokens, parents, depths, q_probs, is_chain=chain)
+
+    def _feed_level(self, levels: list[list[int]], widths) -> torch.Tensor:
+        """Feed the newest depth in one forward; every node sees the prefix and its own ancestors."""
+        tokens_fed, parents_fed, _ = tree_from_levels(levels, widths)
+        depth = len(levels)
+        new = levels[-1]
+        first_new = len(tokens_fed) - len(new)
+        positions = [self.committed + depth - 1] * len(new)
+        mask = None
+        if any(w > 1 for w in widths[:depth]):
+            anc_NN = ancestor_matrix(parents_fed)
+            mask = packed_tree_mask(anc_NN[first_new:], self.committed, self.model.dtype, self.lm.device)
+        return self.lm.forward(new, positions, mask)
+
+    def accept(self, path: list[int]) -> None:
+        fed = [j for j in path if self._depth_of(j) < len(self.widths)]
+        self.lm.keep(self.committed, fed)
+
+    def _depth_of(self, node: int) -> int:
+        b, start = 1, 0
+        for depth, w in enumerate(self.widths, start=1):
+            b *= w
+            if node < start + b:
+                return depth
+            start += b
+        raise IndexError(node)
+
+
+def _stack_q(q_rows: list[torch.Tensor], n_nodes: int) -> torch.Tensor:
+    """Rows: root then node j's child distribution at 1+j (leaves left zero)."""
+    vocab = q_rows[0].shape[-1]
+    q_probs = q_rows[0].new_zeros(1 + n_nodes, vocab)
+    row = 0
+    for q_BV in q_rows:
+        q_probs[row : row + q_BV.shape[0]] = q_BV
+        row += q_BV.shape[0]
+    return q_probs

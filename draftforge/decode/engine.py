@@ -1,0 +1,238 @@
+"""The speculative decoding loop: one loop, pluggable drafter / target / verifier / controller.
+
+Batch size is 1: `generate` takes one prompt (list of ids); a batch (nested list or 2D tensor)
+raises a DraftforgeError — run prompts one after another. Rounds: the controller picks a
+configuration, the drafter proposes a tree, the target scores it in one forward, the verifier
+returns the accepted root path plus one token, target and drafter roll back to that prefix.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from draftforge.decode.base import DecodeResult, DecodeStats
+from draftforge.decode.control import Controller, NoDraft
+from draftforge.decode.drafters import Drafter
+from draftforge.decode.sampling import SamplingParams
+from draftforge.decode.targets import Target
+from draftforge.decode.tree import DraftTree, config_name
+from draftforge.decode.verify import verify
+from draftforge.errors import DraftforgeError
+
+
+def _clock(device) -> float:
+    if torch.device(device).type == "cuda":  # time what the GPU did, not what was queued
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def check_prompt(input_ids, target: Target, max_new_tokens: int) -> list[int]:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1:
+            raise DraftforgeError(f"batch size must be 1: pass one prompt, got a tensor of shape {tuple(input_ids.shape)}")
+        input_ids = input_ids.tolist()
+    input_ids = list(input_ids)
+    if input_ids and isinstance(input_ids[0], (list, tuple)):
+        raise DraftforgeError("batch size must be 1: pass one prompt (a list of token ids), not a list of prompts")
+    if not input_ids:
+        raise DraftforgeError("empty prompt: give at least one token id (e.g. BOS)")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise DraftforgeError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+    ctx = target.max_context
+    if ctx is not None and len(input_ids) >= ctx:
+        raise DraftforgeError(
+            f"prompt has {len(input_ids)} tokens but the target's context is {ctx}; shorten the prompt"
+        )
+    return [int(t) for t in input_ids]
+
+
+def eos_set(eos_token_id, target: Target) -> set[int]:
+    """None means the target's generation_config EOS (what target.generate() would stop on)."""
+    if eos_token_id is None:
+        config = getattr(target.model, "generation_config", None)
+        eos_token_id = getattr(config, "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
+
+
+class SpeculativeDecoder:
+    """Also plain autoregressive decoding when drafter is None (controller NoDraft)."""
+
+    def __init__(self, name: str, target: Target, drafter: Drafter | None, controller: Controller):
+        self.name, self.target, self.drafter, self.controller = name, target, drafter, controller
+
+    def generate(self, input_ids, *, max_new_tokens: int, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos_token_id=None):
+        params = SamplingParams(float(temperature), float(top_p), int(top_k))
+        seq = check_prompt(input_ids, self.target, max_new_tokens)
+        if self.target.max_context is not None:  # positions past the context are undefined for the target
+            max_new_tokens = min(max_new_tokens, self.target.max_context - len(seq))
+        eos = eos_set(eos_token_id, self.target)
+        device = self.target.device
+        generator = torch.Generator(device=device).manual_seed(seed)
+        stats, out = DecodeStats(), []
+        t_start = _clock(device)
+        self.target.prefill(seq)
+        if self.drafter is not None:
+            self.drafter.reset()
+        stats.prefill_time_s = _clock(device) - t_start
+        while len(out) < max_new_tokens:
+            emitted = self._round(seq, max_new_tokens - len(out), params, generator, stats)
+            hit = [i for i, tok in enumerate(emitted) if tok in eos]
+            if hit:
+                emitted = emitted[: hit[0] + 1]
+            seq += emitted
+            out += emitted
+            if hit:
+                break
+        stats.new_tokens = len(out)
+        stats.total_time_s = _clock(device) - t_start
+        return DecodeResult(tokens=out, stats=stats)
+
+    def _round(self, seq, remaining, params, generator, stats) -> list[int]:
+        device = self.target.device
+        widths = tuple(self.controller.next_config())[: remaining - 1]  # the round also emits one token
+        t0 = _clock(device)
+        if widths:
+            tree = self.drafter.draft(seq, widths, params, generator)
+        else:
+            tree = DraftTree([], [], [])
+        t1 = _clock(device)
+        logits_NV = self.target.verify(seq[-1], tree)
+        verdict = verify(tree, logits_NV, params, self.target.vocab_size, generator)
+        self.target.commit(verdict.path)
+        if widths:
+            self.drafter.accept(verdict.path)
+        t2 = _clock(device)
+        emitted = [tree.tokens[j] for j in verdict.path] + [verdict.next_token]
+        self._record(stats, tree, widths, verdict.path, t1 - t0, t2 - t1)
+        self.controller.update(widths, len(emitted), t1 - t0, t2 - t1)
+        return emitted
+
+    @staticmethod
+    def _record(stats: DecodeStats, tree, widths, path, draft_s, verify_s) -> None:
+        stats.target_forwards += 1
+        stats.draft_time_s += draft_s
+        stats.verify_time_s += verify_s
+        stats.accepted_per_round.append(len(path))
+        stats.drafted_per_round.append(len(tree))
+        depth = len(widths)
+        for lst in (stats.accept_by_position, stats.proposed_by_position):
+            lst.extend([0] * (depth - len(lst)))
+        for d in range(depth):
+            stats.proposed_by_position[d] += 1
+        for d in range(len(path)):
+            stats.accept_by_position[d] += 1
+        stats.chosen_configs.append(config_name(widths) if widths else "ar")
+
+
+class HFAssistedDecoder:
+    """Baseline: transformers' assisted generation (`generate(assistant_model=...)`).
+
+    Transformer drafters only: transformers cannot roll back an SSM drafter's state. Round
+    statistics are read with forward hooks (one target call = one round; the first call also
+    prefills the prompt, so prefill_time_s stays 0 and its time counts as verify time).
+    """
+
+    name = "hf_assisted"
+
+    def __init__(self, target: Target, drafter: Drafter):
+        if drafter is None or getattr(drafter, "kind", None) != "transformer":
+            kind = getattr(drafter, "kind", None)
+            raise DraftforgeError(
+                f"hf_assisted needs a Transformer drafter (transformers cannot roll back {kind!r} state); "
+                "use method 'chain' or 'tree' for Mamba drafters"
+            )
+        self.target, self.drafter = target, drafter
+
+    def generate(self, input_ids, *, max_new_tokens: int, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos_token_id=None):
+        params = SamplingParams(float(temperature), float(top_p), int(top_k))
+        seq = check_prompt(input_ids, self.target, max_new_tokens)
+        eos = sorted(eos_set(eos_token_id, self.target))
+        stats, calls, device = DecodeStats(), {"target": [], "drafter": []}, self.target.device
+        hooks = [_timing_hooks(self.target.model, calls["target"]), _timing_hooks(self.drafter.model, calls["drafter"])]
+        torch.manual_seed(seed)  # transformers samples from the global generator
+        sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+        t_start = _clock(device)
+        try:
+            with torch.inference_mode():
+                out = self.target.model.generate(
+                    torch.tensor([seq], device=device), assistant_model=self.drafter.model,
+                    max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,
+                    **(dict(do_sample=False) if params.greedy else sampling),
+                )
+        finally:
+            for pair in hooks:
+                for h in pair:
+                    h.remove()
+        stats.total_time_s = _clock(device) - t_start
+        tokens = out[0, len(seq) :].tolist()
+        _fill_assisted_stats(stats, calls, len(seq), len(tokens))
+        return DecodeResult(tokens=tokens, stats=stats)
+
+
+def _timing_hooks(model, log: list):
+    """Record (cached length, query length, seconds) of every forward of `model`."""
+    state = {}
+
+    def pre(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache = kwargs.get("past_key_values")
+        state["start"] = (cache.get_seq_length() if cache is not None else 0, ids.shape[1], _clock(model.device))
+
+    def post(module, args, kwargs, output):
+        past, q, t0 = state["start"]
+        log.append((past, q, _clock(model.device) - t0))
+
+    return (model.register_forward_pre_hook(pre, with_kwargs=True), model.register_forward_hook(post, with_kwargs=True))
+
+
+def _fill_assisted_stats(stats: DecodeStats, calls, prompt_len: int, n_new: int) -> None:
+    target_calls = calls["target"]
+    stats.new_tokens = n_new
+    stats.target_forwards = len(target_calls)
+    stats.verify_time_s = sum(c[2] for c in target_calls)
+    stats.draft_time_s = sum(c[2] for c in calls["drafter"])
+    committed = prompt_len  # committed tokens when round r starts; the next round starts one past the cache
+    for r, (past, q, _) in enumerate(target_calls):
+        drafted = max(past + q - committed, 0)
+        nxt = target_calls[r + 1][0] + 1 if r + 1 < len(target_calls) else prompt_len + n_new
+        emitted = max(nxt - committed, 1)
+        stats.drafted_per_round.append(drafted)
+        stats.accepted_per_round.append(min(emitted - 1, drafted))
+        for lst in (stats.accept_by_position, stats.proposed_by_position):
+            lst.extend([0] * (drafted - len(lst)))
+        for d in range(drafted):
+            stats.proposed_by_position[d] += 1
+        for d in range(min(emitted - 1, drafted)):
+            stats.accept_by_position[d] += 1
+        stats.chosen_configs.append(f"hf{drafted}")
+        committed = nxt
+
+
+METHODS = ("ar", "chain", "tree", "ucb", "hf_assisted")
+
+
+def build_decoder(method: str, target: Target, drafter: Drafter | None = None, *, chain_length=5, tree=(3, 2, 2, 1),
+                  ucb_trees=None, ucb_lambda=0.1, lambda_gamma=None):
+    """A decoder for one of METHODS; `ar` ignores the drafter, the others require one."""
+    from draftforge.decode.control import FixedChain, FixedTree, UCBTree
+
+    if method not in METHODS:
+        raise DraftforgeError(f"unknown decoding method {method!r}; choose one of {', '.join(METHODS)}")
+    if method == "ar":
+        return SpeculativeDecoder("ar", target, None, NoDraft())
+    if drafter is None:
+        raise DraftforgeError(f"method {method!r} needs a drafter (load one with load_drafter)")
+    if method == "hf_assisted":
+        return HFAssistedDecoder(target, drafter)
+    controller = {
+        "chain": lambda: FixedChain(chain_length),
+        "tree": lambda: FixedTree(tree),
+        "ucb": lambda: UCBTree(ucb_trees, ucb_lambda, lambda_gamma),
+    }[method]()
+    return SpeculativeDecoder(method, target, drafter, controller)

@@ -1,0 +1,67 @@
+"""Token distributions shared by target and drafter, so both see the same warping.
+
+Legend: V vocabulary, N rows (tree nodes or batch).
+Temperature 0 means greedy; then distributions are not needed and only argmax is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftforge.errors import DraftforgeError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if not self.temperature >= 0.0:
+            raise DraftforgeError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise DraftforgeError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise DraftforgeError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def probs_from_logits(logits_NV: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """softmax(logits / T) after top-k then top-p filtering (HF order); float32 or wider."""
+    if params.greedy:
+        raise ValueError("probs_from_logits is for temperature > 0")
+    dtype = torch.float64 if logits_NV.dtype == torch.float64 else torch.float32
+    logits_NV = logits_NV.to(dtype) / params.temperature
+    if params.top_k > 0 and params.top_k < logits_NV.shape[-1]:
+        kth_N1 = torch.topk(logits_NV, params.top_k, dim=-1).values[..., -1:]
+        logits_NV = logits_NV.masked_fill(logits_NV < kth_N1, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_NV, order_NV = torch.sort(logits_NV, dim=-1, descending=True)
+        cum_NV = sorted_NV.softmax(-1).cumsum(-1)
+        # Drop a token when the mass strictly before it already reaches top_p (the top token always stays).
+        drop_sorted_NV = (cum_NV - sorted_NV.softmax(-1)) >= params.top_p
+        drop_NV = drop_sorted_NV.scatter(-1, order_NV, drop_sorted_NV)
+        logits_NV = logits_NV.masked_fill(drop_NV, float("-inf"))
+    return logits_NV.softmax(-1)
+
+
+def sample(probs_NV: torch.Tensor, generator: torch.Generator, num: int = 1) -> torch.Tensor:
+    """num i.i.d. draws per row (with replacement, as multi-step speculative sampling requires)."""
+    return torch.multinomial(probs_NV, num, replacement=True, generator=generator)
+
+
+def match_vocab(logits_NV: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Cut or -inf-pad drafter logits to the target's vocabulary width (padded embedding rows differ)."""
+    width = logits_NV.shape[-1]
+    if width == vocab:
+        return logits_NV
+    if width > vocab:
+        return logits_NV[..., :vocab]
+    pad = logits_NV.new_full((*logits_NV.shape[:-1], vocab - width), float("-inf"))
+    return torch.cat([logits_NV, pad], dim=-1)

@@ -1,0 +1,95 @@
+"""Verifiers: turn target logits over a packed draft tree into an accepted root path + one token.
+
+- greedy: walk down while the target's argmax is a child (lossless by construction);
+- chain speculative sampling (Leviathan et al. 2023; Chen et al. 2023): accept x with
+  min(1, p(x)/q(x)), on rejection draw from norm(max(0, p - q)), bonus token if all accepted;
+- multi-step speculative sampling for trees (SpecInfer §4.2): at each node, try the i.i.d.-drawn
+  children in order against the current residual p, replacing p by norm(max(0, p - q)) after
+  every rejection; when all are rejected, draw from the last residual.
+
+Legend: N tree nodes, V vocabulary. Row 0 of logits/probs is the root, row 1+j is node j.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftforge.decode.sampling import SamplingParams, probs_from_logits
+from draftforge.decode.tree import DraftTree
+
+
+@dataclass
+class Verdict:
+    path: list[int]  # accepted node indices, depth 1 first
+    next_token: int  # correction (after a rejection) or bonus (after a leaf) token
+
+
+def residual(p_V: torch.Tensor, q_V: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)); falls back to p when p <= q everywhere (then p == q, nothing to fix)."""
+    r_V = (p_V - q_V).clamp_min(0)
+    total = r_V.sum()
+    return r_V / total if total > 0 else p_V
+
+
+def _draw(probs_V: torch.Tensor, generator) -> int:
+    return int(torch.multinomial(probs_V.to(generator.device), 1, generator=generator))
+
+
+def _uniform(generator) -> float:
+    return float(torch.rand((), generator=generator, device=generator.device))
+
+
+def verify_greedy(tree: DraftTree, logits_NV: torch.Tensor) -> Verdict:
+    argmax = logits_NV.argmax(-1).tolist()
+    path, node = [], -1
+    while True:
+        best = argmax[node + 1]
+        match = [c for c in tree.children(node) if tree.tokens[c] == best]
+        if not match:
+            return Verdict(path, best)
+        node = match[0]
+        path.append(node)
+
+
+def verify_chain_sps(tree: DraftTree, p_NV: torch.Tensor, generator) -> Verdict:
+    """Chain speculative sampling; p_NV, tree.q_probs are the warped target/drafter distributions."""
+    path = []
+    for j, x in enumerate(tree.tokens):
+        p_x, q_x = float(p_NV[j, x]), float(tree.q_probs[j, x])
+        if _uniform(generator) < min(1.0, p_x / q_x):
+            path.append(j)
+            continue
+        return Verdict(path, _draw(residual(p_NV[j], tree.q_probs[j]), generator))
+    return Verdict(path, _draw(p_NV[len(tree.tokens)], generator))
+
+
+def verify_tree_mss(tree: DraftTree, p_NV: torch.Tensor, generator) -> Verdict:
+    path, node = [], -1
+    while True:
+        p_V, q_V = p_NV[node + 1], tree.q_probs[node + 1]
+        accepted = None
+        for child in tree.children(node):
+            x = tree.tokens[child]
+            if _uniform(generator) < min(1.0, float(p_V[x]) / float(q_V[x])):
+                accepted = child
+                break
+            p_V = residual(p_V, q_V)
+        if accepted is None:
+            return Verdict(path, _draw(p_V, generator))
+        node = accepted
+        path.append(node)
+
+
+def verify(tree: DraftTree, logits_NV: torch.Tensor, params: SamplingParams, vocab: int, generator) -> Verdict:
+    """Pick the verifier for the sampling mode and tree shape."""
+    logits_NV = logits_NV[:, :vocab]
+    if params.greedy:
+        return verify_greedy(tree, logits_NV)
+    p_NV = probs_from_logits(logits_NV, params)
+    if len(tree) == 0:
+        return Verdict([], _draw(p_NV[0], generator))
+    if tree.is_chain:
+        return verify_chain_sps(tree, p_NV, generator)
+    return verify_tree_mss(tree, p_NV, generator)
