@@ -141,15 +141,24 @@ def _generate_rows(files, fmt, text_field, signature):
             yield normalize_row(row, fmt, text_field)
 
 
+def _count_rows(path: Path) -> int:
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    if suffix in (".jsonl", ".json"):
+        return sum(1 for _ in iter_file_rows(path))
+    return 1
+
+
 def load_local(files: list[Path], fmt: str, text_field: str) -> datasets.Dataset:
     """Local files -> a normalized Dataset, cached by datasets (keyed on paths, sizes, mtimes)."""
     names = [str(f.resolve()) for f in files]
     # Read JSON/JSONL eagerly once so a malformed line is reported with its location
-    # here, not from deep inside the datasets builder.
-    for f in files:
-        if f.suffix.lower() in (".jsonl", ".json"):
-            for _ in iter_file_rows(f):
-                pass
+    # here, not from deep inside the datasets builder (which also rejects zero rows).
+    if sum(_count_rows(f) for f in files) == 0:
+        raise DataError(f"data files {[str(f) for f in files][:3]} have no rows; check the paths or the files")
     signature = [(os.path.getsize(n), os.stat(n).st_mtime_ns) for n in names]
     ds = datasets.Dataset.from_generator(
         _generate_rows, features=features_for(fmt),
