@@ -106,3 +106,13 @@ def test_target_context_length_reads_config():
 
     assert target_context_length(M(LlamaConfig(max_position_embeddings=77))) == 77
     assert target_context_length(M(MambaConfig())) is None
+
+
+def test_testbed_bench_shortcut_reads_the_committed_heldout_prompts():
+    from draftforge.testbed import testbed_paths
+
+    path = testbed_paths().prompts
+    n_lines = sum(1 for line in path.read_text().splitlines() if line.strip())
+    rows = load_prompt_rows("testbed")
+    assert len(rows) == n_lines > 0
+    assert all(r.text for r in rows) and rows[0].category is not None  # 'source' doubles as category

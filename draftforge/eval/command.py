@@ -43,7 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--drafter", help="drafter: exported draftforge checkpoint, HF Mamba or small causal LM")
     p.add_argument("--bench", required=True,
                    help="prompt file: Spec-Bench/MT-bench question.jsonl ('turns'), or JSONL with "
-                        "'prompt'/'text'/'messages'/'input_ids' (e.g. the testbed's held-out prompts)")
+                        "'prompt'/'text'/'messages'/'input_ids'; 'testbed' = the testbed's held-out prompts")
     p.add_argument("--temperature", action="append", metavar="T",
                    help="sampling temperature; repeat or give a comma list to run several (default 0 = greedy)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")

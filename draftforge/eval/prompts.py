@@ -64,7 +64,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
 def _parse_row(path: Path, line_no: int, row: dict) -> PromptRow:
     where = f"{path}:{line_no}"
     pid = str(row.get("question_id", row.get("id", line_no)))
-    category = row.get("category")
+    category = row.get("category", row.get("source"))
     if "turns" in row:
         turns = row["turns"]
         if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
@@ -89,9 +89,18 @@ def _parse_row(path: Path, line_no: int, row: dict) -> PromptRow:
     raise DataError(f"{where}: no prompt found; give one of 'turns', 'messages', 'prompt', 'text' or 'input_ids'")
 
 
+def resolve_bench(bench: str | Path) -> Path:
+    """A prompt file path; the name "testbed" means the testbed's committed held-out prompts."""
+    if str(bench) == "testbed":
+        from draftforge.testbed import testbed_paths
+
+        return testbed_paths().prompts
+    return Path(bench)
+
+
 def load_prompt_rows(path: str | Path, num_prompts: int | None = None) -> list[PromptRow]:
     """Read a prompt file (any format above) into PromptRows, keeping at most num_prompts."""
-    path = Path(path)
+    path = resolve_bench(path)
     rows = [_parse_row(path, n, r) for n, r in read_jsonl(path)]
     return rows[:num_prompts] if num_prompts else rows
 
