@@ -102,3 +102,54 @@ def mamba2_tree_logits(model, tree_ids_BN, parents, cache=None, impl: str = "aut
     hidden_BND = backbone.norm_f(hidden_BND)
     logits_BNV = model.lm_head(hidden_BND.to(model.lm_head.weight.dtype)).float()
     return logits_BNV, scan_caches
+
+
+# ----------------------------------------------------------------------------- tree helpers and baseline
+
+
+def root_path(parents_N, node: int) -> list[int]:
+    """Node indices from the root down to ``node`` (inclusive)."""
+    path = []
+    while node != -1:
+        path.append(node)
+        node = int(parents_N[node])
+    return path[::-1]
+
+
+def leaf_paths(parents_N) -> list[list[int]]:
+    """One root path per leaf: the sequences that "unrolling" the tree would decode."""
+    parents_N = [int(p) for p in parents_N]
+    has_child = set(parents_N)
+    return [root_path(parents_N, i) for i in range(len(parents_N)) if i not in has_child]
+
+
+def full_binary_parents(depth: int) -> list[int]:
+    """Parents of a full binary tree with ``depth`` levels, the root counted: 2**depth − 1 nodes."""
+    return [-1] + [(i - 1) // 2 for i in range(1, 2**depth - 1)]
+
+
+def seeded_cache(config, layer_idx: int, conv_state=None, ssm_state=None):
+    """A transformers DynamicCache whose layer ``layer_idx`` holds the given states (None: no cache)."""
+    from transformers.cache_utils import DynamicCache
+
+    if conv_state is None and ssm_state is None:
+        return None
+    cache = DynamicCache(config=config)
+    cache.update_conv_state(conv_state.clone(), layer_idx, conv_kernel_size=conv_state.shape[-1])
+    cache.update_recurrent_state(ssm_state.clone(), layer_idx)
+    return cache
+
+
+@torch.no_grad()
+def unrolled_mixer_outputs(mixer, config, hidden_BND, parents_BN, conv_state=None, ssm_state=None):
+    """Baseline: every leaf path run through the mixer's own forward as an ordinary sequence.
+
+    Returns per-node outputs [B,N,D] (each node taken from a path that contains it).
+    """
+    out_BND = torch.zeros_like(hidden_BND)
+    for b in range(hidden_BND.shape[0]):
+        for path in leaf_paths(parents_BN[b]):
+            take = lambda s: None if s is None else s[b : b + 1]  # noqa: E731
+            cache = seeded_cache(config, mixer.layer_idx, take(conv_state), take(ssm_state))
+            out_BND[b, path] = mixer(hidden_BND[b : b + 1, path], cache_params=cache)[0]
+    return out_BND
