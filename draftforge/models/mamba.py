@@ -19,17 +19,20 @@ MAMBA_PRESETS: dict[str, dict] = {
     "tiny": {  # CPU smoke tests and the offline testbed drafter
         "hidden_size": 128, "num_hidden_layers": 2, "expand": 2, "conv_kernel": 4,
         "mamba": {"state_size": 16},
-        "mamba2": {"state_size": 32, "head_dim": 32, "n_groups": 1, "chunk_size": 64},
+        "mamba2": {"state_size": 32, "head_dim": 32, "n_groups": 1, "chunk_size": 64,
+                   "tie_word_embeddings": True},
     },
     "small": {
         "hidden_size": 384, "num_hidden_layers": 8, "expand": 2, "conv_kernel": 4,
         "mamba": {"state_size": 16},
-        "mamba2": {"state_size": 64, "head_dim": 64, "n_groups": 1, "chunk_size": 128},
+        "mamba2": {"state_size": 64, "head_dim": 64, "n_groups": 1, "chunk_size": 128,
+                   "tie_word_embeddings": True},
     },
     "130m": {
         "hidden_size": 768, "num_hidden_layers": 24, "expand": 2, "conv_kernel": 4,
         "mamba": {"state_size": 16},
-        "mamba2": {"state_size": 128, "head_dim": 64, "n_groups": 1, "chunk_size": 256},
+        "mamba2": {"state_size": 128, "head_dim": 64, "n_groups": 1, "chunk_size": 256,
+                   "tie_word_embeddings": True},
     },
 }
 
