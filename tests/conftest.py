@@ -1,0 +1,48 @@
+"""Shared fixtures: a tiny byte-level BPE tokenizer and a tiny text corpus, built offline."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def _stdlib_texts(n: int) -> list[str]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    names = ["textwrap.py", "bisect.py", "heapq.py", "colorsys.py", "fnmatch.py", "keyword.py", "shlex.py",
+             "string.py", "this.py", "queue.py", "sched.py", "glob.py"]
+    return [(root / x).read_text() for x in names[:n] if (root / x).exists()]
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus_dir(tmp_path_factory) -> Path:
+    """A folder of ~10 real Python files (a small code corpus)."""
+    d = tmp_path_factory.mktemp("corpus")
+    for i, text in enumerate(_stdlib_texts(12)):
+        (d / f"doc{i:02d}.py").write_text(text)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    """A 512-token byte-level BPE tokenizer with bos/eos/pad, saved with save_pretrained."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|pad|>", "<|bos|>", "<|eos|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_stdlib_texts(12), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
+                                   pad_token="<|pad|>")
+    d = tmp_path_factory.mktemp("tokenizer")
+    fast.save_pretrained(d)
+    return d
