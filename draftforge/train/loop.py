@@ -274,13 +274,11 @@ def export_run(acc, model, parts: TaskParts, recipe: Recipe, run_dir: Path, metr
 
     acc.wait_for_everyone()
     unwrapped = acc.unwrap_model(model)
-    state = acc.get_state_dict(model)  # gathers shards under FSDP / ZeRO-3
     out = None
     if acc.is_main_process:
         meta = {"task": recipe.task, "target": recipe.model.target, "recipe": recipe.to_dict(),
                 "metrics": metrics, **parts.export_metadata}
-        out = export_model(unwrapped, parts.tokenizer, run_dir / "export", metadata=meta, overwrite=True,
-                           state_dict=state)
+        out = export_model(unwrapped, parts.tokenizer, run_dir / "export", metadata=meta, overwrite=True)
     acc.wait_for_everyone()
     return out
 
