@@ -67,6 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--tree", default="3,2,2,1")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="fixed-length outputs (hf_assisted may still stop at the target's EOS)")
     p.add_argument("--out", default="bench_out/spec_decode")
     return p.parse_args(argv)
 
@@ -86,7 +88,7 @@ def run_suite(args, target: str, drafters: dict[str, str | None], bench: str) ->
         cfg = EvalConfig(target=target, drafter=drafter, bench=bench, temperatures=temps, methods=methods,
                          baselines=baselines, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
                          repeats=args.repeats, chain_length=args.chain_length, tree=tree, device=args.device,
-                         dtype=args.dtype, ignore_eos=True, out_dir=str(Path(args.out) / name),
+                         dtype=args.dtype, ignore_eos=args.ignore_eos, out_dir=str(Path(args.out) / name),
                          command=command_line(), extra_manifest={"benchmark": f"spec_decode/{name}"})
         reports[name] = run_eval(cfg)
         print(f"\n## {name} drafter ({drafter})\n\n{markdown_table(reports[name])}\n")

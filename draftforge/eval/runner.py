@@ -128,12 +128,8 @@ def _build_decoders(cfg: EvalConfig, target, drafter) -> tuple[dict, list[dict]]
 
 
 def _eos_id(cfg: EvalConfig, target):
-    if cfg.ignore_eos:
-        return None
-    tok = getattr(target, "tokenizer", None)
-    if tok is not None and getattr(tok, "eos_token_id", None) is not None:
-        return tok.eos_token_id
-    return getattr(getattr(target.model, "config", None), "eos_token_id", None)
+    """[] stops on nothing (fixed-length runs); None lets the decoder use the target's generation_config EOS."""
+    return [] if cfg.ignore_eos else None  # generation_config EOS covers chat models' several end tokens
 
 
 def _model_dtype(model):
