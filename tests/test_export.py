@@ -1,0 +1,154 @@
+"""Export: exact round trip through from_pretrained, atomic writes, refusals, tokenizer fingerprints."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import draftforge
+from draftforge.errors import CheckpointError, CompatibilityError
+from draftforge.export import (check_tokenizer_compat, export_model, load_exported, read_export_metadata,
+                               tokenizer_fingerprint)
+from draftforge.models import build_model
+from draftforge.testbed import train_tokenizer
+
+META = {"task": "pretrain", "target": "testbed/tiny-target", "recipe": {"optim": {"lr": 1e-3}},
+        "metrics": {"eval_loss": 2.5}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return train_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=300, max_files=4)
+
+
+def _model(tokenizer, arch="mamba"):
+    torch.manual_seed(0)
+    size = "tiny-drafter" if arch == "llama" else "tiny"
+    return build_model(arch, len(tokenizer), size=size, overrides={"num_hidden_layers": 1},
+                       eos_token_id=tokenizer.eos_token_id).eval()
+
+
+def _logits(model, ids_BT):
+    with torch.no_grad():
+        return model(ids_BT).logits
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2", "llama"])
+def test_round_trip_logits_equal(tokenizer, tmp_path, arch):
+    model = _model(tokenizer, arch)
+    out = export_model(model, tokenizer, tmp_path / "export", metadata=META)
+    ids_BT = tokenizer(["class A:\n    def f(self):\n        return 1"], return_tensors="pt").input_ids
+    plain = AutoModelForCausalLM.from_pretrained(out, use_safetensors=True).eval()
+    torch.testing.assert_close(_logits(plain, ids_BT), _logits(model, ids_BT), rtol=0, atol=0)
+    loaded, loaded_tok, meta = load_exported(out, expected_task="pretrain")
+    torch.testing.assert_close(_logits(loaded, ids_BT), _logits(model, ids_BT), rtol=0, atol=0)
+    assert loaded_tok.get_vocab() == tokenizer.get_vocab()
+    assert loaded_tok.chat_template == tokenizer.chat_template
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "draftforge.json", "model.safetensors", "tokenizer.json"} <= names
+    assert not [n for n in names if n.endswith((".bin", ".pt", ".pth", ".pkl"))]
+    assert meta["format_version"] == 1 and meta["draftforge_version"] == draftforge.__version__
+    assert {k: meta[k] for k in ("task", "target", "recipe", "metrics")} == META
+    assert meta["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer) and meta["created"].endswith("Z")
+
+
+def test_lora_adapters_are_merged_and_caller_model_untouched(tokenizer, tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    peft_model = get_peft_model(_model(tokenizer, "llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # lora_B starts at zero; make the adapter change the output
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    peft_model.eval()
+    ids_BT = torch.randint(0, len(tokenizer), (2, 9))
+    expected = _logits(peft_model, ids_BT)
+    out = export_model(peft_model, tokenizer, tmp_path / "lora", metadata={**META, "task": "sft"})
+    loaded, _, _ = load_exported(out, expected_task="sft")
+    torch.testing.assert_close(_logits(loaded, ids_BT), expected, rtol=1e-5, atol=1e-5)
+    assert isinstance(peft_model, PeftModel) and any("lora_A" in n for n, _ in peft_model.named_parameters())
+    with peft_model.disable_adapter():  # still a live adapter: disabling it changes the output
+        assert not torch.allclose(_logits(peft_model, ids_BT), expected)
+
+
+def test_failure_mid_export_leaves_nothing_and_keeps_earlier_export(tokenizer, tmp_path, monkeypatch):
+    model = _model(tokenizer)
+    out = export_model(model, tokenizer, tmp_path / "export", metadata=META)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(type(tokenizer), "save_pretrained", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_model(model, tokenizer, tmp_path / "fresh", metadata=META)
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_model(model, tokenizer, out, metadata={**META, "task": "sft"}, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temp dirs, no half "fresh"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_overwrite_protection(tokenizer, tmp_path):
+    model = _model(tokenizer)
+    out = export_model(model, tokenizer, tmp_path / "export", metadata=META)
+    export_model(model, tokenizer, out, metadata={**META, "metrics": {"eval_loss": 2.0}})  # same run: replaced
+    assert read_export_metadata(out)["metrics"] == {"eval_loss": 2.0}
+    with pytest.raises(CheckpointError, match="different export.*--overwrite"):
+        export_model(model, tokenizer, out, metadata={**META, "task": "sft"})
+    export_model(model, tokenizer, out, metadata={**META, "task": "sft"}, overwrite=True)
+    assert read_export_metadata(out)["task"] == "sft"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # the old one was cleaned up
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="not a draftforge export"):
+        export_model(model, tokenizer, other, metadata=META)
+    with pytest.raises(CheckpointError, match="task"):
+        export_model(model, tokenizer, tmp_path / "x", metadata={"target": "t"})
+
+
+def test_refusals_on_load(tokenizer, tmp_path):
+    out = export_model(_model(tokenizer), tokenizer, tmp_path / "export", metadata=META)
+    with pytest.raises(CheckpointError, match="'pretrain' export, but a 'eesd'"):
+        load_exported(out, expected_task="eesd")
+    (out / "optimizer.pt").write_bytes(b"\x80\x04not really")
+    with pytest.raises(CheckpointError, match=r"pickle files \['optimizer.pt'\]"):
+        load_exported(out)
+    (out / "optimizer.pt").unlink()
+    meta_text = (out / "draftforge.json").read_text()
+    (out / "draftforge.json").write_text(meta_text[: len(meta_text) // 2])  # truncated
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_exported(out)
+    (out / "draftforge.json").unlink()
+    with pytest.raises(CheckpointError, match="not a draftforge export"):
+        read_export_metadata(out)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_exported(tmp_path / "missing")
+
+
+def test_tampered_tokenizer_detected(tokenizer, tmp_path):
+    out = export_model(_model(tokenizer), tokenizer, tmp_path / "export", metadata=META)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<|pad|>"
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="fingerprint"):
+        load_exported(out)
+
+
+def test_fingerprint_stable_and_sensitive(tokenizer, tmp_path):
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    assert len(fingerprint) == 64 and fingerprint == tokenizer_fingerprint(tokenizer)
+    tokenizer.save_pretrained(tmp_path / "copy")
+    from transformers import AutoTokenizer
+
+    reloaded = AutoTokenizer.from_pretrained(tmp_path / "copy")
+    assert tokenizer_fingerprint(reloaded) == fingerprint
+    check_tokenizer_compat(reloaded, tokenizer)
+    reloaded.add_tokens(["<|extra|>"])
+    assert tokenizer_fingerprint(reloaded) != fingerprint
+    with pytest.raises(CompatibilityError, match=r"\(301 tokens\).*\(300 tokens\)"):
+        check_tokenizer_compat(reloaded, tokenizer)
+    other = train_tokenizer(tmp_path / "other", vocab_size=280, max_files=4)
+    with pytest.raises(CompatibilityError, match="other"):
+        check_tokenizer_compat(other, tokenizer)
