@@ -57,26 +57,27 @@ class MambaDrafter(Drafter):
             bank = self.banks[widths] = StateBank(widths, layer_states(self.cache))
         return bank
 
+    @torch.inference_mode()
     def draft(self, seq, widths, params: SamplingParams, generator) -> DraftTree:
         logits_BV = self._sync(seq)[None]
         self.live = layer_states(self.cache)
         self.bank, self.widths = self._bank(widths), widths
         self.bank.save_root(self.live)
         levels, q_rows = [], []
-        with torch.inference_mode():
-            for depth, width in enumerate(widths, start=1):
-                children_BW, q_BV = propose_children(logits_BV, width, params, self.vocab_size, generator)
-                levels.append(children_BW.flatten().tolist())
-                q_rows.append(q_BV)
-                if depth == len(widths):
-                    break
-                self.bank.expand(self.cache, depth)
-                logits_BV = self._step(children_BW.reshape(-1, 1))
+        for depth, width in enumerate(widths, start=1):
+            children_BW, q_BV = propose_children(logits_BV, width, params, self.vocab_size, generator)
+            levels.append(children_BW.flatten().tolist())
+            q_rows.append(q_BV)
+            if depth == len(widths):
+                break
+            self.bank.expand(self.cache, depth)
+            logits_BV = self._step(children_BW.reshape(-1, 1))
         point_cache_at(self.cache, self.live)
         tokens, parents, depths = tree_from_levels(levels, widths)
         q_probs = None if params.greedy else _stack_q(q_rows, len(tokens))
         return DraftTree(tokens, parents, depths, q_probs, is_chain=all(w == 1 for w in widths))
 
+    @torch.inference_mode()
     def accept(self, path: list[int]) -> None:
         """Restore the state after the deepest accepted node that was fed (depth < γ)."""
         fed = min(len(path), len(self.widths) - 1)

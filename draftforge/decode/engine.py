@@ -160,8 +160,9 @@ class HFAssistedDecoder:
         t_start = _clock(device)
         try:
             with torch.inference_mode():
-                out = self.target.model.generate(
-                    torch.tensor([seq], device=device), assistant_model=self.drafter.model,
+                ids = torch.tensor([seq], device=device)
+                out = self.target.model.generate(  # explicit mask: else prompt tokens equal to pad get masked
+                    ids, attention_mask=torch.ones_like(ids), assistant_model=self.drafter.model,
                     max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,
                     **(dict(do_sample=False) if params.greedy else sampling),
                 )
