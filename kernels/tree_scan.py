@@ -390,15 +390,15 @@ def tree_scan(xBC_BNCh, dt_BNH, parents, weights: TreeScanWeights, ssm_state_BHP
     d_state = (xBC_BNCh.shape[-1] - n_heads * weights.head_dim) // max(2 * groups, 1)
     fits = n_nodes <= MAX_KERNEL_NODES and d_state <= MAX_KERNEL_STATE
     if impl == "triton":
-        if not _kernel_usable(xBC_BNCh):
-            raise TreeScanError(
-                "impl='triton' needs triton and CUDA tensors (or TRITON_INTERPRET=1 set before "
-                "importing triton, for CPU tensors); use impl='ref' or 'auto'."
-            )
         if not fits:
             raise TreeScanError(
                 f"the tree scan kernel supports at most {MAX_KERNEL_NODES} nodes and state size "
                 f"{MAX_KERNEL_STATE}; got {n_nodes} nodes and state size {d_state}: use impl='ref'."
+            )
+        if not _kernel_usable(xBC_BNCh):
+            raise TreeScanError(
+                "impl='triton' needs triton and CUDA tensors (or TRITON_INTERPRET=1 set before "
+                "importing triton, for CPU tensors); use impl='ref' or 'auto'."
             )
     use_kernel = impl == "triton" or (impl == "auto" and fits and xBC_BNCh.is_cuda and triton is not None)
     cache = _prepare(xBC_BNCh, dt_BNH, parents, weights, ssm_state_BHPS, conv_state_BChK)
