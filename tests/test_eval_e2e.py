@@ -119,3 +119,14 @@ def test_benchmark_script_smoke(tmp_path):
     summary = json.loads((tmp_path / "bench" / "spec_decode.json").read_text())
     assert set(summary) == {"mamba", "transformer"}
     assert {r["method"] for r in summary["transformer"]["results"]} == {"ar", "chain", "tree", "hf_assisted"}
+
+
+def test_eval_bf16_reports_agreement_instead_of_failing(models, tmp_path):
+    root, paths = models
+    bench = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    rep = run_eval(EvalConfig(target=paths["target"], drafter=paths["transformer_drafter"], bench=bench,
+                              max_new_tokens=6, methods=("ar", "chain"), baselines=("ar",), dtype="bfloat16",
+                              out_dir=str(tmp_path / "out"), quiet=True, plots=False))
+    assert rep["manifest"]["dtype"] == "bfloat16"
+    sc = next(r for r in rep["results"] if r["method"] == "chain")["self_check"]
+    assert sc["total"] == 2 and 0 <= sc["near_ties"] <= sc["total"] - sc["identical"] and sc["near_tie_checked"]

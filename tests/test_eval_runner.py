@@ -148,6 +148,7 @@ def test_bf16_mismatch_is_reported_with_near_ties(bench, tmp_path, monkeypatch):
     (dict(methods=("ar", "medusa")), "unknown method 'medusa'"),
     (dict(drafter=None), "need --drafter"),
     (dict(max_new_tokens=0), "max-new-tokens"),
+    (dict(dtype="int8"), "--dtype must be one of"),
 ])
 def test_bad_config_fails_before_loading(bench, tmp_path, monkeypatch, kw, match):
     api = FakeAPI()

@@ -21,6 +21,7 @@ from draftforge.eval.prompts import CHAT_MODES, load_prompts, target_context_len
 
 DRAFT_METHODS = ("chain", "tree", "ucb", "hf_assisted")
 KNOWN_METHODS = ("ar",) + DRAFT_METHODS
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class SelfCheckError(DraftforgeError):
@@ -80,6 +81,8 @@ def validate(cfg: EvalConfig) -> None:
             raise RecipeError(f"tree configuration {tree} needs every width >= 1 (e.g. 3,2,2,1)")
     if not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
         raise RecipeError(f"--top-p must be in (0, 1] and --top-k >= 0, got {cfg.top_p} and {cfg.top_k}")
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        raise RecipeError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
     if cfg.chat_template not in CHAT_MODES:
         raise RecipeError(f"--chat-template must be one of {CHAT_MODES}, got {cfg.chat_template!r}")
     for m in tuple(cfg.methods) + tuple(cfg.baselines or ()):
@@ -221,12 +224,15 @@ def run_eval(cfg: EvalConfig) -> dict:
     from draftforge.eval import report as report_mod
 
     validate(cfg)
+    import torch
+
+    torch_dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     _log(cfg, f"loading target {cfg.target}")
-    target = decode_api.load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)
+    target = decode_api.load_target(cfg.target, device=cfg.device, dtype=torch_dtype)
     drafter = None
     if cfg.drafter is not None:
         _log(cfg, f"loading drafter {cfg.drafter}")
-        drafter = decode_api.load_drafter(cfg.drafter, target, device=cfg.device, dtype=cfg.dtype,
+        drafter = decode_api.load_drafter(cfg.drafter, target, device=cfg.device, dtype=torch_dtype,
                                           allow_vocab_mismatch=cfg.allow_vocab_mismatch)
     prompts = load_prompts(cfg.bench, target.tokenizer, num_prompts=cfg.num_prompts, chat=cfg.chat_template,
                            context_length=target_context_length(target.model), max_new_tokens=cfg.max_new_tokens)
