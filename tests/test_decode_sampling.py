@@ -1,0 +1,102 @@
+"""Speculative sampling follows the target's distribution exactly (chain SpS and tree MSS)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from test_decode_fixtures import noisy_copy, tiny_llama, tiny_mamba
+
+from draftforge.decode import build_decoder, load_drafter, load_target, verify
+from draftforge.decode.sampling import SamplingParams, probs_from_logits
+from draftforge.decode.tree import DraftTree
+
+VOCAB = 8
+PARAMS = dict(temperature=1.0, top_k=6)
+
+
+def chi_square_limit(df: int) -> float:
+    """Upper tail at roughly p = 1e-4 (Wilson–Hilferty), so a correct sampler passes reliably."""
+    z = 3.72
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi_square(counts: dict, probs: dict, n: int) -> tuple[float, int]:
+    stat, cells = 0.0, 0
+    for key, p in probs.items():
+        if p * n >= 5:  # pool rare cells
+            stat += (counts.get(key, 0) - n * p) ** 2 / (n * p)
+            cells += 1
+    rare_p = sum(p for p in probs.values() if p * n < 5)
+    rare_c = sum(c for k, c in counts.items() if probs.get(k, 0) * n < 5)
+    if rare_p > 0:
+        stat += (rare_c - n * rare_p) ** 2 / (n * rare_p)
+        cells += 1
+    return stat, cells - 1
+
+
+def exact_two_token(target, prompt) -> dict:
+    params = SamplingParams(**PARAMS)
+    with torch.no_grad():
+        p1 = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1], params)
+        seqs = torch.tensor([prompt + [a] for a in range(VOCAB)])
+        p2 = probs_from_logits(target.model(seqs).logits[:, -1], params)
+    return {(a, b): float(p1[a] * p2[a, b]) for a, b in itertools.product(range(VOCAB), repeat=2)}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(tiny_llama(vocab=VOCAB, hidden=16, layers=1, dtype=torch.float64))
+
+
+@pytest.mark.slow  # ~20 s each on a shared CPU; the fast verifier-level checks below run by default
+@pytest.mark.parametrize("kind,method,options", [
+    ("transformer", "chain", {"chain_length": 2}),
+    ("mamba", "tree", {"tree": (3, 2)}),
+])
+def test_first_two_tokens_follow_target(target, kind, method, options):
+    prompt = [1, 2, 3]
+    drafter_model = noisy_copy(target.model, 0.3) if kind == "transformer" else tiny_mamba(VOCAB, dtype=torch.float64)
+    dec = build_decoder(method, target, load_drafter(drafter_model, target), **options)
+    n, counts, accepted = 1000, {}, 0
+    for seed in range(n):
+        res = dec.generate(prompt, max_new_tokens=2, seed=seed, **PARAMS)
+        key = tuple(res.tokens)
+        counts[key] = counts.get(key, 0) + 1
+        accepted += sum(res.stats.accepted_per_round)
+    stat, df = chi_square(counts, exact_two_token(target, prompt), n)
+    assert stat < chi_square_limit(df), (stat, df)
+    assert accepted > n // 10  # drafts were really accepted, so the test exercised min(1, p/q)
+
+
+def _verifier_samples(verifier, p_V, q_V, widths, n, seed):
+    """Distribution of the first emitted token when children are i.i.d. draws from q."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(len(p_V))
+    for _ in range(n):
+        kids = torch.multinomial(q_V, widths, replacement=True, generator=gen).tolist()
+        tree = DraftTree(kids, [-1] * widths, [1] * widths, torch.stack([q_V] + [q_V] * widths), widths == 1)
+        p_NV = torch.stack([p_V] + [p_V] * widths)
+        verdict = verifier(tree, p_NV, gen)
+        counts[tree.tokens[verdict.path[0]] if verdict.path else verdict.next_token] += 1
+    return counts
+
+
+@pytest.mark.parametrize("verifier,widths", [(verify.verify_chain_sps, 1), (verify.verify_tree_mss, 3)])
+def test_verifier_exact_and_wrong_residual_fails(monkeypatch, verifier, widths):
+    """The same check rejects a verifier whose rejection distribution is p instead of norm(max(0, p-q))."""
+    p_V = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05], dtype=torch.float64)
+    q_V = torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3], dtype=torch.float64)
+    n = 4000
+    probs = {i: float(p) for i, p in enumerate(p_V)}
+
+    def check(counts):
+        return chi_square({i: int(c) for i, c in enumerate(counts)}, probs, n)
+
+    stat, df = check(_verifier_samples(verifier, p_V, q_V, widths, n, seed=0))
+    assert stat < chi_square_limit(df)
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)
+    stat, df = check(_verifier_samples(verifier, p_V, q_V, widths, n, seed=0))
+    assert stat > chi_square_limit(df)
