@@ -10,6 +10,7 @@ gradients, hence the factor W; Accelerate/DeepSpeed divide by A, hence the facto
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -25,10 +26,11 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from draftforge.errors import CheckpointError, DraftforgeError
+from draftforge.errors import CheckpointError, DataError, DraftforgeError
 from draftforge.recipe import Recipe, dump_recipe
 from draftforge.train import checkpoint as ckpt
-from draftforge.train.batches import BatchPlan
+from draftforge.train import distributed as dist
+from draftforge.train.batches import BatchPlan, DataExhausted
 
 
 class TrainingDiverged(DraftforgeError):
@@ -69,6 +71,7 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
             trackers.append("tensorboard")
         except ImportError:
             pass
+    dist.require_backend_installed()
     acc = Accelerator(mixed_precision="no" if precision == "fp32" else precision,
                       log_with=trackers or None, project_dir=str(Path(recipe.output_dir) / "logs"))
     per_step = t.micro_batch_size * acc.num_processes
@@ -78,6 +81,7 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
             f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x processes "
             f"= {t.micro_batch_size} x {acc.num_processes}; nearest valid: {lo} or {lo + per_step}")
     acc.gradient_accumulation_steps = t.global_batch_size // per_step
+    dist.configure_deepspeed(acc, recipe)  # DeepSpeed's batch fields come from the recipe, never "auto"
     return acc
 
 
@@ -143,8 +147,9 @@ def train(recipe: Recipe, build_task: Callable[[Recipe, Accelerator], TaskParts]
     A = acc.gradient_accumulation_steps
     say(f"[draftforge] {recipe.task}: {acc.num_processes} process(es) x micro-batch {t.micro_batch_size} x "
         f"{A} accumulation = global batch {t.global_batch_size} sequences of {t.block_size} tokens; "
-        f"precision {acc.mixed_precision}, device {acc.device}")
+        f"precision {acc.mixed_precision}, device {acc.device}, backend {dist.backend(acc)}")
     opt, sched = build_optimizer(parts.model, recipe)
+    dist.fit_fsdp_wrap_policy(acc, parts.model)
     model, opt = acc.prepare(parts.model, opt)
     acc.register_for_checkpointing(sched)
     plan = BatchPlan(parts.train_data, t.global_batch_size, t.micro_batch_size, acc.process_index,
@@ -157,6 +162,7 @@ def train(recipe: Recipe, build_task: Callable[[Recipe, Accelerator], TaskParts]
         if state.get("world_size") != acc.num_processes and not plan.reshardable:
             raise CheckpointError(f"--resume: {last} was written by {state.get('world_size')} processes; this "
                                   f"launch has {acc.num_processes} and this data source cannot be resharded")
+        dist.check_resume(state, acc, last)
         acc.load_state(str(last))
         start, tokens_seen = state["step"], state["tokens_seen"]
         say(f"[draftforge] resumed from {last} (step {start})")
@@ -168,10 +174,13 @@ def train(recipe: Recipe, build_task: Callable[[Recipe, Accelerator], TaskParts]
     bar = tqdm(total=t.max_steps, initial=start, disable=not acc.is_main_process, desc=recipe.task,
                dynamic_ncols=True, mininterval=1.0)
     train_time, timed_tokens = 0.0, 0
-    step = start
+    step, ended = start, None
     for step in range(start + 1, t.max_steps + 1):
         t0 = time.perf_counter()
-        micro = plan.micro_batches(step - 1, acc.device)
+        micro, ended = _next_batches(plan, step, acc)
+        if ended is not None:
+            step -= 1
+            break
         last_loss = _train_step(model, opt, sched, micro, parts.loss_fn, acc, recipe, step)
         dt = time.perf_counter() - t0
         step_tokens = t.global_batch_size * t.block_size
@@ -196,9 +205,11 @@ def train(recipe: Recipe, build_task: Callable[[Recipe, Accelerator], TaskParts]
             break
     bar.close()
     acc.end_training()
+    if ended is not None:
+        eval_loss = _finish_early(acc, model, parts, recipe, run_dir, step, start, tokens_seen, ended, eval_loss)
 
     export_dir = None
-    if step == t.max_steps and t.export:
+    if (step == t.max_steps or ended is not None) and t.export:
         export_dir = export_run(acc, model, parts, recipe, run_dir,
                                 {"final_loss": last_loss, "eval_loss": eval_loss, "steps": step})
     tok_s = timed_tokens / train_time if train_time else 0.0
@@ -207,6 +218,35 @@ def train(recipe: Recipe, build_task: Callable[[Recipe, Accelerator], TaskParts]
     say(f"[draftforge] done: step {step}/{t.max_steps}, loss {last_loss:.4f}{ev}, {tok_s:,.0f} tokens/s; "
         f"run in {run_dir}" + (f"; export in {export_dir}" if export_dir else ""))
     return result
+
+
+def _next_batches(plan: BatchPlan, step: int, acc: Accelerator):
+    """(micro-batches, None), or (None, reason) when a streaming source has no full batch for `step`."""
+    try:
+        micro, ended = plan.micro_batches(step - 1, acc.device), None
+    except DataExhausted as e:
+        micro, ended = None, str(e)
+    if plan.streaming and acc.num_processes > 1:  # all processes must stop at the same step or collectives hang
+        short = acc.reduce(torch.tensor(float(micro is None), device=acc.device), "sum").item()
+        if short and ended is None:
+            ended = f"the stream ended during step {step} on another process"
+    return (None, ended) if ended is not None else (micro, None)
+
+
+def _finish_early(acc, model, parts, recipe, run_dir, step, start, tokens_seen, why, eval_loss):
+    """A streaming source ran out before max_steps: final eval + checkpoint, then the normal export."""
+    t = recipe.train
+    if step == 0:
+        raise DataError(f"the streaming training data holds fewer than one global batch "
+                        f"({t.global_batch_size} blocks of {t.block_size} tokens): {why}; add data or lower "
+                        "train.global_batch_size")
+    acc.print(f"[draftforge] {why}: the streaming data is exhausted, so training finishes at step {step} of "
+              f"{t.max_steps} ({tokens_seen:,} tokens); writing the final checkpoint and export")
+    if step > start:
+        eval_loss = evaluate(model, parts, acc, t)
+        if not (t.save_every and step % t.save_every == 0):
+            save(acc, run_dir, recipe, step, tokens_seen)
+    return eval_loss
 
 
 def _train_step(model, opt, sched, micro, loss_fn, acc: Accelerator, recipe: Recipe, step: int) -> float:
@@ -239,14 +279,20 @@ def _train_step(model, opt, sched, micro, loss_fn, acc: Accelerator, recipe: Rec
 @torch.no_grad()
 def evaluate(model, parts: TaskParts, acc: Accelerator, t) -> float | None:
     data = parts.eval_data
-    if data is None or len(data) == 0:
+    if data is None:
         return None
     model.eval()
-    n = min(len(data), t.eval_batches * t.micro_batch_size * acc.num_processes)
-    mine = list(range(acc.process_index, n, acc.num_processes))
+    n = t.eval_batches * t.micro_batch_size * acc.num_processes
+    if hasattr(data, "__len__"):
+        mine = list(range(acc.process_index, min(len(data), n), acc.num_processes))
+        take = lambda idx: data[idx]  # noqa: E731
+    else:  # streaming eval: the first n blocks, strided over processes like the training rows
+        head = list(itertools.islice(iter(data), n))
+        mine = list(range(acc.process_index, len(head), acc.num_processes))
+        take = lambda idx: {k: [head[i][k] for i in idx] for k in ("input_ids", "labels")}  # noqa: E731
     total, count = torch.zeros((), device=acc.device), torch.zeros((), device=acc.device)
     for i in range(0, len(mine), t.micro_batch_size):
-        rows = data[mine[i:i + t.micro_batch_size]]
+        rows = take(mine[i:i + t.micro_batch_size])
         batch = {k: torch.tensor(v, device=acc.device) for k, v in rows.items() if k in ("input_ids", "labels")}
         s, c, _ = parts.loss_fn(model, batch)
         total += s.float()
@@ -264,7 +310,7 @@ def save(acc: Accelerator, run_dir: Path, recipe: Recipe, step: int, tokens_seen
     acc.wait_for_everyone()
     if acc.is_main_process:
         state = {"step": step, "tokens_seen": tokens_seen, "task": recipe.task, "world_size": acc.num_processes,
-                 "recipe": recipe.to_dict()}
+                 "backend": dist.backend(acc), "recipe": recipe.to_dict()}
         ckpt.commit(tmp, state, recipe.train.keep_checkpoints)
     acc.wait_for_everyone()
 
@@ -273,7 +319,8 @@ def export_run(acc, model, parts: TaskParts, recipe: Recipe, run_dir: Path, metr
     from draftforge.export import export_model
 
     acc.wait_for_everyone()
-    unwrapped = acc.unwrap_model(model)
+    # FSDP / ZeRO-3: no process holds the full weights; gather them (collective) into a CPU copy.
+    unwrapped = dist.gathered_model(acc, model) if dist.shards_weights(acc) else acc.unwrap_model(model)
     out = None
     if acc.is_main_process:
         meta = {"task": recipe.task, "target": recipe.model.target, "recipe": recipe.to_dict(),

@@ -1,0 +1,193 @@
+"""Scale-out: rank sharding (map-style + streaming), DeepSpeed/FSDP config handling, bad input, and
+(slow) multi-process runs compared against the 1-process run of the same recipe."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import datasets
+import pytest
+import torch
+import yaml
+from test_train_loop import tiny_recipe
+
+from draftforge.errors import CheckpointError, DataError, DraftforgeError
+from draftforge.recipe import recipe_from_dict
+from draftforge.train import checkpoint as ckpt
+from draftforge.train import distributed as dist
+from draftforge.train import run
+from draftforge.train.batches import BatchPlan, DataExhausted
+
+REPO = Path(__file__).resolve().parents[1]
+T = 4  # block size of the synthetic rows below
+
+
+def _rows(n: int) -> list[dict]:
+    """Row i holds the token i everywhere, so a batch names the rows it came from."""
+    return [{"input_ids": [i] * T, "labels": [i] * T} for i in range(n)]
+
+
+def _map_data(n: int):
+    return datasets.Dataset.from_list(_rows(n))
+
+
+def _stream_data(n: int):
+    def gen(n):
+        yield from _rows(n)
+    return datasets.IterableDataset.from_generator(gen, gen_kwargs={"n": n})
+
+
+def _seen(plan: BatchPlan, step: int) -> list[int]:
+    return [int(x) for mb in plan.micro_batches(step, "cpu") for x in mb["input_ids"][:, 0]]
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["map", "stream"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_split_each_global_batch_without_overlap_or_gap(streaming, world):
+    make = _stream_data if streaming else _map_data
+    n, G, B, steps = 40, 8, 2, 4 if streaming else 9  # map-style: 9 steps x 8 rows crosses an epoch edge
+    one = BatchPlan(make(n), G, B, rank=0, world=1, seed=3)
+    ranks = [BatchPlan(make(n), G, B, rank=r, world=world, seed=3) for r in range(world)]
+    for step in range(steps):
+        expected = _seen(one, step)
+        assert len(set(expected)) == G
+        got = [x for p in ranks for x in _seen(p, step)]
+        assert sorted(got) == sorted(expected), f"step {step}: union over ranks differs from 1 process"
+        for p in ranks:  # what a rank reads is what its plan says it reads
+            positions = [q for mb in p.rows_for_step(step) for q in mb]
+            if streaming:
+                assert _seen(p, step) == positions  # stream order: global position = row id
+            else:
+                assert _seen(p, step) == [one._global_index(q) for q in positions]
+    if streaming:  # no row is read twice, none skipped: the first steps*G rows of the stream, once each
+        every = [x for p in ranks for s in range(steps) for x in _seen(p, s)]
+        assert sorted(every) == list(range(steps * G))
+
+
+def test_streaming_plan_resumes_mid_stream_and_signals_the_end():
+    fresh = BatchPlan(_stream_data(30), 8, 2, rank=1, world=2, seed=0)
+    cont = BatchPlan(_stream_data(30), 8, 2, rank=1, world=2, seed=0)
+    for step in range(3):
+        rows = _seen(cont, step)
+    assert _seen(fresh, 2) == rows == [17, 19, 21, 23]  # a resumed plan skips to its step directly
+    assert _seen(fresh, 1) == [9, 11, 13, 15]  # and may go back
+    with pytest.raises(DataExhausted) as e:  # 30 rows: step 3 would need rows 24..31
+        _seen(cont, 3)
+    assert e.value.step == 3
+
+
+def test_indivisible_process_count_names_nearest_valid_sizes(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir,
+                                                             monkeypatch):
+    from accelerate import Accelerator
+
+    from draftforge.train.loop import make_accelerator
+
+    monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 3))
+    recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, global_batch_size=8))
+    with pytest.raises(DraftforgeError, match=r"2 x 3; nearest valid: 6 or 12"):
+        make_accelerator(recipe)
+
+
+def test_deepspeed_launch_without_deepspeed_names_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    dist.require_backend_installed({"ACCELERATE_USE_DEEPSPEED": "false"})  # not a DeepSpeed launch: fine
+    with pytest.raises(DraftforgeError, match=r"pip install 'draftforge\[deepspeed\]'"):
+        dist.require_backend_installed({"ACCELERATE_USE_DEEPSPEED": "true"})
+
+
+def _fake_acc(world=2, A=2, ds=None, fsdp=None):
+    return SimpleNamespace(num_processes=world, gradient_accumulation_steps=A,
+                           state=SimpleNamespace(deepspeed_plugin=ds, fsdp_plugin=fsdp))
+
+
+def test_deepspeed_batch_fields_come_from_the_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, global_batch_size=8))
+    config = json.loads((REPO / "launch" / "ds_zero2.json").read_text())
+    plugin = SimpleNamespace(deepspeed_config=config, zero_stage=2)
+    dist.configure_deepspeed(_fake_acc(world=2, A=2, ds=plugin), recipe)
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"], config["gradient_clipping"]) == (2, 2, 8, 1.0)
+    config["train_batch_size"] = 16  # an explicit value that disagrees with the recipe
+    with pytest.raises(DraftforgeError, match="train_batch_size=16 but the recipe implies 8"):
+        dist.configure_deepspeed(_fake_acc(world=2, A=2, ds=plugin), recipe)
+
+
+def test_launch_configs_parse_and_name_installed_block_classes():
+    from transformers.models.llama import modeling_llama
+    from transformers.models.mamba import modeling_mamba
+    from transformers.models.mamba2 import modeling_mamba2
+
+    fsdp = yaml.safe_load((REPO / "launch" / "fsdp.yaml").read_text())["fsdp_config"]
+    names = fsdp["fsdp_transformer_layer_cls_to_wrap"].split(",")
+    assert tuple(names) == dist.FSDP_BLOCK_CLASSES
+    for module, name in zip((modeling_mamba, modeling_mamba2, modeling_llama), names):
+        assert hasattr(module, name), f"transformers has no {name}"
+    for z in (2, 3):
+        launch = yaml.safe_load((REPO / "launch" / f"deepspeed_zero{z}.yaml").read_text())
+        ds = json.loads((REPO / launch["deepspeed_config"]["deepspeed_config_file"]).read_text())
+        assert ds["zero_optimization"]["stage"] == z and ds["train_batch_size"] == "auto"
+    assert yaml.safe_load((REPO / "launch" / "multi_cpu.yaml").read_text())["num_processes"] == 2
+
+
+def test_fsdp_wrap_policy_keeps_the_model_block_class(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    from draftforge.train.lm import build_model, load_tokenizer
+
+    recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir))
+    model = build_model(recipe, load_tokenizer(recipe))
+    plugin = SimpleNamespace(transformer_cls_names_to_wrap=list(dist.FSDP_BLOCK_CLASSES))
+    dist.fit_fsdp_wrap_policy(_fake_acc(fsdp=plugin), model)
+    assert plugin.transformer_cls_names_to_wrap == ["Mamba2Block"]
+    plugin.transformer_cls_names_to_wrap = ["GPT2Block"]
+    with pytest.raises(DraftforgeError, match="has none of them"):
+        dist.fit_fsdp_wrap_policy(_fake_acc(fsdp=plugin), model)
+
+
+def test_resume_on_another_world_size_only_where_resharding_works():
+    ddp2 = {"world_size": 2, "backend": "ddp"}
+    dist.check_resume(ddp2, _fake_acc(world=1), "ck")  # DDP: the data position is global, weights are full
+    dist.check_resume({"world_size": 4, "backend": "fsdp"}, _fake_acc(world=2, fsdp=object()), "ck")
+    zero = SimpleNamespace(zero_stage=2, deepspeed_config={})
+    dist.check_resume({"world_size": 2, "backend": "deepspeed-zero2"}, _fake_acc(world=2, ds=zero), "ck")
+    with pytest.raises(CheckpointError, match="written by 2 processes under deepspeed-zero2.*Relaunch with 2"):
+        dist.check_resume({"world_size": 2, "backend": "deepspeed-zero2"}, _fake_acc(world=4, ds=zero), "ck")
+    with pytest.raises(CheckpointError, match="written under ddp; this launch is deepspeed-zero2"):
+        dist.check_resume(ddp2, _fake_acc(world=2, ds=zero), "ck")
+
+
+def test_gathered_state_rebuilds_the_same_model(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    from draftforge.train.lm import build_model, load_tokenizer
+
+    recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir))
+    model = build_model(recipe, load_tokenizer(recipe)).eval()
+    copy = dist.model_from_state(model, {k: v.clone() for k, v in model.state_dict().items()})
+    ids = torch.randint(0, 100, (2, 16))
+    torch.testing.assert_close(copy(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_streaming_run_that_runs_out_of_data_finishes_cleanly(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir,
+                                                              capsys):
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=10_000, save_every=0,
+                         eval_every=0, export=True)
+    values["data"].update(streaming=True, max_documents=1, eval_fraction=0.0)
+    result = run(recipe_from_dict(values))
+    out = capsys.readouterr().out
+    assert 0 < result.step < 10_000 and "streaming data is exhausted" in out
+    state = ckpt.read_loop_state(ckpt.latest_valid(result.run_dir))
+    assert state["step"] == result.step and state["backend"] == "single"
+    assert (result.export_dir / "model.safetensors").is_file()
+    values["data"]["max_documents"] = None
+    values["train"]["global_batch_size"] = 4096  # more blocks than one step of the whole corpus
+    values["train"]["micro_batch_size"] = 4096
+    with pytest.raises(DataError, match="fewer than one global batch"):
+        run(recipe_from_dict(values), overwrite=True)
