@@ -10,6 +10,7 @@ it never saw.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import os
@@ -83,19 +84,24 @@ def split_of(relative_path: str) -> str:
     return "heldout" if bucket < HELDOUT_PERCENT else "train"
 
 
+@functools.lru_cache(maxsize=4)
+def _python_files(root: str) -> tuple[str, ...]:
+    """Sorted POSIX relative paths of usable `*.py` files under `root` (scanned once per process)."""
+    found = []
+    for path in Path(root).rglob("*.py"):
+        rel = path.relative_to(root)
+        if SKIP_DIRS.intersection(rel.parts[:-1]) or not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
+            continue
+        found.append(rel.as_posix())
+    return tuple(sorted(found))
+
+
 def corpus_files(split: str = "train", root=None, max_files: int | None = None) -> list[Path]:
     """Sorted stdlib `*.py` files of `split` ("train", "heldout" or "all"), at most `max_files` of them."""
     if split not in ("train", "heldout", "all"):
         raise DataError(f"split must be 'train', 'heldout' or 'all', got {split!r}")
     root = Path(root) if root is not None else stdlib_root()
-    files = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if SKIP_DIRS.intersection(rel.parts[:-1]) or not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
-            continue
-        if split == "all" or split_of(rel.as_posix()) == split:
-            files.append(path)
-    files.sort(key=lambda p: p.relative_to(root).as_posix())
+    files = [root / rel for rel in _python_files(str(root)) if split == "all" or split_of(rel) == split]
     if not files:
         raise DataError(f"no Python source files found under {root} for split {split!r}")
     return files[:max_files] if max_files is not None else files
@@ -171,9 +177,16 @@ def _prompt_candidates(source: str) -> list[str]:
             continue
         if ast.get_docstring(node) is None or len(node.body) < 2:
             continue
-        doc_end, next_line = node.body[0].end_lineno, lines[node.body[1].lineno - 1]
+        after_doc = node.body[1]  # its lineno is the `def` line, below any decorators
+        next_start = min([d.lineno for d in getattr(after_doc, "decorator_list", [])] + [after_doc.lineno])
+        doc_end = node.body[0].end_lineno
+        if next_start <= doc_end:  # `"doc"; return x` on one line: no clean cut
+            continue
+        next_line = lines[next_start - 1]
         indent = next_line[: len(next_line) - len(next_line.lstrip())]
-        prompt = "".join(lines[node.lineno - 1: doc_end]) + indent
+        # Cut just before the first statement after the docstring, keeping blank lines and
+        # comments in between, so the prompt is verbatim file text.
+        prompt = "".join(lines[node.lineno - 1: next_start - 1]) + indent
         if PROMPT_MIN_CHARS <= len(prompt) <= PROMPT_MAX_CHARS:
             prompts.append(prompt)
     return prompts
