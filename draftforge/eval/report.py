@@ -88,6 +88,9 @@ def markdown_table(report: dict) -> str:
         "speedup = ratio of medians (tokens/s over repeats) against AR measured in the same run on the same prompts.",
         "τ (+bonus) counts the bonus/correction token; τ (no bonus) counts accepted draft tokens only.",
     ]
+    checks = [f"{r['method']} {_self_check_cell(r['self_check'])}" for r in report["results"] if r["self_check"]]
+    if checks:
+        lines.append(f"self-check (T=0, prompts identical to AR in this run, every repeat): {', '.join(checks)}.")
     for s in report.get("skipped", []):
         lines.append(f"skipped {s['method']}: {s['reason']}")
     return "\n".join(lines)
