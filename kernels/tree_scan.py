@@ -21,6 +21,7 @@ Ch conv channels (H*P + 2*G*S), K conv width, W 32-bit words of the ancestor bit
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -374,8 +375,6 @@ def _ssm_triton(c: TreeScanCache, D_H: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel_usable(xBC_BNCh: torch.Tensor) -> bool:
-    import os
-
     return triton is not None and (xBC_BNCh.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 

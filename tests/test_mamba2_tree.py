@@ -160,6 +160,32 @@ def test_model_tree_logits_and_replay_match_sequences():
                 assert rel_err(ssm, full.cache_params.get_recurrent_state(layer)) < 1e-4
 
 
+def hybrid_mixers():
+    from transformers import BambaConfig, NemotronHConfig
+    from transformers.models.bamba.modeling_bamba import BambaMixer
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    common = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    bamba = BambaConfig(mamba_n_heads=4, mamba_d_head=8, mamba_expand=2, mamba_n_groups=2, mamba_d_state=8,
+                        mamba_d_conv=4, attn_layer_indices=[], **common)
+    nemotron = NemotronHConfig(mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4,
+                               expand=2, hybrid_override_pattern="M", **common)
+    return {"bamba": (BambaMixer, bamba), "nemotron_h": (NemotronHMamba2Mixer, nemotron)}
+
+
+@pytest.mark.parametrize("name", ["bamba", "nemotron_h"])
+def test_chain_reproduces_hybrid_mixer_forward(name):
+    mixer_cls, config = hybrid_mixers()[name]
+    torch.manual_seed(7)
+    mixer = mixer_cls(config, layer_idx=0).eval()
+    with torch.no_grad():
+        for param in mixer.parameters():
+            param.normal_(0.0, 0.3)
+        hidden_BND = torch.randn(2, 7, 16)
+        got, _ = mixer_tree_forward(mixer, hidden_BND, list(range(-1, 6)), impl="ref")
+        assert rel_err(got, mixer(hidden_BND)) < TOL[torch.float32]
+
+
 def test_unsupported_mixer_is_a_clear_error():
     with pytest.raises(CompatibilityError, match="not a Mamba2-style mixer"):
         mixer_tree_forward(torch.nn.Linear(4, 4), torch.zeros(1, 1, 4), [-1])
