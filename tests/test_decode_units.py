@@ -1,0 +1,119 @@
+"""Tree verification vs plain sequences, SSM state rollback vs re-encoding, UCB by hand, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_decode_fixtures import tiny_llama, tiny_mamba, tiny_mamba2
+from transformers import DynamicCache
+
+from draftforge.decode import UCBTree, build_decoder, load_drafter, load_target
+from draftforge.decode.sampling import SamplingParams
+from draftforge.decode.ssm_state import layer_states
+from draftforge.decode.tree import DraftTree, root_path, tree_from_levels
+from draftforge.errors import CompatibilityError, DraftforgeError
+
+VOCAB = 16
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(tiny_llama(vocab=VOCAB, dtype=torch.float64))
+
+
+def test_tree_logits_equal_root_path_sequences(target):
+    prompt = [1, 4, 9, 2, 7]
+    widths = (3, 2, 2)
+    gen = torch.Generator().manual_seed(0)
+    levels = [torch.randint(0, VOCAB, (b,), generator=gen).tolist() for b in (3, 6, 12)]
+    tokens, parents, depths = tree_from_levels(levels, widths)
+    target.prefill(prompt)
+    logits_NV = target.verify(prompt[-1], DraftTree(tokens, parents, depths))
+    with torch.no_grad():
+        plain = target.model(torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(logits_NV[0], plain)
+        for j in range(len(tokens)):
+            seq = prompt + [tokens[k] for k in root_path(parents, j)]
+            plain = target.model(torch.tensor([seq])).logits[0, -1]
+            torch.testing.assert_close(logits_NV[1 + j], plain, rtol=1e-9, atol=1e-9)
+    # after committing a root path, the cache equals the plain prefix's cache
+    path = root_path(parents, 13)
+    target.commit(path)
+    nxt = target.verify(5, DraftTree([], [], []))  # the bonus token 5 is fed next round
+    seq = prompt + [tokens[k] for k in path] + [5]
+    torch.testing.assert_close(nxt[0], target.model(torch.tensor([seq])).logits[0, -1], rtol=1e-9, atol=1e-9)
+
+
+def reencoded_states(model, seq):
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([seq]), cache_params=cache, use_cache=True)
+    return layer_states(cache)
+
+
+@pytest.mark.parametrize("make", [tiny_mamba, tiny_mamba2], ids=["mamba", "mamba2"])
+def test_ssm_rollback_equals_reencoding(target, make):
+    drafter = load_drafter(make(vocab=VOCAB, dtype=torch.float64), target)
+    seq = [3, 1, 4, 1, 5, 9, 2]
+    params, gen = SamplingParams(), torch.Generator().manual_seed(0)
+    for widths, pick in [((1, 1, 1), 3), ((1, 1, 1), 0), ((2, 2, 2), 2), ((3, 2), 1), ((2, 2, 2), 3), ((1, 1, 1, 1), 2)]:
+        tree = drafter.draft(seq, widths, params, gen)
+        leaf = [j for j, d in enumerate(tree.depths) if d == len(widths)][-1]  # the last branch, not row 0
+        path = root_path(tree.parents, leaf)[:pick]
+        drafter.accept(path)
+        seq = seq + [tree.tokens[j] for j in path] + [int(torch.randint(0, VOCAB, (), generator=gen))]
+        assert drafter.consumed == len(seq) - 1 - (pick == len(widths))  # the bonus (and a leaf) are fed lazily
+        expected = reencoded_states(drafter.model, seq[: drafter.consumed])
+        # transformers' Mamba kernels compute in float32 internally, hence float32-level tolerances
+        for (conv, ssm), (conv_ref, ssm_ref) in zip(layer_states(drafter.cache), expected):
+            torch.testing.assert_close(conv, conv_ref, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(ssm, ssm_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_ucb_choices_match_hand_computation():
+    arms = [(1, 1), (2, 1), (2, 2, 2)]
+    ucb = UCBTree(arms, ucb_lambda=0.5, lambda_gamma=0.2)
+    emitted = {0: [2, 1, 3], 1: [3, 3, 3], 2: [1, 4, 1]}  # scripted N_accept per pull of each arm
+    counts, sums, chosen = [0, 0, 0], [0.0, 0.0, 0.0], []
+    for t in range(1, 8):
+        if 0 in counts:
+            k = counts.index(0)
+        else:
+            score = [sums[i] / counts[i] + 0.5 * math.sqrt(2 * math.log(t) / counts[i]) for i in range(3)]
+            k = score.index(max(score))
+        chosen.append(k)
+        n = emitted[k][counts[k] % 3]
+        counts[k] += 1
+        sums[k] += -(1 / n + 0.2 * len(arms[k]) / n)
+    got = []
+    for _ in range(7):
+        widths = ucb.next_config()
+        got.append(arms.index(widths))
+        ucb.update(widths, emitted[got[-1]][ucb.counts[got[-1]] % 3])
+    assert got == chosen
+    assert chosen[:3] == [0, 1, 2] and len(set(chosen[3:])) >= 1
+
+
+def test_bad_input_errors(target):
+    mamba = load_drafter(tiny_mamba(vocab=VOCAB), target)
+    with pytest.raises(DraftforgeError, match="positive integer"):
+        build_decoder("tree", target, mamba, tree=(2, 0, 1)).generate([1], max_new_tokens=3)
+    with pytest.raises(DraftforgeError, match="temperature"):
+        build_decoder("ar", target).generate([1], max_new_tokens=3, temperature=-0.5)
+    with pytest.raises(DraftforgeError, match="empty prompt"):
+        build_decoder("ar", target).generate([], max_new_tokens=3)
+    with pytest.raises(DraftforgeError, match="context"):
+        build_decoder("ar", target).generate([1] * 300, max_new_tokens=3)
+    with pytest.raises(DraftforgeError, match="batch size must be 1"):
+        build_decoder("ar", target).generate([[1, 2], [3, 4]], max_new_tokens=3)
+    with pytest.raises(DraftforgeError, match="Transformer drafter"):
+        build_decoder("hf_assisted", target, mamba)
+    with pytest.raises(DraftforgeError, match="unknown decoding method"):
+        build_decoder("beam", target, mamba)
+    with pytest.raises(CompatibilityError, match="target .* drafter"):
+        load_drafter(tiny_mamba(vocab=VOCAB + 4), target)
+    other = load_drafter(tiny_mamba(vocab=VOCAB + 4, dtype=torch.float64), target, allow_vocab_mismatch=True)
+    res = build_decoder("chain", target, other, chain_length=2).generate([1, 2], max_new_tokens=5)
+    assert res.tokens == build_decoder("ar", target).generate([1, 2], max_new_tokens=5).tokens
