@@ -1,4 +1,5 @@
 """Export: exact round trip through from_pretrained, atomic writes, refusals, tokenizer fingerprints."""
+# Shapes: B batch, T tokens, V vocabulary.
 
 import json
 

@@ -1,4 +1,5 @@
 """Model builders: presets, explicit dims, validation errors that name the field, vocab/tokenizer agreement."""
+# Shapes: B batch, T tokens, V vocabulary.
 
 import pytest
 import torch
@@ -62,6 +63,8 @@ def test_overrides_win_over_preset():
     llama = build_causal_lm("llama", 100, size="tiny-target", overrides={"num_hidden_layers": 1},
                             max_position_embeddings=128)
     assert (llama.config.num_hidden_layers, llama.config.max_position_embeddings) == (1, 128)
+    assert build_model("llama", 100, size="tiny-drafter", max_position_embeddings=64).config.max_position_embeddings == 64
+    assert build_model("mamba", 100, max_position_embeddings=64).config.hidden_size == 128  # ignored for SSMs
     assert llama.config.hidden_size == 256
 
 

@@ -13,12 +13,15 @@ __all__ = ["MAMBA_PRESETS", "LLAMA_PRESETS", "build_mamba", "build_causal_lm", "
 
 
 def build_model(arch: str, vocab_size: int, size: str | None = None, overrides: dict | None = None,
-                **special_ids) -> torch.nn.Module:
-    """A fresh model: Mamba/Mamba2 through `build_mamba` (default size "tiny"; overrides win over it), anything else through transformers."""
+                max_position_embeddings: int | None = None, **special_ids) -> torch.nn.Module:
+    """A fresh model: Mamba/Mamba2 via `build_mamba` (size defaults to "tiny"), anything else via transformers.
+
+    `max_position_embeddings` only applies to position-embedding models; an SSM has no context limit to set.
+    """
     if arch in ("mamba", "mamba2"):
-        return build_mamba(arch, vocab_size, size=size or "tiny",
-                           overrides=overrides, **special_ids)
-    return build_causal_lm(arch, vocab_size, size=size, overrides=overrides, **special_ids)
+        return build_mamba(arch, vocab_size, size=size or "tiny", overrides=overrides, **special_ids)
+    return build_causal_lm(arch, vocab_size, size=size, overrides=overrides,
+                           max_position_embeddings=max_position_embeddings, **special_ids)
 
 
 def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
