@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftforge.errors import DataError
+from draftforge.errors import DataError, RecipeError
 
 HELDOUT_PERCENT = 10
 MAX_FILE_BYTES = 200_000
@@ -135,6 +135,9 @@ def train_tokenizer(out_dir, vocab_size: int = 2048, max_files: int | None = Non
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise RecipeError(f"vocab_size: {vocab_size} is below the 256 byte tokens + {len(SPECIAL_TOKENS)} specials "
+                          "that a byte-level BPE needs")
     out_dir = Path(out_dir)
     files = corpus_files("train", max_files=max_files)
     settings = _tokenizer_settings(vocab_size, files)
@@ -158,7 +161,12 @@ def train_tokenizer(out_dir, vocab_size: int = 2048, max_files: int | None = Non
     tokenizer.save_pretrained(tmp_dir)
     (tmp_dir / settings_path.name).write_text(json.dumps(settings, indent=2) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
-    tmp_dir.rename(out_dir)
+    try:
+        tmp_dir.rename(out_dir)
+    except OSError:  # another process finished the same build first: keep theirs
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if not (settings_path.is_file() and json.loads(settings_path.read_text()) == settings):
+            raise
     return PreTrainedTokenizerFast.from_pretrained(out_dir)
 
 

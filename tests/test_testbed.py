@@ -63,6 +63,8 @@ def test_tokenizer_trains_on_subset_and_is_cached(tmp_path):
     bigger = testbed.train_tokenizer(tmp_path / "tok", vocab_size=330, max_files=5)
     assert len(bigger) == 330  # different settings: retrained in place
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "tok"]  # no temp dirs left behind
+    with pytest.raises(testbed.RecipeError, match="vocab_size"):
+        testbed.train_tokenizer(tmp_path / "tiny", vocab_size=200, max_files=2)
 
 
 def test_chat_template_is_plain_concatenation(tmp_path):
