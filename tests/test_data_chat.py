@@ -107,3 +107,37 @@ def test_conversation_truncated_before_assistant_is_skipped(tmp_path, caplog):
     bd = build_block_data(data_cfg([src], format="chat"), tok, 32, seed=0)
     assert bd.stats["rows_skipped"] == 1 and bd.stats["documents"] == 1
     assert "truncated away" in caplog.text
+
+
+def _labelled_text(tok, out):
+    return tok.decode([t for t in out["labels"] if t != IGNORE_INDEX])
+
+
+def test_assistant_content_equal_to_a_marker_word_is_located_exactly():
+    tok = tiny_tokenizer()
+    convo = [("user", "assistant"), ("assistant", "assistant")]
+    ids, labels = expected_default(tok, convo)
+    out = tokenize_conversation(openai_row(convo)["messages"], tok, max_length=1000)
+    assert out["input_ids"] == ids and out["labels"] == labels
+
+
+TRIMMING_NO_SYSTEM = (
+    "{% for m in messages %}{% if m['role'] != 'system' %}"
+    "{{ '[' + m['role'] + ']\n' + (m['content'] | trim) + '\n' }}{% endif %}{% endfor %}"
+)
+GLUED_GENERATION = (  # like the testbed's: contents glued together, assistant wrapped in {% generation %}
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+    "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
+)
+
+
+def test_templates_that_trim_drop_or_glue_contents():
+    tok = tiny_tokenizer(chat_template=TRIMMING_NO_SYSTEM)
+    convo = [("system", "be brief"), ("user", " Hello world "), ("assistant", "  return a + b\n")]
+    out = tokenize_conversation(openai_row(convo)["messages"], tok, max_length=1000)
+    assert _labelled_text(tok, out) == "return a + b"
+    tok = tiny_tokenizer(chat_template=GLUED_GENERATION)
+    convo = [("user", "def add(a, b):\n"), ("assistant", "    return a + b\n")]
+    out = tokenize_conversation(openai_row(convo)["messages"], tok, max_length=1000)
+    assert tok.decode(out["input_ids"]) == "def add(a, b):\n    return a + b\n"
+    assert _labelled_text(tok, out).strip() == "return a + b"

@@ -134,3 +134,12 @@ def test_streaming_packs_the_same_tokens(tmp_path, tok):
     held = [d for d in docs if d in eval_text]
     assert held and all(d not in train_text for d in held)
     assert packed_tokens(as_ds) == token_stream(tok, [d for d in docs if d not in held])
+
+
+def test_recipe_data_config_is_accepted_and_stats_are_json(tmp_path, tok):
+    recipe = pytest.importorskip("draftforge.recipe")
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": f"document {i}"} for i in range(20)] + [{"x": 1}])
+    cfg = recipe.DataConfig(sources=[str(src)], eval_fraction=0.1)
+    bd = build_block_data(cfg, tok, 8, seed=0)
+    assert bd.eval is not None and bd.stats["eval_documents"] == 2
+    assert json.loads(json.dumps(bd.stats)) == bd.stats
