@@ -242,9 +242,20 @@ def apply_overrides(values: dict, overrides: list[str]) -> dict:
     return values
 
 
+def _expand(value):
+    import os
+
+    return os.path.expanduser(os.path.expandvars(value)) if isinstance(value, str) else value
+
+
 def recipe_from_dict(values: dict, overrides: list[str] = ()) -> Recipe:
+    """Validate a nested dict into a Recipe; `~` and $VARS in path fields are expanded."""
     values = apply_overrides(dict(values or {}), list(overrides))
     recipe = _build(Recipe, values)
+    recipe.output_dir = _expand(recipe.output_dir)
+    m = recipe.model
+    m.init_from, m.tokenizer, m.target = _expand(m.init_from), _expand(m.tokenizer), _expand(m.target)
+    recipe.data.sources = [_expand(s) for s in recipe.data.sources]
     recipe.check()
     return recipe
 

@@ -1,0 +1,165 @@
+"""`draftforge demo`: the embedded default, end to end on one CPU.
+
+1. testbed: BPE tokenizer + corpus from the Python stdlib on this machine (cached);
+2. target: a tiny Llama pre-trained on that corpus with the `pretrain` task (cached);
+3. drafter: a tiny Mamba2 pre-trained on the same corpus (`pretrain`), then SFT'd (`sft`) on the
+   target's own greedy continuations of training-split snippets (sequence-level distillation);
+4. export, then `draftforge eval` of the drafter against the target on held-out prompts:
+   autoregressive vs chain vs tree, with the speedup table.
+The recipes below are the same as recipes/tiny/*.yaml (a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+TESTBED = "~/.cache/draftforge/testbed"
+
+
+def target_recipe(testbed: str = TESTBED) -> dict:
+    return {
+        "task": "pretrain",
+        "output_dir": f"{testbed}/target-run",
+        "model": {"arch": "llama", "size": "tiny-target", "tokenizer": f"{testbed}/tokenizer"},
+        "data": {"sources": [f"{testbed}/corpus_train.jsonl"], "eval_fraction": 0.01},
+        "optim": {"lr": 2e-3, "warmup_steps": 20},
+        "train": {"max_steps": 400, "global_batch_size": 16, "micro_batch_size": 16,
+                  "block_size": 256, "eval_every": 100, "save_every": 100, "log_every": 10},
+    }
+
+
+def drafter_pretrain_recipe(testbed: str = TESTBED, out: str = "runs/demo") -> dict:
+    return {
+        "task": "pretrain",
+        "output_dir": f"{out}/drafter-pretrain",
+        "model": {"arch": "mamba2", "size": "tiny", "target": f"{testbed}/target"},
+        "data": {"sources": [f"{testbed}/corpus_train.jsonl"], "eval_fraction": 0.01},
+        "optim": {"lr": 3e-3, "warmup_steps": 20},
+        "train": {"max_steps": 300, "global_batch_size": 16, "micro_batch_size": 16,
+                  "block_size": 256, "eval_every": 100, "save_every": 100, "log_every": 10},
+    }
+
+
+def drafter_sft_recipe(testbed: str = TESTBED, out: str = "runs/demo") -> dict:
+    return {
+        "task": "sft",
+        "output_dir": f"{out}/drafter-sft",
+        "model": {"init_from": f"{out}/drafter-pretrain", "target": f"{testbed}/target"},
+        "data": {"sources": [f"{out}/sft_distill.jsonl"], "format": "chat", "eval_fraction": 0.05},
+        "optim": {"lr": 1e-3, "warmup_steps": 10},
+        "train": {"max_steps": 150, "global_batch_size": 16, "micro_batch_size": 16,
+                  "block_size": 256, "eval_every": 50, "save_every": 50, "log_every": 10},
+    }
+
+
+# --quick: a smoke run of the whole pipeline in about a minute (the numbers mean little).
+QUICK = ["train.max_steps=8", "train.block_size=64", "train.global_batch_size=8", "train.micro_batch_size=8",
+         "train.eval_every=0", "train.save_every=0"]
+
+
+def _train(values: dict, label: str, say, quick: bool) -> dict:
+    from draftforge.recipe import recipe_from_dict
+    from draftforge.train import run as run_training
+
+    say(f"\n== {label}")
+    result = run_training(recipe_from_dict(values, QUICK if quick else ()), overwrite=True)
+    return {"final_loss": result.final_loss, "eval_loss": result.eval_loss, "tokens_per_s": result.tokens_per_s,
+            "export": str(result.export_dir)}
+
+
+def ensure_target(testbed: Path, quick: bool, say) -> dict | None:
+    """Pre-train the tiny target once; later runs reuse the export at TESTBED/target."""
+    target = testbed / "target"
+    if (target / "draftforge.json").is_file():
+        say(f"== target: reusing {target}")
+        return None
+    stats = _train(target_recipe(str(testbed)), "target: pre-training a tiny Llama on the stdlib corpus", say, quick)
+    tmp = testbed / ".target.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(stats["export"], tmp)
+    tmp.replace(target)
+    return stats
+
+
+def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens: int, say) -> Path:
+    """Chat rows {messages: [user: snippet, assistant: target's greedy continuation]} from train files."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftforge.testbed import _prompt_candidates
+
+    tok = AutoTokenizer.from_pretrained(testbed / "tokenizer")
+    model = AutoModelForCausalLM.from_pretrained(testbed / "target", use_safetensors=True).eval()
+    prompts = []
+    with open(testbed / "corpus_train.jsonl") as f:
+        for line in f:
+            prompts.extend(_prompt_candidates(json.loads(line)["text"])[:2])
+            if len(prompts) >= n_prompts:
+                break
+    say(f"\n== distillation data: the target continues {len(prompts)} training-split snippets")
+    tok.padding_side = "left"
+    rows = []
+    for i in range(0, len(prompts), 32):
+        batch = tok(prompts[i:i + 32], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            gen = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+        for p, ids in zip(prompts[i:i + 32], gen[:, batch["input_ids"].shape[1]:]):
+            text = tok.decode(ids, skip_special_tokens=True)
+            if text.strip():
+                rows.append({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": text}]})
+    path = out / "sft_distill.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_demo(testbed: Path, out: Path, *, quick: bool = False, num_prompts: int = 20, max_new_tokens: int = 64,
+             say=print) -> dict:
+    from draftforge.testbed import ensure_testbed
+
+    t0 = time.perf_counter()
+    if quick:  # never let a smoke-run target be reused by a full demo
+        testbed = testbed / "quick"
+    out.mkdir(parents=True, exist_ok=True)
+    say(f"== testbed in {testbed} (tokenizer, stdlib corpus, held-out prompts)")
+    paths = ensure_testbed(testbed, max_files=12 if quick else None)
+    summary = {"testbed": str(testbed), "target_training": ensure_target(testbed, quick, say)}
+    summary["drafter_pretrain"] = _train(drafter_pretrain_recipe(str(testbed), str(out)),
+                                         "drafter: pre-training a tiny Mamba2", say, quick)
+    write_distill_data(testbed, out, 16 if quick else 256, 16 if quick else 64, say)
+    summary["drafter_sft"] = _train(drafter_sft_recipe(str(testbed), str(out)),
+                                    "drafter: SFT on the target's continuations", say, quick)
+    say("\n== eval: speculative decoding vs plain decoding on held-out prompts")
+    from draftforge.eval.report import markdown_table
+    from draftforge.eval.runner import EvalConfig, run_eval
+
+    report = run_eval(EvalConfig(target=str(testbed / "target"), drafter=summary["drafter_sft"]["export"],
+                                 bench=str(paths.prompts), num_prompts=3 if quick else num_prompts,
+                                 max_new_tokens=16 if quick else max_new_tokens, methods=("ar", "chain", "tree"),
+                                 temperatures=(0.0,), out_dir=str(out / "eval"), plots=not quick))
+    summary["eval"] = {r["method"]: {"speedup": r.get("speedup"), "tau": r.get("tau")} for r in report["results"]}
+    summary["minutes"] = (time.perf_counter() - t0) / 60
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    say("\n" + markdown_table(report))
+    say(f"\ndemo done in {summary['minutes']:.1f} min: drafter export {summary['drafter_sft']['export']}, "
+        f"eval report {out / 'eval'}, summary {out / 'summary.json'}")
+    return summary
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--testbed", default=TESTBED, help="where the tokenizer, corpus and tiny target are cached "
+                                                      "(default %(default)s)")
+    p.add_argument("--out", default="runs/demo", help="where the drafter runs, exports and eval report go")
+    p.add_argument("--quick", action="store_true", help="smallest settings (a smoke test, ~1 min; numbers mean little)")
+    p.add_argument("--num-prompts", type=int, default=20, help="held-out prompts in the eval (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default %(default)s)")
+
+
+def run(args) -> int:
+    run_demo(Path(args.testbed).expanduser(), Path(args.out), quick=args.quick, num_prompts=args.num_prompts,
+             max_new_tokens=args.max_new_tokens)
+    return 0
