@@ -92,3 +92,11 @@ def test_pretraining_sized_corpus_pads_under_one_percent(tmp_path, tok):
     bd = build_block_data(data_cfg([tmp_path], file_glob="**/*.py"), tok, 128, seed=0)
     assert bd.stats["padding_fraction"] < 0.01
     assert bd.stats["documents"] == 40
+
+
+def test_tokenization_workers_give_the_same_blocks(tmp_path, tok):
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in DOCS])
+    one = build_block_data(data_cfg([src], eval_fraction=0.2), tok, 16, seed=5)
+    two = build_block_data(data_cfg([src], eval_fraction=0.2, num_proc=2), tok, 16, seed=5)
+    assert one.train["input_ids"] == two.train["input_ids"] and one.eval["labels"] == two.eval["labels"]
+    assert one.stats == two.stats

@@ -1,4 +1,9 @@
-"""sources -> usable rows -> seeded held-out split -> tokenize (cached map) -> packed blocks."""
+"""sources -> usable rows -> seeded held-out split -> tokenize (cached map) -> packed blocks.
+
+Tokenization is a fingerprinted `datasets.map` (cached, progress bar, `num_proc` workers);
+packing then runs over the whole token stream in memory (int32 arrow columns, ~8 bytes per
+token for input_ids + labels). For corpora that do not fit, use `streaming: true`.
+"""
 
 from __future__ import annotations
 

@@ -175,9 +175,9 @@ def load_hf(spec: str, cfg, fmt: str, text_field: str):
     except (ValueError, FileNotFoundError, ConnectionError, OSError) as e:
         raise DataError(f"could not load Hugging Face dataset {name!r} (config {cfg.hf_config!r}, split "
                         f"{cfg.split!r}): {e}. Check the name, hf_config, split and network access") from None
-    columns = list(raw.column_names or [])
+    columns = raw.column_names  # None for some streamed datasets: extra columns then ride along
     return raw.map(normalize_row, fn_kwargs={"fmt": fmt, "text_field": text_field},
-                   remove_columns=columns, features=features_for(fmt))
+                   remove_columns=columns, features=features_for(fmt) if columns is not None else None)
 
 
 def load_sources(cfg):
