@@ -66,7 +66,8 @@ def _mergeable_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _check_destination(out_dir: Path, identity: dict, overwrite: bool) -> None:
-    if not out_dir.exists() or overwrite:
+    """Refuse to replace a different export (unless overwrite) or anything that is not an export (ever)."""
+    if not out_dir.exists():
         return
     if not out_dir.is_dir():
         raise CheckpointError(f"export path {out_dir} exists and is not a directory; choose another --out")
@@ -74,10 +75,10 @@ def _check_destination(out_dir: Path, identity: dict, overwrite: bool) -> None:
         return
     try:
         existing = read_export_metadata(out_dir)
-    except CheckpointError:
-        raise CheckpointError(f"{out_dir} already holds files that are not a draftforge export; "
-                              "choose another --out or pass --overwrite") from None
-    if {k: existing.get(k) for k in _IDENTITY_KEYS} != identity:
+    except CheckpointError:  # never delete someone's unrelated files, even with --overwrite
+        raise CheckpointError(f"{out_dir} already holds files that are not a readable draftforge export; "
+                              "choose another --out or remove that directory yourself") from None
+    if not overwrite and {k: existing.get(k) for k in _IDENTITY_KEYS} != identity:
         raise CheckpointError(f"{out_dir} already holds a different export (task {existing.get('task')!r}, "
                               f"target {existing.get('target')!r}); choose another --out or pass --overwrite")
 

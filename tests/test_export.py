@@ -103,8 +103,10 @@ def test_overwrite_protection(tokenizer, tmp_path):
     other = tmp_path / "notes"
     other.mkdir()
     (other / "todo.txt").write_text("mine")
-    with pytest.raises(CheckpointError, match="not a draftforge export"):
-        export_model(model, tokenizer, other, metadata=META)
+    for overwrite in (False, True):
+        with pytest.raises(CheckpointError, match="not a readable draftforge export"):
+            export_model(model, tokenizer, other, metadata=META, overwrite=overwrite)
+    assert [p.name for p in other.iterdir()] == ["todo.txt"]
     with pytest.raises(CheckpointError, match="task"):
         export_model(model, tokenizer, tmp_path / "x", metadata={"target": "t"})
 
