@@ -20,8 +20,6 @@ from draftforge.errors import CheckpointError, DraftforgeError
 DEEPSPEED_EXTRA = "pip install 'draftforge[deepspeed]'"
 # Block classes FSDP wraps one unit each (transformers' own names; launch/fsdp.yaml lists them all).
 FSDP_BLOCK_CLASSES = ("MambaBlock", "Mamba2Block", "LlamaDecoderLayer")
-# Backends whose checkpoints hold optimizer state partitioned per rank in a layout tied to W.
-_FIXED_WORLD = ("deepspeed",)
 
 
 def require_backend_installed(env=os.environ) -> None:
@@ -31,6 +29,20 @@ def require_backend_installed(env=os.environ) -> None:
         raise DraftforgeError(f"this launch uses a DeepSpeed config but deepspeed is not installed: run "
                               f"{DEEPSPEED_EXTRA} (on CPU-only machines set DS_BUILD_OPS=0), or launch with "
                               "launch/multi_gpu.yaml or launch/fsdp.yaml instead")
+
+
+def accelerator_kwargs(env=os.environ) -> dict:
+    """Extra Accelerator arguments: DeepSpeed on a CPU-only machine must be told to use gloo.
+
+    Without it Accelerate finds no device backend, lets DeepSpeed start its own process group but
+    records a world of 1 process, and DeepSpeed then rejects the batch sizes.
+    """
+    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true", "yes") and \
+            not torch.cuda.is_available() and int(env.get("WORLD_SIZE", "1")) > 1:
+        from accelerate.utils import InitProcessGroupKwargs
+
+        return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
+    return {}
 
 
 def backend(acc) -> str:
@@ -70,9 +82,18 @@ def configure_deepspeed(acc, recipe) -> str | None:
         cfg[key] = value
     # The loop hands DeepSpeed a plain torch AdamW (same update as every other backend).
     cfg.setdefault("zero_allow_untested_optimizer", True)
-    return (f"DeepSpeed ZeRO-{plugin.zero_stage}: train_micro_batch_size_per_gpu={t.micro_batch_size}, "
-            f"gradient_accumulation_steps={acc.gradient_accumulation_steps}, "
-            f"train_batch_size={t.global_batch_size} (from the recipe)")
+    return batch_note(acc)
+
+
+def batch_note(acc) -> str | None:
+    """The line the loop prints about DeepSpeed's batch fields (None without DeepSpeed)."""
+    plugin = getattr(acc.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return None
+    c = plugin.deepspeed_config
+    return (f"DeepSpeed ZeRO-{plugin.zero_stage} config from the recipe: train_micro_batch_size_per_gpu="
+            f"{c['train_micro_batch_size_per_gpu']}, gradient_accumulation_steps={c['gradient_accumulation_steps']}, "
+            f"train_batch_size={c['train_batch_size']}, gradient_clipping={c['gradient_clipping']}")
 
 
 def fit_fsdp_wrap_policy(acc, model: torch.nn.Module) -> None:
@@ -98,7 +119,7 @@ def check_resume(saved: dict, acc, ckpt_dir) -> None:
                               f"with the launch config of the original run (checkpoint formats differ)")
     if was_world is None or was_world == acc.num_processes:
         return
-    if _family(now) in _FIXED_WORLD:
+    if now.startswith("deepspeed"):  # per-rank partitioned optimizer files, laid out for W ranks
         raise CheckpointError(
             f"--resume: {ckpt_dir} was written by {was_world} processes under {now}, whose optimizer state is "
             f"partitioned per rank; this launch has {acc.num_processes}. Relaunch with {was_world} processes "
@@ -127,7 +148,9 @@ def gathered_model(acc, model) -> torch.nn.Module | None:
 def model_from_state(like: torch.nn.Module, state: dict) -> torch.nn.Module:
     """A fresh CPU model of `like`'s class and config holding `state` (strict: every key must fit)."""
     config = like.config
-    copy = type(like)._from_config(config, torch_dtype=next(iter(state.values())).dtype)
+    # The plain constructor, not `_from_config`: under ZeRO-3 that opens deepspeed.zero.Init, a
+    # collective the other ranks never join (the copy is built on the main process only).
+    copy = type(like)(config).to(next(iter(state.values())).dtype)
     missing, unexpected = copy.load_state_dict({k: v.cpu() for k, v in state.items()}, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight") and getattr(config, "tie_word_embeddings", False)}
     if set(missing) - tied or unexpected:

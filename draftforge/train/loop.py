@@ -73,7 +73,8 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
             pass
     dist.require_backend_installed()
     acc = Accelerator(mixed_precision="no" if precision == "fp32" else precision,
-                      log_with=trackers or None, project_dir=str(Path(recipe.output_dir) / "logs"))
+                      log_with=trackers or None, project_dir=str(Path(recipe.output_dir) / "logs"),
+                      **dist.accelerator_kwargs())
     per_step = t.micro_batch_size * acc.num_processes
     if t.global_batch_size % per_step:
         lo = max(per_step, t.global_batch_size // per_step * per_step)
@@ -150,6 +151,8 @@ def train(recipe: Recipe, build_task: Callable[[Recipe, Accelerator], TaskParts]
         f"precision {acc.mixed_precision}, device {acc.device}, backend {dist.backend(acc)}")
     opt, sched = build_optimizer(parts.model, recipe)
     dist.fit_fsdp_wrap_policy(acc, parts.model)
+    if dist.batch_note(acc):
+        say(f"[draftforge] {dist.batch_note(acc)}")
     model, opt = acc.prepare(parts.model, opt)
     acc.register_for_checkpointing(sched)
     plan = BatchPlan(parts.train_data, t.global_batch_size, t.micro_batch_size, acc.process_index,
@@ -204,7 +207,6 @@ def train(recipe: Recipe, build_task: Callable[[Recipe, Accelerator], TaskParts]
         if step == stop_after:
             break
     bar.close()
-    acc.end_training()
     if ended is not None:
         eval_loss = _finish_early(acc, model, parts, recipe, run_dir, step, start, tokens_seen, ended, eval_loss)
 
@@ -212,6 +214,7 @@ def train(recipe: Recipe, build_task: Callable[[Recipe, Accelerator], TaskParts]
     if (step == t.max_steps or ended is not None) and t.export:
         export_dir = export_run(acc, model, parts, recipe, run_dir,
                                 {"final_loss": last_loss, "eval_loss": eval_loss, "steps": step})
+    acc.end_training()  # after the export: it tears down the process group the gather needs
     tok_s = timed_tokens / train_time if train_time else 0.0
     result = TrainResult(run_dir, step, last_loss, eval_loss, tok_s, export_dir, losses)
     ev = f", eval loss {eval_loss:.4f}" if eval_loss is not None else ""
