@@ -100,18 +100,28 @@ def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens:
             prompts.extend(_prompt_candidates(json.loads(line)["text"])[:2])
             if len(prompts) >= n_prompts:
                 break
-    say(f"\n== distillation data: the target continues {len(prompts)} training-split snippets")
+    say(f"\n== distillation data: the target continues {len(prompts)} training-split snippets "
+        "(greedy and sampled at T=1)")
     tok.padding_side = "left"
+    torch.manual_seed(0)
     rows = []
     for i in range(0, len(prompts), 32):
-        batch = tok(prompts[i:i + 32], return_tensors="pt", padding=True)
-        with torch.no_grad():
-            gen = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tok.pad_token_id)
-        for p, ids in zip(prompts[i:i + 32], gen[:, batch["input_ids"].shape[1]:]):
-            text = tok.decode(ids, skip_special_tokens=True)
-            if text.strip():
-                rows.append({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": text}]})
+        chunk = prompts[i:i + 32]
+        batch = tok(chunk, return_tensors="pt", padding=True)
+        for sample in (False, True):  # greedy teaches the T=0 path, sampled the T>0 one (EESD §3.2 mixes both)
+            with torch.no_grad():
+                gen = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=sample, temperature=1.0,
+                                     top_k=0, pad_token_id=tok.pad_token_id)
+            for p, ids in zip(chunk, gen[:, batch["input_ids"].shape[1]:]):
+                text = tok.decode(ids, skip_special_tokens=True)
+                if text.strip():
+                    rows.append({"messages": [{"role": "user", "content": p},
+                                              {"role": "assistant", "content": text}]})
+    if not rows:
+        from draftforge.errors import DataError
+
+        raise DataError("the target produced no text for any snippet; is the target trained? (rebuild it by "
+                        f"deleting {testbed / 'target'})")
     path = out / "sft_distill.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -130,7 +140,7 @@ def run_demo(testbed: Path, out: Path, *, quick: bool = False, num_prompts: int 
     summary = {"testbed": str(testbed), "target_training": ensure_target(testbed, quick, say)}
     summary["drafter_pretrain"] = _train(drafter_pretrain_recipe(str(testbed), str(out)),
                                          "drafter: pre-training a tiny Mamba2", say, quick)
-    write_distill_data(testbed, out, 16 if quick else 256, 16 if quick else 64, say)
+    write_distill_data(testbed, out, 32 if quick else 256, 16 if quick else 64, say)
     summary["drafter_sft"] = _train(drafter_sft_recipe(str(testbed), str(out)),
                                     "drafter: SFT on the target's continuations", say, quick)
     say("\n== eval: speculative decoding vs plain decoding on held-out prompts")
