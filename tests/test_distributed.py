@@ -191,3 +191,119 @@ def test_streaming_run_that_runs_out_of_data_finishes_cleanly(tmp_path, tiny_cor
     values["train"]["micro_batch_size"] = 4096
     with pytest.raises(DataError, match="fewer than one global batch"):
         run(recipe_from_dict(values), overwrite=True)
+
+
+# ---------------------------------------------------------------- multi-process runs (slow)
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DS_BUILD_OPS": "0",
+           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _command(config: str | None, recipe: Path, out: Path, *extra: str, procs: int = 2) -> list[str]:
+    args = ["-m", "draftforge", "train", str(recipe), "--set", f"output_dir={out}", *extra]
+    if config is None:
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "launch" / config),
+            "--num_processes", str(procs), "--main_process_port", str(_free_port()), *args]
+
+
+def _train(config, recipe, out, *extra) -> Path:
+    proc = subprocess.run(_command(config, recipe, out, *extra), cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ("2 process(es)" if config else "1 process(es)") in proc.stdout
+    return out
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def _weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _assert_same_weights(a: Path, b: Path, atol: float) -> None:
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny_corpus_dir, tiny_tokenizer_dir):
+    """A 20-step tiny recipe on disk and its 1-process run (the reference every launch is held to)."""
+    root = tmp_path_factory.mktemp("dist")
+    values = tiny_recipe(root, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=20, save_every=2, eval_every=0,
+                         export=True, keep_checkpoints=20)
+    recipe = root / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    return SimpleNamespace(root=root, recipe=recipe, one=_train(None, recipe, root / "one"))
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_match_one_process(tiny_run):
+    two = _train("multi_cpu.yaml", tiny_run.recipe, tiny_run.root / "ddp")
+    assert _losses(two) == pytest.approx(_losses(tiny_run.one), rel=1e-5)
+    _assert_same_weights(tiny_run.one / "export" / "model.safetensors", two / "export" / "model.safetensors", 1e-5)
+    assert ckpt.read_loop_state(ckpt.latest_valid(two))["backend"] == "ddp"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_two_processes_match_one_process(tiny_run, stage):
+    pytest.importorskip("deepspeed")
+    run_dir = _train(f"deepspeed_zero{stage}.yaml", tiny_run.recipe, tiny_run.root / f"zero{stage}")
+    assert _losses(run_dir) == pytest.approx(_losses(tiny_run.one), rel=1e-5)
+    # ZeRO-3 holds no full copy anywhere: this export is the gathered, consolidated state.
+    _assert_same_weights(tiny_run.one / "export" / "model.safetensors",
+                         run_dir / "export" / "model.safetensors", 1e-4)
+    state = ckpt.read_loop_state(ckpt.latest_valid(run_dir))
+    assert state["backend"] == f"deepspeed-zero{stage}" and state["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_resume_matches_uninterrupted_two_process_run(tiny_run):
+    full = tiny_run.root / "ddp"  # shared with the equivalence test when it ran first
+    if not (full / "export").exists():
+        _train("multi_cpu.yaml", tiny_run.recipe, full)
+    killed = tiny_run.root / "ddp-killed"
+    proc = subprocess.Popen(_command("multi_cpu.yaml", tiny_run.recipe, killed), cwd=REPO, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (killed / "checkpoints" / "step-00000004").exists():
+            assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers, mid-run
+        proc.wait()
+    steps = [int(p.name[5:]) for p in ckpt.list_checkpoints(killed)]
+    assert max(steps) < 20 and not (killed / "export").exists(), "the kill came after the run had finished"
+    _train("multi_cpu.yaml", tiny_run.recipe, killed, "--resume")
+    assert _losses(killed) == _losses(full)
+    _assert_same_weights(full / "export" / "model.safetensors", killed / "export" / "model.safetensors", 0)
+
+
+@pytest.mark.slow
+def test_deepspeed_checkpoint_refuses_another_world_size(tiny_run):
+    pytest.importorskip("deepspeed")
+    run_dir = tiny_run.root / "zero2"
+    if not run_dir.exists():
+        _train("deepspeed_zero2.yaml", tiny_run.recipe, run_dir)
+    proc = subprocess.run(_command("deepspeed_zero2.yaml", tiny_run.recipe, run_dir, "--resume", procs=1),
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "written by 2 processes under deepspeed-zero2" in proc.stdout + proc.stderr

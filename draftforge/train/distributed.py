@@ -24,25 +24,35 @@ FSDP_BLOCK_CLASSES = ("MambaBlock", "Mamba2Block", "LlamaDecoderLayer")
 
 def require_backend_installed(env=os.environ) -> None:
     """Before Accelerate starts: a DeepSpeed launch without deepspeed installed gets the exact fix."""
-    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true", "yes") and \
-            importlib.util.find_spec("deepspeed") is None:
+    if _flag(env, "ACCELERATE_USE_DEEPSPEED") and importlib.util.find_spec("deepspeed") is None:
         raise DraftforgeError(f"this launch uses a DeepSpeed config but deepspeed is not installed: run "
                               f"{DEEPSPEED_EXTRA} (on CPU-only machines set DS_BUILD_OPS=0), or launch with "
                               "launch/multi_gpu.yaml or launch/fsdp.yaml instead")
 
 
 def accelerator_kwargs(env=os.environ) -> dict:
-    """Extra Accelerator arguments: DeepSpeed on a CPU-only machine must be told to use gloo.
+    """Extra Accelerator arguments for several processes on a machine without CUDA (CI, laptops).
 
-    Without it Accelerate finds no device backend, lets DeepSpeed start its own process group but
-    records a world of 1 process, and DeepSpeed then rejects the batch sizes.
+    Accelerate's own MULTI_CPU type only starts one process unless launched under mpirun, so
+    launch/multi_cpu.yaml uses the torchrun launcher and each process asks here for CPU + gloo.
+    DeepSpeed needs gloo named explicitly: otherwise Accelerate finds no device backend, lets
+    DeepSpeed start its process group but records a world of 1, and DeepSpeed rejects the batch.
+    FSDP is left alone: it needs accelerators.
     """
-    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true", "yes") and \
-            not torch.cuda.is_available() and int(env.get("WORLD_SIZE", "1")) > 1:
+    several = int(env.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in env
+    if not several or torch.cuda.is_available():
+        return {}
+    if _flag(env, "ACCELERATE_USE_DEEPSPEED"):
         from accelerate.utils import InitProcessGroupKwargs
 
         return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
-    return {}
+    if _flag(env, "ACCELERATE_USE_FSDP"):
+        return {}
+    return {"cpu": True}
+
+
+def _flag(env, name: str) -> bool:
+    return env.get(name, "false").lower() in ("1", "true", "yes")
 
 
 def backend(acc) -> str:
