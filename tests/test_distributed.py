@@ -307,3 +307,14 @@ def test_deepspeed_checkpoint_refuses_another_world_size(tiny_run):
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     assert "written by 2 processes under deepspeed-zero2" in proc.stdout + proc.stderr
+
+
+def test_cpu_processes_get_gloo_and_fsdp_without_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    several = {"WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    assert dist.accelerator_kwargs({"WORLD_SIZE": "1"}) == {}
+    assert dist.accelerator_kwargs(several) == {"cpu": True}
+    (handler,) = dist.accelerator_kwargs({**several, "ACCELERATE_USE_DEEPSPEED": "true"})["kwargs_handlers"]
+    assert handler.backend == "gloo"
+    with pytest.raises(DraftforgeError, match="needs CUDA GPUs"):
+        dist.accelerator_kwargs({**several, "ACCELERATE_USE_FSDP": "true"})

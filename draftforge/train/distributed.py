@@ -37,7 +37,7 @@ def accelerator_kwargs(env=os.environ) -> dict:
     launch/multi_cpu.yaml uses the torchrun launcher and each process asks here for CPU + gloo.
     DeepSpeed needs gloo named explicitly: otherwise Accelerate finds no device backend, lets
     DeepSpeed start its process group but records a world of 1, and DeepSpeed rejects the batch.
-    FSDP is left alone: it needs accelerators.
+    FSDP without CUDA is refused: each process would silently train alone.
     """
     several = int(env.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in env
     if not several or torch.cuda.is_available():
@@ -47,7 +47,8 @@ def accelerator_kwargs(env=os.environ) -> dict:
 
         return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
     if _flag(env, "ACCELERATE_USE_FSDP"):
-        return {}
+        raise DraftforgeError("launch/fsdp.yaml needs CUDA GPUs and none is visible; on CPU launch with "
+                              "launch/multi_cpu.yaml (DDP) or launch/deepspeed_zero3.yaml (sharded)")
     return {"cpu": True}
 
 
