@@ -318,3 +318,24 @@ def test_cpu_processes_get_gloo_and_fsdp_without_gpus_is_refused(monkeypatch):
     assert handler.backend == "gloo"
     with pytest.raises(DraftforgeError, match="needs CUDA GPUs"):
         dist.accelerator_kwargs({**several, "ACCELERATE_USE_FSDP": "true"})
+
+
+def test_streaming_eval_reads_the_same_rows_as_map_style(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    from accelerate import Accelerator
+
+    from draftforge.train.lm import build_model, lm_loss, load_tokenizer
+    from draftforge.train.loop import TaskParts, evaluate
+
+    recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, eval_batches=3))
+    model = build_model(recipe, load_tokenizer(recipe))
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 300, (9, 16), generator=g).tolist()]
+
+    def stream():
+        yield from rows
+    losses = [evaluate(model, TaskParts(model, None, None, data, lm_loss), Accelerator(cpu=True), recipe.train)
+              for data in (datasets.Dataset.from_list(rows), datasets.IterableDataset.from_generator(stream))]
+    with torch.no_grad():  # oracle: eval_batches x micro-batch = the first 6 rows, token-weighted mean
+        s, n, _ = lm_loss(model.eval(), {k: torch.tensor([r[k] for r in rows[:6]]) for k in ("input_ids", "labels")})
+    assert losses[0] == pytest.approx(s.item() / n.item(), rel=1e-5)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
