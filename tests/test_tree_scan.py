@@ -154,7 +154,9 @@ def test_kernels_under_triton_interpreter_subprocess():
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
 
 
-kernel = pytest.mark.skipif(not KERNEL_HERE, reason="needs CUDA or TRITON_INTERPRET=1 (run by the parent test)")
+# Kernel cases run only where the kernel can (CUDA, or TRITON_INTERPRET=1 in the subprocess above);
+# elsewhere tests/conftest.py deselects them, so they are never reported as skipped-but-done.
+kernel = pytest.mark.kernel
 MIXER_TREES = {
     "one_node": [[-1]],
     "chain9": [list(range(-1, 8))],
