@@ -339,3 +339,17 @@ def test_streaming_eval_reads_the_same_rows_as_map_style(tmp_path, tiny_corpus_d
         s, n, _ = lm_loss(model.eval(), {k: torch.tensor([r[k] for r in rows[:6]]) for k in ("input_ids", "labels")})
     assert losses[0] == pytest.approx(s.item() / n.item(), rel=1e-5)
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_streaming_two_processes_match_one_and_stop_at_the_same_step(tiny_run):
+    values = yaml.safe_load(tiny_run.recipe.read_text())
+    values["data"].update(streaming=True, max_documents=1, eval_fraction=0.0)
+    values["train"].update(max_steps=10_000, save_every=0, export=True)
+    recipe = tiny_run.root / "stream.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    one = _train(None, recipe, tiny_run.root / "stream-one")
+    two = _train("multi_cpu.yaml", recipe, tiny_run.root / "stream-two")
+    assert 0 < len(_losses(one)) < 10_000
+    assert _losses(two) == pytest.approx(_losses(one), rel=1e-5)  # same rows per step, same end
+    assert (two / "export" / "model.safetensors").is_file()
