@@ -27,8 +27,8 @@ def target_recipe(testbed: str = TESTBED) -> dict:
         "model": {"arch": "llama", "size": "tiny-target", "tokenizer": f"{testbed}/tokenizer"},
         "data": {"sources": [f"{testbed}/corpus_train.jsonl"], "eval_fraction": 0.01},
         "optim": {"lr": 2e-3, "warmup_steps": 20},
-        "train": {"max_steps": 400, "global_batch_size": 16, "micro_batch_size": 16,
-                  "block_size": 256, "eval_every": 100, "save_every": 100, "log_every": 10},
+        "train": {"max_steps": 150, "global_batch_size": 16, "micro_batch_size": 16,
+                  "block_size": 256, "eval_every": 50, "save_every": 50, "log_every": 10},
     }
 
 
@@ -51,7 +51,7 @@ def drafter_sft_recipe(testbed: str = TESTBED, out: str = "runs/demo") -> dict:
         "model": {"init_from": f"{out}/drafter-pretrain", "target": f"{testbed}/target"},
         "data": {"sources": [f"{out}/sft_distill.jsonl"], "format": "chat", "eval_fraction": 0.05},
         "optim": {"lr": 1e-3, "warmup_steps": 10},
-        "train": {"max_steps": 150, "global_batch_size": 16, "micro_batch_size": 16,
+        "train": {"max_steps": 100, "global_batch_size": 16, "micro_batch_size": 16,
                   "block_size": 256, "eval_every": 50, "save_every": 50, "log_every": 10},
     }
 
