@@ -175,6 +175,7 @@ def test_gathered_state_rebuilds_the_same_model(tmp_path, tiny_corpus_dir, tiny_
     torch.testing.assert_close(copy(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
+@pytest.mark.slow  # trains ~40 steps until the stream runs dry
 def test_streaming_run_that_runs_out_of_data_finishes_cleanly(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir,
                                                               capsys):
     values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=10_000, save_every=0,
