@@ -221,7 +221,8 @@ def _command(config: str | None, recipe: Path, out: Path, *extra: str, procs: in
 def _train(config, recipe, out, *extra) -> Path:
     proc = subprocess.run(_command(config, recipe, out, *extra), cwd=REPO, env=_env(), capture_output=True,
                           text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    errors = "\n".join(ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:"))
+    assert proc.returncode == 0, errors + "\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
     assert ("2 process(es)" if config else "1 process(es)") in proc.stdout
     return out
 

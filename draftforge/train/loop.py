@@ -86,9 +86,15 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
     return acc
 
 
-def prepare_run_dir(recipe: Recipe, *, resume: bool, overwrite: bool, is_main: bool) -> Path:
+def prepare_run_dir(recipe: Recipe, acc: Accelerator, *, resume: bool, overwrite: bool) -> Path:
+    """Check the output dir on every process (read-only), then let the main process write it.
+
+    The barrier between the two keeps a fast main process from creating the run before a slower
+    process has looked, which would make that process refuse an "existing" run.
+    """
     run_dir = Path(recipe.output_dir)
     saved = run_dir / "recipe.yaml"
+    replace = False
     if resume:
         if not saved.is_file():
             raise CheckpointError(f"--resume: {run_dir} holds no run (no recipe.yaml); start without --resume")
@@ -101,11 +107,14 @@ def prepare_run_dir(recipe: Recipe, *, resume: bool, overwrite: bool, is_main: b
         if not overwrite:
             raise DraftforgeError(f"output directory {run_dir} already holds a run; pass --resume to continue "
                                   "it, --overwrite to replace it, or choose another output_dir")
-        if is_main:
+        replace = True
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        if replace:
             shutil.rmtree(run_dir)
-    if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    acc.wait_for_everyone()
     return run_dir
 
 
@@ -141,8 +150,7 @@ def train(recipe: Recipe, build_task: Callable[[Recipe, Accelerator], TaskParts]
     acc = make_accelerator(recipe)
     t = recipe.train
     say = acc.print
-    run_dir = prepare_run_dir(recipe, resume=resume, overwrite=overwrite, is_main=acc.is_main_process)
-    acc.wait_for_everyone()
+    run_dir = prepare_run_dir(recipe, acc, resume=resume, overwrite=overwrite)
     set_seed(t.seed)
     parts = build_task(recipe, acc)
     A = acc.gradient_accumulation_steps
