@@ -46,10 +46,6 @@ class BatchPlan:
         self._stream = None
         self._local_pos = 0  # next local row index the open stream yields
 
-    @property
-    def reshardable(self) -> bool:
-        return True  # the position is a global row count, valid for any number of processes
-
     def _global_index(self, pos: int) -> int:
         n = len(self.data)
         epoch, i = divmod(pos, n)

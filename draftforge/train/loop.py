@@ -170,10 +170,7 @@ def train(recipe: Recipe, build_task: Callable[[Recipe, Accelerator], TaskParts]
     if resume:
         last = ckpt.latest_valid(run_dir, warn=say)
         state = ckpt.read_loop_state(last)
-        if state.get("world_size") != acc.num_processes and not plan.reshardable:
-            raise CheckpointError(f"--resume: {last} was written by {state.get('world_size')} processes; this "
-                                  f"launch has {acc.num_processes} and this data source cannot be resharded")
-        dist.check_resume(state, acc, last)
+        dist.check_resume(state, acc, last)  # which world-size changes the backend can reshard
         acc.load_state(str(last))
         start, tokens_seen = state["step"], state["tokens_seen"]
         say(f"[draftforge] resumed from {last} (step {start})")
