@@ -90,14 +90,14 @@ def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftforge.testbed import _prompt_candidates
+    from draftforge.testbed import prompt_candidates
 
     tok = AutoTokenizer.from_pretrained(testbed / "tokenizer")
     model = AutoModelForCausalLM.from_pretrained(testbed / "target", use_safetensors=True).eval()
     prompts = []
     with open(testbed / "corpus_train.jsonl") as f:
         for line in f:
-            prompts.extend(_prompt_candidates(json.loads(line)["text"])[:2])
+            prompts.extend(prompt_candidates(json.loads(line)["text"])[:2])
             if len(prompts) >= n_prompts:
                 break
     say(f"\n== distillation data: the target continues {len(prompts)} training-split snippets "

@@ -170,7 +170,7 @@ def train_tokenizer(out_dir, vocab_size: int = 2048, max_files: int | None = Non
     return PreTrainedTokenizerFast.from_pretrained(out_dir)
 
 
-def _prompt_candidates(source: str) -> list[str]:
+def prompt_candidates(source: str) -> list[str]:
     """`def`/`class` headers with their docstring, ending at the body's indentation, PROMPT_MIN..MAX chars."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # old stdlib files raise SyntaxWarning on invalid escapes
@@ -203,7 +203,7 @@ def _prompt_candidates(source: str) -> list[str]:
 def heldout_prompts(n: int = 100) -> list[dict]:
     """Up to `n` prompts from held-out files, round-robin across files (one per file per round) for variety."""
     root = stdlib_root()
-    per_file = [(p.relative_to(root).as_posix(), _prompt_candidates(_read(p))) for p in corpus_files("heldout")]
+    per_file = [(p.relative_to(root).as_posix(), prompt_candidates(_read(p))) for p in corpus_files("heldout")]
     per_file = [(rel, cands) for rel, cands in per_file if cands]
     rows: list[dict] = []
     for round_index in range(max((len(c) for _, c in per_file), default=0)):

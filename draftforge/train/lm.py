@@ -75,10 +75,6 @@ def build_model(recipe: Recipe, tokenizer):
     if len(tokenizer) > rows:
         raise CompatibilityError(f"the tokenizer has {len(tokenizer)} tokens but the model's embedding has {rows} "
                                  "rows; use the drafter's own tokenizer or resize the model")
-    ctx = getattr(model.config, "max_position_embeddings", None)
-    if ctx is not None and recipe.train.block_size > ctx:
-        raise RecipeError(f"recipe key 'train.block_size': {recipe.train.block_size} exceeds the model context "
-                          f"({ctx} positions)")
     if m.lora.enabled:
         model = add_lora(model, m.lora)
     return model
@@ -94,8 +90,27 @@ def add_lora(model, lora):
     return get_peft_model(model, cfg)
 
 
+def check_context(recipe: Recipe, vocab_size: int) -> None:
+    """block_size must fit the model's positions: read from the config, before data or model is built."""
+    from transformers import AutoConfig
+
+    m = recipe.model
+    if m.init_from:
+        config = AutoConfig.from_pretrained(resolve_checkpoint(m.init_from))
+    elif m.arch in ("mamba", "mamba2"):
+        return  # recurrent: no position limit
+    else:
+        from draftforge.models.student import resolve_causal_lm_config
+
+        config = resolve_causal_lm_config(m.arch, vocab_size, size=m.size, overrides=m.overrides)
+    ctx = getattr(config, "max_position_embeddings", None)
+    if ctx is not None and recipe.train.block_size > ctx:
+        raise RecipeError(f"recipe key 'train.block_size': {recipe.train.block_size} exceeds the model context "
+                          f"({ctx} positions)")
+
+
 def build_lm_task(recipe: Recipe, accelerator):
-    from draftforge.data import build_block_data
+    from draftforge.data import build_block_data, describe
     from draftforge.export import tokenizer_fingerprint
     from draftforge.train.loop import TaskParts
 
@@ -103,19 +118,12 @@ def build_lm_task(recipe: Recipe, accelerator):
         raise RecipeError("recipe key 'model.init_from': sft starts from a pretrained drafter; point it at a "
                           "pretrain run, an export or a HF model id")
     tokenizer = load_tokenizer(recipe)
+    check_context(recipe, target_vocab_size(recipe) or len(tokenizer))
     with accelerator.main_process_first():  # rank 0 tokenizes and fills the datasets cache first
         data = build_block_data(recipe.data, tokenizer, recipe.train.block_size, recipe.train.seed)
-    accelerator.print(f"[draftforge] data: {_describe(data)}")
+    accelerator.print(f"[draftforge] {describe(data)}")
     model = build_model(recipe, tokenizer)
     meta = {"tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "data_stats": data.stats}
     return TaskParts(model=model, tokenizer=tokenizer, train_data=data.train, eval_data=data.eval,
                      loss_fn=lm_loss, export_metadata=meta, data_stats=data.stats)
 
-
-def _describe(data) -> str:
-    try:
-        from draftforge.data import describe
-
-        return describe(data)
-    except ImportError:
-        return str(data.stats)
