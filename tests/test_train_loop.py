@@ -134,11 +134,18 @@ def test_recipe_validation_names_the_key(tmp_path, tiny_corpus_dir, tiny_tokeniz
         recipe_from_dict(values)
 
 
-def test_block_size_beyond_model_context_fails_before_training(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+def test_block_size_beyond_model_context_fails_before_training(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir,
+                                                                monkeypatch):
     values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, block_size=64)
     values["model"] = {"arch": "llama", "size": None, "tokenizer": str(tiny_tokenizer_dir),
                        "overrides": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                                      "num_attention_heads": 2, "num_key_value_heads": 2,
                                      "max_position_embeddings": 48}}
+    import draftforge.train.lm as lm
+
+    def no_build(*a, **k):
+        raise AssertionError("a model was built before the context check")
+
+    monkeypatch.setattr(lm, "build_model", no_build)
     with pytest.raises(RecipeError, match="train.block_size"):
         run(recipe_from_dict(values))
