@@ -1,8 +1,11 @@
 """draftforge.decode: the lossless speculative decoding harness (batch size 1).
 
-    target = load_target(path_or_model); drafter = load_drafter(path_or_model, target)
+    target = load_target(path_or_model); drafter = load_drafter(path_or_model, target)   # cuda_graphs="auto"
     dec = build_decoder("tree", target, drafter, tree=(3, 2, 2, 1))
     res = dec.generate(ids, max_new_tokens=128, temperature=0.0)   # -> DecodeResult
+
+A Mamba drafter's decode steps are CUDA graphs when load_drafter(..., cuda_graphs=) resolves to on
+("auto": exactly when it is on CUDA; "on" off CUDA is an error); build_decoder takes the drafter as built.
 """
 
 from draftforge.decode.base import DecodeResult, DecodeStats

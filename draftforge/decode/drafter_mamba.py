@@ -5,6 +5,11 @@ recurrent step (transformers' Mamba1 multi-token path does not continue from a c
 so single steps are also the only correct choice there). Rollback restores the saved state of the
 deepest accepted draft node: the prefix is never re-encoded (Mamba Drafters §4.1).
 
+Every single-token step (committed tokens at batch 1, draft depth i at batch B_i) runs on fixed
+tensors through a StaticStep (cuda_graphs.py), captured as a CUDA graph when `cuda_graphs` resolves
+to on. The live batch-1 state is therefore one persistent buffer: each prompt is encoded eagerly
+with a throw-away cache and its states are copied into that buffer.
+
 Legend: B nodes at one depth, V vocabulary.
 """
 
@@ -13,55 +18,82 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from draftforge.decode.cuda_graphs import StaticStep, StepRunner, use_cuda_graphs
 from draftforge.decode.drafter_hf import _stack_q
 from draftforge.decode.drafters import Drafter, propose_children
 from draftforge.decode.sampling import SamplingParams
-from draftforge.decode.ssm_state import StateBank, layer_states, point_cache_at
+from draftforge.decode.ssm_state import StateBank, copy_states, layer_states
 from draftforge.decode.tree import DraftTree, level_sizes, tree_from_levels
 
 
 class MambaDrafter(Drafter):
     kind = "mamba"
 
-    def __init__(self, model, vocab_size: int, tokenizer=None):
+    def __init__(self, model, vocab_size: int, tokenizer=None, cuda_graphs: str = "auto", graph_factory=None):
+        """cuda_graphs: "auto" (graphs when the model is on CUDA), "on" (CUDA required) or "off".
+
+        graph_factory replaces cuda_graphs.CudaGraph on any device (tests replay a CPU stand-in); with
+        it, every mode but "off" graphs.
+        """
         self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size
-        self.banks: dict[tuple[int, ...], StateBank] = {}  # one per configuration, kept across prompts
+        device = "cuda" if graph_factory is not None else model.device
+        self.cuda_graphs = use_cuda_graphs(cuda_graphs, device)  # True/False: graphs in use
+        self.runner = StepRunner(model, self.cuda_graphs, graph_factory)
+        self.live_step: StaticStep | None = None  # batch-1 step over the persistent live state
+        # per configuration, kept across prompts: its state buffers and one step per fed depth (1..γ-1)
+        self.banks: dict[tuple[int, ...], StateBank] = {}
+        self.depth_steps: dict[tuple[int, ...], list[StaticStep | None]] = {}
         self.reset()
 
     def reset(self) -> None:
-        self.cache = None
+        self.encoded = False
         self.consumed = 0  # committed tokens folded into the live state
         self.last_logits_V = None
 
-    @torch.inference_mode()
-    def _step(self, tokens_B1: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=tokens_B1, cache_params=self.cache, use_cache=True)
-        self.cache = out.cache_params
-        return out.logits[:, -1]
+    @property
+    def cache(self):
+        """The cache over the live batch-1 state (what the model would read for the next committed token)."""
+        return None if self.live_step is None else self.live_step.cache
 
+    @property
+    def live(self):
+        return self.live_step.states
+
+    def _encode_prompt(self, seq: list[int]) -> torch.Tensor:
+        """Multi-token encode with a throw-away cache (eager), then copy its states into the live buffer."""
+        prompt_cache = DynamicCache(config=self.model.config)
+        ids_1T = torch.tensor([seq], device=self.model.device)
+        logits_V = self.model(input_ids=ids_1T, cache_params=prompt_cache, use_cache=True).logits[0, -1]
+        states = layer_states(prompt_cache)
+        if self.live_step is None:  # allocated once, so a graph captured over it stays valid
+            self.live_step = self.runner.step_over([(conv.clone(), ssm.clone()) for conv, ssm in states])
+        else:
+            copy_states(self.live_step.states, states)
+        return logits_V
+
+    @torch.inference_mode()
     def _sync(self, seq: list[int]) -> torch.Tensor:
         """Fold unseen committed tokens into the live state; return logits after seq[-1]."""
-        device = self.model.device
-        if self.cache is None:
-            self.cache = DynamicCache(config=self.model.config)
-            self.last_logits_V = self._step(torch.tensor([seq], device=device))[0]
+        if not self.encoded:
+            self.last_logits_V, self.encoded = self._encode_prompt(seq), True
         else:
             for tok in seq[self.consumed :]:
-                self.last_logits_V = self._step(torch.tensor([[tok]], device=device))[0]
+                self.last_logits_V = self.live_step(int(tok))[0]
         self.consumed = len(seq)
         return self.last_logits_V
 
     def _bank(self, widths):
         bank = self.banks.get(widths)
         if bank is None:
-            bank = self.banks[widths] = StateBank(widths, layer_states(self.cache))
+            bank = self.banks[widths] = StateBank(widths, self.live)
+            self.depth_steps[widths] = [None] + [self.runner.step_over(buf) for buf in bank.buffers[1:]]
         return bank
 
     @torch.inference_mode()
     def draft(self, seq, widths, params: SamplingParams, generator) -> DraftTree:
         logits_BV = self._sync(seq)[None]
-        self.live = layer_states(self.cache)
         self.bank, self.widths = self._bank(widths), widths
+        steps = self.depth_steps[widths]
         self.bank.save_root(self.live)
         levels, q_rows = [], []
         for depth, width in enumerate(widths, start=1):
@@ -70,9 +102,8 @@ class MambaDrafter(Drafter):
             q_rows.append(q_BV)
             if depth == len(widths):
                 break
-            self.bank.expand(self.cache, depth)
-            logits_BV = self._step(children_BW.reshape(-1, 1))
-        point_cache_at(self.cache, self.live)
+            self.bank.expand(depth)
+            logits_BV = steps[depth](children_BW.reshape(-1, 1))
         tokens, parents, depths = tree_from_levels(levels, widths)
         q_probs = None if params.greedy else _stack_q(q_rows, len(tokens))
         return DraftTree(tokens, parents, depths, q_probs, is_chain=all(w == 1 for w in widths))
@@ -81,9 +112,7 @@ class MambaDrafter(Drafter):
     def accept(self, path: list[int]) -> None:
         """Restore the state after the deepest accepted node that was fed (depth < γ)."""
         fed = min(len(path), len(self.widths) - 1)
-        if fed == 0:
-            self.bank.restore(self.cache, self.live, 0, 0)
-        else:
+        if fed > 0:  # fed == 0: the live state was not stepped while drafting, nothing to restore
             level_start = sum(level_sizes(self.widths)[: fed - 1])
-            self.bank.restore(self.cache, self.live, fed, path[fed - 1] - level_start)
+            self.bank.restore(self.live, fed, path[fed - 1] - level_start)
         self.consumed = self.consumed + fed

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from draftforge.decode.cuda_graphs import use_cuda_graphs
 from draftforge.decode.sampling import SamplingParams, match_vocab, probs_from_logits, sample
 from draftforge.decode.targets import SSM_MODEL_TYPES, Target, load_hf_causal_lm
 from draftforge.decode.tree import DraftTree
@@ -81,13 +82,20 @@ def check_vocab(target: Target, model, tokenizer, allow_vocab_mismatch: bool) ->
         )
 
 
-def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_vocab_mismatch=False, tokenizer=None):
-    """A MambaDrafter for Mamba/Mamba2 checkpoints (HF or draftforge export), else a TransformerDrafter."""
+def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_vocab_mismatch=False, tokenizer=None,
+                 cuda_graphs="auto"):
+    """A MambaDrafter for Mamba/Mamba2 checkpoints (HF or draftforge export), else a TransformerDrafter.
+
+    cuda_graphs ("auto" | "on" | "off") applies to Mamba drafters: their per-batch-size decode steps
+    are CUDA graphs when on (auto: exactly when the drafter is on CUDA); Transformer drafters ignore it.
+    """
     from draftforge.decode.drafter_hf import TransformerDrafter
     from draftforge.decode.drafter_mamba import MambaDrafter
 
     model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "drafter")
     tokenizer = tokenizer if tokenizer is not None else found_tokenizer
     check_vocab(target, model, tokenizer, allow_vocab_mismatch)
-    cls = MambaDrafter if model.config.model_type in SSM_MODEL_TYPES else TransformerDrafter
-    return cls(model, target.vocab_size, tokenizer)
+    if model.config.model_type in SSM_MODEL_TYPES:
+        return MambaDrafter(model, target.vocab_size, tokenizer, cuda_graphs=cuda_graphs)
+    use_cuda_graphs(cuda_graphs, model.device)  # same validation for every drafter kind
+    return TransformerDrafter(model, target.vocab_size, tokenizer)

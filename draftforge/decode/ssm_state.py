@@ -4,8 +4,10 @@ transformers keeps, per layer, a conv state [B, C, K] and an SSM state ([B, D, N
 [B, H, P, N] Mamba2) that its single-token step updates in place. Tree drafting by batch
 expansion (Mamba Drafters §4.1) needs the states of every depth: for a configuration
 (N1..Nγ) we allocate, once, buffers of batch B_i = N1·…·N_i per depth; depth i's buffer is filled
-by gathering its parents' rows from depth i-1 and is then stepped in place. Chain drafting is the
-configuration (1,)*K, so "the state at each draft position" is depth i's buffer.
+by gathering its parents' rows from depth i-1 and is then stepped in place (by a StaticStep of
+cuda_graphs.py bound to that buffer, so the buffer addresses never change and the step can be
+a CUDA graph). Chain drafting is the configuration (1,)*K, so "the state at each draft position"
+is depth i's buffer. Data only moves by copies into these buffers, never by rebinding tensors.
 
 Legend: B batch (tree nodes at one depth).
 """
@@ -22,10 +24,10 @@ def layer_states(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.conv_states[0], layer.recurrent_states[0]) for layer in cache.layers]
 
 
-def point_cache_at(cache, states: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Make the model read and step these tensors (in place) from now on."""
-    for layer, (conv, ssm) in zip(cache.layers, states):
-        layer.conv_states[0], layer.recurrent_states[0] = conv, ssm
+def copy_states(dst: list[tuple[torch.Tensor, torch.Tensor]], src: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for (conv, ssm), (conv_src, ssm_src) in zip(dst, src):
+        conv.copy_(conv_src)
+        ssm.copy_(ssm_src)
 
 
 class StateBank:
@@ -36,7 +38,7 @@ class StateBank:
         # depth 0 = the root (batch 1); depths 1..γ-1 are the fed draft nodes (depth γ is never fed)
         sizes = [1] + level_sizes(widths)[:-1]
         self.buffers = [
-            [(conv.new_empty((b, *conv.shape[1:])), ssm.new_empty((b, *ssm.shape[1:]))) for conv, ssm in live]
+            [(conv.new_zeros((b, *conv.shape[1:])), ssm.new_zeros((b, *ssm.shape[1:]))) for conv, ssm in live]
             for b in sizes
         ]
         self.parent_index = [None] + [
@@ -45,21 +47,15 @@ class StateBank:
         ]
 
     def save_root(self, live) -> None:
-        for (conv_buf, ssm_buf), (conv, ssm) in zip(self.buffers[0], live):
-            conv_buf.copy_(conv)
-            ssm_buf.copy_(ssm)
+        copy_states(self.buffers[0], live)
 
-    def expand(self, cache, depth: int) -> None:
-        """Fill depth's buffer with copies of each node's parent state and let the model step it."""
+    def expand(self, depth: int) -> None:
+        """Fill depth's buffer with copies of each node's parent state (the caller then steps it)."""
         index_B = self.parent_index[depth]
         for (conv_buf, ssm_buf), (conv_prev, ssm_prev) in zip(self.buffers[depth], self.buffers[depth - 1]):
             torch.index_select(conv_prev, 0, index_B, out=conv_buf)
             torch.index_select(ssm_prev, 0, index_B, out=ssm_buf)
-        point_cache_at(cache, self.buffers[depth])
 
-    def restore(self, cache, live, depth: int, row: int) -> None:
+    def restore(self, live, depth: int, row: int) -> None:
         """Copy the state of node `row` at `depth` into the live batch-1 tensors."""
-        for (conv_buf, ssm_buf), (conv, ssm) in zip(self.buffers[depth], live):
-            conv.copy_(conv_buf[row : row + 1])
-            ssm.copy_(ssm_buf[row : row + 1])
-        point_cache_at(cache, live)
+        copy_states(live, [(conv[row : row + 1], ssm[row : row + 1]) for conv, ssm in self.buffers[depth]])

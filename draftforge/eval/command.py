@@ -75,6 +75,9 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="model dtype (default: the checkpoint's); greedy self-check must be exact in float32")
     p.add_argument("--allow-vocab-mismatch", action="store_true",
                    help="run a drafter whose tokenizer differs from the target's (see draftforge.decode docs)")
+    p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                   help="capture the Mamba drafter's per-batch-size decode steps in CUDA graphs: auto = on "
+                        "when --device is CUDA (default), on = require CUDA, off = eager")
     p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i (default 0)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-strict-selfcheck", action="store_true",
@@ -94,8 +97,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         ucb_lambda=args.ucb_lambda, lambda_gamma=args.lambda_gamma, top_p=args.top_p, top_k=args.top_k,
         num_prompts=args.num_prompts, repeats=args.repeats, warmup=args.warmup, ignore_eos=args.ignore_eos,
         chat_template=args.chat_template, device=args.device, dtype=args.dtype,
-        allow_vocab_mismatch=args.allow_vocab_mismatch, seed=args.seed, out_dir=args.out,
-        plots=not args.no_plots, strict_selfcheck=not args.no_strict_selfcheck,
+        allow_vocab_mismatch=args.allow_vocab_mismatch, cuda_graphs=args.cuda_graphs, seed=args.seed,
+        out_dir=args.out, plots=not args.no_plots, strict_selfcheck=not args.no_strict_selfcheck,
     )
 
 

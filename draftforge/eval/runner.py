@@ -52,6 +52,7 @@ class EvalConfig:
     device: str = "cpu"
     dtype: str | None = None  # float32 | bfloat16 | float16 (None: the checkpoint's own)
     allow_vocab_mismatch: bool = False
+    cuda_graphs: str = "auto"  # Mamba drafter decode steps as CUDA graphs: auto (on CUDA) | on | off
     seed: int = 0
     out_dir: str = "eval_out"
     plots: bool = True
@@ -219,6 +220,12 @@ def _enforce_self_check(cfg, results, dtype, paths) -> None:
     )
 
 
+def _graphs_used(drafter) -> str:
+    """What --cuda-graphs resolved to: 'on'/'off' for a Mamba drafter, 'n/a' for other drafters or none."""
+    graphed = getattr(drafter, "cuda_graphs", None)
+    return "n/a" if graphed is None else ("on" if graphed else "off")
+
+
 def run_eval(cfg: EvalConfig) -> dict:
     """Run the evaluation described by cfg; write JSON/Markdown/PNG into cfg.out_dir and return the report."""
     from draftforge.eval import report as report_mod
@@ -232,8 +239,9 @@ def run_eval(cfg: EvalConfig) -> dict:
     drafter = None
     if cfg.drafter is not None:
         _log(cfg, f"loading drafter {cfg.drafter}")
+        graphs = {} if cfg.cuda_graphs == "auto" else {"cuda_graphs": cfg.cuda_graphs}  # auto: load_drafter's default
         drafter = decode_api.load_drafter(cfg.drafter, target, device=cfg.device, dtype=torch_dtype,
-                                          allow_vocab_mismatch=cfg.allow_vocab_mismatch)
+                                          allow_vocab_mismatch=cfg.allow_vocab_mismatch, **graphs)
     prompts = load_prompts(cfg.bench, target.tokenizer, num_prompts=cfg.num_prompts, chat=cfg.chat_template,
                            context_length=target_context_length(target.model), max_new_tokens=cfg.max_new_tokens)
     _log(cfg, f"{len(prompts)} prompts from {cfg.bench}")
@@ -248,7 +256,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         "conventions": report_mod.CONVENTIONS,
         "manifest": build_manifest(device=cfg.device, dtype=str(dtype).replace("torch.", ""), seed=cfg.seed,
                                    repeats=cfg.repeats, command=cfg.command, tokens_per_s_spread=spreads,
-                                   extra=cfg.extra_manifest),
+                                   extra={"cuda_graphs": _graphs_used(drafter), **cfg.extra_manifest}),
         "prompts": [{"prompt_id": p.prompt_id, "category": p.category, "num_tokens": len(p.input_ids),
                      "chat_template": p.used_chat_template} for p in prompts],
         "results": results,
