@@ -3,7 +3,8 @@
 1. testbed: BPE tokenizer + corpus from the Python stdlib on this machine (cached);
 2. target: a tiny Llama pre-trained on that corpus with the `pretrain` task (cached);
 3. drafter: a tiny Mamba2 pre-trained on the same corpus (`pretrain`), then SFT'd (`sft`) on the
-   target's own greedy continuations of training-split snippets (sequence-level distillation);
+   target's own greedy and sampled continuations of training-split snippets (sequence-level
+   distillation), stored as the exact token ids the target read and emitted (`format: tokens`);
 4. export, then `draftforge eval` of the drafter against the target on held-out prompts:
    autoregressive vs chain vs tree, with the speedup table.
 The recipes below are the same as recipes/tiny/*.yaml (a test keeps them equal).
@@ -49,7 +50,7 @@ def drafter_sft_recipe(testbed: str = TESTBED, out: str = "runs/demo") -> dict:
         "task": "sft",
         "output_dir": f"{out}/drafter-sft",
         "model": {"init_from": f"{out}/drafter-pretrain", "target": f"{testbed}/target"},
-        "data": {"sources": [f"{out}/sft_distill.jsonl"], "format": "chat", "eval_fraction": 0.05},
+        "data": {"sources": [f"{out}/sft_distill.jsonl"], "format": "tokens", "eval_fraction": 0.05},
         "optim": {"lr": 1e-3, "warmup_steps": 10},
         "train": {"max_steps": 100, "global_batch_size": 16, "micro_batch_size": 16,
                   "block_size": 256, "eval_every": 50, "save_every": 50, "log_every": 10},
@@ -85,8 +86,28 @@ def ensure_target(testbed: Path, quick: bool, say) -> dict | None:
     return stats
 
 
+def distill_row(prompt_ids: list[int], new_ids: list[int], eos_id: int) -> dict:
+    """A format=tokens row: the ids the target read and the ids it emitted, loss on the emitted ones only.
+
+    A continuation cut by max_new_tokens gets one EOS appended outside the loss, so that in a
+    packed block the next snippet starts after an EOS, as documents do in pre-training.
+    """
+    if eos_id in new_ids:
+        new_ids = new_ids[: new_ids.index(eos_id) + 1]
+    mask = [0] * len(prompt_ids) + [1] * len(new_ids)
+    if not new_ids or new_ids[-1] != eos_id:
+        new_ids, mask = new_ids + [eos_id], mask + [0]
+    return {"input_ids": prompt_ids + new_ids, "loss_mask": mask}
+
+
 def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens: int, say) -> Path:
-    """Chat rows {messages: [user: snippet, assistant: target's greedy continuation]} from train files."""
+    """Token rows of training-split snippets and the target's greedy and sampled continuations of them.
+
+    Rows carry ids, not text: the target's output re-tokenized from text is often other ids
+    (BPE merges "\n" + "    " into one token, and every prompt ends in indentation), which would
+    teach the drafter sequences the target never emits. Prompts are encoded exactly as
+    `draftforge eval` encodes a plain-text prompt (tokenizer(text)), so contexts match.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -106,17 +127,15 @@ def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens:
     torch.manual_seed(0)
     rows = []
     for i in range(0, len(prompts), 32):
-        chunk = prompts[i:i + 32]
-        batch = tok(chunk, return_tensors="pt", padding=True)
+        chunk = [tok(p)["input_ids"] for p in prompts[i:i + 32]]
+        batch = tok.pad({"input_ids": chunk}, return_tensors="pt")
         for sample in (False, True):  # greedy teaches the T=0 path, sampled the T>0 one (EESD §3.2 mixes both)
             with torch.no_grad():
                 gen = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=sample, temperature=1.0,
-                                     top_k=0, pad_token_id=tok.pad_token_id)
-            for p, ids in zip(chunk, gen[:, batch["input_ids"].shape[1]:]):
-                text = tok.decode(ids, skip_special_tokens=True)
-                if text.strip():
-                    rows.append({"messages": [{"role": "user", "content": p},
-                                              {"role": "assistant", "content": text}]})
+                                     top_k=0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+            for ids, new in zip(chunk, gen[:, batch["input_ids"].shape[1]:].tolist()):
+                if new[0] != tok.eos_token_id:  # an immediate EOS teaches nothing about drafting
+                    rows.append(distill_row(ids, new, tok.eos_token_id))
     if not rows:
         from draftforge.errors import DataError
 

@@ -32,7 +32,9 @@ def doc(default: Any, text: str):
 @dataclass
 class DataConfig:
     sources: list[str] = doc([], "HF dataset names, local .txt/.jsonl/.json/.parquet files, folders or globs")
-    format: str = doc("text", "'text': raw documents packed with EOS; 'chat': ShareGPT/OpenAI conversations")
+    format: str = doc("text", "'text': raw documents packed with EOS; 'chat': ShareGPT/OpenAI conversations; "
+                      "'tokens': JSONL/JSON/parquet rows {input_ids, prompt_len or loss_mask} used as is "
+                      "(no re-tokenization; e.g. a target's own continuations)")
     text_field: str = doc("text", "column holding the text when format=text")
     hf_config: str | None = doc(None, "dataset config name for HF datasets")
     split: str = doc("train", "split to read from HF datasets")
@@ -43,7 +45,8 @@ class DataConfig:
     file_glob: str = doc("**/*", "which files of a folder source to read")
 
     def check(self, at: str) -> None:
-        _require(self.format in ("text", "chat"), f"{at}.format", f"must be 'text' or 'chat', got {self.format!r}")
+        _require(self.format in ("text", "chat", "tokens"), f"{at}.format",
+                 f"must be 'text', 'chat' or 'tokens', got {self.format!r}")
         _require(0.0 <= self.eval_fraction < 1.0, f"{at}.eval_fraction", "must be in [0, 1)")
         _require(self.num_proc >= 1, f"{at}.num_proc", "must be >= 1")
         _require(self.max_documents is None or self.max_documents > 0, f"{at}.max_documents", "must be > 0")
@@ -144,7 +147,8 @@ class Recipe:
         self.optim.check("optim")
         self.train.check("train")
         if self.task == "sft":
-            _require(self.data.format == "chat", "data.format", "the sft task trains on chat data: set format: chat")
+            _require(self.data.format in ("chat", "tokens"), "data.format",
+                     "the sft task trains on chat data or token rows with a loss mask: set format: chat or tokens")
         if self.model.lora.enabled:
             _require(self.model.init_from is not None, "model.lora.enabled",
                      "LoRA adapts a pretrained model: set model.init_from")

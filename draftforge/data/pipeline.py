@@ -1,5 +1,8 @@
 """sources -> usable rows -> seeded held-out split -> tokenize (cached map) -> packed blocks.
 
+format=tokens rows skip tokenization (their ids are checked against the vocabulary and cut
+to the block) and are packed whole, like conversations.
+
 Tokenization is a fingerprinted `datasets.map` (cached, progress bar, `num_proc` workers);
 packing then runs over the whole token stream in memory (int32 arrow columns, ~8 bytes per
 token for input_ids + labels). For corpora that do not fit, use `streaming: true`.
@@ -38,14 +41,20 @@ class BlockData:
     block_size: int = 0
 
 
-def build_block_data(cfg, tokenizer, block_size: int, seed: int) -> BlockData:
-    """Read `cfg.sources`, hold out `cfg.eval_fraction` of documents (chosen by `seed`), pack."""
+def build_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: int | None = None) -> BlockData:
+    """Read `cfg.sources`, hold out `cfg.eval_fraction` of documents (chosen by `seed`), pack.
+
+    vocab_size: ids of format=tokens rows must be below it (default: len(tokenizer)).
+    """
     eos_id, pad_id = _special_ids(tokenizer)
     _check_config(cfg, block_size)
+    vocab_size = vocab_size or len(tokenizer)
     docs = load_sources(cfg)
     if cfg.streaming:
-        return _build_streaming(docs, cfg, tokenizer, block_size, seed, eos_id, pad_id)
+        return _build_streaming(docs, cfg, tokenizer, block_size, seed, eos_id, pad_id, vocab_size)
     docs, stats = _usable_rows(docs, cfg)
+    if cfg.format == "tokens":
+        _check_vocab(docs, vocab_size)
     train_docs, eval_docs = split_documents(docs, cfg.eval_fraction, seed)
     train, train_stats = _to_blocks(train_docs, cfg, tokenizer, block_size, eos_id, pad_id)
     stats["rows_skipped"] += train_stats.pop("truncated_away")
@@ -111,8 +120,10 @@ def _usable_rows(docs: datasets.Dataset, cfg):
     good_idx = np.flatnonzero(pc.equal(bad, "").to_numpy(zero_copy_only=False))
     summary = ", ".join(f"{n} x {r}" for r, n in reasons.most_common())
     if len(good_idx) == 0:
-        hint = f"set data.text_field (now {cfg.text_field!r})" if cfg.format == "text" else \
-            "give rows ShareGPT 'conversations' (from/value) or OpenAI 'messages' (role/content) with an assistant turn"
+        hint = {"text": f"set data.text_field (now {cfg.text_field!r})",
+                "tokens": "give each row at least one token with loss (prompt_len < len(input_ids), or a 1 in loss_mask)",
+                }.get(cfg.format, "give rows ShareGPT 'conversations' (from/value) or OpenAI 'messages' "
+                                  "(role/content) with an assistant turn")
         raise DataError(f"no usable rows in {cfg.sources}: all {len(docs)} rows skipped ({summary}); {hint}")
     if reasons:
         log.warning("skipped %d of %d data rows: %s", len(docs) - len(good_idx), len(docs), summary)
@@ -120,6 +131,30 @@ def _usable_rows(docs: datasets.Dataset, cfg):
         good_idx = good_idx[: cfg.max_documents]
     stats = {"rows_read": len(docs), "rows_skipped": sum(reasons.values()), "skip_reasons": dict(reasons)}
     return docs.select(good_idx), stats
+
+
+def _check_vocab(docs: datasets.Dataset, vocab_size: int) -> None:
+    """format=tokens: every id must index the model's embedding; name the first row that does not."""
+    column = docs.data.column("input_ids")
+    flat = flatten_lists(column)
+    if len(flat) and flat.max() >= vocab_size:
+        parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
+        at = int(np.argmax(flat >= vocab_size))
+        row = docs[int(parents[at])]
+        raise DataError(f"{row['where']}: token id {int(flat[at])} is outside the vocabulary (size {vocab_size}); "
+                        "were these ids made with another tokenizer?")
+
+
+def _check_row_vocab(row: dict, vocab_size: int) -> None:
+    bad = [t for t in row["input_ids"] if t >= vocab_size]
+    if bad:
+        raise DataError(f"{row['where']}: token id {bad[0]} is outside the vocabulary (size {vocab_size}); "
+                        "were these ids made with another tokenizer?")
+
+
+def _truncate_tokens(batch, block_size):
+    return {"input_ids": [ids[:block_size] for ids in batch["input_ids"]],
+            "labels": [labels[:block_size] for labels in batch["labels"]]}
 
 
 def _tokenize_text(batch, tokenizer, eos_id):
@@ -135,6 +170,8 @@ def _tokenize_chat(batch, tokenizer, block_size):
 def _tokenize(docs, cfg, tokenizer, block_size: int, eos_id: int):
     if cfg.format == "text":
         fn, kwargs = _tokenize_text, {"tokenizer": tokenizer, "eos_id": eos_id}
+    elif cfg.format == "tokens":  # already ids: only cut to the block (no re-tokenization)
+        fn, kwargs = _truncate_tokens, {"block_size": block_size}
     else:
         fn, kwargs = _tokenize_chat, {"tokenizer": tokenizer, "block_size": block_size}
     return docs.map(fn, batched=True, fn_kwargs=kwargs, remove_columns=docs.column_names,
@@ -171,7 +208,7 @@ def _held_out(index: int, seed: int, fraction: float) -> bool:
     return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
-def _stream_blocks(docs, cfg, tokenizer, block_size, eos_id, pad_id, seed, want_eval, max_blocks):
+def _stream_blocks(docs, cfg, tokenizer, block_size, eos_id, pad_id, seed, want_eval, max_blocks, vocab_size):
     """Generator behind the streaming datasets: filter, split by seeded hash, tokenize, pack."""
     packer, emitted, used = StreamPacker(block_size, pad_id), 0, 0
     for index, row in enumerate(docs):
@@ -186,7 +223,12 @@ def _stream_blocks(docs, cfg, tokenizer, block_size, eos_id, pad_id, seed, want_
             ids = _tokenize_text({"text": [row["text"]]}, tokenizer, eos_id)["input_ids"][0]
             blocks = packer.add(ids, ids)
         else:
-            enc = tokenize_conversation(row["messages"], tokenizer, block_size)
+            if cfg.format == "tokens":
+                _check_row_vocab(row, vocab_size)
+                enc = _truncate_tokens({"input_ids": [row["input_ids"]], "labels": [row["labels"]]}, block_size)
+                enc = {k: v[0] for k, v in enc.items()}
+            else:
+                enc = tokenize_conversation(row["messages"], tokenizer, block_size)
             blocks = packer.add_whole(enc["input_ids"], enc["labels"]) if any(
                 t != -100 for t in enc["labels"]) else ()
         for block in blocks:
@@ -197,9 +239,9 @@ def _stream_blocks(docs, cfg, tokenizer, block_size, eos_id, pad_id, seed, want_
     yield from packer.flush()
 
 
-def _build_streaming(docs, cfg, tokenizer, block_size, seed, eos_id, pad_id) -> BlockData:
+def _build_streaming(docs, cfg, tokenizer, block_size, seed, eos_id, pad_id, vocab_size) -> BlockData:
     common = {"docs": docs, "cfg": cfg, "tokenizer": tokenizer, "block_size": block_size,
-              "eos_id": eos_id, "pad_id": pad_id, "seed": seed}
+              "eos_id": eos_id, "pad_id": pad_id, "seed": seed, "vocab_size": vocab_size}
     features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
                                   "labels": datasets.List(datasets.Value("int32"))})
     train = datasets.IterableDataset.from_generator(

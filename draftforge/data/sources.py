@@ -1,9 +1,16 @@
 """Data sources: resolve recipe source strings into one normalized `datasets` table.
 
-Every source becomes rows of either {"text": str, "bad": str} (format=text) or
-{"messages": [{"role", "content"}], "bad": str} (format=chat). `bad` is "" for a usable
-row and otherwise the reason it is skipped; keeping bad rows (instead of dropping them
-while reading) lets the skip counts survive a datasets cache hit.
+Every source becomes rows of either {"text": str, "bad": str} (format=text),
+{"messages": [{"role", "content"}], "bad": str} (format=chat) or
+{"input_ids": [int], "labels": [int], "where": str, "bad": str} (format=tokens). `bad` is ""
+for a usable row and otherwise the reason it is skipped; keeping bad rows (instead of
+dropping them while reading) lets the skip counts survive a datasets cache hit.
+
+format=tokens rows are ids a program wrote (e.g. a target's own continuations, which must
+not be decoded and re-tokenized: BPE would merge or split them differently). A raw row is
+{"input_ids": [...]} plus at most one of "prompt_len" (no loss on the first N tokens) or
+"loss_mask" (0/1 per token); with neither, every token has loss. A malformed row is a bug in
+its producer, so it raises DataError naming file:line instead of being skipped.
 """
 
 from __future__ import annotations
@@ -15,9 +22,10 @@ from pathlib import Path
 
 import datasets
 
+from draftforge.data.chat import IGNORE_INDEX
 from draftforge.errors import DataError
 
-FORMATS = ("text", "chat")
+FORMATS = ("text", "chat", "tokens")
 ROW_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 _GLOB_CHARS = set("*?[")
 # ShareGPT speakers -> OpenAI roles; anything else is skipped with a reason.
@@ -28,8 +36,10 @@ ROLE_ALIASES = {
 }
 
 
-def normalize_row(row: dict, fmt: str, text_field: str) -> dict:
+def normalize_row(row: dict, fmt: str, text_field: str, where: str = "a row") -> dict:
     """One raw row -> the normalized schema of this format (see module docstring)."""
+    if fmt == "tokens":
+        return normalize_tokens(row, where)
     if fmt == "text":
         text = row.get(text_field)
         if not isinstance(text, str):
@@ -62,7 +72,39 @@ def _normalize_chat(row: dict) -> dict:
     return {"messages": messages, "bad": ""}
 
 
+def _int_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def normalize_tokens(row: dict, where: str) -> dict:
+    """{"input_ids", "prompt_len" | "loss_mask"} -> input_ids + labels (-100 where no loss); DataError if malformed."""
+    ids = row.get("input_ids")
+    if not _int_list(ids) or not ids:
+        raise DataError(f"{where}: format=tokens needs 'input_ids', a non-empty list of ints")
+    if min(ids) < 0:
+        raise DataError(f"{where}: 'input_ids' has a negative id ({min(ids)})")
+    if "prompt_len" in row and "loss_mask" in row:
+        raise DataError(f"{where}: give 'prompt_len' or 'loss_mask', not both")
+    if "loss_mask" in row:
+        mask = row["loss_mask"]
+        if not _int_list(mask) or len(mask) != len(ids) or not set(mask) <= {0, 1}:
+            raise DataError(f"{where}: 'loss_mask' must be a list of 0/1, one per input id ({len(ids)})")
+    elif "prompt_len" in row:
+        n = row["prompt_len"]
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(ids):
+            raise DataError(f"{where}: 'prompt_len' must be an int in [0, {len(ids)}], got {n!r}")
+        mask = [0] * n + [1] * (len(ids) - n)
+    else:
+        mask = [1] * len(ids)
+    labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
+    return {"input_ids": ids, "labels": labels, "where": where, "bad": "" if any(mask) else "no loss tokens"}
+
+
 def features_for(fmt: str) -> datasets.Features:
+    if fmt == "tokens":
+        ids = datasets.List(datasets.Value("int32"))
+        return datasets.Features({"input_ids": ids, "labels": ids, "where": datasets.Value("string"),
+                                  "bad": datasets.Value("string")})
     if fmt == "text":
         return datasets.Features({"text": datasets.Value("string"), "bad": datasets.Value("string")})
     turn = {"role": datasets.Value("string"), "content": datasets.Value("string")}
@@ -101,6 +143,12 @@ def resolve_local_files(spec: str, file_glob: str) -> list[Path]:
 
 def iter_file_rows(path: Path):
     """Raw rows of one local file; any non-row file (.txt, .py, ...) is one document."""
+    for _, row in iter_located_rows(path):
+        yield row
+
+
+def iter_located_rows(path: Path):
+    """(where, raw row) pairs; `where` is "file:line" for JSONL, "file row i" otherwise (for error messages)."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         with open(path, encoding="utf-8") as f:
@@ -108,7 +156,7 @@ def iter_file_rows(path: Path):
                 if not line.strip():
                     continue
                 try:
-                    yield json.loads(line)
+                    yield f"{path}:{line_no}", json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}:{line_no}: malformed JSON line ({e.msg}); fix or remove it") from None
     elif suffix == ".json":
@@ -118,14 +166,17 @@ def iter_file_rows(path: Path):
             raise DataError(f"{path}:{e.lineno}: malformed JSON ({e.msg}); fix the file") from None
         if not isinstance(rows, list):
             raise DataError(f"{path}: a .json source must hold a list of row objects (use .jsonl for one per line)")
-        yield from rows
+        yield from ((f"{path} row {i}", row) for i, row in enumerate(rows))
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
+        index = 0
         for batch in pq.ParquetFile(path).iter_batches():
-            yield from batch.to_pylist()
+            for row in batch.to_pylist():
+                yield f"{path} row {index}", row
+                index += 1
     else:
-        yield {"text": path.read_text(encoding="utf-8", errors="replace")}
+        yield str(path), {"text": path.read_text(encoding="utf-8", errors="replace")}
 
 
 def _generate_rows(files, fmt, text_field, signature):
@@ -133,16 +184,21 @@ def _generate_rows(files, fmt, text_field, signature):
     # datasets cache fingerprint changes whenever a file changes.
     del signature
     for name in files:
-        for row in iter_file_rows(Path(name)):
+        for where, row in iter_located_rows(Path(name)):
             if not isinstance(row, dict):
                 row = {}
             if Path(name).suffix.lower() not in ROW_FILE_SUFFIXES and fmt == "text":
                 row = {text_field: row["text"]}
-            yield normalize_row(row, fmt, text_field)
+            yield normalize_row(row, fmt, text_field, where)
 
 
-def _count_rows(path: Path) -> int:
+def _count_rows(path: Path, fmt: str) -> int:
     suffix = path.suffix.lower()
+    if fmt == "tokens":  # validate every row here: an error raised inside the datasets builder loses its message
+        if suffix not in ROW_FILE_SUFFIXES:
+            raise DataError(f"{path}: format=tokens reads .jsonl/.json/.parquet rows of input_ids, not raw files")
+        return sum(1 for where, row in iter_located_rows(path)
+                   if normalize_tokens(row if isinstance(row, dict) else {}, where) is not None)
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -157,7 +213,7 @@ def load_local(files: list[Path], fmt: str, text_field: str) -> datasets.Dataset
     names = [str(f.resolve()) for f in files]
     # Read JSON/JSONL eagerly once so a malformed line is reported with its location
     # here, not from deep inside the datasets builder (which also rejects zero rows).
-    if sum(_count_rows(f) for f in files) == 0:
+    if sum(_count_rows(f, fmt) for f in files) == 0:
         raise DataError(f"data files {[str(f) for f in files][:3]} have no rows; check the paths or the files")
     signature = [(os.path.getsize(n), os.stat(n).st_mtime_ns) for n in names]
     ds = datasets.Dataset.from_generator(
@@ -176,7 +232,7 @@ def load_hf(spec: str, cfg, fmt: str, text_field: str):
         raise DataError(f"could not load Hugging Face dataset {name!r} (config {cfg.hf_config!r}, split "
                         f"{cfg.split!r}): {e}. Check the name, hf_config, split and network access") from None
     columns = raw.column_names  # None for some streamed datasets: extra columns then ride along
-    return raw.map(normalize_row, fn_kwargs={"fmt": fmt, "text_field": text_field},
+    return raw.map(normalize_row, fn_kwargs={"fmt": fmt, "text_field": text_field, "where": f"dataset {name}"},
                    remove_columns=columns, features=features_for(fmt) if columns is not None else None)
 
 

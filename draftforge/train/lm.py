@@ -1,8 +1,9 @@
 """Tasks `pretrain` and `sft`: next-token cross-entropy on a drafter (Mamba Drafters §A.3).
 
 `pretrain` trains from scratch on packed text; `sft` starts from a pretrained checkpoint
-(`model.init_from`) and trains on chat data with the loss on assistant tokens only, optionally
-through LoRA adapters. Both accept any small HF causal LM as the student.
+(`model.init_from`) and trains on chat data with the loss on assistant tokens only (or on
+token rows with their own loss mask, e.g. a target's continuations as the ids it emitted),
+optionally through LoRA adapters. Both accept any small HF causal LM as the student.
 Legend: B = batch, T = block size, V = vocab.
 """
 
@@ -57,6 +58,15 @@ def target_vocab_size(recipe: Recipe) -> int | None:
         return AutoConfig.from_pretrained(recipe.model.target).vocab_size
     except (OSError, ValueError) as e:
         raise RecipeError(f"recipe key 'model.target': cannot read the target config ({e})") from None
+
+
+def model_vocab_size(recipe: Recipe, tokenizer) -> int:
+    """Rows of the embedding the model will have: init_from's config, else the target's, else the tokenizer."""
+    if recipe.model.init_from:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(resolve_checkpoint(recipe.model.init_from)).vocab_size
+    return target_vocab_size(recipe) or len(tokenizer)
 
 
 def build_model(recipe: Recipe, tokenizer):
@@ -118,9 +128,11 @@ def build_lm_task(recipe: Recipe, accelerator):
         raise RecipeError("recipe key 'model.init_from': sft starts from a pretrained drafter; point it at a "
                           "pretrain run, an export or a HF model id")
     tokenizer = load_tokenizer(recipe)
-    check_context(recipe, target_vocab_size(recipe) or len(tokenizer))
+    vocab_size = model_vocab_size(recipe, tokenizer)
+    check_context(recipe, vocab_size)
     with accelerator.main_process_first():  # rank 0 tokenizes and fills the datasets cache first
-        data = build_block_data(recipe.data, tokenizer, recipe.train.block_size, recipe.train.seed)
+        data = build_block_data(recipe.data, tokenizer, recipe.train.block_size, recipe.train.seed,
+                                vocab_size=vocab_size)
     accelerator.print(f"[draftforge] {describe(data)}")
     model = build_model(recipe, tokenizer)
     meta = {"tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "data_stats": data.stats}
