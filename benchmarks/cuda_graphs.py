@@ -1,0 +1,130 @@
+"""Mamba drafter decode-step latency, eager vs CUDA graph, for every batch size of a tree configuration.
+
+Tree drafting by batch expansion (Mamba Drafters §4.1) steps the drafter at batch 1 (committed
+tokens) and at B_i = N1·…·N_i (draft depth i). Per batch size we time the same StaticStep eagerly and
+replayed as a CUDA graph (after warm-up, median over repeats of `--steps` steps), then one whole
+`draft()` of the configuration both ways. On CPU graphs need CUDA: only eager is timed. Prints a
+table, writes JSON.
+
+    python benchmarks/cuda_graphs.py --device cuda --kind mamba2 --tree 3,2,2,1 --out cuda_graphs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
+
+from draftforge.decode.cuda_graphs import CudaGraph, StaticStep
+from draftforge.decode.drafter_mamba import MambaDrafter
+from draftforge.decode.sampling import SamplingParams
+from draftforge.decode.tree import level_sizes
+
+
+def build(kind: str, hidden: int, layers: int, vocab: int, device, dtype):
+    torch.manual_seed(0)
+    if kind == "mamba":
+        model = MambaForCausalLM(MambaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                             state_size=16))
+    else:
+        model = Mamba2ForCausalLM(Mamba2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                               state_size=64, expand=2, head_dim=64, num_heads=2 * hidden // 64,
+                                               n_groups=1))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, calls: int, repeats: int, warmup: int, device) -> float:
+    """Median over repeats of the mean time of one call, in ms, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) / calls * 1e3)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def step_latencies(model, widths, args, device, graphs: bool) -> list[dict]:
+    drafter = MambaDrafter(model, model.config.vocab_size, cuda_graphs="off")
+    drafter._sync(list(range(1, 17)))  # real state shapes
+    rows = []
+    for batch in [1] + level_sizes(widths)[:-1]:  # the batch sizes that are stepped (depth γ is never fed)
+        states = [(c.repeat(batch, *[1] * (c.dim() - 1)), s.repeat(batch, *[1] * (s.dim() - 1)))
+                  for c, s in drafter.live]
+        ids_B1 = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
+        row = {"batch": batch}
+        modes = {"eager": None, "graph": CudaGraph} if graphs else {"eager": None}
+        for name, graph_cls in modes.items():
+            step = StaticStep(model, [(c.clone(), s.clone()) for c, s in states], graph_cls() if graph_cls else None)
+            row[f"{name}_ms"] = median_ms(lambda: step(ids_B1), args.steps, args.repeats, args.warmup, device)
+        rows.append(row)
+    return rows
+
+
+@torch.inference_mode()
+def draft_latency(model, widths, args, device, mode: str) -> float:
+    drafter = MambaDrafter(model, model.config.vocab_size, cuda_graphs=mode)
+    seq, params = list(range(1, 17)), SamplingParams()
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def one_draft():
+        drafter.draft(seq, widths, params, gen)
+        drafter.accept([])  # live state unchanged: every call drafts from the same prefix
+
+    return median_ms(one_draft, args.steps, args.repeats, args.warmup, device)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kind", choices=("mamba", "mamba2"), default="mamba2")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--tree", default="3,2,2,1", help="configuration N1,...,Nγ whose batch sizes are timed")
+    p.add_argument("--steps", type=int, default=20, help="calls per timed repeat")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--out", default="cuda_graphs.json")
+    args = p.parse_args()
+    device, widths = torch.device(args.device), tuple(int(w) for w in args.tree.split(","))
+    graphs = device.type == "cuda"
+    if not graphs:
+        print("CUDA graphs need a CUDA device: timing the eager static-buffer path only.")
+    model = build(args.kind, args.hidden, args.layers, args.vocab, device, getattr(torch, args.dtype))
+    rows = step_latencies(model, widths, args, device, graphs)
+    draft = {"eager_ms": draft_latency(model, widths, args, device, "off")}
+    if graphs:
+        draft["graph_ms"] = draft_latency(model, widths, args, device, "on")
+    print(f"\n{args.kind} hidden={args.hidden} layers={args.layers} vocab={args.vocab} tree={widths} "
+          f"device={device} dtype={args.dtype} (median of {args.repeats} x {args.steps} calls)\n")
+    print("| step | batch | eager ms | graph ms | speedup |\n|---|---:|---:|---:|---:|")
+    for row in rows + [{"batch": "-", **draft}]:
+        name = "draft()" if row["batch"] == "-" else "decode step"
+        graph = row.get("graph_ms")
+        cells = (f"{graph:.3f}", f"{row['eager_ms'] / graph:.2f}x") if graph else ("n/a", "n/a")
+        print(f"| {name} | {row['batch']} | {row['eager_ms']:.3f} | {cells[0]} | {cells[1]} |")
+    result = {"config": vars(args), "graphs_timed": graphs, "steps": rows, "draft": draft,
+              "device_name": torch.cuda.get_device_name(device) if graphs else "cpu"}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
