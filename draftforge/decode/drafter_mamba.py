@@ -10,7 +10,7 @@ tensors through a StaticStep (cuda_graphs.py), captured as a CUDA graph when `cu
 to on. The live batch-1 state is therefore one persistent buffer: each prompt is encoded eagerly
 with a throw-away cache and its states are copied into that buffer.
 
-Legend: B nodes at one depth, V vocabulary.
+Legend: B nodes at one depth, T prompt tokens, V vocabulary.
 """
 
 from __future__ import annotations
