@@ -100,14 +100,15 @@ def test_malformed_rows_name_file_and_line(tmp_path, tok, row, match):
 
 @pytest.mark.parametrize("streaming", [False, True])
 def test_id_outside_the_vocabulary_names_file_and_line(tmp_path, tok, streaming):
-    rows = _rows() + [{"input_ids": [1, 2, len(tok)], "prompt_len": 1}]
+    # a skipped row first, so the offending row's index differs between all rows and usable rows
+    rows = [{"input_ids": [1, 2], "prompt_len": 2}] + _rows() + [{"input_ids": [1, 2, len(tok)], "prompt_len": 1}]
     src = write_jsonl(tmp_path / "d.jsonl", rows)
-    with pytest.raises(DataError, match=rf"d\.jsonl:4: token id {len(tok)} is outside the vocabulary"):
+    with pytest.raises(DataError, match=rf"d\.jsonl:5: token id {len(tok)} is outside the vocabulary"):
         bd = build_block_data(data_cfg([src], format="tokens", streaming=streaming), tok, 16, seed=0)
         list(bd.train)
     # a model with a larger (padded) embedding accepts it
     bd = build_block_data(data_cfg([src], format="tokens"), tok, 16, seed=0, vocab_size=len(tok) + 8)
-    assert bd.stats["documents"] == 4
+    assert bd.stats["documents"] == 4 and bd.stats["rows_skipped"] == 1
 
 
 def test_raw_text_files_are_not_token_rows(tmp_path, tok):
@@ -150,3 +151,17 @@ def test_sft_trains_on_token_rows(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir)
         "data": {"sources": [str(src)], "format": "tokens", "eval_fraction": 0.0}, **common},
         ["train.max_steps=20"]))
     assert sum(result.losses[-3:]) / 3 < result.losses[0] / 3
+
+
+def test_demo_distill_rows_train_on_exactly_the_emitted_ids(tmp_path, tok):
+    from draftforge.demo import distill_row
+
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    stopped = distill_row([10, 11, 12], [20, 21, eos, pad, pad], eos)  # generate pads after EOS
+    assert stopped == {"input_ids": [10, 11, 12, 20, 21, eos], "loss_mask": [0, 0, 0, 1, 1, 1]}
+    cut = distill_row([10, 11], [30, 31, 32], eos)  # cut by max_new_tokens: an EOS separator outside the loss
+    assert cut == {"input_ids": [10, 11, 30, 31, 32, eos], "loss_mask": [0, 0, 1, 1, 1, 0]}
+    src = write_jsonl(tmp_path / "d.jsonl", [stopped, cut])
+    (ids, labels), = _unpack(build_block_data(data_cfg([src], format="tokens"), tok, 16, seed=0).train, pad)
+    assert ids == stopped["input_ids"] + cut["input_ids"]
+    assert [t for t in labels if t != IGNORE_INDEX] == [20, 21, eos, 30, 31, 32]

@@ -52,9 +52,9 @@ def build_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: int
     docs = load_sources(cfg)
     if cfg.streaming:
         return _build_streaming(docs, cfg, tokenizer, block_size, seed, eos_id, pad_id, vocab_size)
-    docs, stats = _usable_rows(docs, cfg)
-    if cfg.format == "tokens":
+    if cfg.format == "tokens":  # before _usable_rows: its select() would hide the row index behind a mapping
         _check_vocab(docs, vocab_size)
+    docs, stats = _usable_rows(docs, cfg)
     train_docs, eval_docs = split_documents(docs, cfg.eval_fraction, seed)
     train, train_stats = _to_blocks(train_docs, cfg, tokenizer, block_size, eos_id, pad_id)
     stats["rows_skipped"] += train_stats.pop("truncated_away")
