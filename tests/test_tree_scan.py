@@ -13,16 +13,25 @@ import textwrap
 
 import pytest
 import torch
-from transformers import Mamba2Config
+from transformers import Mamba2Config, Mamba2ForCausalLM
 from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
 
-from draftforge.decode.mamba2_tree import full_binary_parents, mixer_tree_forward, root_path, unrolled_mixer_outputs
+from draftforge.decode.mamba2_tree import (
+    full_binary_parents,
+    leaf_paths,
+    mamba2_tree_logits,
+    mixer_tree_forward,
+    replay_states,
+    root_path,
+    unrolled_mixer_outputs,
+)
 from draftforge.kernels.tree_scan import (
     MAX_KERNEL_NODES,
     TreeScanError,
     TreeScanWeights,
     ancestor_mask,
     pack_bitmask,
+    pack_tree,
     tree_scan,
     tree_scan_ref,
 )
@@ -162,6 +171,7 @@ MIXER_TREES = {
     "chain9": [list(range(-1, 8))],
     "binary_depth4": [full_binary_parents(4)],
     "two_random_40": "random",  # 40 nodes span two row blocks of 32
+    "binary_depth6": [full_binary_parents(6)],  # 63 nodes: the STree benchmark's largest tree
 }
 
 
@@ -199,7 +209,7 @@ def test_kernel_case_mixer_matches_unrolled_paths(tree):
      dict(n_nodes=31, heads=2, head_dim=16, groups=2, d_state=32, batch=2)],
     ids=["P64", "P128_two_channel_blocks", "groups2_S32_batch2"],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kernel_case_op_matches_reference(shape, dtype):
     xBC, dt, weights, ssm, conv = op_inputs(dtype=dtype, device=DEVICE, **shape)
     parents = full_binary_parents(5)[: shape["n_nodes"]]
@@ -207,3 +217,108 @@ def test_kernel_case_op_matches_reference(shape, dtype):
     got = tree_scan(xBC, dt, parents, weights, ssm, conv, impl="triton").y_BNHP
     assert got.dtype == torch.float32
     assert rel_err(got, want) < KERNEL_TOL[dtype]
+
+
+@kernel
+def test_kernel_case_mixer_without_conv_bias_with_dt_clamp_and_empty_prefix():
+    # The other branches of the kernel: no conv bias, a dt limit that clamps, one group, no prefix states.
+    config = Mamba2Config(hidden_size=16, num_heads=4, head_dim=8, expand=2, n_groups=1, state_size=16,
+                          conv_kernel=3, num_hidden_layers=1, vocab_size=8, use_conv_bias=False,
+                          time_step_limit=(0.05, 0.5))
+    torch.manual_seed(2)
+    mixer = Mamba2Mixer(config, layer_idx=0).eval()
+    with torch.no_grad():
+        for param in mixer.parameters():
+            param.normal_(0.0, 0.5)
+    assert mixer.conv1d.bias is None
+    parents_BN = torch.tensor([full_binary_parents(4)])
+    hidden = torch.randn(1, 15, 16, generator=torch.Generator().manual_seed(3))
+    want = unrolled_mixer_outputs(mixer, config, hidden, parents_BN)
+    mixer.to(DEVICE)
+    with torch.no_grad():
+        got, _ = mixer_tree_forward(mixer, hidden.to(DEVICE), parents_BN.to(DEVICE), impl="triton")
+    assert rel_err(got.cpu(), want) < 1e-5
+
+
+@kernel
+def test_kernel_case_model_logits_and_replay_match_sequences():
+    config = Mamba2Config(hidden_size=16, num_heads=4, head_dim=8, expand=2, n_groups=2, state_size=16,
+                          conv_kernel=4, num_hidden_layers=2, vocab_size=32, chunk_size=8)
+    torch.manual_seed(6)
+    model = Mamba2ForCausalLM(config).eval().to(DEVICE)
+    prefix_1T = torch.randint(0, 32, (1, 5), device=DEVICE)
+    parents = full_binary_parents(3)
+    tree_ids_1N = torch.randint(0, 32, (1, 7), device=DEVICE)
+    with torch.no_grad():
+        cache = model(prefix_1T, use_cache=True).cache_params
+        logits_1NV, scan_caches = mamba2_tree_logits(model, tree_ids_1N, parents, cache, impl="triton")
+        for path in leaf_paths(parents):
+            full = model(torch.cat([prefix_1T, tree_ids_1N[:, path]], 1), use_cache=True)
+            assert rel_err(logits_1NV[0, path], full.logits[0, 5:]) < 1e-4
+            for layer, scan_cache in enumerate(scan_caches):
+                conv, ssm = replay_states(scan_cache, path[-1])
+                assert rel_err(conv, full.cache_params.get_conv_state(layer)) < 1e-5
+                assert rel_err(ssm, full.cache_params.get_recurrent_state(layer)) < 1e-4
+
+
+# ----------------------------------------------------------------------------- one launch, CUDA build
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_kernel_path_is_one_launch_and_no_torch_compute(monkeypatch):
+    """Given a PackedTree (built once per tree), a layer's scan is exactly one kernel launch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from draftforge.kernels import tree_scan as ts
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(grid)
+
+    class AtenOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(ts, "_tree_scan_kernel", Recorder())
+    monkeypatch.setattr(ts, "_kernel_usable", lambda x: True)
+    xBC, dt, weights, ssm, conv = op_inputs(31, heads=2, head_dim=16)
+    tree = pack_tree(full_binary_parents(5), 1, 31, 4, xBC.device)
+    with AtenOps() as seen:
+        ts.tree_scan(xBC, dt, tree, weights, ssm, conv, impl="triton")
+    assert len(launches) == 1
+    # Only the output allocation may reach ATen: no conv, softplus, decay sum or copy of the inputs.
+    assert set(seen.ops) <= {"aten.empty", "aten.empty_like"}, seen.ops
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_kernel_compiles_for_cuda_sm90(dtype):
+    """Compile (not run) the kernel for an H100/H200 with Triton's bundled ptxas: catches what the
+    CPU interpreter accepts but the GPU compiler rejects, on machines without a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from draftforge.kernels import tree_scan as ts
+
+    signature = {name: f"*{dtype}" for name in ("xbc_ptr", "dt_ptr", "state_ptr")}
+    signature.update({name: "*i32" for name in ("window_ptr", "words_ptr")})
+    signature.update({name: "*fp32" for name in ("convw_ptr", "convb_ptr", "dtb_ptr", "a_ptr", "d_ptr", "h0_ptr", "y_ptr")})
+    signature.update({name: "i32" for name in ("N", "H", "P", "S", "W", "HEADS_PER_GROUP", "OFF_B", "OFF_C")})
+    signature.update(dt_lo="fp32", dt_hi="fp32")
+    signature.update({f"stride_{s}": "i32" for s in ("xb", "xn", "db", "dn", "sb", "sc", "sk")})
+    consts = dict(K=4, HAS_BIAS=True, SILU=True, BLOCK_N=32, BLOCK_P=32, BLOCK_S=128)
+    signature.update({name: "constexpr" for name in consts})
+    names = list(signature)
+    source = ASTSource(fn=ts._tree_scan_kernel, signature=signature,
+                       constexprs={(names.index(name),): value for name, value in consts.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    assert compiled.asm["cubin"]

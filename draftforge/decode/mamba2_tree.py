@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from draftforge.errors import CompatibilityError
-from draftforge.kernels.tree_scan import TreeScanCache, TreeScanWeights, tree_scan, tree_scan_replay
+from draftforge.kernels.tree_scan import TreeScanCache, TreeScanWeights, pack_tree, tree_scan, tree_scan_replay
 
 _MIXER_PARTS = ("in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj", "n_groups", "head_dim")
 
@@ -56,7 +56,9 @@ def mixer_tree_forward(mixer, hidden_BND, parents, conv_state=None, ssm_state=No
                        impl: str = "auto") -> tuple[torch.Tensor, TreeScanCache]:
     """Per-node outputs [B,N,D] of ``mixer`` over a packed tree, plus the cache for replay.
 
-    ``conv_state``/``ssm_state`` are the layer's states after the accepted prefix (None: empty).
+    ``parents`` is [N] / [B, N] parent indices or a PackedTree (``pack_tree``), which a stack of
+    layers builds once and shares. ``conv_state``/``ssm_state`` are the layer's states after the
+    accepted prefix (None: empty).
     ``impl`` is passed to ``tree_scan`` ("auto" = kernel on CUDA, reference elsewhere).
     """
     weights = scan_weights(mixer)
@@ -89,6 +91,8 @@ def mamba2_tree_logits(model, tree_ids_BN, parents, cache=None, impl: str = "aut
     """
     backbone = model.backbone
     hidden_BND = backbone.embeddings(tree_ids_BN)
+    # The tree's index tensors depend on the tree only: built once, read by every layer's scan.
+    tree = pack_tree(parents, *tree_ids_BN.shape, model.config.conv_kernel, tree_ids_BN.device)
     scan_caches = []
     for layer_idx, block in enumerate(backbone.layers):
         residual_BND = hidden_BND
@@ -96,7 +100,7 @@ def mamba2_tree_logits(model, tree_ids_BN, parents, cache=None, impl: str = "aut
         if block.residual_in_fp32:
             residual_BND = residual_BND.to(torch.float32)
         conv_state, ssm_state = cache_states(cache, layer_idx)
-        mixed_BND, scan_cache = mixer_tree_forward(block.mixer, normed_BND, parents, conv_state, ssm_state, impl)
+        mixed_BND, scan_cache = mixer_tree_forward(block.mixer, normed_BND, tree, conv_state, ssm_state, impl)
         hidden_BND = residual_BND + mixed_BND
         scan_caches.append(scan_cache)
     hidden_BND = backbone.norm_f(hidden_BND)
