@@ -173,6 +173,35 @@ def test_eval_flag_reaches_the_config():
         parser.parse_args(["--target", "t", "--bench", "b", "--cuda-graphs", "maybe"])
 
 
+@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+def test_graphed_step_has_no_host_sync_or_data_dependent_shape(target, kind):
+    """What breaks CUDA-graph capture, checked on CPU: a step that reads a value back to the host
+    (.item(), bool(tensor), nonzero) or allocates by data cannot be captured. Record the ATen ops of
+    one drafter step at batch 1 and at a tree depth's batch and refuse any such op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    syncing = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique",
+               "aten._unique2", "aten.item", "aten.is_nonzero", "aten.equal"}
+
+    class AtenOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    drafter = MambaDrafter(MAKERS[kind](vocab=VOCAB, dtype=torch.float64), target.vocab_size, cuda_graphs="off")
+    drafter.draft(PROMPTS[1], (3, 2, 1), SamplingParams(), torch.Generator().manual_seed(0))  # builds the steps
+    steps = [drafter.live_step] + [s for s in drafter.depth_steps[(3, 2, 1)] if s is not None]
+    for step in steps:
+        with AtenOps() as seen:
+            step(torch.ones(step.ids_B1.shape, dtype=torch.long))
+        assert seen.ops, "the step ran no ATen op: the check would be vacuous"
+        assert not seen.ops & syncing, f"batch {step.ids_B1.shape[0]}: {sorted(seen.ops & syncing)}"
+
+
 # ---- real CUDA graphs (skipped without a GPU) ----
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
