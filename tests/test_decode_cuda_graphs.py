@@ -171,6 +171,10 @@ def test_eval_flag_reaches_the_config():
     assert config_from_args(parser.parse_args(["--target", "t", "--bench", "b"])).cuda_graphs == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--target", "t", "--bench", "b", "--cuda-graphs", "maybe"])
+    from draftforge.eval.runner import validate
+
+    with pytest.raises(DraftforgeError, match="needs the drafter on a CUDA device"):  # before any model loads
+        validate(config_from_args(parser.parse_args(["--target", "t", "--bench", "b", "--cuda-graphs", "on"])))
 
 
 @pytest.mark.parametrize("kind", ["mamba", "mamba2"])

@@ -61,7 +61,7 @@ class FakeAPI:
         self.loaded.append(path)
         return SimpleNamespace(model=FakeModel(self.dtype), tokenizer=None)
 
-    def load_drafter(self, path, target, device="cpu", dtype=None, allow_vocab_mismatch=False):
+    def load_drafter(self, path, target, device="cpu", dtype=None, allow_vocab_mismatch=False, cuda_graphs="auto"):
         return SimpleNamespace(path=path)
 
     def build_decoder(self, method, target, drafter=None, **opts):

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import draftforge.decode as decode_api
+from draftforge.decode.cuda_graphs import use_cuda_graphs
 from draftforge.errors import DraftforgeError, RecipeError
 from draftforge.eval import metrics
 from draftforge.eval.manifest import build_manifest
@@ -84,6 +85,8 @@ def validate(cfg: EvalConfig) -> None:
         raise RecipeError(f"--top-p must be in (0, 1] and --top-k >= 0, got {cfg.top_p} and {cfg.top_k}")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise RecipeError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    # "on" without CUDA fails here, before minutes of target loading (resolution needs no GPU).
+    use_cuda_graphs(cfg.cuda_graphs, cfg.device)
     if cfg.chat_template not in CHAT_MODES:
         raise RecipeError(f"--chat-template must be one of {CHAT_MODES}, got {cfg.chat_template!r}")
     for m in tuple(cfg.methods) + tuple(cfg.baselines or ()):
@@ -239,9 +242,8 @@ def run_eval(cfg: EvalConfig) -> dict:
     drafter = None
     if cfg.drafter is not None:
         _log(cfg, f"loading drafter {cfg.drafter}")
-        graphs = {} if cfg.cuda_graphs == "auto" else {"cuda_graphs": cfg.cuda_graphs}  # auto: load_drafter's default
         drafter = decode_api.load_drafter(cfg.drafter, target, device=cfg.device, dtype=torch_dtype,
-                                          allow_vocab_mismatch=cfg.allow_vocab_mismatch, **graphs)
+                                          allow_vocab_mismatch=cfg.allow_vocab_mismatch, cuda_graphs=cfg.cuda_graphs)
     prompts = load_prompts(cfg.bench, target.tokenizer, num_prompts=cfg.num_prompts, chat=cfg.chat_template,
                            context_length=target_context_length(target.model), max_new_tokens=cfg.max_new_tokens)
     _log(cfg, f"{len(prompts)} prompts from {cfg.bench}")
