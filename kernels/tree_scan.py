@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from draftforge.kernels.tree_pack import (  # noqa: F401  (re-exported: the tree scan's public API)
+from draftforge.kernels.tree_pack import (
     PackedTree,
     TreeScanError,
     ancestor_mask,
@@ -45,6 +45,12 @@ try:  # the reference path must work without Triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
+
+__all__ = [
+    "MAX_KERNEL_NODES", "MAX_KERNEL_STATE", "MAX_KERNEL_CONV", "PackedTree", "TreeScanCache", "TreeScanError",
+    "TreeScanOutput", "TreeScanWeights", "ancestor_mask", "pack_bitmask", "pack_tree", "tree_conv", "tree_scan",
+    "tree_scan_ref", "tree_scan_replay", "validate_parents",
+]
 
 MAX_KERNEL_NODES = 512  # quadratic in N per (tree, head); larger trees use tree_scan_ref
 MAX_KERNEL_STATE = 256  # one register block holds the whole state dimension S

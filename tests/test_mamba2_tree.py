@@ -141,16 +141,17 @@ def test_replay_equals_scanning_the_path(node):
     assert torch.equal(conv_none, conv) and torch.equal(ssm_none, ssm)
 
 
-def test_model_tree_logits_and_replay_match_sequences():
+def check_model_tree_logits_and_replay(impl: str, device: str = "cpu") -> None:
+    """Tree logits of a 2-layer Mamba2 LM equal each leaf path run as a sequence; replay equals its states."""
     config = tiny_config(num_hidden_layers=2)
     torch.manual_seed(6)
-    model = Mamba2ForCausalLM(config).eval()
-    prefix_1T = torch.randint(0, config.vocab_size, (1, 5))
+    model = Mamba2ForCausalLM(config).eval().to(device)
+    prefix_1T = torch.randint(0, config.vocab_size, (1, 5), device=device)
     parents = full_binary_parents(3)
-    tree_ids_1N = torch.randint(0, config.vocab_size, (1, 7))
+    tree_ids_1N = torch.randint(0, config.vocab_size, (1, 7), device=device)
     with torch.no_grad():
         cache = model(prefix_1T, use_cache=True).cache_params
-        logits_1NV, scan_caches = mamba2_tree_logits(model, tree_ids_1N, parents, cache, impl="ref")
+        logits_1NV, scan_caches = mamba2_tree_logits(model, tree_ids_1N, parents, cache, impl=impl)
         for path in leaf_paths(parents):
             full = model(torch.cat([prefix_1T, tree_ids_1N[:, path]], 1), use_cache=True)
             assert rel_err(logits_1NV[0, path], full.logits[0, 5:]) < 1e-4
@@ -158,6 +159,10 @@ def test_model_tree_logits_and_replay_match_sequences():
                 conv, ssm = replay_states(scan_cache, path[-1])
                 assert rel_err(conv, full.cache_params.get_conv_state(layer)) < 1e-5
                 assert rel_err(ssm, full.cache_params.get_recurrent_state(layer)) < 1e-4
+
+
+def test_model_tree_logits_and_replay_match_sequences():
+    check_model_tree_logits_and_replay("ref")  # the kernel runs the same check in test_tree_scan.py
 
 
 def hybrid_mixers():

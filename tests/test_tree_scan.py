@@ -13,15 +13,12 @@ import textwrap
 
 import pytest
 import torch
-from transformers import Mamba2Config, Mamba2ForCausalLM
+from transformers import Mamba2Config
 from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
 
 from draftforge.decode.mamba2_tree import (
     full_binary_parents,
-    leaf_paths,
-    mamba2_tree_logits,
     mixer_tree_forward,
-    replay_states,
     root_path,
     unrolled_mixer_outputs,
 )
@@ -242,23 +239,9 @@ def test_kernel_case_mixer_without_conv_bias_with_dt_clamp_and_empty_prefix():
 
 @kernel
 def test_kernel_case_model_logits_and_replay_match_sequences():
-    config = Mamba2Config(hidden_size=16, num_heads=4, head_dim=8, expand=2, n_groups=2, state_size=16,
-                          conv_kernel=4, num_hidden_layers=2, vocab_size=32, chunk_size=8)
-    torch.manual_seed(6)
-    model = Mamba2ForCausalLM(config).eval().to(DEVICE)
-    prefix_1T = torch.randint(0, 32, (1, 5), device=DEVICE)
-    parents = full_binary_parents(3)
-    tree_ids_1N = torch.randint(0, 32, (1, 7), device=DEVICE)
-    with torch.no_grad():
-        cache = model(prefix_1T, use_cache=True).cache_params
-        logits_1NV, scan_caches = mamba2_tree_logits(model, tree_ids_1N, parents, cache, impl="triton")
-        for path in leaf_paths(parents):
-            full = model(torch.cat([prefix_1T, tree_ids_1N[:, path]], 1), use_cache=True)
-            assert rel_err(logits_1NV[0, path], full.logits[0, 5:]) < 1e-4
-            for layer, scan_cache in enumerate(scan_caches):
-                conv, ssm = replay_states(scan_cache, path[-1])
-                assert rel_err(conv, full.cache_params.get_conv_state(layer)) < 1e-5
-                assert rel_err(ssm, full.cache_params.get_recurrent_state(layer)) < 1e-4
+    from test_mamba2_tree import check_model_tree_logits_and_replay
+
+    check_model_tree_logits_and_replay("triton", DEVICE)
 
 
 # ----------------------------------------------------------------------------- one launch, CUDA build

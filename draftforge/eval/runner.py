@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import draftforge.decode as decode_api
 from draftforge.decode.cuda_graphs import use_cuda_graphs
