@@ -71,8 +71,8 @@ def bench_depth(model, cache, depth: int, args) -> dict:
     tree_ids_1N = torch.randint(0, model.config.vocab_size, (1, n_nodes), device=args.device)
     leaf_ids_LD = tree_ids_1N[0, torch.tensor(paths, device=args.device)]
 
-    def packed(_):
-        return mamba2_tree_logits(model, tree_ids_1N, parents, cache, impl=args.impl)[0]
+    def packed(_, impl=args.impl):
+        return mamba2_tree_logits(model, tree_ids_1N, parents, cache, impl=impl)[0]
 
     def unrolled(leaf_cache):
         return model(leaf_ids_LD, cache_params=leaf_cache, use_cache=True).logits
@@ -84,7 +84,10 @@ def bench_depth(model, cache, depth: int, args) -> dict:
     packed_ms = median_ms(packed, lambda: None, args.device, args.warmup, args.repeats)
     unrolled_ms = median_ms(unrolled, lambda: expanded_cache(model, cache, len(paths)), args.device,
                             args.warmup, args.repeats)
-    return dict(depth=depth, nodes=n_nodes, leaves=len(paths),
+    # On CUDA the packed path runs the kernel; time the PyTorch reference there too (kernel vs spec).
+    ref_ms = (median_ms(lambda _: packed(_, "ref"), lambda: None, args.device, args.warmup, args.repeats)
+              if args.device.startswith("cuda") and args.impl != "ref" else None)
+    return dict(depth=depth, nodes=n_nodes, leaves=len(paths), packed_ref_ms=ref_ms,
                 packed_ms=packed_ms, unrolled_ms=unrolled_ms, speedup=unrolled_ms / packed_ms,
                 packed_states=1, unrolled_states=len(paths),
                 packed_tokens=n_nodes, unrolled_tokens=len(paths) * depth, max_logit_diff=max_diff)
@@ -118,11 +121,12 @@ def main(argv=None) -> None:
     path_kind = "kernel" if args.device.startswith("cuda") and args.impl != "ref" else "reference"
     print(f"Mamba2 stack: {args.layers} layers, hidden {args.hidden}, head_dim {args.head_dim}, "
           f"state {args.state}, {args.dtype} on {args.device} (packed = tree scan {path_kind})")
-    print("| depth | nodes | leaves | packed ms | unrolled ms | unrolled/packed | states packed/unrolled "
-          "| tokens packed/unrolled | max logit diff |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| depth | nodes | leaves | packed ms | packed (reference) ms | unrolled ms | unrolled/packed "
+          "| states packed/unrolled | tokens packed/unrolled | max logit diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['depth']} | {r['nodes']} | {r['leaves']} | {r['packed_ms']:.2f} | {r['unrolled_ms']:.2f} "
+        ref = "-" if r["packed_ref_ms"] is None else f"{r['packed_ref_ms']:.2f}"
+        print(f"| {r['depth']} | {r['nodes']} | {r['leaves']} | {r['packed_ms']:.2f} | {ref} | {r['unrolled_ms']:.2f} "
               f"| {r['speedup']:.2f}x | {r['packed_states']}/{r['unrolled_states']} "
               f"| {r['packed_tokens']}/{r['unrolled_tokens']} | {r['max_logit_diff']:.1e} |")
     out = Path(args.json)
