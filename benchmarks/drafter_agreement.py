@@ -66,14 +66,24 @@ def drafter_agreement(drafter, prompts, continuations, gamma: int, top_ks=(1, 3,
 
 
 def retokenize_stats(tokenizer, prompts, continuations) -> dict:
-    """Rows where decode(continuation) re-tokenized after its prompt text gives other ids than the target's."""
+    """Rows where decode(continuation) re-tokenized after its prompt text gives other ids than the target's.
+
+    Also the share of the commonest continuation token: a weak target repeats itself (e.g. runs of
+    "\n"), which makes drafting easy once the drafter has learnt the right ids.
+    """
+    from collections import Counter
+
+    flat = [t for cont in continuations for t in cont]
+    token, count = Counter(flat).most_common(1)[0] if flat else (None, 0)
     changed = 0
     for ids, cont in zip(prompts, continuations):
         text = tokenizer.decode(ids) + tokenizer.decode(cont, skip_special_tokens=True)
         if tokenizer(text, add_special_tokens=False)["input_ids"] != ids + [t for t in cont
                                                                             if t not in tokenizer.all_special_ids]:
             changed += 1
-    return {"rows": len(prompts), "retokenized_differently": changed}
+    return {"rows": len(prompts), "retokenized_differently": changed,
+            "commonest_token": tokenizer.decode([token]) if token is not None else None,
+            "commonest_token_share": count / len(flat) if flat else 0.0}
 
 
 def run(target_dir: str, drafter_dirs: list[str], bench: str, num_prompts: int, max_new_tokens: int,
@@ -109,7 +119,8 @@ def main(argv=None) -> dict:
                  a.num_prompts, a.max_new_tokens, a.chain_length)
     r = result["retokenize"]
     print(f"{result['num_prompts']} prompts x <= {a.max_new_tokens} target tokens; "
-          f"{r['retokenized_differently']}/{r['rows']} continuations re-tokenize to other ids")
+          f"{r['retokenized_differently']}/{r['rows']} continuations re-tokenize to other ids; "
+          f"commonest target token {r['commonest_token']!r} is {r['commonest_token_share']:.0%} of them")
     print(f"| drafter | top-1 | top-3 | top-5 | chain τ (γ={a.chain_length}) |\n|---|---|---|---|---|")
     for d, s in result["drafters"].items():
         print(f"| {d} | {s['top1']:.3f} | {s['top3']:.3f} | {s['top5']:.3f} | {s['chain_tau']:.2f} |")

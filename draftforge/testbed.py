@@ -36,9 +36,11 @@ PROMPTS_PYTHON_VERSION = "3.11.7"
 
 # Role-less template: the tiny target is a code-completion model, so an SFT pair is simply
 # prompt text followed by its continuation. With no role markers an SFT'd drafter sees the
-# same text as a raw prompt at evaluation time (no markers the target never produces, no
-# shift in what "context" looks like between training and decoding). {% generation %} marks
-# the assistant span so `return_assistant_tokens_mask=True` yields the loss mask.
+# same text as a raw prompt at evaluation time (no markers the target never produces).
+# The same *text* is not the same *ids*, though: re-tokenizing prompt + continuation merges
+# the prompt's trailing indentation into the next word and runs of "\n" the target emitted
+# one by one, so the demo distils through `format: tokens` rows instead (demo.write_distill_data).
+# {% generation %} marks the assistant span so `return_assistant_tokens_mask=True` yields the loss mask.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}{% endgeneration %}"
