@@ -72,6 +72,26 @@ def test_ar_and_hf_assisted_equal_generate(target, drafters):
             assert res.stats.target_forwards > 0 and res.stats.new_tokens == 9
 
 
+def test_empty_eos_set_ignores_the_model_eos_for_every_method(target, drafters):
+    """eos_token_id=[] (eval --ignore-eos) generates max_new_tokens even past the model's own EOS."""
+    prompt = PROMPTS[1]
+    free = reference(target, prompt, 12)
+    config = target.model.generation_config
+    saved = config.eos_token_id
+    config.eos_token_id = free[3]  # the model's EOS is now a token it emits early
+    try:
+        ids = torch.tensor([prompt])
+        stopped = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+        assert stopped.shape[1] - len(prompt) < 12  # generate() with the model's defaults stops on it ...
+        assert build_decoder("ar", target).generate(prompt, max_new_tokens=12).tokens == stopped[0, len(prompt):].tolist()
+        for method, drafter in [("ar", None), ("chain", "mamba"), ("tree", "transformer"), ("hf_assisted", "transformer")]:
+            dec = build_decoder(method, target, drafters.get(drafter))
+            res = dec.generate(prompt, max_new_tokens=12, eos_token_id=[])
+            assert res.tokens == free, method  # ... every method with the empty set does not
+    finally:
+        config.eos_token_id = saved
+
+
 def test_float32_chain_agrees(target):
     target32 = load_target(tiny_llama(vocab=VOCAB, dtype=torch.float32))
     drafter = load_drafter(noisy_copy(target32.model, noise=0.05), target32)
