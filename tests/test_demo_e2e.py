@@ -24,6 +24,15 @@ def test_demo_quick_pipeline(tmp_path):
     assert drafter.config.model_type == "mamba2"
     assert drafter.config.vocab_size == target.config.vocab_size
     assert summary["drafter_sft"]["final_loss"] < summary["drafter_pretrain"]["final_loss"]  # SFT data is learnable
+    # The SFT rows are the ids the target itself emitted (not re-tokenized text): the first row is the
+    # target's greedy continuation of its unmasked prefix, which the oracle (plain generate) reproduces.
+    first = json.loads((tmp_path / "out" / "sft_distill.jsonl").read_text().splitlines()[0])
+    prompt_len = first["loss_mask"].index(1)
+    emitted = [t for t, m in zip(first["input_ids"], first["loss_mask"]) if m]
+    again = target.generate(torch.tensor([first["input_ids"][:prompt_len]]), max_new_tokens=16, do_sample=False,
+                            pad_token_id=target.config.eos_token_id,
+                            eos_token_id=target.config.eos_token_id)[0, prompt_len:].tolist()
+    assert emitted == again[: len(emitted)] and len(emitted) in (len(again), 16)
     report = json.loads((tmp_path / "out" / "eval" / "report.json").read_text())
     methods = {r["method"] for r in report["results"]}
     assert {"ar", "chain", "tree"} <= methods
