@@ -1,4 +1,4 @@
-"""draftforge.data: sources, chat templates + assistant-only loss masks, packing into blocks.
+"""draftforge.data: sources, chat templates + assistant-only loss masks, token-id rows, packing into blocks.
 
     bd = build_block_data(recipe.data, tokenizer, block_size, seed)
     bd.train / bd.eval: rows of `input_ids`, `labels` (block_size ints; -100 = no loss)
