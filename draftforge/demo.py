@@ -131,8 +131,9 @@ def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens:
         batch = tok.pad({"input_ids": chunk}, return_tensors="pt")
         for sample in (False, True):  # greedy teaches the T=0 path, sampled the T>0 one (EESD §3.2 mixes both)
             with torch.no_grad():
-                gen = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=sample, temperature=1.0,
-                                     top_k=0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                sampling = dict(do_sample=True, temperature=1.0, top_k=0) if sample else dict(do_sample=False)
+                gen = model.generate(**batch, max_new_tokens=max_new_tokens, **sampling,
+                                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
             for ids, new in zip(chunk, gen[:, batch["input_ids"].shape[1]:].tolist()):
                 if new[0] != tok.eos_token_id:  # an immediate EOS teaches nothing about drafting
                     rows.append(distill_row(ids, new, tok.eos_token_id))
