@@ -68,7 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--ignore-eos", action="store_true",
-                   help="fixed-length outputs (hf_assisted may still stop at the target's EOS)")
+                   help="fixed-length outputs: every method, hf_assisted included, runs past EOS")
     p.add_argument("--out", default="bench_out/spec_decode")
     return p.parse_args(argv)
 
