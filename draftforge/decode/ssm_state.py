@@ -25,6 +25,7 @@ def layer_states(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def copy_states(dst: list[tuple[torch.Tensor, torch.Tensor]], src: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy per-layer (conv, ssm) states into dst's tensors in place (their addresses stay fixed)."""
     for (conv, ssm), (conv_src, ssm_src) in zip(dst, src):
         conv.copy_(conv_src)
         ssm.copy_(ssm_src)
