@@ -47,6 +47,7 @@ class TransformerDrafter(Drafter):
                 break
             logits_BV = self._feed_level(levels, widths)
         tokens, parents, depths = tree_from_levels(levels, widths)
+        self.depths = depths
         chain = all(w == 1 for w in widths)
         q_probs = None if params.greedy else _stack_q(q_rows, len(tokens))
         return DraftTree(tokens, parents, depths, q_probs, is_chain=chain)
@@ -65,17 +66,8 @@ class TransformerDrafter(Drafter):
         return self.lm.forward(new, positions, mask)
 
     def accept(self, path: list[int]) -> None:
-        fed = [j for j in path if self._depth_of(j) < len(self.widths)]
+        fed = [j for j in path if self.depths[j] < len(self.widths)]  # the deepest level is never fed
         self.lm.keep(self.committed, fed)
-
-    def _depth_of(self, node: int) -> int:
-        b, start = 1, 0
-        for depth, w in enumerate(self.widths, start=1):
-            b *= w
-            if node < start + b:
-                return depth
-            start += b
-        raise IndexError(node)
 
 
 def _stack_q(q_rows: list[torch.Tensor], n_nodes: int) -> torch.Tensor:

@@ -98,13 +98,14 @@ class MambaDrafter(Drafter):
         levels, q_rows = [], []
         for depth, width in enumerate(widths, start=1):
             children_BW, q_BV = propose_children(logits_BV, width, params, self.vocab_size, generator)
-            levels.append(children_BW.flatten().tolist())
+            levels.append(children_BW.flatten())
             q_rows.append(q_BV)
             if depth == len(widths):
                 break
             self.bank.expand(depth)
             logits_BV = steps[depth](children_BW.reshape(-1, 1))
-        tokens, parents, depths = tree_from_levels(levels, widths)
+        # Tokens stay on the device while drafting, so the steps queue without waiting; read them once here.
+        tokens, parents, depths = tree_from_levels([level.tolist() for level in levels], widths)
         q_probs = None if params.greedy else _stack_q(q_rows, len(tokens))
         return DraftTree(tokens, parents, depths, q_probs, is_chain=all(w == 1 for w in widths))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from draftforge.decode.tree import root_path  # noqa: F401  (tests and benchmarks use it from here)
 from draftforge.errors import CompatibilityError
 from draftforge.kernels.tree_scan import TreeScanCache, TreeScanWeights, pack_tree, tree_scan, tree_scan_replay
 
@@ -111,18 +112,9 @@ def mamba2_tree_logits(model, tree_ids_BN, parents, cache=None, impl: str = "aut
 # ----------------------------------------------------------------------------- tree helpers and baseline
 
 
-def root_path(parents_N, node: int) -> list[int]:
-    """Node indices from the root down to ``node`` (inclusive)."""
-    path = []
-    while node != -1:
-        path.append(node)
-        node = int(parents_N[node])
-    return path[::-1]
-
-
 def leaf_paths(parents_N) -> list[list[int]]:
     """One root path per leaf: the sequences that "unrolling" the tree would decode."""
-    parents_N = [int(p) for p in parents_N]
+    parents_N = [int(p) for p in parents_N]  # a tensor row too
     has_child = set(parents_N)
     return [root_path(parents_N, i) for i in range(len(parents_N)) if i not in has_child]
 

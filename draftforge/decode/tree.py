@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from draftforge.errors import DraftforgeError
+from draftforge.kernels.tree_pack import ancestor_mask
 
 
 def validate_widths(widths) -> tuple[int, ...]:
@@ -78,13 +79,8 @@ def tree_from_levels(level_tokens: list[list[int]], widths: tuple[int, ...]) -> 
 
 
 def ancestor_matrix(parents: list[int]) -> torch.Tensor:
-    """anc_NN[i, j] = True when node j is node i or one of its ancestors."""
-    n = len(parents)
-    anc_NN = torch.eye(n, dtype=torch.bool)
-    for i, p in enumerate(parents):  # BFS order: a parent's row is complete before its children
-        if p >= 0:
-            anc_NN[i] |= anc_NN[p]
-    return anc_NN
+    """anc_NN[i, j] = True when node j is node i or one of its ancestors (the tree scan's mask, one tree)."""
+    return ancestor_mask(torch.tensor([parents]))[0]
 
 
 def packed_tree_mask(anc_QK: torch.Tensor, past_len: int, dtype: torch.dtype, device) -> torch.Tensor:
