@@ -155,3 +155,24 @@ def test_fingerprint_stable_and_sensitive(tokenizer, tmp_path):
     other = train_tokenizer(tmp_path / "other", vocab_size=280, max_files=4)
     with pytest.raises(CompatibilityError, match="other"):
         check_tokenizer_compat(other, tokenizer)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_state_without_lm_head_loads_only_when_the_head_is_tied(tied):
+    """`draftforge export` and the gathered FSDP/ZeRO-3 export share this check: a missing lm_head is
+    fine when it is tied to the embedding (saved once), an error otherwise (it would stay random)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftforge.train.distributed import load_fitting_state
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    state = {k: v for k, v in LlamaForCausalLM(config).state_dict().items() if not k.endswith("lm_head.weight")}
+    fresh = LlamaForCausalLM(config)
+    if tied:
+        load_fitting_state(fresh, state, "state")
+        assert torch.equal(fresh.lm_head.weight, state["model.embed_tokens.weight"])
+    else:
+        with pytest.raises(CheckpointError, match="missing \\['lm_head.weight'\\]"):
+            load_fitting_state(fresh, state, "state")

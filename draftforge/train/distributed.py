@@ -162,11 +162,17 @@ def model_from_state(like: torch.nn.Module, state: dict) -> torch.nn.Module:
     # The plain constructor, not `_from_config`: under ZeRO-3 that opens deepspeed.zero.Init, a
     # collective the other ranks never join (the copy is built on the main process only).
     copy = type(like)(config).to(next(iter(state.values())).dtype)
-    missing, unexpected = copy.load_state_dict({k: v.cpu() for k, v in state.items()}, strict=False)
+    load_fitting_state(copy, {k: v.cpu() for k, v in state.items()}, "the gathered state")
+    return copy.eval()
+
+
+def load_fitting_state(model: torch.nn.Module, state: dict, what: str) -> None:
+    """Load `state` into `model`; every key must fit, except an lm_head tied to the embedding (saved once)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    config = getattr(model, "config", None)
     tied = {k for k in missing if k.endswith("lm_head.weight") and getattr(config, "tie_word_embeddings", False)}
     if set(missing) - tied or unexpected:
-        raise CheckpointError(f"the gathered state does not fit {type(like).__name__} (missing "
+        raise CheckpointError(f"{what} does not fit {type(model).__name__} (missing "
                               f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
     if tied:
-        copy.tie_weights()
-    return copy.eval()
+        model.tie_weights()
