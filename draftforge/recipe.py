@@ -147,6 +147,9 @@ class Recipe:
         self.optim.check("optim")
         self.train.check("train")
         if self.task == "sft":
+            # Checked here, not when the task is built: by then --overwrite has already removed the old run.
+            _require(bool(self.model.init_from), "model.init_from",
+                     "sft starts from a pretrained drafter; point it at a pretrain run, an export or a HF model id")
             _require(self.data.format in ("chat", "tokens"), "data.format",
                      "the sft task trains on chat data or token rows with a loss mask: set format: chat or tokens")
         if self.model.lora.enabled:

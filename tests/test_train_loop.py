@@ -122,6 +122,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, tiny_corpus_dir
     ("train.max_stpes", 3, "did you mean 'max_steps'"),
     ("train.block_size", "big", "train.block_size"),
     ("data.format", "chat", None),  # valid for pretrain as data format; sft requires it
+    ("task", "sft", "model.init_from"),  # at load time: `--overwrite` must not delete a run first
 ])
 def test_recipe_validation_names_the_key(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, key, value, match):
     from draftforge.recipe import apply_overrides

@@ -124,9 +124,6 @@ def build_lm_task(recipe: Recipe, accelerator):
     from draftforge.export import tokenizer_fingerprint
     from draftforge.train.loop import TaskParts
 
-    if recipe.task == "sft" and not recipe.model.init_from:
-        raise RecipeError("recipe key 'model.init_from': sft starts from a pretrained drafter; point it at a "
-                          "pretrain run, an export or a HF model id")
     tokenizer = load_tokenizer(recipe)
     vocab_size = model_vocab_size(recipe, tokenizer)
     check_context(recipe, vocab_size)
