@@ -32,7 +32,7 @@ class TransformerDrafter(Drafter):
         """Feed committed tokens the cache has not seen; return logits after seq[-1]."""
         pending = seq[self.lm.length :]
         if pending:
-            self.last_logits_V = self.lm.forward(pending)[-1]
+            self.last_logits_V = self.lm.forward(pending, last_only=True)[-1]
         return self.last_logits_V
 
     def draft(self, seq, widths, params: SamplingParams, generator) -> DraftTree:

@@ -63,7 +63,7 @@ class MambaDrafter(Drafter):
         """Multi-token encode with a throw-away cache (eager), then copy its states into the live buffer."""
         prompt_cache = DynamicCache(config=self.model.config)
         ids_1T = torch.tensor([seq], device=self.model.device)
-        logits_V = self.model(input_ids=ids_1T, cache_params=prompt_cache, use_cache=True).logits[0, -1]
+        logits_V = self.model(input_ids=ids_1T, cache_params=prompt_cache, use_cache=True, logits_to_keep=1).logits[0, -1]
         states = layer_states(prompt_cache)
         if self.live_step is None:  # allocated once, so a graph captured over it stays valid
             self.live_step = self.runner.step_over([(conv.clone(), ssm.clone()) for conv, ssm in states])
@@ -82,18 +82,21 @@ class MambaDrafter(Drafter):
         self.consumed = len(seq)
         return self.last_logits_V
 
-    def _bank(self, widths):
-        bank = self.banks.get(widths)
-        if bank is None:
-            bank = self.banks[widths] = StateBank(widths, self.live)
-            self.depth_steps[widths] = [None] + [self.runner.step_over(buf) for buf in bank.buffers[1:]]
-        return bank
+    def _bank(self, widths) -> tuple[StateBank, list[StaticStep | None]]:
+        """Buffers and steps for `widths`. A prefix of a configuration already seen (the engine cuts
+        the last rounds of a prompt short) reuses its buffers: depth i only depends on N1..Ni, and
+        no new graph gets captured inside a timed run."""
+        key = widths if widths in self.banks else next((w for w in self.banks if w[: len(widths)] == widths), None)
+        if key is None:
+            key, bank = widths, StateBank(widths, self.live)
+            self.banks[key] = bank
+            self.depth_steps[key] = [None] + [self.runner.step_over(buf) for buf in bank.buffers[1:]]
+        return self.banks[key], self.depth_steps[key]
 
     @torch.inference_mode()
     def draft(self, seq, widths, params: SamplingParams, generator) -> DraftTree:
         logits_BV = self._sync(seq)[None]
-        self.bank, self.widths = self._bank(widths), widths
-        steps = self.depth_steps[widths]
+        (self.bank, steps), self.widths = self._bank(widths), widths
         self.bank.save_root(self.live)
         levels, q_rows = [], []
         for depth, width in enumerate(widths, start=1):

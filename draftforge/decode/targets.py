@@ -55,8 +55,10 @@ class CachedLM:
         self.length = 0  # tokens whose K/V are in the cache
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], positions: list[int] | None = None, mask_11QK=None) -> torch.Tensor:
-        """Append `tokens` to the cache and return their logits [Q, V] (float32 or wider)."""
+    def forward(self, tokens: list[int], positions: list[int] | None = None, mask_11QK=None,
+                last_only: bool = False) -> torch.Tensor:
+        """Append `tokens` to the cache and return their logits [Q, V] (float32 or wider); with
+        `last_only`, only the last token's [1, V] (a prompt's T x V logits would be computed for nothing)."""
         q = len(tokens)
         cache_position_Q = torch.arange(self.length, self.length + q, device=self.device)
         position_ids_1Q = cache_position_Q[None] if positions is None else torch.tensor([positions], device=self.device)
@@ -67,6 +69,7 @@ class CachedLM:
             attention_mask=mask_11QK,
             past_key_values=self.cache,
             use_cache=True,
+            logits_to_keep=1 if last_only else 0,
         )
         self.cache = out.past_key_values
         self.length += q
@@ -109,7 +112,7 @@ class Target:
     def prefill(self, seq: list[int]) -> None:
         self.lm.reset()
         if len(seq) > 1:
-            self.lm.forward(seq[:-1])
+            self.lm.forward(seq[:-1], last_only=True)
 
     def verify(self, last_token: int, tree: DraftTree) -> torch.Tensor:
         """Logits [1+N, V]: row 0 predicts depth-1 tokens, row 1+j predicts node j's children."""
