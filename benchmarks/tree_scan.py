@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from transformers import Mamba2Config, Mamba2ForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from draftforge.decode.mamba2_tree import full_binary_parents, leaf_paths, mamba2_tree_logits
+from draftforge.eval.report import atomic_write_text
 
 
 def build_model(args) -> Mamba2ForCausalLM:
@@ -130,10 +130,7 @@ def main(argv=None) -> None:
               f"| {r['speedup']:.2f}x | {r['packed_states']}/{r['unrolled_states']} "
               f"| {r['packed_tokens']}/{r['unrolled_tokens']} | {r['max_logit_diff']:.1e} |")
     out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(dict(args=vars(args), path=path_kind, rows=rows), indent=2))
-    os.replace(tmp, out)  # atomic: a killed run never leaves half a file
+    atomic_write_text(out, json.dumps(dict(args=vars(args), path=path_kind, rows=rows), indent=2))
     print(f"wrote {out}")
 
 

@@ -7,7 +7,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from draftforge.errors import CompatibilityError, DataError
-from draftforge.eval.prompts import load_prompt_rows, load_prompts, target_context_length
+from draftforge.decode.targets import max_context
+from draftforge.eval.prompts import load_prompt_rows, load_prompts
 
 VOCAB = {"[UNK]": 0, "<|user|>": 1, "<|assistant|>": 2, "hello": 3, "world": 4, "how": 5, "are": 6, "you": 7, "</s>": 8}
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} {% endfor %}"
@@ -100,12 +101,8 @@ def test_prompt_longer_than_context(tmp_path):
 def test_target_context_length_reads_config():
     from transformers import LlamaConfig, MambaConfig
 
-    class M:
-        def __init__(self, config):
-            self.config = config
-
-    assert target_context_length(M(LlamaConfig(max_position_embeddings=77))) == 77
-    assert target_context_length(M(MambaConfig())) is None
+    assert max_context(LlamaConfig(max_position_embeddings=77)) == 77
+    assert max_context(MambaConfig()) is None
 
 
 def test_testbed_bench_shortcut_reads_the_committed_heldout_prompts():

@@ -59,7 +59,7 @@ class FakeAPI:
 
     def load_target(self, path, device="cpu", dtype=None):
         self.loaded.append(path)
-        return SimpleNamespace(model=FakeModel(self.dtype), tokenizer=None)
+        return SimpleNamespace(model=FakeModel(self.dtype), tokenizer=None, max_context=None)
 
     def load_drafter(self, path, target, device="cpu", dtype=None, allow_vocab_mismatch=False, cuda_graphs="auto"):
         return SimpleNamespace(path=path)

@@ -18,12 +18,13 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from draftforge.decode.cuda_graphs import StaticStep, StepRunner, use_cuda_graphs
+from draftforge.decode.cuda_graphs import MODES, StaticStep, StepRunner, use_cuda_graphs
 from draftforge.decode.drafter_hf import _stack_q
 from draftforge.decode.drafters import Drafter, propose_children
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.ssm_state import StateBank, copy_states, layer_states
 from draftforge.decode.tree import DraftTree, level_sizes, tree_from_levels
+from draftforge.errors import DraftforgeError
 
 
 class MambaDrafter(Drafter):
@@ -36,8 +37,12 @@ class MambaDrafter(Drafter):
         it, every mode but "off" graphs.
         """
         self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size
-        device = "cuda" if graph_factory is not None else model.device
-        self.cuda_graphs = use_cuda_graphs(cuda_graphs, device)  # True/False: graphs in use
+        if graph_factory is None:
+            self.cuda_graphs = use_cuda_graphs(cuda_graphs, model.device)  # True/False: graphs in use
+        else:  # a stand-in graph runs on any device: every mode but "off" graphs
+            if cuda_graphs not in MODES:
+                raise DraftforgeError(f"cuda_graphs must be one of {', '.join(MODES)}, got {cuda_graphs!r}")
+            self.cuda_graphs = cuda_graphs != "off"
         self.runner = StepRunner(model, self.cuda_graphs, graph_factory)
         self.live_step: StaticStep | None = None  # batch-1 step over the persistent live state
         # per configuration, kept across prompts: its state buffers and one step per fed depth (1..γ-1)

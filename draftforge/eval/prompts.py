@@ -131,16 +131,6 @@ def _encode(row: PromptRow, tokenizer, chat: str) -> tuple[list[int], bool]:
     return list(tokenizer(text)["input_ids"]), False
 
 
-def target_context_length(model) -> int | None:
-    """The longest sequence the target accepts, or None when it has no limit (e.g. pure SSMs)."""
-    cfg = getattr(model, "config", None)
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(cfg, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def encode_prompts(
     rows: list[PromptRow],
     tokenizer,

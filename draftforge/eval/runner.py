@@ -17,7 +17,7 @@ from draftforge.decode.cuda_graphs import use_cuda_graphs
 from draftforge.errors import DraftforgeError, RecipeError
 from draftforge.eval import metrics
 from draftforge.eval.manifest import build_manifest
-from draftforge.eval.prompts import CHAT_MODES, load_prompts, target_context_length
+from draftforge.eval.prompts import CHAT_MODES, load_prompts
 
 DRAFT_METHODS = ("chain", "tree", "ucb", "hf_assisted")
 KNOWN_METHODS = ("ar",) + DRAFT_METHODS
@@ -244,7 +244,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         drafter = decode_api.load_drafter(cfg.drafter, target, device=cfg.device, dtype=torch_dtype,
                                           allow_vocab_mismatch=cfg.allow_vocab_mismatch, cuda_graphs=cfg.cuda_graphs)
     prompts = load_prompts(cfg.bench, target.tokenizer, num_prompts=cfg.num_prompts, chat=cfg.chat_template,
-                           context_length=target_context_length(target.model), max_new_tokens=cfg.max_new_tokens)
+                           context_length=target.max_context, max_new_tokens=cfg.max_new_tokens)
     _log(cfg, f"{len(prompts)} prompts from {cfg.bench}")
     decoders, skipped = _build_decoders(cfg, target, drafter)
     records, memory = _timed_runs(cfg, decoders, prompts, _eos_id(cfg, target))
