@@ -59,7 +59,7 @@ def plot_acceptance(results: list[dict], path: Path) -> None:
             xs = [d + 1 for d, x in enumerate(rates) if x is not None]
             ax.plot(xs, [x for x in rates if x is not None], marker="o", label=_label(r))
     ax.set_xlabel("draft position (depth)")
-    ax.set_ylabel("acceptance rate")
+    ax.set_ylabel("rounds reaching depth d")
     ax.set_ylim(0, 1.05)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
