@@ -103,7 +103,8 @@ def acceptance_markdown(report: dict) -> str:
     depth = max(len(r["acceptance_by_position"]) for r in rows)
     head = "| method | T | " + " | ".join(f"d{d + 1}" for d in range(depth)) + " |"
     lines = ["Acceptance by draft position: share of the rounds that drafted depth d whose accepted path "
-             "reached depth d (unconditional: for one configuration it can only fall with d)", "", head, "|" + "---|" * (depth + 2)]
+             "reached depth d (unconditional: for one configuration it can only fall with d)", "", head,
+             "|" + "---|" * (depth + 2)]
     for r in rows:
         rates = r["acceptance_by_position"] + [None] * (depth - len(r["acceptance_by_position"]))
         lines.append(f"| {r['method']} | {r['temperature']:g} | " + " | ".join(fmt_num(x) for x in rates) + " |")
