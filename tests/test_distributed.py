@@ -355,3 +355,36 @@ def test_streaming_two_processes_match_one_and_stop_at_the_same_step(tiny_run):
     assert 0 < len(_losses(one)) < 10_000
     assert _losses(two) == pytest.approx(_losses(one), rel=1e-5)  # same rows per step, same end
     assert (two / "export" / "model.safetensors").is_file()
+
+
+def test_eval_runs_the_same_number_of_forwards_on_every_rank(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    """5 eval rows, 2 processes, micro-batch 2: rank 0 holds 3 rows, rank 1 two. Under FSDP / ZeRO-3 a
+    forward is a collective, so both must run 2 forwards (rank 1's second counts nothing), and the
+    token-weighted sums over ranks must still equal one process's."""
+    from types import SimpleNamespace
+
+    from draftforge.train.lm import build_model, lm_loss, load_tokenizer
+    from draftforge.train.loop import TaskParts, evaluate
+
+    recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, eval_batches=3))
+    recipe.train.micro_batch_size = 2
+    model = build_model(recipe, load_tokenizer(recipe))
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 300, (5, 16), generator=g).tolist()]
+    data = datasets.Dataset.from_list(rows)
+    forwards, reduced = {0: 0, 1: 0}, {0: [], 1: []}
+    for rank in (0, 1):
+        def counting_loss(model, batch, rank=rank):
+            forwards[rank] += 1
+            return lm_loss(model, batch)
+
+        acc = SimpleNamespace(num_processes=2, process_index=rank, device=torch.device("cpu"),
+                              reduce=lambda x, op, rank=rank: reduced[rank].append(x) or x)
+        evaluate(model, TaskParts(model, None, None, data, counting_loss), acc, recipe.train)
+    assert forwards == {0: 2, 1: 2}
+    total = sum(reduced[r][0] for r in (0, 1))
+    count = sum(reduced[r][1] for r in (0, 1))
+    with torch.no_grad():  # oracle: all 5 rows in one process
+        s, n, _ = lm_loss(model.eval(), {k: torch.tensor([r[k] for r in rows]) for k in ("input_ids", "labels")})
+    assert count.item() == n.item()
+    assert total.item() == pytest.approx(s.item(), rel=1e-5)

@@ -292,16 +292,23 @@ def evaluate(model, parts: TaskParts, acc: Accelerator, t) -> float | None:
     model.eval()
     n = t.eval_batches * t.micro_batch_size * acc.num_processes
     if hasattr(data, "__len__"):
-        mine = list(range(acc.process_index, min(len(data), n), acc.num_processes))
+        n_rows = min(len(data), n)
         take = lambda idx: data[idx]  # noqa: E731
     else:  # streaming eval: the first n blocks, strided over processes like the training rows
         head = list(itertools.islice(iter(data), n))
-        mine = list(range(acc.process_index, len(head), acc.num_processes))
+        n_rows = len(head)
         take = lambda idx: {k: [head[i][k] for i in idx] for k in ("input_ids", "labels")}  # noqa: E731
+    mine = list(range(acc.process_index, n_rows, acc.num_processes))
+    # Every process runs the same number of forwards: under FSDP / ZeRO-3 each forward gathers
+    # parameters from all ranks, so a rank with one row fewer would leave the others waiting.
+    n_forwards = math.ceil(math.ceil(n_rows / acc.num_processes) / t.micro_batch_size)
     total, count = torch.zeros((), device=acc.device), torch.zeros((), device=acc.device)
-    for i in range(0, len(mine), t.micro_batch_size):
-        rows = take(mine[i:i + t.micro_batch_size])
+    for i in range(n_forwards):
+        idx = mine[i * t.micro_batch_size:(i + 1) * t.micro_batch_size]
+        rows = take(idx or [0])
         batch = {k: torch.tensor(v, device=acc.device) for k, v in rows.items() if k in ("input_ids", "labels")}
+        if not idx:  # this rank's rows ran out: a forward that counts nothing
+            batch["labels"] = torch.full_like(batch["labels"], -100)
         s, c, _ = parts.loss_fn(model, batch)
         total += s.float()
         count += c
