@@ -140,16 +140,19 @@ def _check_vocab(docs: datasets.Dataset, vocab_size: int) -> None:
     if len(flat) and flat.max() >= vocab_size:
         parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
         at = int(np.argmax(flat >= vocab_size))
-        row = docs[int(parents[at])]
-        raise DataError(f"{row['where']}: token id {int(flat[at])} is outside the vocabulary (size {vocab_size}); "
-                        "were these ids made with another tokenizer?")
+        _out_of_vocab(docs[int(parents[at])]["where"], int(flat[at]), vocab_size)
 
 
 def _check_row_vocab(row: dict, vocab_size: int) -> None:
+    """The streaming twin of _check_vocab: one row at a time."""
     bad = [t for t in row["input_ids"] if t >= vocab_size]
     if bad:
-        raise DataError(f"{row['where']}: token id {bad[0]} is outside the vocabulary (size {vocab_size}); "
-                        "were these ids made with another tokenizer?")
+        _out_of_vocab(row["where"], bad[0], vocab_size)
+
+
+def _out_of_vocab(where: str, token: int, vocab_size: int):
+    raise DataError(f"{where}: token id {token} is outside the vocabulary (size {vocab_size}); "
+                    "were these ids made with another tokenizer?")
 
 
 def _truncate_tokens(batch, block_size):

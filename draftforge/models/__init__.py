@@ -35,4 +35,4 @@ def check_vocab_fits(model: torch.nn.Module, tokenizer) -> None:
     if len(tokenizer) > rows:
         raise CompatibilityError(
             f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has {len(tokenizer)} tokens but the model's "
-            f"embedding has {rows} rows; build the model with vocab_size=len(tokenizer)")
+            f"embedding has {rows} rows; use the model's own tokenizer or build it with vocab_size=len(tokenizer)")

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from draftforge.errors import CheckpointError, CompatibilityError, RecipeError
+from draftforge.errors import CheckpointError, RecipeError
 from draftforge.recipe import Recipe
 
 
@@ -71,6 +71,7 @@ def model_vocab_size(recipe: Recipe, tokenizer) -> int:
 
 def build_model(recipe: Recipe, tokenizer):
     from draftforge.models import build_model as build_fresh
+    from draftforge.models import check_vocab_fits
     from draftforge.models.student import load_pretrained
 
     m = recipe.model
@@ -81,10 +82,7 @@ def build_model(recipe: Recipe, tokenizer):
         model = build_fresh(m.arch, vocab, size=m.size, overrides=m.overrides,
                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                             eos_token_id=tokenizer.eos_token_id)
-    rows = model.get_input_embeddings().weight.shape[0]
-    if len(tokenizer) > rows:
-        raise CompatibilityError(f"the tokenizer has {len(tokenizer)} tokens but the model's embedding has {rows} "
-                                 "rows; use the drafter's own tokenizer or resize the model")
+    check_vocab_fits(model, tokenizer)
     if m.lora.enabled:
         model = add_lora(model, m.lora)
     return model

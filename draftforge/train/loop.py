@@ -259,8 +259,8 @@ def _finish_early(acc, model, parts, recipe, run_dir, step, start, tokens_seen, 
 
 def _train_step(model, opt, sched, micro, loss_fn, acc: Accelerator, recipe: Recipe, step: int) -> float:
     model.train()
-    count = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in micro)
-    global_count = acc.reduce(torch.tensor(float(count), device=acc.device), "sum").item()
+    count = torch.stack([(mb["labels"][:, 1:] != -100).sum() for mb in micro]).sum().float()
+    global_count = acc.reduce(count, "sum").item()  # one host sync per step, not one per micro-batch
     if global_count == 0:
         raise DraftforgeError(f"step {step}: the global batch has no loss tokens (all labels are -100); "
                               "check the data's loss mask")
