@@ -24,18 +24,15 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the latest intact checkpoint of output_dir")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in output_dir")
     p.add_argument("--help-recipe", metavar="TASK", nargs="?", const="pretrain",
-                   help="print every recipe field with its default and doc, then exit")
+                   help="print every recipe field of TASK (default pretrain) with its default and doc, and the "
+                        "registered tasks, then exit")
 
 
 def run(args) -> int:
-    from draftforge.recipe import field_docs, load_recipe
+    from draftforge.recipe import load_recipe
 
     if args.help_recipe:
-        print(f"recipe fields (task {args.help_recipe}); set them in YAML or with --set KEY=VALUE\n")
-        rows = field_docs()
-        width = max(len(k) for k, _, _ in rows)
-        for key, default, text in rows:
-            print(f"  {key:<{width}}  {text}  [default: {default}]")
+        print_recipe_help(args.help_recipe)
         return 0
     if not args.recipe:
         raise SystemExit("draftforge train: give a recipe file (or --help-recipe TASK)")
@@ -44,6 +41,21 @@ def run(args) -> int:
 
     run_training(recipe, resume=args.resume, overwrite=args.overwrite)
     return 0
+
+
+def print_recipe_help(task: str) -> None:
+    from draftforge.recipe import task_field_docs
+    from draftforge.train.registry import get_task, task_names
+
+    rows = task_field_docs(task)  # RecipeError (exit 2) for an unknown task
+    print(f"task {task}: {get_task(task).doc}")
+    print(f"recipe fields (task {task}); set them in YAML or with --set KEY=VALUE\n")
+    width = max(len(k) for k, _, _ in rows)
+    for key, default, text in rows:
+        print(f"  {key:<{width}}  {text}  [default: {default}]")
+    print("\nregistered tasks:")
+    for name in task_names():
+        print(f"  {name:<10} {get_task(name).doc}")
 
 
 def configure_export(p: argparse.ArgumentParser) -> None:

@@ -19,8 +19,6 @@ import yaml
 
 from draftforge.errors import RecipeError
 
-TASKS = ("pretrain", "sft")
-
 
 def doc(default: Any, text: str):
     """A dataclass field with a default and a one-line doc."""
@@ -45,11 +43,11 @@ class DataConfig:
     file_glob: str = doc("**/*", "which files of a folder source to read")
 
     def check(self, at: str) -> None:
-        _require(self.format in ("text", "chat", "tokens"), f"{at}.format",
+        require(self.format in ("text", "chat", "tokens"), f"{at}.format",
                  f"must be 'text', 'chat' or 'tokens', got {self.format!r}")
-        _require(0.0 <= self.eval_fraction < 1.0, f"{at}.eval_fraction", "must be in [0, 1)")
-        _require(self.num_proc >= 1, f"{at}.num_proc", "must be >= 1")
-        _require(self.max_documents is None or self.max_documents > 0, f"{at}.max_documents", "must be > 0")
+        require(0.0 <= self.eval_fraction < 1.0, f"{at}.eval_fraction", "must be in [0, 1)")
+        require(self.num_proc >= 1, f"{at}.num_proc", "must be >= 1")
+        require(self.max_documents is None or self.max_documents > 0, f"{at}.max_documents", "must be > 0")
 
 
 @dataclass
@@ -61,8 +59,8 @@ class LoraConfig:
     target_modules: list[str] = doc([], "module names to adapt ([]: in_proj/out_proj for Mamba, attention+MLP for Llama)")
 
     def check(self, at: str) -> None:
-        _require(self.r > 0, f"{at}.r", "must be > 0")
-        _require(0.0 <= self.dropout < 1.0, f"{at}.dropout", "must be in [0, 1)")
+        require(self.r > 0, f"{at}.r", "must be > 0")
+        require(0.0 <= self.dropout < 1.0, f"{at}.dropout", "must be in [0, 1)")
 
 
 @dataclass
@@ -76,7 +74,7 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"doc": "LoRA options (sft)"})
 
     def check(self, at: str) -> None:
-        _require(bool(self.tokenizer or self.target or self.init_from), f"{at}.tokenizer",
+        require(bool(self.tokenizer or self.target or self.init_from), f"{at}.tokenizer",
                  "set model.tokenizer (or model.target / model.init_from, whose tokenizer is then used)")
         self.lora.check(f"{at}.lora")
 
@@ -93,13 +91,13 @@ class OptimConfig:
     grad_clip: float = doc(1.0, "clip the global grad norm to this (0 disables)")
 
     def check(self, at: str) -> None:
-        _require(self.lr > 0, f"{at}.lr", "must be > 0")
-        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{at}.betas", "two values in [0, 1)")
-        _require(self.warmup_steps >= 0, f"{at}.warmup_steps", "must be >= 0")
-        _require(self.schedule in ("cosine", "linear", "constant"), f"{at}.schedule",
+        require(self.lr > 0, f"{at}.lr", "must be > 0")
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{at}.betas", "two values in [0, 1)")
+        require(self.warmup_steps >= 0, f"{at}.warmup_steps", "must be >= 0")
+        require(self.schedule in ("cosine", "linear", "constant"), f"{at}.schedule",
                  f"must be cosine, linear or constant, got {self.schedule!r}")
-        _require(0.0 <= self.min_lr_ratio <= 1.0, f"{at}.min_lr_ratio", "must be in [0, 1]")
-        _require(self.grad_clip >= 0, f"{at}.grad_clip", "must be >= 0")
+        require(0.0 <= self.min_lr_ratio <= 1.0, f"{at}.min_lr_ratio", "must be in [0, 1]")
+        require(self.grad_clip >= 0, f"{at}.grad_clip", "must be >= 0")
 
 
 @dataclass
@@ -121,46 +119,54 @@ class TrainConfig:
     def check(self, at: str) -> None:
         for key in ("max_steps", "global_batch_size", "micro_batch_size", "block_size", "eval_batches",
                     "keep_checkpoints", "log_every"):
-            _require(getattr(self, key) > 0, f"{at}.{key}", f"must be > 0, got {getattr(self, key)}")
+            require(getattr(self, key) > 0, f"{at}.{key}", f"must be > 0, got {getattr(self, key)}")
         for key in ("eval_every", "save_every"):
-            _require(getattr(self, key) >= 0, f"{at}.{key}", "must be >= 0")
-        _require(self.global_batch_size % self.micro_batch_size == 0, f"{at}.global_batch_size",
+            require(getattr(self, key) >= 0, f"{at}.{key}", "must be >= 0")
+        require(self.global_batch_size % self.micro_batch_size == 0, f"{at}.global_batch_size",
                  f"{self.global_batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}")
-        _require(self.precision in ("auto", "fp32", "bf16", "fp16"), f"{at}.precision",
+        require(self.precision in ("auto", "fp32", "bf16", "fp16"), f"{at}.precision",
                  f"must be auto, fp32, bf16 or fp16, got {self.precision!r}")
 
 
 @dataclass
 class Recipe:
-    task: str = doc("pretrain", f"what to train: one of {', '.join(TASKS)}")
+    task: str = doc("pretrain", "what to train: a registered task (pretrain, sft, ...; --help-recipe lists them)")
+    plugins: list[str] = doc([], "modules to import before the task is looked up (they register tasks of their own)")
     output_dir: str = doc("runs/draftforge", "run directory: resolved recipe, checkpoints, logs, export")
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "the model being trained"})
     data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "training data"})
     optim: OptimConfig = field(default_factory=OptimConfig, metadata={"doc": "optimizer and LR schedule"})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "loop settings"})
+    # The task's own section (e.g. `eesd:`), validated by the dataclass the task registered; None
+    # for tasks without one. In YAML and in to_dict() it sits under the task's name.
+    task_options: Any = field(default=None, metadata={"section": True})
 
     def check(self) -> None:
-        _require(self.task in TASKS, "task", f"must be one of {', '.join(TASKS)}, got {self.task!r}")
-        _require(bool(self.data.sources), "data.sources", "list at least one data source")
+        from draftforge.train.registry import get_task
+
+        info = get_task(self.task)
+        require(bool(self.data.sources), "data.sources", "list at least one data source")
         self.model.check("model")
         self.data.check("data")
         self.optim.check("optim")
         self.train.check("train")
-        if self.task == "sft":
-            # Checked here, not when the task is built: by then --overwrite has already removed the old run.
-            _require(bool(self.model.init_from), "model.init_from",
-                     "sft starts from a pretrained drafter; point it at a pretrain run, an export or a HF model id")
-            _require(self.data.format in ("chat", "tokens"), "data.format",
-                     "the sft task trains on chat data or token rows with a loss mask: set format: chat or tokens")
+        if hasattr(self.task_options, "check"):
+            self.task_options.check(self.task)
         if self.model.lora.enabled:
-            _require(self.model.init_from is not None, "model.lora.enabled",
+            require(self.model.init_from is not None, "model.lora.enabled",
                      "LoRA adapts a pretrained model: set model.init_from")
+        if info.check is not None:  # task rules, checked before anything is built or written
+            info.resolve("check")(self)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        options = out.pop("task_options")
+        if options is not None:
+            out[self.task] = options
+        return out
 
 
-def _require(ok: bool, key: str, why: str) -> None:
+def require(ok: bool, key: str, why: str) -> None:
     if not ok:
         raise RecipeError(f"recipe key '{key}': {why}")
 
@@ -219,7 +225,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
 
 def _build(cls: type, values: dict, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("section")]
     kwargs = {}
     for k, v in values.items():
         dotted = f"{prefix}.{k}" if prefix else str(k)
@@ -258,13 +264,40 @@ def _expand(value):
 def recipe_from_dict(values: dict, overrides: list[str] = ()) -> Recipe:
     """Validate a nested dict into a Recipe; `~` and $VARS in path fields are expanded."""
     values = apply_overrides(dict(values or {}), list(overrides))
+    section, options_cls = _task_section(values)
     recipe = _build(Recipe, values)
+    if options_cls is not None:
+        recipe.task_options = _convert(section or {}, options_cls, recipe.task)
     recipe.output_dir = _expand(recipe.output_dir)
     m = recipe.model
     m.init_from, m.tokenizer, m.target = _expand(m.init_from), _expand(m.tokenizer), _expand(m.target)
     recipe.data.sources = [_expand(s) for s in recipe.data.sources]
     recipe.check()
     return recipe
+
+
+def _task_section(values: dict) -> tuple[Any, type | None]:
+    """Pop the section named after the task (plugins imported first); refuse other tasks' sections."""
+    from draftforge.train.registry import get_task, import_plugins, task_names
+
+    plugins = values.get("plugins") or []
+    if isinstance(plugins, list):
+        import_plugins([str(p) for p in plugins])
+    task = values.get("task", "pretrain")
+    info = get_task(task if isinstance(task, str) else str(task))
+    section = values.pop(info.name, None)
+    for other in task_names():
+        if other in values and other != info.name and other not in _field_names(Recipe):
+            raise RecipeError(f"recipe section '{other}' belongs to task {other!r}, but this recipe's task is "
+                              f"{info.name!r}; remove the section or set task: {other}")
+    options_cls = info.resolve("config")
+    if options_cls is None and section is not None:
+        raise RecipeError(f"recipe section '{info.name}': task {info.name!r} has no options of its own")
+    return section, options_cls
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
 
 
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
@@ -284,11 +317,21 @@ def dump_recipe(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
 
 
+def task_field_docs(task: str) -> list[tuple[str, str, str]]:
+    """field_docs of the common sections plus the task's own section (RecipeError for an unknown task)."""
+    from draftforge.train.registry import get_task
+
+    options_cls = get_task(task).resolve("config")
+    return field_docs() + (field_docs(options_cls, f"{task}.") if options_cls is not None else [])
+
+
 def field_docs(cls: type = Recipe, prefix: str = "") -> list[tuple[str, str, str]]:
     """(dotted key, default, doc) for every leaf field, for --help-recipe."""
     rows = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if f.metadata.get("section"):
+            continue
         key = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(hints[f.name]):
             rows.extend(field_docs(hints[f.name], key + "."))

@@ -326,7 +326,8 @@ def test_streaming_eval_reads_the_same_rows_as_map_style(tmp_path, tiny_corpus_d
     from accelerate import Accelerator
 
     from draftforge.train.lm import build_model, lm_loss, load_tokenizer
-    from draftforge.train.loop import TaskParts, evaluate
+    from draftforge.train.loop import evaluate
+    from draftforge.train.spec import TaskSpec
 
     recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, eval_batches=3))
     model = build_model(recipe, load_tokenizer(recipe))
@@ -335,7 +336,7 @@ def test_streaming_eval_reads_the_same_rows_as_map_style(tmp_path, tiny_corpus_d
 
     def stream():
         yield from rows
-    losses = [evaluate(model, TaskParts(model, None, None, data, lm_loss), Accelerator(cpu=True), recipe.train)
+    losses = [evaluate(model, TaskSpec(model, lm_loss, eval_data=data), Accelerator(cpu=True), recipe.train)
               for data in (datasets.Dataset.from_list(rows), datasets.IterableDataset.from_generator(stream))]
     with torch.no_grad():  # oracle: eval_batches x micro-batch = the first 6 rows, token-weighted mean
         s, n, _ = lm_loss(model.eval(), {k: torch.tensor([r[k] for r in rows[:6]]) for k in ("input_ids", "labels")})
@@ -364,7 +365,8 @@ def test_eval_runs_the_same_number_of_forwards_on_every_rank(tmp_path, tiny_corp
     from types import SimpleNamespace
 
     from draftforge.train.lm import build_model, lm_loss, load_tokenizer
-    from draftforge.train.loop import TaskParts, evaluate
+    from draftforge.train.loop import evaluate
+    from draftforge.train.spec import TaskSpec
 
     recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, eval_batches=3))
     recipe.train.micro_batch_size = 2
@@ -380,7 +382,7 @@ def test_eval_runs_the_same_number_of_forwards_on_every_rank(tmp_path, tiny_corp
 
         acc = SimpleNamespace(num_processes=2, process_index=rank, device=torch.device("cpu"),
                               reduce=lambda x, op, rank=rank: reduced[rank].append(x) or x)
-        evaluate(model, TaskParts(model, None, None, data, counting_loss), acc, recipe.train)
+        evaluate(model, TaskSpec(model, counting_loss, eval_data=data), acc, recipe.train)
     assert forwards == {0: 2, 1: 2}
     total = sum(reduced[r][0] for r in (0, 1))
     count = sum(reduced[r][1] for r in (0, 1))

@@ -1,17 +1,13 @@
-"""Training: one loop (loop.py) and one small module per task."""
+"""Training: one loop (loop.py), the task registry (registry.py) and one small module per task."""
 
 from __future__ import annotations
 
 
 def task_builder(task: str):
-    """The TaskParts builder of a task name (imported lazily so the CLI starts fast)."""
-    if task in ("pretrain", "sft"):
-        from draftforge.train.lm import build_lm_task
+    """The builder of a registered task (imported lazily so the CLI starts fast)."""
+    from draftforge.train.registry import get_task
 
-        return build_lm_task
-    from draftforge.errors import RecipeError
-
-    raise RecipeError(f"recipe key 'task': no trainer for task {task!r}")
+    return get_task(task).resolve("builder")
 
 
 def run(recipe, *, resume: bool = False, overwrite: bool = False, stop_after: int | None = None):

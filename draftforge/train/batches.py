@@ -21,8 +21,6 @@ import itertools
 import numpy as np
 import torch
 
-COLUMNS = ("input_ids", "labels")
-
 
 class DataExhausted(Exception):
     """Signal, not an error: the streaming source has no full global batch for `step` (0-based)."""
@@ -33,8 +31,11 @@ class DataExhausted(Exception):
 
 
 class BatchPlan:
-    def __init__(self, data, global_batch: int, micro_batch: int, rank: int, world: int, seed: int):
+    def __init__(self, data, global_batch: int, micro_batch: int, rank: int, world: int, seed: int, collate=None):
+        from draftforge.train.spec import tensor_collate
+
         self.data, self.G, self.B, self.rank, self.W, self.seed = data, global_batch, micro_batch, rank, world, seed
+        self.collate = collate or tensor_collate
         if global_batch % (micro_batch * world):
             raise ValueError(f"global batch {global_batch} is not a multiple of {micro_batch} x {world}")
         self.A = global_batch // (micro_batch * world)
@@ -59,12 +60,13 @@ class BatchPlan:
         return [[base + (a * self.B + j) * self.W + self.rank for j in range(self.B)] for a in range(self.A)]
 
     def micro_batches(self, step: int, device) -> list[dict[str, torch.Tensor]]:
+        """This process's micro-batches of `step`: every column of the rows, collated into tensors."""
         if self.streaming:
             rows = self._stream_rows(step)
-            chunks = [{k: rows[k][a * self.B:(a + 1) * self.B] for k in COLUMNS} for a in range(self.A)]
+            chunks = [{k: v[a * self.B:(a + 1) * self.B] for k, v in rows.items()} for a in range(self.A)]
         else:
             chunks = [self.data[[self._global_index(p) for p in positions]] for positions in self.rows_for_step(step)]
-        return [{k: torch.tensor(c[k], device=device) for k in COLUMNS} for c in chunks]
+        return [self.collate(c, device) for c in chunks]
 
     # ------------------------------------------------------------------ streaming
 
@@ -96,4 +98,4 @@ class BatchPlan:
         self._local_pos += len(rows)
         if len(rows) < per_step:
             raise DataExhausted(step, self._local_pos)
-        return {k: [r[k] for r in rows] for k in COLUMNS}
+        return {k: [r[k] for r in rows] for k in rows[0]}

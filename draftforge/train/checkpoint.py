@@ -20,7 +20,8 @@ from draftforge.errors import CheckpointError
 PREFIX = "step-"
 # Recipe keys that may change between a run and its resume without changing the result.
 RESUMABLE_KEYS = {"output_dir", "train.save_every", "train.eval_every", "train.log_every",
-                  "train.keep_checkpoints", "train.trackers", "train.export", "data.num_proc"}
+                  "train.keep_checkpoints", "train.trackers", "train.export", "data.num_proc",
+                 "plugins"}
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

@@ -6,7 +6,6 @@ the checkpoint's safetensors, and it is written with `draftforge.export.export_m
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import yaml
@@ -17,10 +16,9 @@ from draftforge.train import checkpoint as ckpt
 
 
 def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None, overwrite: bool = False) -> Path:
-    from draftforge.export import export_model, tokenizer_fingerprint
     from draftforge.recipe import recipe_from_dict
+    from draftforge.train import task_builder
     from draftforge.train.distributed import load_fitting_state
-    from draftforge.train.lm import build_model, load_tokenizer
 
     recipe = recipe_from_dict(yaml.safe_load((run_dir / "recipe.yaml").read_text()))
     src = Path(checkpoint) if checkpoint else ckpt.latest_valid(run_dir)
@@ -31,21 +29,35 @@ def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None
     if not weights.is_file():
         raise CheckpointError(f"{src} holds no model.safetensors (sharded FSDP/ZeRO-3 state is consolidated by "
                               "the run's own export at the end of training)")
-    tokenizer = load_tokenizer(recipe)
-    model = build_model(recipe, tokenizer)
+    spec = task_builder(recipe.task)(recipe, _NoAccelerator(), with_data=False)  # the task's own model + export
     # An untied lm_head missing from the file is an error, not a silently random output head.
-    load_fitting_state(model, load_file(str(weights)), str(weights))
+    load_fitting_state(spec.model, load_file(str(weights)), str(weights))
     state = ckpt.read_loop_state(src)
     metrics = _final_metrics(run_dir, state["step"])
     meta = {"task": recipe.task, "target": recipe.model.target, "recipe": recipe.to_dict(), "metrics": metrics,
-            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "checkpoint": src.name}
-    return export_model(model, tokenizer, out, metadata=meta, overwrite=overwrite)
+            "checkpoint": src.name}
+    return spec.export(spec.model, out, meta, overwrite=overwrite)
+
+
+class _NoAccelerator:
+    """What a builder may touch of the accelerator when no training runs (export of a finished run)."""
+
+    num_processes, process_index, is_main_process = 1, 0, True
+    device = "cpu"
+
+    def print(self, *args, **kwargs):
+        print(*args, **kwargs)
+
+    def main_process_first(self):
+        import contextlib
+
+        return contextlib.nullcontext()
 
 
 def _final_metrics(run_dir: Path, step: int) -> dict:
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
-    rows = [r for r in rows if r["step"] <= step]
+    from draftforge.train.metrics_log import read_metrics
+
+    rows = [r for r in read_metrics(run_dir) if r["step"] <= step]
     out = {"steps": step}
     if rows:
         out["final_loss"] = rows[-1].get("loss")

@@ -14,8 +14,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from draftforge.errors import CheckpointError, RecipeError
-from draftforge.recipe import Recipe
+from draftforge.errors import RecipeError
+from draftforge.recipe import Recipe, require
+from draftforge.train.parts import load_tokenizer, model_vocab_size, resolve_checkpoint, target_vocab_size
+
+
+def check_sft(recipe: Recipe) -> None:
+    """sft's own rules, checked when the recipe loads (before --overwrite touches the old run)."""
+    require(bool(recipe.model.init_from), "model.init_from",
+             "sft starts from a pretrained drafter; point it at a pretrain run, an export or a HF model id")
+    require(recipe.data.format in ("chat", "tokens"), "data.format",
+             "the sft task trains on chat data or token rows with a loss mask: set format: chat or tokens")
+
+
+def loss_tokens(batch: dict) -> torch.Tensor:
+    """Positions that carry a next-token loss (labels shifted by one, -100 = none)."""
+    return (batch["labels"][:, 1:] != -100).sum()
 
 
 def lm_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -25,48 +39,6 @@ def lm_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
     loss_sum = F.cross_entropy(logits_BTV[:, :-1].flatten(0, 1).float(), labels_BT.flatten(),
                                ignore_index=-100, reduction="sum")
     return loss_sum, (labels_BT != -100).sum(), {}
-
-
-def resolve_checkpoint(path: str) -> str:
-    """A run dir resolves to its export; an export dir or a HF id is used as is."""
-    p = Path(path)
-    if p.is_dir() and not (p / "config.json").is_file():
-        if (p / "export" / "config.json").is_file():
-            return str(p / "export")
-        raise CheckpointError(f"{p} is neither an export (no config.json) nor a finished run (no export/); "
-                              "point model.init_from at an export directory or finish the run first")
-    return path
-
-
-def load_tokenizer(recipe: Recipe):
-    from transformers import AutoTokenizer
-
-    m = recipe.model
-    source = m.tokenizer or m.target or resolve_checkpoint(m.init_from)
-    try:
-        return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as e:
-        raise RecipeError(f"recipe key 'model.tokenizer': cannot load a tokenizer from {source!r} ({e})") from None
-
-
-def target_vocab_size(recipe: Recipe) -> int | None:
-    if not recipe.model.target:
-        return None
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(recipe.model.target).vocab_size
-    except (OSError, ValueError) as e:
-        raise RecipeError(f"recipe key 'model.target': cannot read the target config ({e})") from None
-
-
-def model_vocab_size(recipe: Recipe, tokenizer) -> int:
-    """Rows of the embedding the model will have: init_from's config, else the target's, else the tokenizer."""
-    if recipe.model.init_from:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(resolve_checkpoint(recipe.model.init_from)).vocab_size
-    return target_vocab_size(recipe) or len(tokenizer)
 
 
 def build_model(recipe: Recipe, tokenizer):
@@ -117,20 +89,27 @@ def check_context(recipe: Recipe, vocab_size: int) -> None:
                           f"({ctx} positions)")
 
 
-def build_lm_task(recipe: Recipe, accelerator):
+def build_lm_task(recipe: Recipe, accelerator, with_data: bool = True):
+    """pretrain / sft: the drafter (or LoRA-wrapped drafter) and packed blocks of input_ids + labels."""
     from draftforge.data import build_block_data, describe
-    from draftforge.export import tokenizer_fingerprint
-    from draftforge.train.loop import TaskParts
+    from draftforge.export import export_model, tokenizer_fingerprint
+    from draftforge.train.spec import TaskSpec
 
     tokenizer = load_tokenizer(recipe)
-    vocab_size = model_vocab_size(recipe, tokenizer)
-    check_context(recipe, vocab_size)
-    with accelerator.main_process_first():  # rank 0 tokenizes and fills the datasets cache first
-        data = build_block_data(recipe.data, tokenizer, recipe.train.block_size, recipe.train.seed,
-                                vocab_size=vocab_size)
-    accelerator.print(f"[draftforge] {describe(data)}")
+    data, meta = None, {"tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
+    if with_data:
+        vocab_size = model_vocab_size(recipe, tokenizer)
+        check_context(recipe, vocab_size)
+        with accelerator.main_process_first():  # rank 0 tokenizes and fills the datasets cache first
+            data = build_block_data(recipe.data, tokenizer, recipe.train.block_size, recipe.train.seed,
+                                    vocab_size=vocab_size)
+        accelerator.print(f"[draftforge] {describe(data)}")
+        meta["data_stats"] = data.stats
     model = build_model(recipe, tokenizer)
-    meta = {"tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "data_stats": data.stats}
-    return TaskParts(model=model, tokenizer=tokenizer, train_data=data.train, eval_data=data.eval,
-                     loss_fn=lm_loss, export_metadata=meta, data_stats=data.stats)
 
+    def export(trained, out_dir, metadata, overwrite=False):
+        return export_model(trained, tokenizer, out_dir, metadata={**metadata, **meta}, overwrite=overwrite)
+
+    return TaskSpec(model=model, loss=lm_loss, count=loss_tokens, train_data=data and data.train,
+                    eval_data=data and data.eval, export=export, tokenizer=tokenizer, unit="tokens",
+                    export_metadata=meta, data_stats=data.stats if data else {})

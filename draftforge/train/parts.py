@@ -1,0 +1,56 @@
+"""Pieces any task builder may need: the tokenizer, where a checkpoint lives, the vocabulary size.
+
+Task modules import these from here, never from another task's module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftforge.errors import CheckpointError, RecipeError
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A run dir resolves to its export; an export dir or a HF id is used as is."""
+    p = Path(path)
+    if p.is_dir() and not (p / "config.json").is_file():
+        if (p / "export" / "config.json").is_file():
+            return str(p / "export")
+        raise CheckpointError(f"{p} is neither an export (no config.json) nor a finished run (no export/); "
+                              "point model.init_from at an export directory or finish the run first")
+    return path
+
+
+def load_tokenizer(recipe):
+    """The recipe's tokenizer: model.tokenizer, else the target's, else init_from's."""
+    from transformers import AutoTokenizer
+
+    m = recipe.model
+    source = m.tokenizer or m.target or resolve_checkpoint(m.init_from)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"recipe key 'model.tokenizer': cannot load a tokenizer from {source!r} ({e})") from None
+
+
+def load_config(path: str, key: str):
+    """A transformers config from `path`, or RecipeError naming the recipe key that points there."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"recipe key '{key}': cannot read a model config from {path!r} ({e})") from None
+
+
+def target_vocab_size(recipe) -> int | None:
+    if not recipe.model.target:
+        return None
+    return load_config(recipe.model.target, "model.target").vocab_size
+
+
+def model_vocab_size(recipe, tokenizer) -> int:
+    """Rows of the embedding the model will have: init_from's config, else the target's, else the tokenizer."""
+    if recipe.model.init_from:
+        return load_config(resolve_checkpoint(recipe.model.init_from), "model.init_from").vocab_size
+    return target_vocab_size(recipe) or len(tokenizer)

@@ -1,0 +1,85 @@
+"""The task registry: one place maps a task name to its recipe section and its builder.
+
+A task registers itself once with `register_task`. Builders and config classes may be given as
+"module:attr" strings, imported only when the task is used, so `draftforge train --help` and
+recipe validation stay fast. A recipe's `plugins:` list names modules to import before the task
+is looked up: that is how a task defined outside draftforge (or in a test) registers itself,
+also in every process of an `accelerate launch`.
+
+    register_task("mytask", builder="mypkg.task:build", config="mypkg.task:MyConfig",
+                  doc="what it trains")
+    # recipe.yaml:  task: mytask / plugins: [mypkg.task] / mytask: {field: value}
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from draftforge.errors import RecipeError
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    """name: the recipe's `task`; config: dataclass of the task's own recipe section (named like
+    the task), or None; builder(recipe, accelerator, with_data=True) -> TaskSpec; check(recipe)
+    raises RecipeError for recipe-level rules of this task, before anything is built or written."""
+
+    name: str
+    builder: str | Callable
+    doc: str
+    config: str | type | None = None
+    check: str | Callable | None = None
+
+    def resolve(self, attr: str) -> Any:
+        value = getattr(self, attr)
+        return _import(value) if isinstance(value, str) else value
+
+
+_TASKS: dict[str, TaskInfo] = {}
+
+
+def register_task(name: str, *, builder, doc: str, config=None, check=None) -> TaskInfo:
+    """Register (or re-register, e.g. after a module reload) a task under `name`."""
+    if not name.isidentifier():
+        raise ValueError(f"task name {name!r} must be an identifier (it names a recipe section)")
+    info = TaskInfo(name, builder, doc, config, check)
+    _TASKS[name] = info
+    return info
+
+
+def get_task(name: str) -> TaskInfo:
+    if name not in _TASKS:
+        close = difflib.get_close_matches(str(name), list(_TASKS), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise RecipeError(f"recipe key 'task': unknown task {name!r}{hint}; registered tasks: "
+                          f"{', '.join(task_names())} (a task defined elsewhere is loaded with plugins: [module])")
+    return _TASKS[name]
+
+
+def task_names() -> list[str]:
+    return list(_TASKS)
+
+
+def import_plugins(modules: list[str]) -> None:
+    """Import the modules a recipe lists under `plugins:` (they call register_task)."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise RecipeError(f"recipe key 'plugins': cannot import {name!r} ({e}); is it on PYTHONPATH?") from None
+
+
+def _import(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+# ---------------------------------------------------------------- built-in tasks
+
+register_task("pretrain", builder="draftforge.train.lm:build_lm_task",
+              doc="a Mamba / Mamba2 drafter (or any small causal LM) from scratch, next-token CE on packed text")
+register_task("sft", builder="draftforge.train.lm:build_lm_task", check="draftforge.train.lm:check_sft",
+              doc="a pretrained drafter on chat data or token rows (loss where the mask says), optional LoRA")
