@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import json
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 
 import draftforge
 from draftforge.errors import CheckpointError, CompatibilityError
+from draftforge.fsutil import temp_dir_beside, usual_permissions
 
 FORMAT_VERSION = 1
 METADATA_FILE = "draftforge.json"
@@ -103,11 +103,12 @@ def export_model(model: torch.nn.Module, tokenizer, out_dir, *, metadata: dict, 
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp_dir = temp_dir_beside(out_dir)
     try:
         _mergeable_model(model).save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
         (tmp_dir / METADATA_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        usual_permissions(tmp_dir)
         _swap_into_place(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -120,7 +121,7 @@ def _swap_into_place(tmp_dir: Path, out_dir: Path) -> None:
     if not out_dir.exists():
         tmp_dir.rename(out_dir)
         return
-    old_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    old_dir = temp_dir_beside(out_dir, "old")
     old_dir.rmdir()
     out_dir.rename(old_dir)
     try:

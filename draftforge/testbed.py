@@ -16,12 +16,12 @@ import json
 import os
 import shutil
 import sysconfig
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from draftforge.errors import DataError, RecipeError
+from draftforge.fsutil import temp_dir_beside
 
 HELDOUT_PERCENT = 10
 MAX_FILE_BYTES = 200_000
@@ -159,7 +159,7 @@ def train_tokenizer(out_dir, vocab_size: int = 2048, max_files: int | None = Non
 
     # Save beside, then rename, so a concurrent or killed build never leaves a half tokenizer.
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp_dir = temp_dir_beside(out_dir)
     tokenizer.save_pretrained(tmp_dir)
     (tmp_dir / settings_path.name).write_text(json.dumps(settings, indent=2) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from draftforge.errors import CheckpointError
+from draftforge.fsutil import usual_permissions
 
 PREFIX = "step-"
 # Recipe keys that may change between a run and its resume without changing the result.
@@ -114,6 +115,7 @@ def begin(run_dir: Path, step: int) -> Path:
 def commit(tmp: Path, loop_state: dict, keep: int) -> Path:
     """Write the loop state and manifest, rename into place, prune old checkpoints (main process)."""
     _write_json_atomic(tmp / "loop_state.json", loop_state)
+    usual_permissions(tmp)
     write_manifest(tmp)
     final = tmp.parent / tmp.name.removeprefix(".tmp-")
     if final.exists():

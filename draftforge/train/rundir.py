@@ -27,6 +27,7 @@ class RunDir:
         self.recipe, self.acc, self.path = recipe, acc, Path(recipe.output_dir)
         self.mode = self._check(resume, overwrite)
         self.aside: Path | None = None
+        self.claimed = False  # claim() wrote the run's first files
         self.created = False  # this run made the directory (so abandoning removes it)
         self.checkpointed = False  # set once the run has a checkpoint: from then on it resumes, never abandons
 
@@ -67,6 +68,7 @@ class RunDir:
             self.path.mkdir(parents=True, exist_ok=True)
             if self.mode != RESUME:
                 (self.path / "recipe.yaml").write_text(dump_recipe(self.recipe))
+        self.claimed = True
         self.acc.wait_for_everyone()
 
     def settle(self) -> None:
@@ -79,7 +81,7 @@ class RunDir:
 
     def abandon(self) -> None:
         """The run failed before its first checkpoint: leave output_dir as it was before (main process)."""
-        if not self.acc.is_main_process or self.mode in (RESUME, RESTART):
+        if not self.claimed or not self.acc.is_main_process or self.mode in (RESUME, RESTART):
             return
         if self.aside is not None:
             shutil.rmtree(self.path, ignore_errors=True)

@@ -1,0 +1,53 @@
+"""Atomic writes that leave files with the usual permissions.
+
+`tempfile.mkdtemp` / `mkstemp` create 0700 / 0600 entries (private on purpose); renamed into
+place they would keep those modes, so a serving process under another account could not read a
+model that was just exported. Every temp entry made here gets the mode a plain mkdir / open would
+have given it under the current umask.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only portable way to read it: set, then restore at once
+    os.umask(mask)
+    return mask
+
+
+def temp_dir_beside(target: Path, tag: str = "tmp") -> Path:
+    """An empty hidden directory next to `target` (same filesystem, so a rename is atomic), mode 0777 & ~umask."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=f".{target.name}.{tag}-", dir=target.parent))
+    os.chmod(path, 0o777 & ~_umask())
+    return path
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temp file + rename, so a killed run never leaves a half-written file; mode 0666 & ~umask."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def usual_permissions(root: Path) -> None:
+    """Give `root` and everything under it the modes a plain mkdir / open would (some writers, e.g.
+    safetensors through transformers, create 0600 files)."""
+    mask = _umask()
+    root = Path(root)
+    for p in [root, *root.rglob("*")]:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
