@@ -1,7 +1,7 @@
 """draftforge.decode: the lossless speculative decoding harness (batch size 1).
 
     target = load_target(path_or_model); drafter = load_drafter(path_or_model, target)   # cuda_graphs="auto"
-    dec = build_decoder("tree", target, drafter, tree=(3, 2, 2, 1))
+    dec = build_decoder("tree", target, drafter, tree=(3, 2, 2, 1))     # methods: decode/methods.py
     res = dec.generate(ids, max_new_tokens=128, temperature=0.0)   # -> DecodeResult
 
 A Mamba drafter's decode steps are CUDA graphs when load_drafter(..., cuda_graphs=) resolves to on
@@ -11,13 +11,19 @@ A Mamba drafter's decode steps are CUDA graphs when load_drafter(..., cuda_graph
 from draftforge.decode.base import DecodeResult, DecodeStats
 from draftforge.decode.control import DEFAULT_UCB_TREES, Controller, FixedChain, FixedTree, NoDraft, UCBTree
 from draftforge.decode.drafters import Drafter, load_drafter
-from draftforge.decode.engine import METHODS, HFAssistedDecoder, SpeculativeDecoder, build_decoder
+from draftforge.decode.engine import HFAssistedDecoder, SpeculativeDecoder, build_decoder
+from draftforge.decode.methods import Method, Option, method_names, register_method, register_option
+from draftforge.decode.plan import DraftStep, DynamicTree, StaticTree, StopRule, StoppableChain, TreeBuilder
 from draftforge.decode.sampling import SamplingParams
-from draftforge.decode.targets import Target, load_target
+from draftforge.decode.targets import KVCacheTarget, Target, Verification, load_target
 from draftforge.decode.tree import DraftTree
 
+METHODS = method_names()  # the built-in methods; register_method adds more
+
 __all__ = [
-    "METHODS", "DEFAULT_UCB_TREES", "Controller", "DecodeResult", "DecodeStats", "DraftTree", "Drafter",
-    "FixedChain", "FixedTree", "HFAssistedDecoder", "NoDraft", "SamplingParams", "SpeculativeDecoder", "Target",
-    "UCBTree", "build_decoder", "load_drafter", "load_target",
+    "METHODS", "DEFAULT_UCB_TREES", "Controller", "DecodeResult", "DecodeStats", "DraftStep", "DraftTree", "Drafter",
+    "DynamicTree", "FixedChain", "FixedTree", "HFAssistedDecoder", "KVCacheTarget", "Method", "NoDraft", "Option",
+    "SamplingParams", "SpeculativeDecoder", "StaticTree", "StopRule", "StoppableChain", "Target", "TreeBuilder",
+    "UCBTree", "Verification", "build_decoder", "load_drafter", "load_target", "method_names", "register_method",
+    "register_option",
 ]

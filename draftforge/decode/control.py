@@ -1,6 +1,8 @@
-"""Controllers: choose the draft shape of the next round.
+"""Controllers: choose the draft plan of the next round, and learn from its outcome.
 
-Every controller returns a tree configuration (N1..Nγ); a chain of length K is (1,)*K.
+`next_plan()` returns a draft plan (plan.py) or None for a round without drafts; the static
+controllers here name a tree configuration (N1..Nγ) with `next_config()` (a chain of length K is
+(1,)*K), which `next_plan` wraps. After each round the engine calls `feedback(Round)`.
 UCB follows Mamba Drafters §4.2: k* = argmax_k r̂_k + λ_UCB·sqrt(2 ln t / n_k), reward
 r = -(1/N_accept + λ_γ·γ/N_accept), where N_accept is the tokens emitted by the round (bonus
 included, so >= 1) and γ the draft depth (one drafter forward per depth with batch expansion), so
@@ -10,19 +12,49 @@ included, so >= 1) and γ the draft depth (one drafter forward per depth with ba
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from draftforge.decode.tree import config_name, validate_widths
+from draftforge.decode.plan import StaticTree
+from draftforge.decode.tree import DraftTree, config_name, validate_widths
 from draftforge.errors import DraftforgeError
 
 DEFAULT_UCB_TREES = ((1, 1, 1, 1, 1), (2, 2, 1, 1), (3, 2, 2, 1), (4, 2, 1), (2, 1, 1, 1, 1, 1))
+
+
+@dataclass
+class Round:
+    """What one round did: the plan, the tree drafted, the accepted path, the tokens it emitted, its timing."""
+
+    plan: object
+    tree: DraftTree
+    path: list[int]
+    n_emitted: int  # accepted drafts + the bonus / correction token
+    draft_time_s: float
+    verify_time_s: float
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return getattr(self.plan, "widths", ())
 
 
 class Controller:
     def next_config(self) -> tuple[int, ...]:
         raise NotImplementedError
 
+    def next_plan(self):
+        """The next round's draft plan (None: no draft)."""
+        widths = tuple(self.next_config())
+        return StaticTree(widths) if widths else None
+
+    def feedback(self, rnd: Round) -> None:
+        """After a round; by default passed on to `update` in the configuration's terms."""
+        self.update(rnd.widths, rnd.n_emitted, rnd.draft_time_s, rnd.verify_time_s)
+
     def update(self, widths, n_emitted: int, draft_time_s: float, verify_time_s: float) -> None:
         """Feedback after a round; fixed controllers ignore it."""
+
+    def reset(self) -> None:
+        """Forget what was learned (eval calls it before each timed repeat); fixed controllers hold nothing."""
 
 
 class NoDraft(Controller):
@@ -62,6 +94,9 @@ class UCBTree(Controller):
         if ucb_lambda < 0 or (lambda_gamma is not None and lambda_gamma < 0):
             raise DraftforgeError("ucb_lambda and lambda_gamma must be >= 0")
         self.ucb_lambda, self.fixed_lambda_gamma = ucb_lambda, lambda_gamma
+        self.reset()
+
+    def reset(self) -> None:
         self.counts = [0] * len(self.arms)
         self.reward_sums = [0.0] * len(self.arms)
         self.t = 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from draftforge.decode.drafters import Drafter, propose_children
+from draftforge.decode.drafter_base import Drafter, chain_stops, propose_children, stack_q
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.targets import CachedLM
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask, tree_from_levels
@@ -35,21 +35,22 @@ class TransformerDrafter(Drafter):
             self.last_logits_V = self.lm.forward(pending, last_only=True)[-1]
         return self.last_logits_V
 
-    def draft(self, seq, widths, params: SamplingParams, generator) -> DraftTree:
+    def draft_levels(self, seq, widths, params: SamplingParams, generator, stop=None) -> DraftTree:
         logits_BV = self._sync(seq)[None]
-        self.committed, self.widths = len(seq), widths
+        self.committed = len(seq)
         levels, q_rows = [], []
-        for i, width in enumerate(widths):
+        for depth, width in enumerate(widths, start=1):
             children_BW, q_BV = propose_children(logits_BV, width, params, self.vocab_size, generator)
             levels.append(children_BW.flatten().tolist())
             q_rows.append(q_BV)
-            if i == len(widths) - 1:
+            if depth == len(widths) or chain_stops(stop, depth, children_BW, logits_BV, q_BV):
                 break
             logits_BV = self._feed_level(levels, widths)
+        self.widths = widths[: len(levels)]
         tokens, parents, depths = tree_from_levels(levels, widths)
         self.depths = depths
         chain = all(w == 1 for w in widths)
-        q_probs = None if params.greedy else _stack_q(q_rows, len(tokens))
+        q_probs = None if params.greedy else stack_q(q_rows, len(tokens))
         return DraftTree(tokens, parents, depths, q_probs, is_chain=chain)
 
     def _feed_level(self, levels: list[list[int]], widths) -> torch.Tensor:
@@ -68,14 +69,3 @@ class TransformerDrafter(Drafter):
     def accept(self, path: list[int]) -> None:
         fed = [j for j in path if self.depths[j] < len(self.widths)]  # the deepest level is never fed
         self.lm.keep(self.committed, fed)
-
-
-def _stack_q(q_rows: list[torch.Tensor], n_nodes: int) -> torch.Tensor:
-    """Rows: root then node j's child distribution at 1+j (leaves left zero)."""
-    vocab = q_rows[0].shape[-1]
-    q_probs = q_rows[0].new_zeros(1 + n_nodes, vocab)
-    row = 0
-    for q_BV in q_rows:
-        q_probs[row : row + q_BV.shape[0]] = q_BV
-        row += q_BV.shape[0]
-    return q_probs

@@ -19,8 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from draftforge.decode.cuda_graphs import MODES, StaticStep, StepRunner, use_cuda_graphs
-from draftforge.decode.drafter_hf import _stack_q
-from draftforge.decode.drafters import Drafter, propose_children
+from draftforge.decode.drafter_base import Drafter, chain_stops, propose_children, stack_q
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.ssm_state import StateBank, copy_states, layer_states
 from draftforge.decode.tree import DraftTree, level_sizes, tree_from_levels
@@ -99,22 +98,23 @@ class MambaDrafter(Drafter):
         return self.banks[key], self.depth_steps[key]
 
     @torch.inference_mode()
-    def draft(self, seq, widths, params: SamplingParams, generator) -> DraftTree:
+    def draft_levels(self, seq, widths, params: SamplingParams, generator, stop=None) -> DraftTree:
         logits_BV = self._sync(seq)[None]
-        (self.bank, steps), self.widths = self._bank(widths), widths
+        self.bank, steps = self._bank(widths)
         self.bank.save_root(self.live)
         levels, q_rows = [], []
         for depth, width in enumerate(widths, start=1):
             children_BW, q_BV = propose_children(logits_BV, width, params, self.vocab_size, generator)
             levels.append(children_BW.flatten())
             q_rows.append(q_BV)
-            if depth == len(widths):
+            if depth == len(widths) or chain_stops(stop, depth, children_BW, logits_BV, q_BV):
                 break
             self.bank.expand(depth)
             logits_BV = steps[depth](children_BW.reshape(-1, 1))
+        self.widths = widths[: len(levels)]  # what accept() rolls back over (a stop rule may end early)
         # Tokens stay on the device while drafting, so the steps queue without waiting; read them once here.
         tokens, parents, depths = tree_from_levels([level.tolist() for level in levels], widths)
-        q_probs = None if params.greedy else _stack_q(q_rows, len(tokens))
+        q_probs = None if params.greedy else stack_q(q_rows, len(tokens))
         return DraftTree(tokens, parents, depths, q_probs, is_chain=all(w == 1 for w in widths))
 
     @torch.inference_mode()

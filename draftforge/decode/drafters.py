@@ -1,61 +1,16 @@
-"""Drafter interface, child proposal shared by all drafters, and `load_drafter`.
+"""`load_drafter`: a drafter for a checkpoint, checked against and bound to its target.
 
-A drafter sees the committed sequence, proposes a DraftTree for a configuration (N1..Nγ), and is
-told which root path the target accepted. Any future drafter (EESD early exit, distilled SSM)
-implements `draft` and `accept`; the engine needs nothing else.
-
-Legend: B rows (tree nodes at one depth), V vocabulary.
+The interface every drafter implements lives in drafter_base.py (re-exported here).
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
-import torch
-
 from draftforge.decode.cuda_graphs import use_cuda_graphs
-from draftforge.decode.sampling import SamplingParams, match_vocab, probs_from_logits, sample
+from draftforge.decode.drafter_base import Drafter, propose_children  # noqa: F401  (public names)
+from draftforge.decode.drafter_hf import TransformerDrafter
+from draftforge.decode.drafter_mamba import MambaDrafter
 from draftforge.decode.targets import SSM_MODEL_TYPES, Target, load_hf_causal_lm
-from draftforge.decode.tree import DraftTree
 from draftforge.errors import CompatibilityError
-
-
-class Drafter(ABC):
-    """Base class: `draft` proposes a tree for `seq`, `accept(path)` rolls state to the accepted prefix."""
-
-    kind = "abstract"  # "mamba", "transformer", ... (hf_assisted needs "transformer")
-    model = None
-    tokenizer = None
-    vocab_size: int  # the target's vocabulary width that drafts and q distributions use
-
-    @abstractmethod
-    def reset(self) -> None:
-        """Forget all state (a new prompt starts)."""
-
-    @abstractmethod
-    def draft(self, seq: list[int], widths: tuple[int, ...], params: SamplingParams, generator) -> DraftTree:
-        """Propose a tree with configuration `widths` continuing `seq` (prompt + committed tokens)."""
-
-    @abstractmethod
-    def accept(self, path: list[int]) -> None:
-        """The target accepted these nodes (root path, depth 1 first) of the last draft."""
-
-    @property
-    def steps_per_draft(self) -> str:
-        return "one drafter forward per depth"
-
-
-def propose_children(logits_BV: torch.Tensor, width: int, params: SamplingParams, vocab: int, generator):
-    """Children tokens [B, width] and, at T>0, the distribution q [B, V] they were drawn from.
-
-    Greedy: the `width` most likely distinct tokens. T>0: i.i.d. draws from q, which multi-step
-    speculative sampling needs to stay lossless (SpecInfer §4.2).
-    """
-    logits_BV = match_vocab(logits_BV, vocab)
-    if params.greedy:
-        return torch.topk(logits_BV, width, dim=-1).indices, None
-    q_BV = probs_from_logits(logits_BV, params)
-    return sample(q_BV.to(generator.device), generator, width).to(logits_BV.device), q_BV
 
 
 def check_vocab(target: Target, model, tokenizer, allow_vocab_mismatch: bool) -> None:
@@ -89,13 +44,13 @@ def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_
     cuda_graphs ("auto" | "on" | "off") applies to Mamba drafters: their per-batch-size decode steps
     are CUDA graphs when on (auto: exactly when the drafter is on CUDA); Transformer drafters ignore it.
     """
-    from draftforge.decode.drafter_hf import TransformerDrafter
-    from draftforge.decode.drafter_mamba import MambaDrafter
-
     model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "drafter")
     tokenizer = tokenizer if tokenizer is not None else found_tokenizer
     check_vocab(target, model, tokenizer, allow_vocab_mismatch)
     if model.config.model_type in SSM_MODEL_TYPES:
-        return MambaDrafter(model, target.vocab_size, tokenizer, cuda_graphs=cuda_graphs)
-    use_cuda_graphs(cuda_graphs, model.device)  # same validation for every drafter kind
-    return TransformerDrafter(model, target.vocab_size, tokenizer)
+        drafter = MambaDrafter(model, target.vocab_size, tokenizer, cuda_graphs=cuda_graphs)
+    else:
+        use_cuda_graphs(cuda_graphs, model.device)  # same validation for every drafter kind
+        drafter = TransformerDrafter(model, target.vocab_size, tokenizer)
+    drafter.bind(target)
+    return drafter

@@ -13,11 +13,11 @@ import time
 import torch
 
 from draftforge.decode.base import DecodeResult, DecodeStats
-from draftforge.decode.control import Controller, NoDraft
-from draftforge.decode.drafters import Drafter
+from draftforge.decode.control import Controller, Round
+from draftforge.decode.drafter_base import Drafter
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.targets import Target
-from draftforge.decode.tree import DraftTree, config_name
+from draftforge.decode.tree import DraftTree
 from draftforge.decode.verify import verify
 from draftforge.errors import DraftforgeError
 
@@ -66,6 +66,10 @@ class SpeculativeDecoder:
     def __init__(self, name: str, target: Target, drafter: Drafter | None, controller: Controller):
         self.name, self.target, self.drafter, self.controller = name, target, drafter, controller
 
+    def reset(self) -> None:
+        """Forget adaptive state between measured runs (e.g. UCB's arm statistics)."""
+        self.controller.reset()
+
     def generate(self, input_ids, *, max_new_tokens: int, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos_token_id=None):
         params = SamplingParams(float(temperature), float(top_p), int(top_k))
         seq = check_prompt(input_ids, self.target, max_new_tokens)
@@ -81,53 +85,56 @@ class SpeculativeDecoder:
             self.drafter.reset()
         stats.prefill_time_s = _clock(device) - t_start
         while len(out) < max_new_tokens:
-            emitted = self._round(seq, max_new_tokens - len(out), params, generator, stats)
-            hit = [i for i, tok in enumerate(emitted) if tok in eos]
-            if hit:
-                emitted = emitted[: hit[0] + 1]
+            emitted = self._round(seq, max_new_tokens - len(out), params, generator, eos, stats)
             seq += emitted
             out += emitted
-            if hit:
+            if emitted[-1] in eos:
                 break
         stats.new_tokens = len(out)
         stats.total_time_s = _clock(device) - t_start
         return DecodeResult(tokens=out, stats=stats)
 
-    def _round(self, seq, remaining, params, generator, stats) -> list[int]:
+    def _round(self, seq, remaining, params, generator, eos, stats) -> list[int]:
+        """One draft + verify round; returns the emitted tokens, cut after the first EOS."""
         device = self.target.device
-        widths = tuple(self.controller.next_config())[: remaining - 1]  # the round also emits one token
+        plan = self.controller.next_plan()
+        plan = plan.capped(remaining - 1) if plan is not None else None  # the round also emits one token
         t0 = _clock(device)
-        if widths:
-            tree = self.drafter.draft(seq, widths, params, generator)
-        else:
-            tree = DraftTree([], [], [])
+        tree = self.drafter.draft(seq, plan, params, generator) if plan is not None else DraftTree([], [], [])
+        if plan is not None and tree.depth > plan.max_depth:
+            raise DraftforgeError(f"drafter {type(self.drafter).__name__} drafted depth {tree.depth} for a plan of "
+                                  f"at most {plan.max_depth}")
         t1 = _clock(device)
         logits_NV = self.target.verify(seq[-1], tree)
         verdict = verify(tree, logits_NV, params, self.target.vocab_size, generator)
         self.target.commit(verdict.path)
-        if widths:
+        if plan is not None:
             self.drafter.accept(verdict.path)
         t2 = _clock(device)
         emitted = [tree.tokens[j] for j in verdict.path] + [verdict.next_token]
-        self._record(stats, tree, widths, verdict.path, t1 - t0, t2 - t1)
-        self.controller.update(widths, len(emitted), t1 - t0, t2 - t1)
+        hit = next((i for i, tok in enumerate(emitted) if tok in eos), None)
+        if hit is not None:
+            emitted = emitted[: hit + 1]
+        accepted = min(len(verdict.path), len(emitted))  # drafts after an EOS are not counted as accepted
+        self._record(stats, tree, plan, accepted, t1 - t0, t2 - t1)
+        self.controller.feedback(Round(plan, tree, verdict.path, len(verdict.path) + 1, t1 - t0, t2 - t1))
         return emitted
 
     @staticmethod
-    def _record(stats: DecodeStats, tree, widths, path, draft_s, verify_s) -> None:
+    def _record(stats: DecodeStats, tree, plan, accepted: int, draft_s, verify_s) -> None:
         stats.target_forwards += 1
         stats.draft_time_s += draft_s
         stats.verify_time_s += verify_s
-        stats.accepted_per_round.append(len(path))
+        stats.accepted_per_round.append(accepted)
         stats.drafted_per_round.append(len(tree))
-        depth = len(widths)
+        depth = tree.depth
         for lst in (stats.accept_by_position, stats.proposed_by_position):
             lst.extend([0] * (depth - len(lst)))
         for d in range(depth):
             stats.proposed_by_position[d] += 1
-        for d in range(len(path)):
+        for d in range(accepted):
             stats.accept_by_position[d] += 1
-        stats.chosen_configs.append(config_name(widths) if widths else "ar")
+        stats.chosen_configs.append(plan.name if plan is not None else "ar")
 
 
 class HFAssistedDecoder:
@@ -215,25 +222,8 @@ def _fill_assisted_stats(stats: DecodeStats, calls, prompt_len: int, n_new: int)
         committed = nxt
 
 
-METHODS = ("ar", "chain", "tree", "ucb", "hf_assisted")
+def build_decoder(method: str, target: Target, drafter: Drafter | None = None, **options):
+    """A decoder for a registered method (decode/methods.py); `ar` ignores the drafter, the others need one."""
+    from draftforge.decode.methods import build
 
-
-def build_decoder(method: str, target: Target, drafter: Drafter | None = None, *, chain_length=5, tree=(3, 2, 2, 1),
-                  ucb_trees=None, ucb_lambda=0.1, lambda_gamma=None):
-    """A decoder for one of METHODS; `ar` ignores the drafter, the others require one."""
-    from draftforge.decode.control import FixedChain, FixedTree, UCBTree
-
-    if method not in METHODS:
-        raise DraftforgeError(f"unknown decoding method {method!r}; choose one of {', '.join(METHODS)}")
-    if method == "ar":
-        return SpeculativeDecoder("ar", target, None, NoDraft())
-    if drafter is None:
-        raise DraftforgeError(f"method {method!r} needs a drafter (load one with load_drafter)")
-    if method == "hf_assisted":
-        return HFAssistedDecoder(target, drafter)
-    controller = {
-        "chain": lambda: FixedChain(chain_length),
-        "tree": lambda: FixedTree(tree),
-        "ucb": lambda: UCBTree(ucb_trees, ucb_lambda, lambda_gamma),
-    }[method]()
-    return SpeculativeDecoder(method, target, drafter, controller)
+    return build(method, target, drafter, **options)

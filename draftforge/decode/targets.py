@@ -1,10 +1,14 @@
-"""Targets: a HF decoder-only Transformer with a KV cache that is trimmed to the accepted prefix
-after each round, and tree verification in one forward (packed tree, 4D mask, depth positions).
+"""Targets: the `Target` interface, and its KV-cache Transformer implementation (the cache is trimmed
+to the accepted prefix after each round; a tree is verified in one forward with a packed tree, a 4D
+mask and depth positions).
 
-Legend: Q query tokens, V vocabulary, L tokens held in the KV cache.
+Legend: Q query tokens, N tree rows (1 + nodes), V vocabulary, D hidden size, L tokens in the KV cache.
 """
 
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
@@ -13,6 +17,8 @@ from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
 from draftforge.errors import CheckpointError, CompatibilityError
 
 SSM_MODEL_TYPES = ("mamba", "mamba2")
+HYBRID_MODEL_TYPES = ("bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba", "zamba2", "jamba",
+                      "lfm2", "qwen3_next", "plamo2")
 
 
 def load_hf_causal_lm(model_or_path, device, dtype, what: str):
@@ -56,9 +62,10 @@ class CachedLM:
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], positions: list[int] | None = None, mask_11QK=None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, hidden: bool = False):
         """Append `tokens` to the cache and return their logits [Q, V] (float32 or wider); with
-        `last_only`, only the last token's [1, V] (a prompt's T x V logits would be computed for nothing)."""
+        `last_only`, only the last token's [1, V] (a prompt's T x V logits would be computed for nothing);
+        with `hidden`, (logits, last hidden state [Q, D]) (the state after the final norm)."""
         q = len(tokens)
         cache_position_Q = torch.arange(self.length, self.length + q, device=self.device)
         position_ids_1Q = cache_position_Q[None] if positions is None else torch.tensor([positions], device=self.device)
@@ -70,10 +77,12 @@ class CachedLM:
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
+            output_hidden_states=hidden,
         )
         self.cache = out.past_key_values
         self.length += q
-        return out.logits[0].float() if out.logits.dtype in (torch.float16, torch.bfloat16) else out.logits[0]
+        logits_QV = out.logits[0].float() if out.logits.dtype in (torch.float16, torch.bfloat16) else out.logits[0]
+        return (logits_QV, out.hidden_states[-1][0]) if hidden else logits_QV
 
     def keep(self, n_prefix: int, extra: list[int]) -> None:
         """Keep cache positions [0, n_prefix) plus n_prefix + e for e in `extra` (in that order)."""
@@ -89,47 +98,103 @@ class CachedLM:
         self.length = n_prefix + len(extra)
 
 
-class Target:
-    """Holds seq[:-1] in its KV cache; each round verifies [seq[-1]] + draft tree in one forward."""
+@dataclass
+class Verification:
+    """What the last `verify` produced; `path` is filled in by `commit`. Drafters bound to the target read it."""
 
-    def __init__(self, model, tokenizer=None):
-        if getattr(model.config, "is_encoder_decoder", False):
-            raise CompatibilityError(f"target {model.config.model_type!r} is encoder-decoder; use a decoder-only LM")
-        if model.config.model_type in SSM_MODEL_TYPES:
-            raise CompatibilityError(
-                f"target {model.config.model_type!r} has no attention KV cache; the harness verifies with "
-                "Transformer targets (hybrid targets go through draftforge.decode.mamba2_tree)"
-            )
-        self.model, self.tokenizer = model, tokenizer
-        self.lm = CachedLM(model)
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.max_context = max_context(model.config)
+    tree: DraftTree
+    logits_NV: torch.Tensor  # row 0 predicts depth-1 tokens, row 1+j node j's children
+    hidden_ND: torch.Tensor | None = None  # last hidden state per row, when a method asked (want_hidden)
+    path: list[int] | None = None
+
+
+class Target(ABC):
+    """The model being sped up: holds the committed prefix and verifies a whole draft tree per round.
+
+    `verify` scores [last committed token] + the tree in one forward and returns logits [1+N, V];
+    with `want_hidden` set (by a drafter or controller that needs them) it also keeps the last
+    hidden state of every row in `last.hidden_ND`, at no cost otherwise. `commit(path)` keeps the
+    accepted root path; the bonus token is fed by the next round's verify.
+    """
+
+    model = None
+    tokenizer = None
+    vocab_size: int
+    max_context: int | None
+    want_hidden = False
+    last: Verification | None = None
 
     @property
     def device(self):
         return self.model.device
 
+    @abstractmethod
+    def prefill(self, seq: list[int]) -> None:
+        """Start a prompt: encode seq[:-1] (seq[-1] is fed by the first verify)."""
+
+    @abstractmethod
+    def verify(self, last_token: int, tree: DraftTree) -> torch.Tensor:
+        """Logits [1+N, V] of last_token followed by the packed tree; sets `last`."""
+
+    @abstractmethod
+    def commit(self, path: list[int]) -> None:
+        """Keep the accepted nodes (root path, depth 1 first) of the last verified tree."""
+
+
+class KVCacheTarget(Target):
+    """A HF decoder-only Transformer: KV cache trimmed to the accepted path, a tree verified in one
+    forward with a tree attention mask and depth positions."""
+
+    def __init__(self, model, tokenizer=None):
+        check_target_model(model)
+        self.model, self.tokenizer = model, tokenizer
+        self.lm = CachedLM(model)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.max_context = max_context(model.config)
+
     def prefill(self, seq: list[int]) -> None:
         self.lm.reset()
+        self.last = None
         if len(seq) > 1:
             self.lm.forward(seq[:-1], last_only=True)
 
     def verify(self, last_token: int, tree: DraftTree) -> torch.Tensor:
-        """Logits [1+N, V]: row 0 predicts depth-1 tokens, row 1+j predicts node j's children."""
         past = self._verify_start = self.lm.length
         positions = [past] + [past + d for d in tree.depths]
         mask = None  # a chain packs as a plain causal sequence
         if len(tree) and not tree.is_chain:
             anc_QQ = ancestor_matrix([-1] + [p + 1 for p in tree.parents])
             mask = packed_tree_mask(anc_QQ, past, self.model.dtype, self.device)
-        return self.lm.forward([last_token] + tree.tokens, positions, mask)
+        out = self.lm.forward([last_token] + tree.tokens, positions, mask, hidden=self.want_hidden)
+        logits_NV, hidden_ND = out if self.want_hidden else (out, None)
+        self.last = Verification(tree, logits_NV, hidden_ND)
+        return logits_NV
 
     def commit(self, path: list[int]) -> None:
-        """Keep the root token and the accepted nodes; the bonus token is fed next round."""
         self.lm.keep(self._verify_start, [0] + [1 + j for j in path])
+        self.last.path = list(path)
+
+
+# Model types whose layers keep recurrent state: the KV-cache target cannot roll them back.
+RECURRENT_LAYER_TYPES = ("mamba", "mamba2", "linear_attention", "hybrid", "conv", "recurrent")
+
+
+def check_target_model(model) -> None:
+    """Refuse, at load, models this target cannot verify losslessly (one message naming what is supported)."""
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise CompatibilityError(f"target {config.model_type!r} is encoder-decoder; use a decoder-only LM")
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    hybrid = bool(layer_types & set(RECURRENT_LAYER_TYPES)) or config.model_type in HYBRID_MODEL_TYPES
+    if config.model_type in SSM_MODEL_TYPES or hybrid:
+        raise CompatibilityError(
+            f"target {config.model_type!r} keeps recurrent (SSM) state, which the harness cannot verify or roll "
+            "back yet; supported targets are decoder-only Transformers with a KV cache (Llama, Qwen2, Mistral, "
+            "SmolLM2, ...). SSM and hybrid targets are planned (STree tree scan: draftforge.decode.mamba2_tree)"
+        )
 
 
 def load_target(model_or_path, device="cpu", dtype=None, tokenizer=None) -> Target:
     """A Target from a HF decoder-only Transformer (model object or path); `.model`, `.tokenizer`."""
     model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "target")
-    return Target(model, tokenizer if tokenizer is not None else found_tokenizer)
+    return KVCacheTarget(model, tokenizer if tokenizer is not None else found_tokenizer)

@@ -1,0 +1,101 @@
+"""The Drafter interface and what every drafter shares: child proposal, q rows, the stop check.
+
+A drafter sees the committed sequence and returns a DraftTree for a draft plan (plan.py), then is
+told which root path the target accepted. It may be bound to the target it serves (`bind`) and
+read what the last verification produced (`target.last`: logits, hidden states if asked, the
+accepted path), or share the target's modules and caches (an early-exit drafter runs the target's
+first layers on the target's own KV cache). `draft_levels` drafts static trees and chains (with an
+optional stop rule); drafters that also implement `begin` / `feed` can follow any TreeBuilder.
+
+Legend: B rows (tree nodes at one depth), W children per node, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from draftforge.decode.plan import DraftStep, DynamicTree, StaticTree, StopRule, StoppableChain, as_plan
+from draftforge.decode.sampling import SamplingParams, match_vocab, probs_from_logits, sample
+from draftforge.decode.tree import DraftTree
+
+
+class Drafter(ABC):
+    """Base class: `draft` proposes a tree for `seq`, `accept(path)` rolls state to the accepted prefix."""
+
+    kind = "abstract"  # "mamba", "transformer", ... (hf_assisted needs "transformer")
+    model = None
+    tokenizer = None
+    target = None  # the Target this drafter serves, once bound
+    vocab_size: int  # the target's vocabulary width that drafts and q distributions use
+
+    def bind(self, target) -> None:
+        """Serve `target` (load_drafter calls this); a drafter that needs the target's hidden states sets
+        `target.want_hidden = True` here."""
+        self.target = target
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget all state (a new prompt starts)."""
+
+    def draft(self, seq: list[int], plan, params: SamplingParams, generator) -> DraftTree:
+        """Propose a tree continuing `seq` (prompt + committed tokens) as `plan` says (a widths tuple = static tree)."""
+        plan = as_plan(plan)
+        if isinstance(plan, StaticTree):
+            return self.draft_levels(seq, plan.widths, params, generator)
+        if isinstance(plan, StoppableChain):
+            plan.stop.start_round()
+            return self.draft_levels(seq, (1,) * plan.max_len, params, generator, stop=plan.stop)
+        if isinstance(plan, DynamicTree):
+            from draftforge.decode.dynamic import draft_dynamic
+
+            return draft_dynamic(self, seq, plan, params, generator)
+        raise TypeError(f"unknown draft plan {plan!r}")
+
+    @abstractmethod
+    def draft_levels(self, seq: list[int], widths: tuple[int, ...], params: SamplingParams, generator,
+                     stop: StopRule | None = None) -> DraftTree:
+        """A static tree (N_i children per node at depth i); with `stop` (chains), end after any token it says."""
+
+    @abstractmethod
+    def accept(self, path: list[int]) -> None:
+        """The target accepted these nodes (root path, depth 1 first) of the last draft."""
+
+    @property
+    def steps_per_draft(self) -> str:
+        return "one drafter forward per depth"
+
+
+def propose_children(logits_BV: torch.Tensor, width: int, params: SamplingParams, vocab: int, generator):
+    """Children tokens [B, width] and, at T>0, the distribution q [B, V] they were drawn from.
+
+    Greedy: the `width` most likely distinct tokens. T>0: i.i.d. draws from q, which multi-step
+    speculative sampling needs to stay lossless (SpecInfer §4.2).
+    """
+    logits_BV = match_vocab(logits_BV, vocab)
+    if params.greedy:
+        return torch.topk(logits_BV, width, dim=-1).indices, None
+    q_BV = probs_from_logits(logits_BV, params)
+    return sample(q_BV.to(generator.device), generator, width).to(logits_BV.device), q_BV
+
+
+def chain_stops(stop: StopRule | None, depth: int, children_BW: torch.Tensor, logits_BV: torch.Tensor,
+                q_BV: torch.Tensor | None, hidden_D: torch.Tensor | None = None) -> bool:
+    """Ask a chain's stop rule about the token just drafted at `depth` (no rule: never stop)."""
+    if stop is None:
+        return False
+    token = int(children_BW[0, 0])
+    probs_V = q_BV[0] if q_BV is not None else logits_BV[0].float().softmax(-1)
+    return stop.should_stop(DraftStep(depth, token, logits_BV[0], float(probs_V[token]), hidden_D))
+
+
+def stack_q(q_rows: list[torch.Tensor], n_nodes: int) -> torch.Tensor:
+    """Rows: root then node j's child distribution at 1+j (leaves left zero)."""
+    vocab = q_rows[0].shape[-1]
+    q_probs = q_rows[0].new_zeros(1 + n_nodes, vocab)
+    row = 0
+    for q_BV in q_rows:
+        q_probs[row : row + q_BV.shape[0]] = q_BV
+        row += q_BV.shape[0]
+    return q_probs

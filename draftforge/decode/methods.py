@@ -1,0 +1,154 @@
+"""The decoding methods, registered once with their options; `draftforge eval`'s flags and its runner read this.
+
+A method names the options it reads; an option has a CLI flag, a parser for the flag's text, a
+check, a default and a help line. `build(method, target, drafter, **options)` makes a decoder.
+
+    register_method(Method("mine", "my controller", needs_drafter=True, options=("chain_length",),
+                           make=lambda target, drafter, o: SpeculativeDecoder("mine", target, drafter, Mine(o))))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from draftforge.decode.tree import validate_widths
+from draftforge.errors import DraftforgeError, RecipeError
+
+
+def parse_widths(text: str, flag: str = "--tree") -> tuple[int, ...]:
+    """'3,2,2,1' -> (3, 2, 2, 1), checked."""
+    try:
+        widths = tuple(int(p) for p in str(text).split(",") if p.strip())
+    except ValueError:
+        raise RecipeError(f"{flag} expects comma-separated integers like 3,2,2,1, got {text!r}") from None
+    return check_widths(widths, flag)
+
+
+def check_widths(widths, where: str = "tree") -> tuple[int, ...]:
+    try:
+        return validate_widths(widths)
+    except DraftforgeError:
+        raise RecipeError(f"{where} {tuple(widths)}: every tree width must be >= 1, i.e. a positive integer "
+                          "(a tree needs every width >= 1, e.g. 3,2,2,1)") from None
+
+
+def _positive_int(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RecipeError(f"{where} must be >= 1, got {value!r}")
+    return value
+
+
+def _non_negative(value, where: str) -> float:
+    if value is None or value < 0:
+        raise RecipeError(f"{where} must be >= 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # keyword of build() and field of EvalConfig
+    flag: str
+    parse: Callable[[str], Any]  # the flag's text -> value
+    check: Callable[[Any], Any]  # value -> checked value, or RecipeError
+    default: Any
+    help: str
+    repeat: bool = False  # the flag is given once per item of a list value
+
+
+OPTIONS: dict[str, Option] = {}
+
+
+def register_option(option: Option) -> Option:
+    OPTIONS[option.name] = option
+    return option
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    help: str
+    needs_drafter: bool
+    make: Callable  # (target, drafter, options dict) -> decoder with .generate(...)
+    options: tuple[str, ...] = ()
+    baseline: bool = False  # an external baseline (hf_assisted): eval may skip it when it cannot run
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register_method(method: Method) -> Method:
+    for name in method.options:
+        if name not in OPTIONS:
+            raise ValueError(f"method {method.name!r} reads option {name!r}, which is not registered")
+    METHODS[method.name] = method
+    return method
+
+
+def method_names() -> tuple[str, ...]:
+    return tuple(METHODS)
+
+
+def get_method(name: str) -> Method:
+    if name not in METHODS:
+        raise DraftforgeError(f"unknown decoding method {name!r}; choose one of {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def resolve_options(method: str, given: dict) -> dict:
+    """The method's options: given values (None = default) checked, defaults filled in."""
+    out = {}
+    for name in get_method(method).options:
+        value = given.get(name)
+        option = OPTIONS[name]
+        out[name] = option.default if value is None else option.check(value)
+    return out
+
+
+def build(method: str, target, drafter=None, **options):
+    """A decoder for `method`; `ar` ignores the drafter, the others need one."""
+    m = get_method(method)
+    unknown = set(options) - set(OPTIONS)
+    if unknown:
+        raise DraftforgeError(f"unknown decoding option(s) {sorted(unknown)}; known: {', '.join(OPTIONS)}")
+    if m.needs_drafter and drafter is None:
+        raise DraftforgeError(f"method {method!r} needs a drafter (load one with load_drafter)")
+    return m.make(target, drafter if m.needs_drafter else None, resolve_options(method, options))
+
+
+# ---------------------------------------------------------------- built-in options and methods
+
+def _register_builtins() -> None:
+    from draftforge.decode.control import DEFAULT_UCB_TREES, FixedChain, FixedTree, NoDraft, UCBTree
+    from draftforge.decode.engine import HFAssistedDecoder, SpeculativeDecoder
+
+    register_option(Option("chain_length", "--chain-length", int, lambda v: _positive_int(v, "--chain-length"), 5,
+                           "draft tokens per round for chain (default 5)"))
+    register_option(Option("tree", "--tree", parse_widths, check_widths, (3, 2, 2, 1),
+                           "static tree: children per node at each depth, e.g. 3,2,2,1 (default)"))
+    register_option(Option("ucb_trees", "--ucb-trees", lambda t: parse_widths(t, "--ucb-trees"),
+                           lambda v: tuple(check_widths(w, "--ucb-trees") for w in v), DEFAULT_UCB_TREES,
+                           "a UCB candidate tree like 4,2,1; repeat for each arm (default: 5 shapes from "
+                           "a chain of 5 to 3,2,2,1)", repeat=True))
+    register_option(Option("ucb_lambda", "--ucb-lambda", float, lambda v: _non_negative(v, "--ucb-lambda"), 0.1,
+                           "UCB exploration weight λ_UCB (default 0.1)"))
+    register_option(Option("lambda_gamma", "--lambda-gamma", float, lambda v: _non_negative(v, "--lambda-gamma"),
+                           None, "draft-cost weight λ_γ in the UCB reward (default: T_draft/T_target measured online)"))
+
+    def spec(name, controller):
+        return lambda target, drafter, o: SpeculativeDecoder(name, target, drafter, controller(o))
+
+    register_method(Method("ar", "plain autoregressive decoding (always run as the baseline)", False,
+                           spec("ar", lambda o: NoDraft())))
+    register_method(Method("chain", "a chain of --chain-length drafts per round", True,
+                           spec("chain", lambda o: FixedChain(o["chain_length"])), ("chain_length",)))
+    register_method(Method("tree", "a static tree (--tree) drafted by batch expansion, verified in one forward",
+                           True, spec("tree", lambda o: FixedTree(o["tree"])), ("tree",)))
+    register_method(Method("ucb", "a UCB bandit over tree shapes (Mamba Drafters §4.2)", True,
+                           spec("ucb", lambda o: UCBTree(o["ucb_trees"], o["ucb_lambda"], o["lambda_gamma"])),
+                           ("ucb_trees", "ucb_lambda", "lambda_gamma")))
+    register_method(Method("hf_assisted", "transformers' assisted generation (Transformer drafters only)", True,
+                           lambda target, drafter, o: HFAssistedDecoder(target, drafter), baseline=True))
+
+
+_register_builtins()
