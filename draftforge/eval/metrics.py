@@ -78,7 +78,7 @@ def acceptance_by_position(stats_list: list[DecodeStats]) -> list[float | None]:
     """Rate at depth d = rounds whose accepted path reached d / rounds that proposed depth d (0-based).
 
     Unconditional (not "given d-1 was accepted", as in EAGLE's n-alpha): for one configuration it
-    can only fall with depth."""
+    falls with depth, except that rounds cut short by the token budget propose fewer depths."""
     depth = max((len(s.proposed_by_position) for s in stats_list), default=0)
     acc, prop = [0] * depth, [0] * depth
     for s in stats_list:

@@ -18,6 +18,11 @@ def _label(r: dict) -> str:
     return f"{r['method']} T={r['temperature']:g}"
 
 
+def _legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:  # outside the axes: it never hides a bar or a point
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+
+
 def _figure(plt, width: float, title: str, subtitle: str):
     # constrained layout keeps axis labels, rotated ticks and the title inside the canvas
     fig, ax = plt.subplots(figsize=(width, 4.0), layout="constrained")
@@ -43,8 +48,9 @@ def plot_speedup(results: list[dict], path: Path) -> None:
         sp = r.get("speedup_spread") or {}
         lo.append(max(h - sp["min"], 0.0) if sp.get("min") is not None else 0.0)
         hi.append(max(sp["max"] - h, 0.0) if sp.get("max") is not None else 0.0)
-    bars = ax.bar(xs, heights, color="tab:blue", yerr=[lo, hi], capsize=4, ecolor="black")
-    ax.bar_label(bars, labels=[f"{h:.2f}×" for h in heights], padding=3, fontsize=8)
+    ax.bar(xs, heights, color="tab:blue", yerr=[lo, hi], capsize=4, ecolor="black")
+    for x, h, e in zip(xs, heights, hi):  # above the whisker, so the two never overlap
+        ax.annotate(f"{h:.2f}×", (x, h + e), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8)
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
     ax.set_xticks(xs, [_label(r) for r in rows], rotation=30, ha="right")
     ax.set_ylabel("speedup over AR (×)")
@@ -56,7 +62,7 @@ def plot_tau_histogram(results: list[dict], path: Path) -> None:
     """Share of rounds that emitted k tokens, one bar per method centred on each integer k."""
     plt = _pyplot()
     rows = [r for r in results if r["method"] != "ar" and r["tau_histogram"]]
-    fig, ax = _figure(plt, 6.0, "Tokens emitted per round (τ histogram)",
+    fig, ax = _figure(plt, 7.5, "Tokens emitted per round (τ histogram)",
                       "accepted drafts + the bonus/correction token")
     width = 0.8 / max(len(rows), 1)
     ks = set()
@@ -71,15 +77,14 @@ def plot_tau_histogram(results: list[dict], path: Path) -> None:
         ax.set_xticks(range(min(ks), max(ks) + 1))
     ax.set_xlabel("tokens emitted per round (bonus counted)")
     ax.set_ylabel("fraction of rounds")
-    if rows:
-        ax.legend(fontsize=7)
+    _legend(ax)
     _save(plt, fig, path)
 
 
 def plot_acceptance(results: list[dict], path: Path) -> None:
     """Per method: the share of rounds that drafted depth d whose accepted path reached d."""
     plt = _pyplot()
-    fig, ax = _figure(plt, 6.0, "Acceptance by draft position",
+    fig, ax = _figure(plt, 7.5, "Acceptance by draft position",
                       "rounds whose accepted path reached depth d / rounds that drafted depth d")
     depth = 0
     for r in results:
@@ -93,8 +98,7 @@ def plot_acceptance(results: list[dict], path: Path) -> None:
     ax.set_xlabel("draft position (depth d)")
     ax.set_ylabel("acceptance rate at depth d")
     ax.set_ylim(0, 1.05)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
+    _legend(ax)
     _save(plt, fig, path)
 
 

@@ -118,7 +118,8 @@ def markdown_table(report: dict) -> str:
         *(_row(r) for r in report["results"]),
         "",
         f"{len(report['prompts'])} prompts · max_new_tokens {report['config']['max_new_tokens']} · "
-        f"{m['repeats']} repeat(s) after warm-up · dtype {m['dtype']} · seed {m['seed']} · {device}{threads}",
+        f"{m['repeats']} repeat(s), method order rotated, each pass after a reset and an untimed warm-up · "
+        f"dtype {m['dtype']} · seed {m['seed']} · {device}{threads}",
         "speedup = ratio of medians (tokens/s over repeats) against AR measured in the same run on the same prompts; "
         "[min–max] = spread over repeats, so a reader sees the noise.",
         "τ (+bonus) counts the bonus/correction token; τ (no bonus) counts accepted draft tokens only.",
@@ -138,7 +139,8 @@ def acceptance_markdown(report: dict) -> str:
     depth = max(len(r["acceptance_by_position"]) for r in rows)
     head = "| method | T | " + " | ".join(f"d{d + 1}" for d in range(depth)) + " |"
     lines = ["Acceptance by draft position: share of the rounds that drafted depth d whose accepted path "
-             "reached depth d (unconditional: for one configuration it can only fall with d)", "", head,
+             "reached depth d (unconditional: for one configuration it falls with d, except that rounds cut "
+             "short by the token budget propose fewer depths)", "", head,
              "|" + "---|" * (depth + 2)]
     for r in rows:
         rates = r["acceptance_by_position"] + [None] * (depth - len(r["acceptance_by_position"]))
@@ -175,7 +177,7 @@ def definitions_markdown() -> str:
         if key != "timing":
             lines.append(f"- **{name}** (`{key}`): {CONVENTIONS[key]}.")
     lines.append("- **draft/verify/other %**: share of generate() wall time spent drafting, verifying "
-                 "(target forwards) and elsewhere (prefill, sampling, bookkeeping).")
+                 "(target forwards) and elsewhere (sampling, bookkeeping); the rest up to 100 is prefill.")
     return "\n".join(lines)
 
 
