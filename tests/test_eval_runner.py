@@ -190,6 +190,28 @@ def test_manifest_records_hf_assisted_policy_threads_and_order(bench, tmp_path, 
     assert man["method_order"][0]["order"] == ["ar", "chain", "tree", "hf_assisted"]
     md = (tmp_path / "out" / "report.md").read_text()
     assert "num_assistant_tokens 7 (generation_config), schedule heuristic" in md
+    # a "heuristic" schedule moves num_assistant_tokens in the model's generation_config across calls
+    api = FakeAPI(hf_ok=True, assistant=assistant)
+    build = api.build_decoder
+
+    def build_heuristic(method, target, drafter=None, **opts):
+        dec = build(method, target, drafter, **opts)
+        if method == "hf_assisted":
+            generate = dec.generate
+
+            def moving_generate(*args, **kw):
+                assistant.generation_config.num_assistant_tokens += 2
+                return generate(*args, **kw)
+
+            dec.generate = moving_generate
+        return dec
+
+    api.build_decoder = build_heuristic
+    monkeypatch.setattr(runner, "decode_api", api)
+    hf = run_eval(cfg_for(bench, tmp_path, plots=False))["manifest"]["hf_assisted_policy"]
+    assert hf["num_assistant_tokens"] == 7 and hf["at_end"] == {"num_assistant_tokens": 7 + 2 * (1 + 3)}
+    assert "After the run the drafter's generation_config held {'num_assistant_tokens': 15}" in (
+        tmp_path / "out" / "report.md").read_text()
     monkeypatch.setattr(runner, "decode_api", FakeAPI())  # hf_assisted skipped: no policy recorded
     assert "hf_assisted_policy" not in run_eval(cfg_for(bench, tmp_path, plots=False))["manifest"]
 
@@ -208,7 +230,9 @@ def test_report_md_links_every_png_and_defines_its_terms(bench, tmp_path, monkey
     for term in ("**HM %**", "**γ total**", "**accept rate**", "**peak mem MiB**", "**v_d**", "**r_d**",
                  "**draft len**", "**τ (no bonus)**", "**speedup vs AR**"):
         assert term in definitions
-    assert "| chain | 0 | 3.00 | 2.00 | 200.0 [200.0–200.0] | 2.00× [2.00–2.00] | 0.67 | 0.67 | 66.7 | 3.00 |" in md
+    # τ, τ no bonus, tok/s [spread], speedup [spread], v_d, r_d (4 of 6 tokens drafted), HM %, draft length
+    assert ("| chain | 0 | 3.00 | 2.00 | 200.0 [200.0–200.0] | 2.00× [2.00–2.00] | 0.67 | 0.67 | 66.7 | 3.00 |"
+            in md)
 
 
 def test_fp32_mismatch_raises_after_writing_the_report(bench, tmp_path, monkeypatch):

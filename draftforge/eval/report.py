@@ -19,12 +19,13 @@ CONVENTIONS = {
     "gamma_total": "γ: verified candidate (draft) tokens summed over rounds and prompts",
     "mean_draft_length": "drafted tokens per round that drafted anything (γ total / drafting rounds)",
     "acceptance_rate": "accepted draft tokens / verified candidate tokens (= v_d)",
-    "v_d": "EESD App. D Eq. 11: accepted draft tokens / all drafted tokens",
+    "v_d": "EESD App. D Eq. 11: accepted draft tokens / all drafted tokens (every node of a tree counts)",
     "r_d": "EESD App. D Eq. 12: accepted draft tokens / output tokens (share of the output from the draft)",
     "hm": "EESD App. D harmonic mean 2*v_d*r_d/(v_d+r_d); report.json holds the fraction, report.md and the "
           "paper show it x100 (%)",
     "alpha": "EESD Eq. 14 cost ratio T_d/T_t: draft seconds per drafted token / AR seconds per token, same run",
-    "acceptance_by_position": "accepted at draft depth d / rounds that proposed depth d (0-based)",
+    "acceptance_by_position": "accepted at draft depth d / rounds that proposed depth d (0-based in report.json, "
+                              "d1 = the first draft token in report.md and the plot)",
     "memory": "peak memory: CUDA max_memory_allocated per method on GPU, process peak RSS on CPU "
               "(monotone over the run, so on CPU later methods show the peak of everything before them too)",
     "self_check": "temperature 0: prompts whose output equals the AR baseline of the same run (all repeats)",
