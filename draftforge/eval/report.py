@@ -16,7 +16,7 @@ CONVENTIONS = {
     "tokens_per_s": "per repeat: new tokens of all prompts / wall time of all generate() calls; median of repeats",
     "speedup": "ratio of medians: median tokens/s of the method / median tokens/s of AR, same run and prompts; "
                "its spread is min/median/max over repeats of (method tokens/s / AR tokens/s in the same repeat)",
-    "gamma_total": "γ: verified candidate (draft) tokens summed over rounds and prompts",
+    "gamma_total": "verified candidate (draft) tokens, γ, summed over rounds and prompts",
     "mean_draft_length": "drafted tokens per round that drafted anything (γ total / drafting rounds)",
     "acceptance_rate": "accepted draft tokens / verified candidate tokens (= v_d)",
     "v_d": "EESD App. D Eq. 11: accepted draft tokens / all drafted tokens (every node of a tree counts)",
@@ -161,7 +161,7 @@ def protocol_markdown(report: dict) -> str:
     hf = m.get("hf_assisted_policy")
     if hf:
         src = hf.get("source", {})
-        adapts = "tuned during each call" if hf.get("confidence_threshold_adapts") else "fixed (no scikit-learn)"
+        adapts = "tuned during each call" if hf.get("confidence_threshold_adapts") else "fixed: no scikit-learn"
         lines += ["", f"hf_assisted drafts with transformers' own policy, read from the drafter's generation_config: "
                       f"num_assistant_tokens {hf['num_assistant_tokens']} ({src.get('num_assistant_tokens')}), "
                       f"schedule {hf['num_assistant_tokens_schedule']}, assistant_confidence_threshold "
