@@ -63,7 +63,14 @@ def test_eval_greedy_matches_target_generate(models, tmp_path):
         if row["method"] != "ar":
             assert row["self_check"]["identical"] == row["self_check"]["total"] == 2
             assert row["gamma_total"] > 0
+            assert row["mean_draft_length"] > 0 and 0 <= row["v_d"] <= 1 and 0 <= row["r_d"] <= 1
         assert row["tau"] >= 1.0
+    hf = rep["manifest"]["hf_assisted_policy"]  # read from the real drafter's generation_config
+    assert isinstance(hf["num_assistant_tokens"], int) and hf["num_assistant_tokens"] >= 1
+    assert hf["num_assistant_tokens_schedule"] in ("constant", "heuristic", "heuristic_transient")
+    assert set(hf["source"]) == {"num_assistant_tokens", "num_assistant_tokens_schedule",
+                                 "assistant_confidence_threshold"}
+    assert rep["manifest"]["method_order"][0]["order"] == ["ar", "chain", "tree", "hf_assisted"]
 
 
 def test_eval_rejects_drafter_with_other_vocab(models, tmp_path):
@@ -108,6 +115,9 @@ def test_eval_cli_mamba_drafter_all_methods_two_temperatures(models, tmp_path, c
     assert rep["skipped"] and rep["skipped"][0]["method"] == "hf_assisted"
     assert len(rep["records"]) == 4 * 2 * 2 * 2
     assert (tmp_path / "out" / "speedup.png").exists()
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert all(f"]({p.name})" in md for p in (tmp_path / "out").glob("*.png"))
+    assert [o["order"][0] for o in rep["manifest"]["method_order"]] == ["ar", "chain"] * 2  # 2 repeats × 2 T
     assert "| ucb | 1 |" in capsys.readouterr().out
 
 

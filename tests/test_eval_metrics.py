@@ -36,9 +36,59 @@ def test_summarize_chain_by_hand():
     t = s["time"]
     assert (t["draft_s"], t["verify_s"], t["other_s"]) == pytest.approx((0.2, 0.3, 0.1))
     assert t["fractions"]["draft"] == pytest.approx(0.2 / 0.7)
-    # v_d: AR 0.2 s/token, draft 0.2/9 s per drafted token → 0.2/(0.2+0.2/9) = 0.9
-    assert s["v_d"] == pytest.approx(0.9)
-    assert s["hm"] == pytest.approx(2 * 0.9 * (4 / 9) / (0.9 + 4 / 9))
+    # EESD App. D (specs/eesd.md): v_d = accepted / drafted = 4/9, r_d = accepted / output tokens = 4/7.
+    # (This test used to assert v_d = 0.9, a drafting-speed ratio that was a guess, not the paper's v_d.)
+    assert s["v_d"] == pytest.approx(4 / 9) and s["r_d"] == pytest.approx(4 / 7)
+    assert s["hm"] == pytest.approx(2 * (4 / 9) * (4 / 7) / (4 / 9 + 4 / 7))
+    # α = T_d / T_t: draft 0.2/9 s per drafted token over AR 0.2 s per token = 1/9
+    assert s["alpha"] == pytest.approx(1 / 9)
+    assert s["mean_draft_length"] == pytest.approx(3.0) and s["drafting_rounds"] == 3
+
+
+def ragged_stats():
+    # prompt a: rounds drafted 4, 4, then a last round with one token left that drafts nothing (0 of 0);
+    # prompt b: drafted 2, 3, 0, accepted 2, 1, 0. Emitted (a + 1 per round): a 3+1+1 = 5, b 3+2+1 = 6.
+    a = DecodeStats(new_tokens=5, target_forwards=3, accepted_per_round=[2, 0, 0], drafted_per_round=[4, 4, 0],
+                    draft_time_s=0.1, total_time_s=0.5)
+    b = DecodeStats(new_tokens=6, target_forwards=3, accepted_per_round=[2, 1, 0], drafted_per_round=[2, 3, 0],
+                    draft_time_s=0.1, total_time_s=0.5)
+    return a, b
+
+
+def test_tau_no_bonus_skips_rounds_that_drafted_nothing():
+    a, b = ragged_stats()
+    assert a.tau_no_bonus == pytest.approx(2 / 2)  # not 2/3: the empty last round could accept nothing
+    assert b.tau_no_bonus == pytest.approx(3 / 2)
+    assert DecodeStats(accepted_per_round=[0, 0], drafted_per_round=[0, 0]).tau_no_bonus == 0.0  # AR
+    assert DecodeStats(accepted_per_round=[1, 3]).tau_no_bonus == pytest.approx(2.0)  # drafted unknown: counted
+    s = metrics.summarize([rec("chain", a, pid="a"), rec("chain", b, pid="b")])
+    assert s["tau_no_bonus"] == pytest.approx(5 / 4) and s["drafting_rounds"] == 4
+    assert s["mean_draft_length"] == pytest.approx(13 / 4)  # drafted tokens per round that drafted
+    assert s["gamma_total"] == 13 and s["tau"] == pytest.approx(11 / 6)
+    assert s["tau_histogram"] == {3: 2, 1: 3, 2: 1}  # every target forward, the empty rounds included
+
+
+def test_eesd_metrics_by_hand():
+    a, b = ragged_stats()
+    s = metrics.summarize([rec("chain", a, pid="a"), rec("chain", b, pid="b")])
+    v_d, r_d = 5 / 13, 5 / 11  # accepted / drafted (Eq. 11); accepted / output tokens (Eq. 12)
+    assert s["v_d"] == pytest.approx(v_d) and s["r_d"] == pytest.approx(r_d)
+    assert s["acceptance_rate"] == pytest.approx(v_d)
+    assert s["hm"] == pytest.approx(2 * v_d * r_d / (v_d + r_d)) == pytest.approx(100 / 240)
+    assert s["speedup"] is None and s["alpha"] is None  # no AR records given
+    ar = metrics.summarize([rec("ar", ar_stats())])
+    assert ar["v_d"] is None and ar["r_d"] is None and ar["hm"] is None and ar["mean_draft_length"] is None
+    # the paper's own example (13B Gsm8k, Cali-TS): v_d 0.52, r_d 0.69 → HM ≈ 59 % (Table 1 prints 58.97)
+    assert metrics.eesd_hm(0.52, 0.69) == pytest.approx(0.593, abs=1e-3)
+
+
+def test_speedup_spread_pairs_repeats():
+    fast = [rec("chain", DecodeStats(new_tokens=10, target_forwards=5, total_time_s=t), repeat=i)
+            for i, t in enumerate([1.0, 0.5, 2.0])]  # 10, 20, 5 tok/s
+    ar = [rec("ar", ar_stats(10, t), repeat=i) for i, t in enumerate([2.0, 2.5, 4.0])]  # 5, 4, 2.5 tok/s
+    s = metrics.summarize(fast, ar)
+    assert s["speedup_by_repeat"] == pytest.approx([2.0, 5.0, 2.0])
+    assert s["speedup_spread"] == pytest.approx({"min": 2.0, "median": 2.0, "max": 5.0})
 
 
 def test_speedup_is_ratio_of_medians_over_repeats():

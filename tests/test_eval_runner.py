@@ -3,6 +3,7 @@ in test_eval_e2e.py). The fakes give deterministic tokens and times, so every fi
 
 import argparse
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -33,11 +34,13 @@ def reference_tokens(ids, n):
 class FakeDecoder:
     """AR: 0.01 s per token. Speculative: K drafts per round, 2 accepted, 0.005 s per token."""
 
-    def __init__(self, method, broken=False):
-        self.method, self.broken, self.calls = method, broken, 0
+    def __init__(self, method, broken=False, log=None):
+        self.method, self.broken, self.calls, self.log = method, broken, 0, log
 
     def generate(self, input_ids, *, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos_token_id=None):
         self.calls += 1
+        if self.log is not None:
+            self.log.append((self.method, "generate"))
         toks = reference_tokens(input_ids, max_new_tokens)
         if self.broken:
             toks[-1] = (toks[-1] + 1) % V
@@ -52,10 +55,21 @@ class FakeDecoder:
             draft_time_s=0.002 * n, verify_time_s=0.002 * n, total_time_s=0.005 * n))
 
 
+class ResettableFakeDecoder(FakeDecoder):
+    """Like SpeculativeDecoder: has reset() for its adaptive (controller) state."""
+
+    resets = 0
+
+    def reset(self):
+        self.resets += 1
+        self.log.append((self.method, "reset"))
+
+
 class FakeAPI:
-    def __init__(self, dtype=torch.float32, broken=(), hf_ok=False):
+    def __init__(self, dtype=torch.float32, broken=(), hf_ok=False, log=None, assistant=None):
         self.dtype, self.broken, self.hf_ok = dtype, set(broken), hf_ok
         self.decoders, self.loaded = {}, []
+        self.log, self.assistant = log, assistant  # log: every decoder's calls in order; assistant: hf model
 
     def load_target(self, path, device="cpu", dtype=None):
         self.loaded.append(path)
@@ -68,7 +82,10 @@ class FakeAPI:
         if method == "hf_assisted" and not self.hf_ok:
             raise CompatibilityError("HF assisted generation needs a Transformer drafter")
         assert (drafter is None) == (method == "ar")
-        self.decoders[method] = FakeDecoder(method, broken=method in self.broken)
+        cls = ResettableFakeDecoder if self.log is not None and method != "hf_assisted" else FakeDecoder
+        self.decoders[method] = cls(method, broken=method in self.broken, log=self.log)
+        if method == "hf_assisted":  # HFAssistedDecoder: no reset(), drafts with its assistant model's policy
+            self.decoders[method].drafter = SimpleNamespace(model=self.assistant)
         return self.decoders[method]
 
 
@@ -118,10 +135,104 @@ def test_warmup_runs_are_untimed_and_every_method_sees_the_same_prompts(bench, t
     monkeypatch.setattr(runner, "decode_api", api)
     rep = run_eval(cfg_for(bench, tmp_path, warmup=2, repeats=3, plots=False))
     for m, dec in api.decoders.items():
-        assert dec.calls == 2 + 3 * 3  # warm-up prompts + repeats × prompts
+        # every repeat re-runs the warm-up prompts, untimed, before its timed pass (was warm-up once: 2 + 3 * 3)
+        assert dec.calls == 3 * (2 + 3)  # repeats × (warm-up prompts + prompts)
         mine = [r for r in rep["records"] if r["method"] == m]
         assert [r["prompt_id"] for r in mine] == ["1", "2", "3"] * 3
     assert "hf_assisted" in api.decoders and not rep["skipped"]
+
+
+ROTATED = [["ar", "chain", "tree"], ["chain", "tree", "ar"], ["tree", "ar", "chain"], ["ar", "chain", "tree"]]
+
+
+def test_method_order_rotates_across_repeats(bench, tmp_path, monkeypatch):
+    log = []
+    monkeypatch.setattr(runner, "decode_api", FakeAPI(log=log))
+    rep = run_eval(cfg_for(bench, tmp_path, warmup=1, repeats=4, plots=False))
+    assert [o["order"] for o in rep["manifest"]["method_order"]] == ROTATED  # repeat r starts at method r mod 3
+    assert [(o["temperature"], o["repeat"]) for o in rep["manifest"]["method_order"]] == [(0.0, r) for r in range(4)]
+    timed = [(r["repeat"], r["method"]) for r in rep["records"]]
+    assert timed == [(i, m) for i, order in enumerate(ROTATED) for m in order for _ in range(3)]
+    called = [m for m, what in log if what == "generate"][::4]  # first call of each pass (1 warm-up + 3 timed)
+    assert called == [m for order in ROTATED for m in order]
+    assert runner.rotated(["a", "b"], 3) == ["b", "a"] and runner.rotated([], 2) == []
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "- T=0: repeat 1: ar, chain, tree; repeat 2: chain, tree, ar; repeat 3: tree, ar, chain" in md
+
+
+def test_every_timed_pass_starts_with_reset_then_warmup(bench, tmp_path, monkeypatch):
+    log = []
+    api = FakeAPI(log=log, hf_ok=True)  # hf_assisted has no reset(): it must still run
+    monkeypatch.setattr(runner, "decode_api", api)
+    run_eval(cfg_for(bench, tmp_path, warmup=2, repeats=3, temperatures=(0.0, 1.0), plots=False))
+    for m in ("ar", "chain", "tree"):
+        assert api.decoders[m].resets == 3 * 2  # repeats × temperatures
+        mine = [what for who, what in log if who == m]
+        assert mine == (["reset"] + ["generate"] * (2 + 3)) * 6  # reset, 2 warm-up prompts, 3 timed prompts
+    assert not hasattr(api.decoders["hf_assisted"], "reset") and api.decoders["hf_assisted"].calls == 6 * (2 + 3)
+
+
+def test_manifest_records_hf_assisted_policy_threads_and_order(bench, tmp_path, monkeypatch):
+    from transformers import GenerationConfig
+
+    assistant = SimpleNamespace(generation_config=GenerationConfig(num_assistant_tokens=7,
+                                                                   num_assistant_tokens_schedule="heuristic"))
+    monkeypatch.setattr(runner, "decode_api", FakeAPI(hf_ok=True, assistant=assistant))
+    rep = run_eval(cfg_for(bench, tmp_path, plots=False))
+    man = rep["manifest"]
+    hf = man["hf_assisted_policy"]
+    assert (hf["num_assistant_tokens"], hf["num_assistant_tokens_schedule"]) == (7, "heuristic")
+    assert hf["assistant_confidence_threshold"] == pytest.approx(0.4)  # unset in the config: transformers default
+    assert hf["source"]["num_assistant_tokens"] == "generation_config"
+    assert hf["source"]["assistant_confidence_threshold"] == "transformers default"
+    assert "at_end" not in hf  # the fake never moved it
+    assert man["hardware"]["torch_threads"] == torch.get_num_threads()
+    assert man["method_order"][0]["order"] == ["ar", "chain", "tree", "hf_assisted"]
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "num_assistant_tokens 7 (generation_config), schedule heuristic" in md
+    # a "heuristic" schedule moves num_assistant_tokens in the model's generation_config across calls
+    api = FakeAPI(hf_ok=True, assistant=assistant)
+    build = api.build_decoder
+
+    def build_heuristic(method, target, drafter=None, **opts):
+        dec = build(method, target, drafter, **opts)
+        if method == "hf_assisted":
+            generate = dec.generate
+
+            def moving_generate(*args, **kw):
+                assistant.generation_config.num_assistant_tokens += 2
+                return generate(*args, **kw)
+
+            dec.generate = moving_generate
+        return dec
+
+    api.build_decoder = build_heuristic
+    monkeypatch.setattr(runner, "decode_api", api)
+    hf = run_eval(cfg_for(bench, tmp_path, plots=False))["manifest"]["hf_assisted_policy"]
+    assert hf["num_assistant_tokens"] == 7 and hf["at_end"] == {"num_assistant_tokens": 7 + 2 * (1 + 3)}
+    assert "After the run the drafter's generation_config held {'num_assistant_tokens': 15}" in (
+        tmp_path / "out" / "report.md").read_text()
+    monkeypatch.setattr(runner, "decode_api", FakeAPI())  # hf_assisted skipped: no policy recorded
+    assert "hf_assisted_policy" not in run_eval(cfg_for(bench, tmp_path, plots=False))["manifest"]
+
+
+def test_report_md_links_every_png_and_defines_its_terms(bench, tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "decode_api", FakeAPI())
+    rep = run_eval(cfg_for(bench, tmp_path, repeats=2))
+    out = tmp_path / "out"
+    md = (out / "report.md").read_text()
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == ["acceptance_by_position.png", "speedup.png", "tau_histogram.png"]
+    for name in pngs:
+        assert f"]({name})" in md
+    assert sorted(Path(p).name for k, p in rep["files"].items() if k.startswith("plot_")) == pngs
+    definitions = md[md.index("## Definitions"):]
+    for term in ("**HM %**", "**γ total**", "**accept rate**", "**peak mem MiB**", "**v_d**", "**r_d**",
+                 "**draft len**", "**τ (no bonus)**", "**speedup vs AR**"):
+        assert term in definitions
+    # τ, τ no bonus, tok/s [spread], speedup [spread], v_d, r_d (4 of 6 tokens drafted), HM %, draft length
+    assert ("| chain | 0 | 3.00 | 2.00 | 200.0 [200.0–200.0] | 2.00× [2.00–2.00] | 0.67 | 0.67 | 66.7 | 3.00 |"
+            in md)
 
 
 def test_fp32_mismatch_raises_after_writing_the_report(bench, tmp_path, monkeypatch):

@@ -30,9 +30,14 @@ class DecodeStats:
 
     @property
     def tau_no_bonus(self) -> float:
-        """Mean draft tokens accepted per round (bonus token not counted)."""
-        n = len(self.accepted_per_round)
-        return sum(self.accepted_per_round) / n if n else 0.0
+        """Mean draft tokens accepted per round that drafted (bonus token not counted).
+
+        A round with nothing drafted (e.g. a prompt's last round, with one token left) cannot accept
+        anything, so it is not counted; a round whose drafted count is unknown (older stats) is.
+        """
+        drafted = self.drafted_per_round
+        kept = [a for i, a in enumerate(self.accepted_per_round) if i >= len(drafted) or drafted[i] > 0]
+        return sum(kept) / len(kept) if kept else 0.0
 
     @property
     def other_time_s(self) -> float:

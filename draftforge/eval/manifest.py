@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import shlex
@@ -10,6 +11,8 @@ import sys
 from datetime import datetime, timezone
 
 LIBRARIES = ("torch", "transformers", "accelerate", "draftforge", "triton", "mamba-ssm", "causal-conv1d")
+# transformers' assisted generation reads its draft length policy from the assistant's generation_config
+ASSISTED_POLICY_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 
 def cpu_model() -> str:
@@ -58,6 +61,7 @@ def build_manifest(
             "cpu": cpu_model(),
             "cpu_count": os.cpu_count(),
             "torch_threads": _torch_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "gpu": gpu_names(),
             "device": device,
         },
@@ -79,3 +83,26 @@ def _torch_threads() -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+def assisted_policy(model) -> dict:
+    """The draft-length policy transformers' assisted generation uses with `model` as the assistant:
+    the model's generation_config values, transformers' own defaults where those are unset.
+
+    `source` says which; `confidence_threshold_adapts` is True when scikit-learn is installed
+    (transformers then tunes the threshold from an ROC curve during each call)."""
+    config = getattr(model, "generation_config", None)
+    getter = getattr(config, "_get_default_generation_params", None)
+    try:
+        defaults = getter() if callable(getter) else {}
+    except Exception:  # a private transformers helper: a change there must not break the report
+        defaults = {}
+    policy, source = {}, {}
+    for key in ASSISTED_POLICY_KEYS:
+        value = getattr(config, key, None)
+        policy[key] = value if value is not None else defaults.get(key)
+        source[key] = "generation_config" if value is not None else (
+            "transformers default" if key in defaults else "unknown")
+    policy["source"] = source
+    policy["confidence_threshold_adapts"] = importlib.util.find_spec("sklearn") is not None
+    return policy

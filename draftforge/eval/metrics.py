@@ -2,10 +2,11 @@
 
 Conventions (stated again in every report):
   tau            tokens emitted per target forward, bonus/correction token counted (= new_tokens / forwards)
-  tau_no_bonus   draft tokens accepted per round, bonus not counted
+  tau_no_bonus   draft tokens accepted per round that drafted, bonus not counted (rounds drafting nothing skipped)
   tokens_per_s   per repeat: all new tokens of all prompts / all generate() wall time; median over repeats
   speedup        ratio of medians: median-over-repeats tokens/s of the method / that of AR in the same run
   gamma_total    verified candidate tokens, summed over all rounds and prompts
+  v_d, r_d, hm   EESD App. D: accepted / drafted, accepted / output tokens, their harmonic mean
 """
 
 from __future__ import annotations
@@ -50,24 +51,34 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
-def tokens_per_s_by_repeat(records: list[RunRecord]) -> list[float]:
+def _tokens_per_s_per_repeat(records: list[RunRecord]) -> dict[int, float]:
     by_rep: dict[int, list[RunRecord]] = {}
     for r in records:
         by_rep.setdefault(r.repeat, []).append(r)
-    out = []
+    out = {}
     for rep in sorted(by_rep):
         toks = sum(r.stats.new_tokens for r in by_rep[rep])
         secs = sum(r.stats.total_time_s for r in by_rep[rep])
         if secs > 0:
-            out.append(toks / secs)
+            out[rep] = toks / secs
     return out
+
+
+def tokens_per_s_by_repeat(records: list[RunRecord]) -> list[float]:
+    return list(_tokens_per_s_per_repeat(records).values())
+
+
+def speedup_by_repeat(records: list[RunRecord], ar_records: list[RunRecord]) -> list[float]:
+    """Per-repeat speedup: the method's tokens/s in repeat r / AR's tokens/s in the same repeat r."""
+    mine, ar = _tokens_per_s_per_repeat(records), _tokens_per_s_per_repeat(ar_records)
+    return [mine[r] / ar[r] for r in sorted(mine) if ar.get(r)]
 
 
 def acceptance_by_position(stats_list: list[DecodeStats]) -> list[float | None]:
     """Rate at depth d = rounds whose accepted path reached d / rounds that proposed depth d (0-based).
 
     Unconditional (not "given d-1 was accepted", as in EAGLE's n-alpha): for one configuration it
-    can only fall with depth."""
+    falls with depth, except that rounds cut short by the token budget propose fewer depths."""
     depth = max((len(s.proposed_by_position) for s in stats_list), default=0)
     acc, prop = [0] * depth, [0] * depth
     for s in stats_list:
@@ -85,18 +96,30 @@ def tau_histogram(stats_list: list[DecodeStats]) -> dict[int, int]:
 
 
 def eesd_hm(v_d: float | None, r_d: float | None) -> float | None:
-    """EESD harmonic mean HM = 2·v_d·r_d / (v_d + r_d) (Liu et al. 2024, arXiv:2406.03853, §5 analysis).
+    """EESD harmonic mean HM = 2·v_d·r_d / (v_d + r_d), as a fraction (the paper prints it ×100 as %).
 
-    The paper balances draft-token generation speed v_d against acceptance rate r_d. The text we
-    could retrieve does not pin down how v_d is normalized, so draftforge defines both explicitly
-    on a 0..1 scale (see `summarize`):
-      r_d = accepted draft tokens / drafted (verified) candidate tokens
-      v_d = t_tgt / (t_tgt + t_d), t_tgt = AR seconds per token in the same run,
-            t_d = draft seconds per drafted token  (1 = free drafting, 0.5 = drafting as slow as the target)
+    Definitions from the EESD paper, App. D (Liu et al. 2024, arXiv:2406.03853), as written down in
+    specs/eesd.md; they replace an earlier guess here that took v_d for a drafting-speed ratio:
+      v_d = N_right / N_all_draft  (Eq. 11: accepted draft tokens / all drafted tokens)
+      r_d = N_right / L            (Eq. 12: share of the output tokens that came from the draft)
     """
     if v_d is None or r_d is None or v_d + r_d == 0:
         return None
     return 2 * v_d * r_d / (v_d + r_d)
+
+
+def draft_counts(stats_list: list[DecodeStats]) -> dict:
+    """Accepted and drafted tokens, and the rounds that drafted anything (a round drafting nothing,
+    like a prompt's last round with one token left, cannot accept and is not a drafting round)."""
+    accepted = drafted = drafting_rounds = 0
+    for s in stats_list:
+        for i, a in enumerate(s.accepted_per_round):
+            d = s.drafted_per_round[i] if i < len(s.drafted_per_round) else None
+            if d is None or d > 0:  # unknown drafted count (older stats): count the round, as before
+                drafting_rounds += 1
+                accepted += a
+            drafted += d or 0
+    return {"accepted": accepted, "drafted": drafted, "drafting_rounds": drafting_rounds}
 
 
 def _time_breakdown(stats_list: list[DecodeStats]) -> dict:
@@ -113,45 +136,57 @@ def _time_breakdown(stats_list: list[DecodeStats]) -> dict:
 
 
 def summarize(records: list[RunRecord], ar_records: list[RunRecord] | None = None) -> dict:
-    """Aggregate the records of one method at one temperature; ar_records (same temperature) give speedup/HM."""
+    """Aggregate the records of one method at one temperature; ar_records (same temperature) give speedup/α."""
     stats = [r.stats for r in records]
     new_tokens = sum(s.new_tokens for s in stats)
     forwards = sum(s.target_forwards for s in stats)
-    rounds = sum(len(s.accepted_per_round) for s in stats)
-    accepted = sum(sum(s.accepted_per_round) for s in stats)
-    drafted = sum(sum(s.drafted_per_round) for s in stats)
+    counts = draft_counts(stats)
+    accepted, drafted, drafting_rounds = counts["accepted"], counts["drafted"], counts["drafting_rounds"]
     tps = tokens_per_s_by_repeat(records)
+    v_d = _ratio(accepted, drafted)
+    r_d = _ratio(accepted, new_tokens) if drafted else None
     out = {
         "num_records": len(records),
         "new_tokens": new_tokens,
         "target_forwards": forwards,
         "tau": _ratio(new_tokens, forwards),
-        "tau_no_bonus": _ratio(accepted, rounds),
+        "tau_no_bonus": _ratio(accepted, drafting_rounds),
         "tau_per_prompt": spread([s.tau for s in stats]),
         "tokens_per_s": statistics.median(tps) if tps else None,
         "tokens_per_s_spread": spread(tps),
         "tokens_per_s_by_repeat": tps,
         "gamma_total": drafted,
-        "acceptance_rate": _ratio(accepted, drafted),
+        "drafting_rounds": drafting_rounds,
+        "mean_draft_length": _ratio(drafted, drafting_rounds),
+        "acceptance_rate": v_d,
         "acceptance_by_position": acceptance_by_position(stats),
         "tau_histogram": tau_histogram(stats),
         "time": _time_breakdown(stats),
         "speedup": None,
-        "v_d": None,
-        "r_d": _ratio(accepted, drafted),
-        "hm": None,
+        "speedup_spread": spread([]),
+        "speedup_by_repeat": [],
+        "alpha": None,
+        "v_d": v_d,
+        "r_d": r_d,
+        "hm": eesd_hm(v_d, r_d),
     }
     if ar_records:
-        ar_tps = tokens_per_s_by_repeat(ar_records)
-        if ar_tps and tps:
-            out["speedup"] = statistics.median(tps) / statistics.median(ar_tps)
-        ar_time = sum(r.stats.total_time_s for r in ar_records)
-        ar_toks = sum(r.stats.new_tokens for r in ar_records)
-        draft_time = out["time"]["draft_s"]
-        if ar_toks and drafted and ar_time > 0:
-            t_tgt, t_d = ar_time / ar_toks, draft_time / drafted
-            out["v_d"] = t_tgt / (t_tgt + t_d)
-            out["hm"] = eesd_hm(out["v_d"], out["r_d"])
+        out.update(_against_ar(records, ar_records, out["time"]["draft_s"], drafted))
+    return out
+
+
+def _against_ar(records: list[RunRecord], ar_records: list[RunRecord], draft_s: float, drafted: int) -> dict:
+    """Speedup (ratio of medians, plus the per-repeat spread) and EESD's α = T_d / T_t (Eq. 14)."""
+    out = {}
+    tps, ar_tps = tokens_per_s_by_repeat(records), tokens_per_s_by_repeat(ar_records)
+    if ar_tps and tps:
+        out["speedup"] = statistics.median(tps) / statistics.median(ar_tps)
+    per_rep = speedup_by_repeat(records, ar_records)
+    out["speedup_by_repeat"], out["speedup_spread"] = per_rep, spread(per_rep)
+    ar_time = sum(r.stats.total_time_s for r in ar_records)
+    ar_toks = sum(r.stats.new_tokens for r in ar_records)
+    if ar_toks and drafted and ar_time > 0:
+        out["alpha"] = (draft_s / drafted) / (ar_time / ar_toks)
     return out
 
 

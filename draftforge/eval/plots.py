@@ -18,54 +18,88 @@ def _label(r: dict) -> str:
     return f"{r['method']} T={r['temperature']:g}"
 
 
-def plot_speedup(results: list[dict], path: Path) -> None:
-    plt = _pyplot()
-    rows = [r for r in results if r["speedup"] is not None]
-    fig, ax = plt.subplots(figsize=(max(4, 1.1 * len(rows)), 3.5))
-    ax.bar([_label(r) for r in rows], [r["speedup"] for r in rows], color="tab:blue")
-    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-    ax.set_ylabel("speedup over AR (ratio of median tok/s)")
-    ax.tick_params(axis="x", rotation=45)
-    fig.tight_layout()
+def _legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:  # outside the axes: it never hides a bar or a point
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+
+
+def _figure(plt, width: float, title: str, subtitle: str):
+    # constrained layout keeps axis labels, rotated ticks and the title inside the canvas
+    fig, ax = plt.subplots(figsize=(width, 4.0), layout="constrained")
+    ax.set_title(f"{title}\n{subtitle}", fontsize=10)
+    return fig, ax
+
+
+def _save(plt, fig, path: Path) -> None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
+def plot_speedup(results: list[dict], path: Path) -> None:
+    """Bars: ratio of median tokens/s against AR; whiskers: min–max of the per-repeat speedups."""
+    plt = _pyplot()
+    rows = [r for r in results if r["speedup"] is not None]
+    fig, ax = _figure(plt, max(5.0, 1.1 * len(rows) + 1.5), "Speedup over AR (same run, same prompts)",
+                      "bar: ratio of median tok/s · whisker: min–max over repeats")
+    xs = list(range(len(rows)))
+    heights = [r["speedup"] for r in rows]
+    lo, hi = [], []
+    for r, h in zip(rows, heights):
+        sp = r.get("speedup_spread") or {}
+        lo.append(max(h - sp["min"], 0.0) if sp.get("min") is not None else 0.0)
+        hi.append(max(sp["max"] - h, 0.0) if sp.get("max") is not None else 0.0)
+    ax.bar(xs, heights, color="tab:blue", yerr=[lo, hi], capsize=4, ecolor="black")
+    for x, h, e in zip(xs, heights, hi):  # above the whisker, so the two never overlap
+        ax.annotate(f"{h:.2f}×", (x, h + e), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8)
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_xticks(xs, [_label(r) for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("speedup over AR (×)")
+    ax.set_ylim(0, max([h + e for h, e in zip(heights, hi)] + [1.0]) * 1.18)
+    _save(plt, fig, path)
+
+
 def plot_tau_histogram(results: list[dict], path: Path) -> None:
+    """Share of rounds that emitted k tokens, one bar per method centred on each integer k."""
     plt = _pyplot()
     rows = [r for r in results if r["method"] != "ar" and r["tau_histogram"]]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = _figure(plt, 7.5, "Tokens emitted per round (τ histogram)",
+                      "accepted drafts + the bonus/correction token")
     width = 0.8 / max(len(rows), 1)
+    ks = set()
     for i, r in enumerate(rows):
         hist = {int(k): v for k, v in r["tau_histogram"].items()}
         total = sum(hist.values())
         xs = sorted(hist)
-        ax.bar([x + i * width for x in xs], [hist[x] / total for x in xs], width=width, label=_label(r))
+        ks.update(xs)
+        offset = (i - (len(rows) - 1) / 2) * width  # the group of bars is centred on the integer tick
+        ax.bar([x + offset for x in xs], [hist[x] / total for x in xs], width=width, label=_label(r))
+    if ks:
+        ax.set_xticks(range(min(ks), max(ks) + 1))
     ax.set_xlabel("tokens emitted per round (bonus counted)")
     ax.set_ylabel("fraction of rounds")
-    if rows:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _legend(ax)
+    _save(plt, fig, path)
 
 
 def plot_acceptance(results: list[dict], path: Path) -> None:
+    """Per method: the share of rounds that drafted depth d whose accepted path reached d."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = _figure(plt, 7.5, "Acceptance by draft position",
+                      "rounds whose accepted path reached depth d / rounds that drafted depth d")
+    depth = 0
     for r in results:
         rates = r["acceptance_by_position"]
         if rates:
-            xs = [d + 1 for d, x in enumerate(rates) if x is not None]
-            ax.plot(xs, [x for x in rates if x is not None], marker="o", label=_label(r))
-    ax.set_xlabel("draft position (depth)")
-    ax.set_ylabel("rounds reaching depth d")
+            pts = [(d + 1, x) for d, x in enumerate(rates) if x is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=_label(r))
+            depth = max(depth, len(rates))
+    if depth:
+        ax.set_xticks(range(1, depth + 1))  # depths are whole numbers: no half-integer ticks
+    ax.set_xlabel("draft position (depth d)")
+    ax.set_ylabel("acceptance rate at depth d")
     ax.set_ylim(0, 1.05)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _legend(ax)
+    _save(plt, fig, path)
 
 
 def write_plots(report: dict, out_dir: str | Path) -> dict[str, str]:

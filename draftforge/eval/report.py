@@ -11,15 +11,38 @@ from draftforge.eval.metrics import fmt_num
 
 CONVENTIONS = {
     "tau": "tokens emitted per target forward, bonus/correction token counted",
-    "tau_no_bonus": "draft tokens accepted per verification round, bonus token not counted",
+    "tau_no_bonus": "draft tokens accepted per verification round that drafted anything (rounds that drafted "
+                    "nothing, e.g. a prompt's last round, are not counted), bonus token not counted",
     "tokens_per_s": "per repeat: new tokens of all prompts / wall time of all generate() calls; median of repeats",
-    "speedup": "ratio of medians: median tokens/s of the method / median tokens/s of AR, same run and prompts",
-    "gamma_total": "verified candidate (draft) tokens summed over rounds and prompts",
-    "acceptance_rate": "accepted draft tokens / verified candidate tokens (r_d)",
-    "acceptance_by_position": "accepted at draft depth d / rounds that proposed depth d (0-based)",
-    "hm": "EESD harmonic mean 2*v_d*r_d/(v_d+r_d); v_d = t_AR/(t_AR + t_draft per drafted token)",
-    "memory": "CUDA max_memory_allocated per method on GPU; process peak RSS on CPU (monotone over the run)",
+    "speedup": "ratio of medians: median tokens/s of the method / median tokens/s of AR, same run and prompts; "
+               "its spread is min/median/max over repeats of (method tokens/s / AR tokens/s in the same repeat)",
+    "gamma_total": "verified candidate (draft) tokens, γ, summed over rounds and prompts",
+    "mean_draft_length": "drafted tokens per round that drafted anything (γ total / drafting rounds)",
+    "acceptance_rate": "accepted draft tokens / verified candidate tokens (= v_d)",
+    "v_d": "EESD App. D Eq. 11: accepted draft tokens / all drafted tokens (every node of a tree counts)",
+    "r_d": "EESD App. D Eq. 12: accepted draft tokens / output tokens (share of the output from the draft)",
+    "hm": "EESD App. D harmonic mean 2*v_d*r_d/(v_d+r_d); report.json holds the fraction, report.md and the "
+          "paper show it x100 (%)",
+    "alpha": "EESD Eq. 14 cost ratio T_d/T_t: draft seconds per drafted token / AR seconds per token, same run",
+    "acceptance_by_position": "accepted at draft depth d / rounds that proposed depth d (0-based in report.json, "
+                              "d1 = the first draft token in report.md and the plot)",
+    "memory": "peak memory: CUDA max_memory_allocated per method on GPU, process peak RSS on CPU "
+              "(monotone over the run, so on CPU later methods show the peak of everything before them too)",
     "self_check": "temperature 0: prompts whose output equals the AR baseline of the same run (all repeats)",
+    "timing": "The method order rotates across repeats (repeat r starts at method r mod M, AR is method 0); "
+              "before each timed pass the decoder's adaptive state is reset (its reset(), e.g. the UCB "
+              "controller) and the same warm-up prompts run again untimed, so every repeat starts from an "
+              "identically warmed controller; the order used is manifest.method_order",
+    "hf_assisted_policy": "hf_assisted drafts with transformers' own policy, read from the drafter's "
+                          "generation_config at run time (num_assistant_tokens, its schedule, confidence threshold)",
+}
+
+# report.md names for the conventions above (table column or line), in the order they are explained
+MD_NAMES = {
+    "tau": "τ (+bonus)", "tau_no_bonus": "τ (no bonus)", "tokens_per_s": "tok/s", "speedup": "speedup vs AR",
+    "acceptance_rate": "accept rate", "v_d": "v_d", "r_d": "r_d", "hm": "HM %", "mean_draft_length": "draft len",
+    "gamma_total": "γ total", "alpha": "α (report.json)", "memory": "peak mem MiB", "self_check": "= AR (T=0)",
+    "acceptance_by_position": "acceptance by position", "timing": "timing", "hf_assisted_policy": "hf_assisted",
 }
 
 
@@ -54,23 +77,34 @@ def _time_cell(time: dict) -> str:
     return "/".join(f"{100 * p:.0f}" for p in parts)
 
 
+def _spread_cell(median, sp: dict, digits: int, unit: str = "") -> str:
+    if median is None:
+        return "–"
+    return f"{fmt_num(median, digits)}{unit} [{fmt_num(sp['min'], digits)}–{fmt_num(sp['max'], digits)}]"
+
+
 def _row(r: dict) -> str:
-    tps = r["tokens_per_s_spread"]
-    tps_cell = f"{fmt_num(tps['median'], 1)} [{fmt_num(tps['min'], 1)}–{fmt_num(tps['max'], 1)}]"
     mem = r.get("memory")
     mem_cell = fmt_num(mem["bytes"] / 2**20, 0) if mem else "–"
-    speedup = f"{fmt_num(r['speedup'])}×" if r["speedup"] is not None else "–"
+    speedup = _spread_cell(r["speedup"], r.get("speedup_spread") or {"min": None, "max": None}, 2, "×")
+    hm = r.get("hm")
     is_ar = r["method"] == "ar"
+
+    def draft(x, digits=2):
+        return "–" if is_ar else fmt_num(x, digits)
+
     cells = [
-        r["method"], f"{r['temperature']:g}", fmt_num(r["tau"]), "–" if is_ar else fmt_num(r["tau_no_bonus"]),
-        tps_cell, speedup, "–" if is_ar else fmt_num(r["acceptance_rate"]), str(r["gamma_total"]),
-        _time_cell(r["time"]), mem_cell, "–" if is_ar else fmt_num(r["hm"]), _self_check_cell(r["self_check"]),
+        r["method"], f"{r['temperature']:g}", fmt_num(r["tau"]), draft(r["tau_no_bonus"]),
+        _spread_cell(r["tokens_per_s"], r["tokens_per_s_spread"], 1), speedup, draft(r["acceptance_rate"]),
+        draft(r.get("r_d")), draft(100 * hm if hm is not None else None, 1), draft(r.get("mean_draft_length")),
+        str(r["gamma_total"]), _time_cell(r["time"]), mem_cell, _self_check_cell(r["self_check"]),
     ]
     return "| " + " | ".join(cells) + " |"
 
 
-HEADER = ("| method | T | τ (+bonus) | τ (no bonus) | tok/s median [min–max] | speedup vs AR | accept rate "
-          "| γ total | draft/verify/other % | peak mem MiB | HM | = AR (T=0) |")
+HEADER = ("| method | T | τ (+bonus) | τ (no bonus) | tok/s median [min–max] | speedup vs AR median [min–max] "
+          "| accept rate (v_d) | r_d | HM % | draft len | γ total | draft/verify/other % | peak mem MiB "
+          "| = AR (T=0) |")
 
 
 def markdown_table(report: dict) -> str:
@@ -78,14 +112,17 @@ def markdown_table(report: dict) -> str:
     m = report["manifest"]
     hw = m["hardware"]
     device = ", ".join(hw["gpu"]) if hw["gpu"] else hw["cpu"]
+    threads = f" · torch threads {hw['torch_threads']}" if hw.get("torch_threads") else ""
     lines = [
         HEADER,
         "|" + "---|" * HEADER.count(" | ") + "---|",
         *(_row(r) for r in report["results"]),
         "",
         f"{len(report['prompts'])} prompts · max_new_tokens {report['config']['max_new_tokens']} · "
-        f"{m['repeats']} repeat(s) after warm-up · dtype {m['dtype']} · seed {m['seed']} · {device}",
-        "speedup = ratio of medians (tokens/s over repeats) against AR measured in the same run on the same prompts.",
+        f"{m['repeats']} repeat(s), method order rotated, each pass after a reset and an untimed warm-up · "
+        f"dtype {m['dtype']} · seed {m['seed']} · {device}{threads}",
+        "speedup = ratio of medians (tokens/s over repeats) against AR measured in the same run on the same prompts; "
+        "[min–max] = spread over repeats, so a reader sees the noise.",
         "τ (+bonus) counts the bonus/correction token; τ (no bonus) counts accepted draft tokens only.",
     ]
     checks = [f"{r['method']} {_self_check_cell(r['self_check'])}" for r in report["results"] if r["self_check"]]
@@ -103,7 +140,8 @@ def acceptance_markdown(report: dict) -> str:
     depth = max(len(r["acceptance_by_position"]) for r in rows)
     head = "| method | T | " + " | ".join(f"d{d + 1}" for d in range(depth)) + " |"
     lines = ["Acceptance by draft position: share of the rounds that drafted depth d whose accepted path "
-             "reached depth d (unconditional: for one configuration it can only fall with d)", "", head,
+             "reached depth d (unconditional: for one configuration it falls with d, except that rounds cut "
+             "short by the token budget propose fewer depths)", "", head,
              "|" + "---|" * (depth + 2)]
     for r in rows:
         rates = r["acceptance_by_position"] + [None] * (depth - len(r["acceptance_by_position"]))
@@ -111,17 +149,67 @@ def acceptance_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def protocol_markdown(report: dict) -> str:
+    """How the timing was done: the method order of every repeat and hf_assisted's own draft policy."""
+    m = report["manifest"]
+    lines = ["## How it was timed", "", CONVENTIONS["timing"].replace("manifest.method_order", "below") + ".", ""]
+    by_temp: dict[float, list[str]] = {}
+    for o in m.get("method_order", []):
+        by_temp.setdefault(o["temperature"], []).append(f"repeat {o['repeat'] + 1}: {', '.join(o['order'])}")
+    for temp, orders in by_temp.items():
+        lines.append(f"- T={temp:g}: " + "; ".join(orders))
+    hf = m.get("hf_assisted_policy")
+    if hf:
+        src = hf.get("source", {})
+        adapts = "tuned during each call" if hf.get("confidence_threshold_adapts") else "fixed: no scikit-learn"
+        lines += ["", f"hf_assisted drafts with transformers' own policy, read from the drafter's generation_config: "
+                      f"num_assistant_tokens {hf['num_assistant_tokens']} ({src.get('num_assistant_tokens')}), "
+                      f"schedule {hf['num_assistant_tokens_schedule']}, assistant_confidence_threshold "
+                      f"{hf['assistant_confidence_threshold']} ({adapts})."]
+        if hf.get("at_end"):
+            lines.append(f"After the run the drafter's generation_config held {hf['at_end']} (a schedule that "
+                         "persists across calls; hf_assisted has no reset).")
+    return "\n".join(lines)
+
+
+def definitions_markdown() -> str:
+    lines = ["## Definitions", ""]
+    for key, name in MD_NAMES.items():
+        if key != "timing":
+            lines.append(f"- **{name}** (`{key}`): {CONVENTIONS[key]}.")
+    lines.append("- **draft/verify/other %**: share of generate() wall time spent drafting, verifying "
+                 "(target forwards) and elsewhere (sampling, bookkeeping); the rest up to 100 is prefill.")
+    return "\n".join(lines)
+
+
+PLOT_TITLES = {"plot_speedup": "Speedup over AR", "plot_tau_histogram": "Tokens per round (τ histogram)",
+               "plot_acceptance": "Acceptance by draft position"}
+
+
+def plots_markdown(plot_paths: dict[str, str]) -> str:
+    """Links to every PNG written, relative to report.md (they sit in the same directory)."""
+    if not plot_paths:
+        return ""
+    lines = ["## Plots", ""]
+    for key, path in plot_paths.items():
+        lines += [f"![{PLOT_TITLES.get(key, key)}]({Path(path).name})", ""]
+    return "\n".join(lines)
+
+
 def write_reports(report: dict, out_dir: str | Path, *, plots: bool = True) -> dict[str, str]:
-    """Write report.json, report.md and the PNG plots into out_dir; return their paths."""
+    """Write report.json, the PNG plots and report.md (which links them) into out_dir; return their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": str(out / "report.json"), "markdown": str(out / "report.md")}
     atomic_write_text(out / "report.json", json.dumps(report, indent=1, default=str) + "\n")
-    md = ["# draftforge eval", "", markdown_table(report), "", acceptance_markdown(report), "",
-          "Command: `" + report["manifest"]["command"] + "`", ""]
-    atomic_write_text(out / "report.md", "\n".join(md))
+    plot_paths = {}
     if plots:
         from draftforge.eval.plots import write_plots
 
-        paths.update(write_plots(report, out))
+        plot_paths = write_plots(report, out)
+    md = ["# draftforge eval", "", markdown_table(report), "", acceptance_markdown(report), "",
+          plots_markdown(plot_paths), protocol_markdown(report), "", definitions_markdown(), "",
+          "Command: `" + report["manifest"]["command"] + "`", ""]
+    atomic_write_text(out / "report.md", "\n".join(md))
+    paths.update(plot_paths)
     return paths

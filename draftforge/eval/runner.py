@@ -1,9 +1,10 @@
 """`run_eval`: every method on the same prompts in one process, after warm-up, with a self-check against AR.
 
-Order of work: load target/drafter/prompts once, build one decoder per method, warm each up (untimed),
-then for every temperature and repeat run all methods over all prompts (methods interleaved per repeat
-so slow drift of the machine hits all of them alike). Reports are written before the self-check can
-fail, so a failing run still leaves its evidence on disk.
+Order of work: load target/drafter/prompts once, build one decoder per method, then for every
+temperature and repeat run all methods over all prompts (methods interleaved per repeat so slow drift
+of the machine hits all of them alike; the order rotates so no method is always first). Before each
+timed pass a decoder is reset (adaptive state such as the UCB controller) and warmed up again, untimed.
+Reports are written before the self-check can fail, so a failing run still leaves its evidence on disk.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import draftforge.decode as decode_api
 from draftforge.decode.cuda_graphs import use_cuda_graphs
 from draftforge.errors import DraftforgeError, RecipeError
 from draftforge.eval import metrics
-from draftforge.eval.manifest import build_manifest
+from draftforge.eval.manifest import ASSISTED_POLICY_KEYS, assisted_policy, build_manifest
 from draftforge.eval.prompts import CHAT_MODES, load_prompts
 
 DRAFT_METHODS = ("chain", "tree", "ucb", "hf_assisted")
@@ -152,28 +153,52 @@ def _run_one(dec, prompt, cfg, temperature, prompt_index, eos):
     )
 
 
-def _timed_runs(cfg, decoders, prompts, eos) -> tuple[list, dict]:
-    records, memory = [], {}
+def rotated(methods: list[str], repeat: int) -> list[str]:
+    """The method order of one repeat: repeat r starts at method r mod M, so no method is always first."""
+    k = repeat % len(methods) if methods else 0
+    return list(methods[k:]) + list(methods[:k])
+
+
+def _reset_and_warm(cfg, dec, prompts, temperature, eos) -> None:
+    """Give every timed pass the same start: reset the decoder's adaptive state (e.g. the UCB
+    controller, where the decoder has `reset`), then run the warm-up prompts again, untimed."""
+    reset = getattr(dec, "reset", None)
+    if callable(reset):
+        reset()
+    for i, p in enumerate(prompts[: cfg.warmup]):
+        _run_one(dec, p, cfg, temperature, i, eos)
+
+
+def _timed_pass(cfg, method, dec, prompts, temp, rep, eos, records, memory) -> None:
+    metrics.reset_peak_memory(cfg.device)
+    start, n_tok = time.perf_counter(), 0
+    for i, p in enumerate(prompts):
+        res = _run_one(dec, p, cfg, temp, i, eos)
+        records.append(metrics.RunRecord(method, temp, rep, p.prompt_id, len(p.input_ids),
+                                         list(res.tokens), res.stats))
+        n_tok += res.stats.new_tokens
+    key = f"{method}@{temp:g}"
+    mem = metrics.peak_memory(cfg.device)
+    memory[key] = max(memory.get(key, mem), mem, key=lambda m: m["bytes"])
+    secs = time.perf_counter() - start
+    _log(cfg, f"T={temp:g} repeat {rep + 1}/{cfg.repeats} {method:<12} "
+              f"{len(prompts)} prompts, {n_tok} tokens, {n_tok / max(secs, 1e-9):.1f} tok/s")
+
+
+def _timed_runs(cfg, decoders, prompts, eos) -> tuple[list, dict, list]:
+    """Records, peak memory per method@T, and the method order used in each repeat.
+
+    The order rotates across repeats; before each timed pass the decoder is reset and warmed up."""
+    records, memory, orders = [], {}, []
     for temp in cfg.temperatures:
-        for method, dec in decoders.items():  # warm-up: untimed, results dropped
-            for i, p in enumerate(prompts[: cfg.warmup]):
-                _run_one(dec, p, cfg, temp, i, eos)
         for rep in range(cfg.repeats):
-            for method, dec in decoders.items():
-                metrics.reset_peak_memory(cfg.device)
-                start, n_tok = time.perf_counter(), 0
-                for i, p in enumerate(prompts):
-                    res = _run_one(dec, p, cfg, temp, i, eos)
-                    records.append(metrics.RunRecord(method, temp, rep, p.prompt_id, len(p.input_ids),
-                                                     list(res.tokens), res.stats))
-                    n_tok += res.stats.new_tokens
-                key = f"{method}@{temp:g}"
-                mem = metrics.peak_memory(cfg.device)
-                memory[key] = max(memory.get(key, mem), mem, key=lambda m: m["bytes"])
-                secs = time.perf_counter() - start
-                _log(cfg, f"T={temp:g} repeat {rep + 1}/{cfg.repeats} {method:<12} "
-                          f"{len(prompts)} prompts, {n_tok} tokens, {n_tok / max(secs, 1e-9):.1f} tok/s")
-    return records, memory
+            order = rotated(list(decoders), rep)
+            orders.append({"temperature": temp, "repeat": rep, "order": order})
+            _log(cfg, f"T={temp:g} repeat {rep + 1}/{cfg.repeats}: method order {', '.join(order)}")
+            for method in order:
+                _reset_and_warm(cfg, decoders[method], prompts, temp, eos)
+                _timed_pass(cfg, method, decoders[method], prompts, temp, rep, eos, records, memory)
+    return records, memory, orders
 
 
 def _logits_fn(target, device):
@@ -228,6 +253,28 @@ def _graphs_used(drafter) -> str:
     return "n/a" if graphed is None else ("on" if graphed else "off")
 
 
+def _hf_policy(decoders: dict, at_start: dict | None = None) -> dict | None:
+    """hf_assisted's own draft-length policy, read from the assistant's generation_config (None when
+    hf_assisted does not run). Given the policy at the start, returns it with any end values that moved."""
+    if "hf_assisted" not in decoders:
+        return None
+    policy = assisted_policy(getattr(getattr(decoders["hf_assisted"], "drafter", None), "model", None))
+    if at_start is None:
+        return policy
+    moved = {k: policy[k] for k in ASSISTED_POLICY_KEYS if policy[k] != at_start[k]}
+    return {**at_start, **({"at_end": moved} if moved else {})}
+
+
+def _manifest(cfg, dtype, results, drafter, orders, hf_policy) -> dict:
+    spreads = {f"{r['method']}@{r['temperature']:g}": r["tokens_per_s_spread"] for r in results}
+    extra = {"cuda_graphs": _graphs_used(drafter), "method_order": orders}
+    if hf_policy is not None:
+        extra["hf_assisted_policy"] = hf_policy
+    return build_manifest(device=cfg.device, dtype=str(dtype).replace("torch.", ""), seed=cfg.seed,
+                          repeats=cfg.repeats, command=cfg.command, tokens_per_s_spread=spreads,
+                          extra={**extra, **cfg.extra_manifest})
+
+
 def run_eval(cfg: EvalConfig) -> dict:
     """Run the evaluation described by cfg; write JSON/Markdown/PNG into cfg.out_dir and return the report."""
     from draftforge.eval import report as report_mod
@@ -247,17 +294,15 @@ def run_eval(cfg: EvalConfig) -> dict:
                            context_length=target.max_context, max_new_tokens=cfg.max_new_tokens)
     _log(cfg, f"{len(prompts)} prompts from {cfg.bench}")
     decoders, skipped = _build_decoders(cfg, target, drafter)
-    records, memory = _timed_runs(cfg, decoders, prompts, _eos_id(cfg, target))
+    hf_policy = _hf_policy(decoders)  # read before the runs: a "heuristic" schedule changes it as it goes
+    records, memory, orders = _timed_runs(cfg, decoders, prompts, _eos_id(cfg, target))
     results = _summaries(cfg, records, memory, prompts, target)
     dtype = _model_dtype(target.model)
-    spreads = {f"{r['method']}@{r['temperature']:g}": r["tokens_per_s_spread"] for r in results}
     report = {
         "schema": "draftforge.eval/1",
         "config": asdict(cfg),
         "conventions": report_mod.CONVENTIONS,
-        "manifest": build_manifest(device=cfg.device, dtype=str(dtype).replace("torch.", ""), seed=cfg.seed,
-                                   repeats=cfg.repeats, command=cfg.command, tokens_per_s_spread=spreads,
-                                   extra={"cuda_graphs": _graphs_used(drafter), **cfg.extra_manifest}),
+        "manifest": _manifest(cfg, dtype, results, drafter, orders, _hf_policy(decoders, hf_policy)),
         "prompts": [{"prompt_id": p.prompt_id, "category": p.category, "num_tokens": len(p.input_ids),
                      "chat_template": p.used_chat_template} for p in prompts],
         "results": results,
