@@ -29,6 +29,7 @@ class Drafter(ABC):
     tokenizer = None
     target = None  # the Target this drafter serves, once bound
     vocab_size: int  # the target's vocabulary width that drafts and q distributions use
+    node_map: list[int] | None = None  # after a dynamic draft: tree index -> the drafter's own node id
 
     def bind(self, target) -> None:
         """Serve `target` (load_drafter calls this); a drafter that needs the target's hidden states sets
@@ -42,6 +43,7 @@ class Drafter(ABC):
     def draft(self, seq: list[int], plan, params: SamplingParams, generator) -> DraftTree:
         """Propose a tree continuing `seq` (prompt + committed tokens) as `plan` says (a widths tuple = static tree)."""
         plan = as_plan(plan)
+        self.node_map = None
         if isinstance(plan, StaticTree):
             return self.draft_levels(seq, plan.widths, params, generator)
         if isinstance(plan, StoppableChain):
@@ -58,9 +60,22 @@ class Drafter(ABC):
                      stop: StopRule | None = None) -> DraftTree:
         """A static tree (N_i children per node at depth i); with `stop` (chains), end after any token it says."""
 
-    @abstractmethod
     def accept(self, path: list[int]) -> None:
         """The target accepted these nodes (root path, depth 1 first) of the last draft."""
+        if self.node_map is not None:
+            nodes, self.node_map = [self.node_map[j] for j in path], None
+            self.accept_nodes(nodes)
+        else:
+            self.accept_levels(path)
+
+    @abstractmethod
+    def accept_levels(self, path: list[int]) -> None:
+        """accept() after draft_levels."""
+
+    # Node interface for dynamic trees (decode/dynamic.py); optional:
+    #   begin(seq) -> logits_1V                    the root's next-token logits after syncing `seq`
+    #   feed(parents, tokens, nodes) -> logits_BV  feed new nodes (parents fed before, -1 = root)
+    #   accept_nodes(nodes)                        roll back to the accepted root path (own node ids)
 
     @property
     def steps_per_draft(self) -> str:

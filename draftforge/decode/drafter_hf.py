@@ -66,6 +66,33 @@ class TransformerDrafter(Drafter):
             mask = packed_tree_mask(anc_NN[first_new:], self.committed, self.model.dtype, self.lm.device)
         return self.lm.forward(new, positions, mask)
 
-    def accept(self, path: list[int]) -> None:
+    def accept_levels(self, path: list[int]) -> None:
         fed = [j for j in path if self.depths[j] < len(self.widths)]  # the deepest level is never fed
         self.lm.keep(self.committed, fed)
+
+    # ---- node interface (dynamic trees): fed nodes sit in the cache after the committed prefix, in feed order
+
+    def begin(self, seq: list[int]) -> torch.Tensor:
+        logits_1V = self._sync(seq)[None]
+        self.committed, self.fed, self.node_parent = len(seq), [], {}
+        return logits_1V
+
+    def feed(self, parents: list[int], tokens: list[int], nodes: list[int]) -> torch.Tensor:
+        """Feed new nodes in one forward: each sees the prefix, its fed ancestors and itself."""
+        for node, parent in zip(nodes, parents):
+            self.node_parent[node] = parent
+        order = self.fed + list(nodes)
+        col = {n: i for i, n in enumerate(order)}
+        anc_QK = torch.zeros(len(nodes), len(order), dtype=torch.bool)
+        for q, node in enumerate(nodes):
+            depth, n = 0, node
+            while n != -1:
+                anc_QK[q, col[n]], n, depth = True, self.node_parent[n], depth + 1
+        positions = [self.committed + int(anc_QK[q].sum()) - 1 for q in range(len(nodes))]
+        mask = packed_tree_mask(anc_QK, self.committed, self.model.dtype, self.lm.device)
+        self.fed = order
+        return self.lm.forward(list(tokens), positions, mask)
+
+    def accept_nodes(self, nodes: list[int]) -> None:
+        slot = {n: i for i, n in enumerate(self.fed)}
+        self.lm.keep(self.committed, [slot[n] for n in nodes if n in slot])

@@ -47,6 +47,7 @@ class MambaDrafter(Drafter):
         # per configuration, kept across prompts: its state buffers and one step per fed depth (1..γ-1)
         self.banks: dict[tuple[int, ...], StateBank] = {}
         self.depth_steps: dict[tuple[int, ...], list[StaticStep | None]] = {}
+        self.dyn_steps: dict[tuple[int, int], StaticStep] = {}  # dynamic trees: one step per (depth, batch)
         self.reset()
 
     def reset(self) -> None:
@@ -118,10 +119,53 @@ class MambaDrafter(Drafter):
         return DraftTree(tokens, parents, depths, q_probs, is_chain=all(w == 1 for w in widths))
 
     @torch.inference_mode()
-    def accept(self, path: list[int]) -> None:
+    def accept_levels(self, path: list[int]) -> None:
         """Restore the state after the deepest accepted node that was fed (depth < γ)."""
         fed = min(len(path), len(self.widths) - 1)
         if fed > 0:  # fed == 0: the live state was not stepped while drafting, nothing to restore
             level_start = sum(level_sizes(self.widths)[: fed - 1])
             self.bank.restore(self.live, fed, path[fed - 1] - level_start)
         self.consumed = self.consumed + fed
+
+    # ---- node interface (dynamic trees): per-(depth, batch) state buffers, allocated once and reused
+
+    @torch.inference_mode()
+    def begin(self, seq: list[int]) -> torch.Tensor:
+        logits_1V = self._sync(seq)[None]
+        self.node_slot: dict[int, tuple[tuple[int, int], int]] = {}  # node -> ((depth, batch) buffer, row)
+        self.depth_of: dict[int, int] = {}
+        return logits_1V
+
+    def _dyn_step(self, depth: int, batch: int) -> StaticStep:
+        key = (depth, batch)
+        if key not in self.dyn_steps:
+            self.dyn_steps[key] = self.runner.step_over(
+                [(conv.new_zeros((batch, *conv.shape[1:])), ssm.new_zeros((batch, *ssm.shape[1:])))
+                 for conv, ssm in self.live])
+        return self.dyn_steps[key]
+
+    @torch.inference_mode()
+    def feed(self, parents: list[int], tokens: list[int], nodes: list[int]) -> torch.Tensor:
+        """Step the new nodes (all at one depth) from copies of their parents' states."""
+        depth = 1 if parents[0] == -1 else self.depth_of[parents[0]] + 1
+        step = self._dyn_step(depth, len(nodes))
+        if depth == 1:
+            source, rows = self.live, [0] * len(nodes)
+        else:
+            key = self.node_slot[parents[0]][0]
+            source, rows = self.dyn_steps[key].states, [self.node_slot[p][1] for p in parents]
+        index_B = torch.tensor(rows, device=self.model.device)
+        for (conv_buf, ssm_buf), (conv_src, ssm_src) in zip(step.states, source):
+            torch.index_select(conv_src, 0, index_B, out=conv_buf)
+            torch.index_select(ssm_src, 0, index_B, out=ssm_buf)
+        for row, node in enumerate(nodes):
+            self.node_slot[node], self.depth_of[node] = ((depth, len(nodes)), row), depth
+        return step(torch.tensor(tokens, device=self.model.device).reshape(-1, 1))
+
+    @torch.inference_mode()
+    def accept_nodes(self, nodes: list[int]) -> None:
+        fed = [n for n in nodes if n in self.node_slot]
+        if fed:
+            key, row = self.node_slot[fed[-1]]
+            copy_states(self.live, [(c[row : row + 1], s[row : row + 1]) for c, s in self.dyn_steps[key].states])
+        self.consumed += len(fed)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from draftforge.decode import methods as method_registry
 from draftforge.errors import RecipeError
-from draftforge.eval.runner import KNOWN_METHODS, EvalConfig, run_eval
+from draftforge.eval.runner import EvalConfig, run_eval
 
 
 def parse_floats(values: list[str] | None, flag: str) -> tuple[float, ...]:
@@ -21,15 +22,7 @@ def parse_floats(values: list[str] | None, flag: str) -> tuple[float, ...]:
     return tuple(out)
 
 
-def parse_tree(text: str, flag: str = "--tree") -> tuple[int, ...]:
-    """'3,2,2,1' → (3, 2, 2, 1); every width must be a positive integer."""
-    try:
-        widths = tuple(int(p) for p in text.split(",") if p.strip())
-    except ValueError:
-        raise RecipeError(f"{flag} expects comma-separated integers like 3,2,2,1, got {text!r}") from None
-    if not widths or any(w < 1 for w in widths):
-        raise RecipeError(f"{flag} {text!r}: every tree width must be >= 1 (e.g. 3,2,2,1)")
-    return widths
+parse_tree = method_registry.parse_widths  # '3,2,2,1' -> (3, 2, 2, 1), checked
 
 
 def parse_list(values: list[str] | None) -> tuple[str, ...]:
@@ -47,17 +40,14 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--temperature", action="append", metavar="T",
                    help="sampling temperature; repeat or give a comma list to run several (default 0 = greedy)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    names = ", ".join(f"{m.name} ({m.help})" for m in method_registry.METHODS.values())
     p.add_argument("--methods", action="append", metavar="M",
-                   help=f"decoding methods, comma list or repeated, from {','.join(KNOWN_METHODS)} "
-                        "(default ar,chain,tree; ar is always run as the baseline)")
-    p.add_argument("--chain-length", type=int, default=5, help="draft tokens per round for chain (default 5)")
-    p.add_argument("--tree", default="3,2,2,1",
-                   help="static tree: children per node at each depth, e.g. 3,2,2,1 (default)")
-    p.add_argument("--ucb-trees", action="append", metavar="TREE",
-                   help="a UCB candidate tree like 4,2,1; repeat for each arm (default: the decoder's set)")
-    p.add_argument("--ucb-lambda", type=float, help="UCB exploration weight λ_UCB (default: decoder's)")
-    p.add_argument("--lambda-gamma", type=float,
-                   help="draft-cost weight λ_γ in the UCB reward (default: T_draft/T_target measured online)")
+                   help=f"decoding methods, comma list or repeated, from: {names}. Default ar,chain,tree; "
+                        "ar is always run as the baseline")
+    for option in method_registry.OPTIONS.values():  # each method's options, as registered
+        used_by = ", ".join(m.name for m in method_registry.METHODS.values() if option.name in m.options)
+        p.add_argument(option.flag, dest=option.name, action="append" if option.repeat else "store",
+                       metavar="VALUE", help=f"[{used_by}] {option.help}")
     p.add_argument("--baseline", action="append", metavar="B",
                    help="extra baselines, comma list or repeated: ar, hf_assisted (default: ar, plus "
                         "hf_assisted when the drafter is a Transformer)")
@@ -85,16 +75,35 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def method_options_from_args(args: argparse.Namespace) -> dict:
+    """Each registered option's flag text parsed (None where the flag was not given)."""
+    out = {}
+    for option in method_registry.OPTIONS.values():
+        raw = getattr(args, option.name, None)
+        if raw is None:
+            out[option.name] = None
+        elif option.repeat:
+            out[option.name] = tuple(option.parse(r) for r in raw)
+        else:
+            try:
+                out[option.name] = option.parse(raw)
+            except ValueError:
+                raise RecipeError(f"{option.flag}: cannot read {raw!r} ({option.help})") from None
+    return out
+
+
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
-    ucb = tuple(parse_tree(t, "--ucb-trees") for t in args.ucb_trees) if args.ucb_trees else None
+    options = method_options_from_args(args)
+    fields = set(EvalConfig.__dataclass_fields__)
+    builtin = {k: v for k, v in options.items() if k in fields}
     return EvalConfig(
         target=args.target, bench=args.bench, drafter=args.drafter,
         temperatures=parse_floats(args.temperature, "--temperature") or (0.0,),
         max_new_tokens=args.max_new_tokens,
         methods=parse_list(args.methods) or ("ar", "chain", "tree"),
         baselines=parse_list(args.baseline) or None,
-        chain_length=args.chain_length, tree=parse_tree(args.tree), ucb_trees=ucb,
-        ucb_lambda=args.ucb_lambda, lambda_gamma=args.lambda_gamma, top_p=args.top_p, top_k=args.top_k,
+        **builtin, method_options={k: v for k, v in options.items() if k not in fields},
+        top_p=args.top_p, top_k=args.top_k,
         num_prompts=args.num_prompts, repeats=args.repeats, warmup=args.warmup, ignore_eos=args.ignore_eos,
         chat_template=args.chat_template, device=args.device, dtype=args.dtype,
         allow_vocab_mismatch=args.allow_vocab_mismatch, cuda_graphs=args.cuda_graphs, seed=args.seed,

@@ -14,14 +14,13 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import draftforge.decode as decode_api
+from draftforge.decode import methods as method_registry
 from draftforge.decode.cuda_graphs import use_cuda_graphs
 from draftforge.errors import DraftforgeError, RecipeError
 from draftforge.eval import metrics
 from draftforge.eval.manifest import ASSISTED_POLICY_KEYS, assisted_policy, build_manifest
 from draftforge.eval.prompts import CHAT_MODES, load_prompts
 
-DRAFT_METHODS = ("chain", "tree", "ucb", "hf_assisted")
-KNOWN_METHODS = ("ar",) + DRAFT_METHODS
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -38,11 +37,13 @@ class EvalConfig:
     max_new_tokens: int = 128
     methods: tuple[str, ...] = ("ar", "chain", "tree")  # "ar" is always added
     baselines: tuple[str, ...] | None = None  # None: AR + hf_assisted when the drafter is a Transformer
-    chain_length: int = 5  # K of fixed-length chain drafting
-    tree: tuple[int, ...] = (3, 2, 2, 1)  # static tree (N1..Nγ): children per node at each depth
-    ucb_trees: tuple[tuple[int, ...], ...] | None = None  # UCB candidate tree configurations (None: decoder default)
-    ucb_lambda: float | None = None  # λ_UCB exploration weight (None: decoder default)
-    lambda_gamma: float | None = None  # λ_γ draft-cost weight (None: measured online)
+    # Options of the built-in methods (decode/methods.py documents them; None = the method's default).
+    chain_length: int | None = None
+    tree: tuple[int, ...] | None = None
+    ucb_trees: tuple[tuple[int, ...], ...] | None = None
+    ucb_lambda: float | None = None
+    lambda_gamma: float | None = None
+    method_options: dict = field(default_factory=dict)  # options of methods registered elsewhere
     top_p: float = 1.0
     top_k: int = 0
     num_prompts: int | None = None  # keep only the first N prompts
@@ -76,11 +77,6 @@ def validate(cfg: EvalConfig) -> None:
         raise RecipeError(f"--repeats must be >= 1 and warm-up >= 0, got {cfg.repeats} and {cfg.warmup}")
     if cfg.num_prompts is not None and cfg.num_prompts < 1:
         raise RecipeError(f"--num-prompts must be >= 1, got {cfg.num_prompts}")
-    if cfg.chain_length < 1:
-        raise RecipeError(f"--chain-length must be >= 1, got {cfg.chain_length}")
-    for tree in (cfg.tree,) + tuple(cfg.ucb_trees or ()):
-        if not tree or any(w < 1 for w in tree):
-            raise RecipeError(f"tree configuration {tree} needs every width >= 1 (e.g. 3,2,2,1)")
     if not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
         raise RecipeError(f"--top-p must be in (0, 1] and --top-k >= 0, got {cfg.top_p} and {cfg.top_k}")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
@@ -90,10 +86,17 @@ def validate(cfg: EvalConfig) -> None:
     if cfg.chat_template not in CHAT_MODES:
         raise RecipeError(f"--chat-template must be one of {CHAT_MODES}, got {cfg.chat_template!r}")
     for m in tuple(cfg.methods) + tuple(cfg.baselines or ()):
-        if m not in KNOWN_METHODS:
-            raise RecipeError(f"unknown method {m!r}; choose from {', '.join(KNOWN_METHODS)}")
-    if cfg.drafter is None and any(m in DRAFT_METHODS for m in tuple(cfg.methods) + tuple(cfg.baselines or ())):
-        raise RecipeError("speculative methods need --drafter; give one or use --methods ar")
+        if m not in method_registry.METHODS:
+            raise RecipeError(f"unknown method {m!r}; choose from {', '.join(method_registry.METHODS)}")
+        method_registry.resolve_options(m, method_options(cfg))  # every option checked before loading
+        if cfg.drafter is None and method_registry.METHODS[m].needs_drafter:
+            raise RecipeError(f"speculative methods need --drafter ({m!r} does); give one or use --methods ar")
+
+
+def method_options(cfg: EvalConfig) -> dict:
+    """The options given for the methods (None = the method's default)."""
+    given = {name: getattr(cfg, name) for name in method_registry.OPTIONS if hasattr(cfg, name)}
+    return {**given, **cfg.method_options}
 
 
 def _log(cfg: EvalConfig, msg: str) -> None:
@@ -104,8 +107,8 @@ def _log(cfg: EvalConfig, msg: str) -> None:
 def _method_order(cfg: EvalConfig) -> tuple[list[str], list[str]]:
     """(methods that must build, optional baselines that may be skipped), AR first, no duplicates."""
     required = ["ar"] + [m for m in cfg.methods if m != "ar"]
-    if cfg.baselines is None:
-        optional = ["hf_assisted"] if cfg.drafter is not None else []
+    if cfg.baselines is None:  # external baselines run when they can (hf_assisted: Transformer drafters)
+        optional = [m for m, info in method_registry.METHODS.items() if info.baseline] if cfg.drafter else []
     else:
         required += list(cfg.baselines)
         optional = []
@@ -114,13 +117,7 @@ def _method_order(cfg: EvalConfig) -> tuple[list[str], list[str]]:
 
 
 def _build_decoders(cfg: EvalConfig, target, drafter) -> tuple[dict, list[dict]]:
-    opts = dict(chain_length=cfg.chain_length, tree=tuple(cfg.tree))
-    if cfg.ucb_trees is not None:
-        opts["ucb_trees"] = [tuple(t) for t in cfg.ucb_trees]
-    if cfg.ucb_lambda is not None:
-        opts["ucb_lambda"] = cfg.ucb_lambda
-    if cfg.lambda_gamma is not None:
-        opts["lambda_gamma"] = cfg.lambda_gamma
+    opts = {k: v for k, v in method_options(cfg).items() if v is not None}
     required, optional = _method_order(cfg)
     decoders, skipped = {}, []
     for m in required:
