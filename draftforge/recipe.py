@@ -89,6 +89,8 @@ class OptimConfig:
     schedule: str = doc("cosine", "'cosine', 'linear' or 'constant' after warm-up")
     min_lr_ratio: float = doc(0.1, "final LR as a fraction of the peak (cosine/linear)")
     grad_clip: float = doc(1.0, "clip the global grad norm to this (0 disables)")
+    fused: bool | None = doc(None, "fused AdamW kernel (None: when every trainable parameter is a float tensor "
+                                   "on CPU or CUDA; the same update rule, fewer kernel launches)")
 
     def check(self, at: str) -> None:
         require(self.lr > 0, f"{at}.lr", "must be > 0")

@@ -33,12 +33,16 @@ def loss_tokens(batch: dict) -> torch.Tensor:
 
 
 def lm_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Summed next-token CE over positions whose label is not -100, and how many there are."""
+    """Summed next-token CE over positions whose label is not -100, and how many there are.
+
+    The labels are shifted (the last position gets -100), not the logits: slicing logits[:, :-1]
+    would copy the B x T x V tensor forward and backward.
+    """
     logits_BTV = model(input_ids=batch["input_ids"]).logits
-    labels_BT = batch["labels"][:, 1:]
-    loss_sum = F.cross_entropy(logits_BTV[:, :-1].flatten(0, 1).float(), labels_BT.flatten(),
-                               ignore_index=-100, reduction="sum")
-    return loss_sum, (labels_BT != -100).sum(), {}
+    next_BT = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    loss_sum = F.cross_entropy(logits_BTV.flatten(0, 1).float(), next_BT.flatten(), ignore_index=-100,
+                               reduction="sum")
+    return loss_sum, (next_BT != -100).sum(), {}
 
 
 def build_model(recipe: Recipe, tokenizer):

@@ -18,8 +18,13 @@ def build_optimizer(model: torch.nn.Module, recipe: Recipe):
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    fused = o.fused if o.fused is not None else _fusable(decay + no_decay)
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused or None)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe))
+
+
+def _fusable(params: list[torch.Tensor]) -> bool:
+    return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
 def lr_lambda(recipe: Recipe) -> Callable[[int], float]:
