@@ -71,11 +71,15 @@ class ModelConfig:
     init_from: str | None = doc(None, "start from this checkpoint: a draftforge run dir, an export dir or a HF model id")
     tokenizer: str | None = doc(None, "tokenizer path or HF id (normally the target's); default: target, then init_from")
     target: str | None = doc(None, "the target model this drafter serves (its vocab size is matched; recorded in export)")
+    draft_vocab: int | None = doc(None, "reduced draft vocabulary: the head predicts only the N most frequent target "
+                                        "tokens of the training data (EAGLE-3's d2t map, kept in config.json); "
+                                        "None = the full vocabulary")
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"doc": "LoRA options (sft)"})
 
     def check(self, at: str) -> None:
         require(bool(self.tokenizer or self.target or self.init_from), f"{at}.tokenizer",
                  "set model.tokenizer (or model.target / model.init_from, whose tokenizer is then used)")
+        require(self.draft_vocab is None or self.draft_vocab > 0, f"{at}.draft_vocab", "must be > 0 (or null)")
         self.lora.check(f"{at}.lora")
 
 

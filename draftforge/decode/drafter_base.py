@@ -30,6 +30,7 @@ class Drafter(ABC):
     target = None  # the Target this drafter serves, once bound
     vocab_size: int  # the target's vocabulary width that drafts and q distributions use
     node_map: list[int] | None = None  # after a dynamic draft: tree index -> the drafter's own node id
+    d2t = None  # reduced draft vocabulary: target ids of the head's rows (LongTensor on the model's device)
 
     def bind(self, target) -> None:
         """Serve `target` (load_drafter calls this); a drafter that needs the target's hidden states sets
@@ -82,17 +83,30 @@ class Drafter(ABC):
         return "one drafter forward per depth"
 
 
-def propose_children(logits_BV: torch.Tensor, width: int, params: SamplingParams, vocab: int, generator):
+def propose_children(logits_BV: torch.Tensor, width: int, params: SamplingParams, vocab: int, generator,
+                     d2t=None):
     """Children tokens [B, width] and, at T>0, the distribution q [B, V] they were drawn from.
 
     Greedy: the `width` most likely distinct tokens. T>0: i.i.d. draws from q, which multi-step
-    speculative sampling needs to stay lossless (SpecInfer §4.2).
+    speculative sampling needs to stay lossless (SpecInfer §4.2). A reduced draft head's logits are
+    first scattered into the target's vocabulary (q is zero outside the draft vocabulary).
     """
-    logits_BV = match_vocab(logits_BV, vocab)
+    logits_BV = match_vocab(logits_BV, vocab, d2t)
     if params.greedy:
         return torch.topk(logits_BV, width, dim=-1).indices, None
     q_BV = probs_from_logits(logits_BV, params)
     return sample(q_BV.to(generator.device), generator, width).to(logits_BV.device), q_BV
+
+
+def draft_map(model, target_vocab: int):
+    """The d2t map of a reduced-vocabulary drafter on its device (checked against the target), else None."""
+    from draftforge.models.draft_vocab import check_map, d2t_of
+
+    d2t = d2t_of(model)
+    if d2t is None:
+        return None
+    check_map(d2t.tolist(), target_vocab)
+    return d2t.to(model.device)
 
 
 def chain_stops(stop: StopRule | None, depth: int, children_BW: torch.Tensor, logits_BV: torch.Tensor,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from draftforge.decode.drafter_base import Drafter, chain_stops, propose_children, stack_q
+from draftforge.decode.drafter_base import Drafter, chain_stops, draft_map, propose_children, stack_q
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.targets import CachedLM
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask, tree_from_levels
@@ -21,6 +21,7 @@ class TransformerDrafter(Drafter):
 
     def __init__(self, model, vocab_size: int, tokenizer=None):
         self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size
+        self.d2t = draft_map(model, vocab_size)
         self.lm = CachedLM(model)
         self.reset()
 
@@ -40,7 +41,7 @@ class TransformerDrafter(Drafter):
         self.committed = len(seq)
         levels, q_rows = [], []
         for depth, width in enumerate(widths, start=1):
-            children_BW, q_BV = propose_children(logits_BV, width, params, self.vocab_size, generator)
+            children_BW, q_BV = propose_children(logits_BV, width, params, self.vocab_size, generator, self.d2t)
             levels.append(children_BW.flatten().tolist())
             q_rows.append(q_BV)
             if depth == len(widths) or chain_stops(stop, depth, children_BW, logits_BV, q_BV):

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from draftforge.decode.cuda_graphs import MODES, StaticStep, StepRunner, use_cuda_graphs
-from draftforge.decode.drafter_base import Drafter, chain_stops, propose_children, stack_q
+from draftforge.decode.drafter_base import Drafter, chain_stops, draft_map, propose_children, stack_q
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.ssm_state import StateBank, copy_states, layer_states
 from draftforge.decode.tree import DraftTree, level_sizes, tree_from_levels
@@ -36,6 +36,7 @@ class MambaDrafter(Drafter):
         it, every mode but "off" graphs.
         """
         self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size
+        self.d2t = draft_map(model, vocab_size)
         if graph_factory is None:
             self.cuda_graphs = use_cuda_graphs(cuda_graphs, model.device)  # True/False: graphs in use
         else:  # a stand-in graph runs on any device: every mode but "off" graphs
@@ -105,7 +106,7 @@ class MambaDrafter(Drafter):
         self.bank.save_root(self.live)
         levels, q_rows = [], []
         for depth, width in enumerate(widths, start=1):
-            children_BW, q_BV = propose_children(logits_BV, width, params, self.vocab_size, generator)
+            children_BW, q_BV = propose_children(logits_BV, width, params, self.vocab_size, generator, self.d2t)
             levels.append(children_BW.flatten())
             q_rows.append(q_BV)
             if depth == len(widths) or chain_stops(stop, depth, children_BW, logits_BV, q_BV):

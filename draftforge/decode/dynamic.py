@@ -26,7 +26,7 @@ def draft_dynamic(drafter, seq: list[int], plan, params: SamplingParams, generat
     if not hasattr(drafter, "feed"):
         raise DraftforgeError(f"the {drafter.kind} drafter cannot follow a dynamic tree builder (it has no "
                               "begin/feed/accept_nodes)")
-    logits_BV = match_vocab(drafter.begin(seq), drafter.vocab_size)
+    logits_BV = match_vocab(drafter.begin(seq), drafter.vocab_size, drafter.d2t)
     tokens, parents, depths, joint = [], [], [], []
     frontier, frontier_joint = [-1], [1.0]
     q_of = {}  # node id (-1 = root) -> the distribution its children were drawn from (T > 0)
@@ -47,7 +47,7 @@ def draft_dynamic(drafter, seq: list[int], plan, params: SamplingParams, generat
         if not fed:
             break
         logits_BV = match_vocab(drafter.feed([parents[n] for n in fed], [tokens[n] for n in fed], fed),
-                                drafter.vocab_size)
+                                drafter.vocab_size, drafter.d2t)
         frontier, frontier_joint = fed, [joint[n] for n in fed]
     return _subtree(drafter, tokens, parents, depths, builder.finish(parents, joint), q_of, params)
 

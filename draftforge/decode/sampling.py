@@ -56,8 +56,13 @@ def sample(probs_NV: torch.Tensor, generator: torch.Generator, num: int = 1) -> 
     return torch.multinomial(probs_NV, num, replacement=True, generator=generator)
 
 
-def match_vocab(logits_NV: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Cut or -inf-pad drafter logits to the target's vocabulary width (padded embedding rows differ)."""
+def match_vocab(logits_NV: torch.Tensor, vocab: int, d2t=None) -> torch.Tensor:
+    """Drafter logits over the target's vocabulary: a reduced draft head's are scattered by its d2t map
+    (-inf elsewhere); a full head's are cut or -inf-padded (padded embedding rows differ)."""
+    if d2t is not None:
+        from draftforge.models.draft_vocab import to_target_logits
+
+        return to_target_logits(logits_NV, d2t, vocab)
     width = logits_NV.shape[-1]
     if width == vocab:
         return logits_NV

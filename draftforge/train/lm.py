@@ -9,14 +9,19 @@ Legend: B = batch, T = block size, V = vocab.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from draftforge.errors import RecipeError
+from draftforge.errors import CheckpointError, RecipeError
+from draftforge.models.draft_vocab import attach_reduced_head, d2t_of, frequent_tokens, target_to_draft
 from draftforge.recipe import Recipe, require
 from draftforge.train.parts import load_tokenizer, model_vocab_size, resolve_checkpoint, target_vocab_size
+
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # in the run dir: the draft -> target ids the run's head predicts
 
 
 def check_sft(recipe: Recipe) -> None:
@@ -45,7 +50,8 @@ def lm_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
     return loss_sum, (next_BT != -100).sum(), {}
 
 
-def build_model(recipe: Recipe, tokenizer):
+def build_model(recipe: Recipe, tokenizer, data=None):
+    """The drafter: fresh or from init_from, with a reduced draft head when model.draft_vocab asks, then LoRA."""
     from draftforge.models import build_model as build_fresh
     from draftforge.models import check_vocab_fits
     from draftforge.models.student import load_pretrained
@@ -59,9 +65,49 @@ def build_model(recipe: Recipe, tokenizer):
                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                             eos_token_id=tokenizer.eos_token_id)
     check_vocab_fits(model, tokenizer)
+    d2t = choose_draft_vocab(recipe, model, data, tokenizer)
+    if d2t is not None and d2t_of(model) is None:
+        attach_reduced_head(model, d2t)
     if m.lora.enabled:
         model = add_lora(model, m.lora)
     return model
+
+
+def choose_draft_vocab(recipe: Recipe, model, data, tokenizer) -> list[int] | None:
+    """The draft vocabulary: init_from's own, else counted on the training data, else the run's saved one."""
+    want, have = recipe.model.draft_vocab, d2t_of(model)
+    if have is not None:
+        if want is not None and want != len(have):
+            raise RecipeError(f"recipe key 'model.draft_vocab': {want}, but model.init_from already has a draft "
+                              f"vocabulary of {len(have)} ids; drop the key or use the same size")
+        return have.tolist()
+    if want is None:
+        return None
+    saved = Path(recipe.output_dir) / DRAFT_VOCAB_FILE
+    if data is None:  # `draftforge export` rebuilds the model without data: the run wrote its map
+        if not saved.is_file():
+            raise CheckpointError(f"{saved} is missing: the run's draft vocabulary cannot be rebuilt without it")
+        return json.loads(saved.read_text())
+    if not hasattr(data.train, "data"):
+        raise RecipeError("recipe key 'model.draft_vocab': counting token frequencies needs map-style data "
+                          "(streaming: false)")
+    vocab = model.get_input_embeddings().weight.shape[0]
+    labels = (chunk.flatten().to_numpy() for chunk in data.train.data.column("labels").chunks)
+    return frequent_tokens(labels, vocab, want, always=(tokenizer.eos_token_id,))
+
+
+def labels_to_draft_ids(t2d_V: torch.Tensor):
+    """A collate that maps target-id labels to draft ids (-100 where the draft vocabulary lacks the token)."""
+    from draftforge.train.spec import tensor_collate
+
+    def collate(columns, device):
+        batch = tensor_collate(columns, device)
+        labels_BT = batch["labels"]
+        mapped_BT = t2d_V.to(labels_BT.device)[labels_BT.clamp_min(0)]
+        batch["labels"] = torch.where(labels_BT < 0, labels_BT, mapped_BT)
+        return batch
+
+    return collate
 
 
 def add_lora(model, lora):
@@ -97,7 +143,7 @@ def build_lm_task(recipe: Recipe, accelerator, with_data: bool = True):
     """pretrain / sft: the drafter (or LoRA-wrapped drafter) and packed blocks of input_ids + labels."""
     from draftforge.data import build_block_data, describe
     from draftforge.export import export_model, tokenizer_fingerprint
-    from draftforge.train.spec import TaskSpec
+    from draftforge.train.spec import TaskSpec, tensor_collate
 
     tokenizer = load_tokenizer(recipe)
     data, meta = None, {"tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
@@ -109,11 +155,19 @@ def build_lm_task(recipe: Recipe, accelerator, with_data: bool = True):
                                     vocab_size=vocab_size)
         accelerator.print(f"[draftforge] {describe(data)}")
         meta["data_stats"] = data.stats
-    model = build_model(recipe, tokenizer)
+    model = build_model(recipe, tokenizer, data)
+    d2t = d2t_of(model)
+    collate, run_files = tensor_collate, {}
+    if d2t is not None:
+        vocab = model.get_input_embeddings().weight.shape[0]
+        collate = labels_to_draft_ids(target_to_draft(vocab, d2t.tolist()))
+        run_files[DRAFT_VOCAB_FILE] = json.dumps(d2t.tolist())
+        meta["draft_vocab_size"] = len(d2t)
+        accelerator.print(f"[draftforge] draft vocabulary: {len(d2t):,} of {vocab:,} target tokens (head rows)")
 
     def export(trained, out_dir, metadata, overwrite=False):
         return export_model(trained, tokenizer, out_dir, metadata={**metadata, **meta}, overwrite=overwrite)
 
     return TaskSpec(model=model, loss=lm_loss, count=loss_tokens, train_data=data and data.train,
-                    eval_data=data and data.eval, export=export, tokenizer=tokenizer, unit="tokens",
-                    export_metadata=meta, data_stats=data.stats if data else {})
+                    eval_data=data and data.eval, collate=collate, export=export, tokenizer=tokenizer,
+                    unit="tokens", export_metadata=meta, data_stats=data.stats if data else {}, run_files=run_files)

@@ -108,7 +108,7 @@ class Trainer:
         acc.register_for_checkpointing(self.sched)
         self.plan = BatchPlan(spec.train_data, self.t.global_batch_size, self.t.micro_batch_size,
                               acc.process_index, acc.num_processes, self.t.seed, collate=spec.collate)
-        run_dir.claim()  # the first write to output_dir: recipe, data and model are known to work
+        run_dir.claim(spec.run_files)  # the first write to output_dir: recipe, data and model are known to work
         self.start, self.units_seen = self._resume_point()
         self.metrics_log = MetricsLog(run_dir.path / "metrics.jsonl", acc.is_main_process, self.start)
         if acc.is_main_process and acc.log_with:

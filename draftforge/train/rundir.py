@@ -55,7 +55,7 @@ class RunDir:
             return REPLACE
         return NEW
 
-    def claim(self) -> None:
+    def claim(self, files: dict[str, str] | None = None) -> None:
         """Write the run's first files (main process); a replaced run is moved aside, not deleted yet."""
         self.acc.wait_for_everyone()  # every process has checked before the main process writes
         if self.acc.is_main_process:
@@ -68,6 +68,8 @@ class RunDir:
             self.path.mkdir(parents=True, exist_ok=True)
             if self.mode != RESUME:
                 (self.path / "recipe.yaml").write_text(dump_recipe(self.recipe))
+            for name, text in (files or {}).items():
+                (self.path / name).write_text(text)
         self.claimed = True
         self.acc.wait_for_everyone()
 

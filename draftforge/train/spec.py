@@ -14,7 +14,8 @@ A builder `build(recipe, accelerator, with_data=True) -> TaskSpec` returns:
   train_data / eval_data   datasets of rows with any columns; `collate` turns a dict of column
               lists into tensors (default: torch.tensor per column);
   export      export(model, out_dir, metadata, overwrite=False) -> Path, given the unwrapped trained model;
-  unit        what throughput counts ("tokens", "nodes", "rows"); units(batch) counts them.
+  unit        what throughput counts ("tokens", "nodes", "rows"); units(batch) counts them;
+  run_files   {name: text} the run dir must hold (e.g. a draft vocabulary a later `draftforge export` needs).
 With with_data=False (`draftforge export`) the builder may skip the data: only model and export are used.
 """
 
@@ -58,3 +59,4 @@ class TaskSpec:
     units: Callable = numel_of_first
     export_metadata: dict = field(default_factory=dict)
     data_stats: dict = field(default_factory=dict)
+    run_files: dict[str, str] = field(default_factory=dict)  # written into the run dir when it is claimed

@@ -1,0 +1,116 @@
+"""Reduced draft vocabulary (EAGLE-3's d2t): counting, training, export/load, lossless decoding, exact q."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_decode_fixtures import tiny_llama, tiny_mamba, tiny_mamba2
+from test_decode_sampling import PARAMS, chi_square, chi_square_limit, exact_two_token
+
+from draftforge.decode import build_decoder, load_drafter, load_target
+from draftforge.decode.drafter_base import propose_children
+from draftforge.decode.sampling import SamplingParams
+from draftforge.errors import CompatibilityError, RecipeError
+from draftforge.models.draft_vocab import attach_reduced_head, frequent_tokens, to_target_logits
+
+VOCAB = 12
+KEEP = [0, 2, 3, 5, 7, 8, 11]
+
+
+def test_frequent_tokens_by_hand():
+    rows = [[1, 1, 1, 4, 4, -100, 2], [4, 9, 9, 9, 9]]  # counts: 9:4, 4:3, 1:3, 2:1
+    assert frequent_tokens(rows, 10, 3) == [1, 4, 9]  # ties (1 and 4 at 3) go to the lower id
+    assert frequent_tokens(rows, 10, 3, always=(0,)) == [0, 1, 9]  # 0 forced in; 9, then 1 (tie with 4)
+    with pytest.raises(RecipeError, match="model.draft_vocab"):
+        frequent_tokens(rows, 10, 11)
+
+
+def test_scattered_logits_and_q_are_zero_outside_the_draft_vocabulary():
+    d2t = torch.tensor(KEEP)
+    logits = torch.randn(2, len(KEEP), dtype=torch.float64)
+    full = to_target_logits(logits, d2t, VOCAB)
+    assert torch.equal(full[:, d2t], logits) and torch.isinf(full[:, [1, 4, 6, 9, 10]]).all()
+    gen = torch.Generator().manual_seed(0)
+    kids, q = propose_children(logits, 3, SamplingParams(temperature=1.0), VOCAB, gen, d2t)
+    assert set(kids.flatten().tolist()) <= set(KEEP)
+    torch.testing.assert_close(q.sum(-1), torch.ones(2, dtype=torch.float64))
+    assert (q[:, [1, 4, 6, 9, 10]] == 0).all()
+    greedy, _ = propose_children(logits, 2, SamplingParams(), VOCAB, gen, d2t)
+    assert greedy.tolist() == d2t[logits.topk(2).indices].tolist()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(tiny_llama(vocab=VOCAB, dtype=torch.float64))
+
+
+def reference(target, prompt, max_new):
+    ids = torch.tensor([prompt])
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("make", [tiny_mamba, tiny_mamba2, lambda **k: tiny_llama(seed=5, **k)],
+                         ids=["mamba", "mamba2", "llama"])
+def test_reduced_drafter_saved_loaded_and_lossless(target, make, tmp_path):
+    model = attach_reduced_head(make(vocab=VOCAB, dtype=torch.float64), KEEP)
+    assert model.get_output_embeddings().weight.shape[0] == len(KEEP)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["draft_vocab"] == KEEP
+    drafter = load_drafter(tmp_path, target, dtype=torch.float64)
+    assert drafter.d2t.tolist() == KEEP
+    assert torch.equal(drafter.model.get_output_embeddings().weight, model.get_output_embeddings().weight)
+    for method, opts in [("chain", {"chain_length": 3}), ("tree", {"tree": (3, 2, 1)})]:
+        dec = build_decoder(method, target, drafter, **opts)
+        for prompt in ([4], [3, 5, 7, 1, 2]):
+            assert dec.generate(prompt, max_new_tokens=13).tokens == reference(target, prompt, 13)
+
+
+def test_map_outside_the_target_vocabulary_is_refused(target):
+    model = attach_reduced_head(tiny_mamba(vocab=VOCAB), [0, 3, 5])
+    model.config.draft_vocab = [0, 3, VOCAB + 2]  # a map made for a larger target
+    with pytest.raises(CompatibilityError, match="outside the target's vocabulary"):
+        load_drafter(model, target)
+
+
+def test_pretrain_with_a_draft_vocabulary(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    from test_train_loop import tiny_recipe
+
+    from draftforge.cli import main as cli_main
+    from draftforge.recipe import recipe_from_dict
+    from draftforge.train import run
+
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=8, export=True)
+    values["model"]["draft_vocab"] = 64
+    values["optim"]["lr"] = 1e-2
+    result = run(recipe_from_dict(values))
+    assert result.losses[-1] < result.losses[0]
+    config = json.loads((result.export_dir / "config.json").read_text())
+    assert len(config["draft_vocab"]) == 64 and config["tie_word_embeddings"] is False
+    saved = json.loads((result.run_dir / "draft_vocab.json").read_text())
+    assert saved == config["draft_vocab"]
+    again = tmp_path / "again"  # `draftforge export` rebuilds the reduced head from the run's map
+    assert cli_main(["export", str(result.run_dir), "--out", str(again)]) == 0
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(result.export_dir / "model.safetensors")), load_file(str(again / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_reduced_tree_sampling_follows_the_target():
+    from test_decode_sampling import VOCAB as V8
+
+    target = load_target(tiny_llama(vocab=V8, hidden=16, layers=1, dtype=torch.float64))
+    drafter = load_drafter(attach_reduced_head(tiny_mamba(V8, dtype=torch.float64), [0, 1, 3, 4, 6]), target)
+    dec = build_decoder("tree", target, drafter, tree=(3, 2))
+    prompt, n, counts, accepted = [1, 2, 3], 1000, {}, 0
+    for seed in range(n):
+        res = dec.generate(prompt, max_new_tokens=2, seed=seed, **PARAMS)
+        counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
+        accepted += sum(res.stats.accepted_per_round)
+    stat, df = chi_square(counts, exact_two_token(target, prompt), n)
+    assert stat < chi_square_limit(df), (stat, df)
+    assert accepted > n // 10
