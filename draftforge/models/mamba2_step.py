@@ -46,50 +46,49 @@ def _rms_weighted(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 @dataclass
 class _Layer:
-    """One Mamba2 block's packed weights (norm weights folded into the projections that follow them)."""
+    """One Mamba2 block's weights: views of the model's parameters plus two small derived vectors."""
 
     eps: float
-    gate_eps: float
-    in_w_JD: torch.Tensor  # in_proj with the block's RMSNorm weight folded into its columns
-    in_b_J: torch.Tensor  # in_proj bias (zeros when absent) with dt_bias added to its last H rows
+    norm_w_D: torch.Tensor
+    in_w_JD: torch.Tensor
+    in_b_J: torch.Tensor  # derived: in_proj's bias (zeros when absent) with dt_bias added to its last H rows
     conv_w_CK: torch.Tensor
     conv_b_C: torch.Tensor | None
-    A_H: torch.Tensor  # -exp(A_log), float32
+    A_H: torch.Tensor  # derived: -exp(A_log), float32 as in transformers and mamba_ssm
     D_H1: torch.Tensor
-    out_w_DE: torch.Tensor  # out_proj with the gated norm's weight folded into its columns
+    gate_eps: float
+    gate_w_E: torch.Tensor
+    out_w_DE: torch.Tensor
     out_b_D: torch.Tensor | None
 
 
 def _pack_layer(block) -> _Layer:
-    """Fold and split one block's weights, in float32 (float64 for a float64 model), stored in the model dtype."""
-    mixer, heads = block.mixer, block.mixer.num_heads
-    dtype = mixer.in_proj.weight.dtype
-    wide = torch.promote_types(dtype, torch.float32)
-    in_w = mixer.in_proj.weight.to(wide) * block.norm.weight.to(wide)[None, :]
-    in_b = torch.zeros(in_w.shape[0], dtype=wide, device=in_w.device)
-    if mixer.in_proj.bias is not None:
-        in_b += mixer.in_proj.bias.to(wide)
-    in_b[-heads:] += mixer.dt_bias.to(wide)  # dt + dt_bias comes out of the projection
-    out_w = mixer.out_proj.weight.to(wide) * mixer.norm.weight.to(wide)[None, :]
+    """Detached views of one block's weights (no copies of the matrices) and its derived vectors."""
+    mixer = block.mixer
+    in_b = torch.zeros_like(mixer.in_proj.weight[:, 0]) if mixer.in_proj.bias is None else mixer.in_proj.bias.clone()
+    in_b[-mixer.num_heads :] += mixer.dt_bias  # dt + dt_bias comes straight out of the projection
     conv_b, out_b = mixer.conv1d.bias, mixer.out_proj.bias
     return _Layer(
         eps=block.norm.variance_epsilon,
+        norm_w_D=block.norm.weight.detach(),
+        in_w_JD=mixer.in_proj.weight.detach(),
+        in_b_J=in_b.detach(),
+        conv_w_CK=mixer.conv1d.weight.detach()[:, 0, :],
+        conv_b_C=None if conv_b is None else conv_b.detach(),
+        A_H=-torch.exp(mixer.A_log.detach().float()),
+        D_H1=mixer.D.detach()[:, None],
         gate_eps=mixer.norm.variance_epsilon,
-        in_w_JD=in_w.to(dtype).contiguous(),
-        in_b_J=in_b.to(dtype),
-        conv_w_CK=mixer.conv1d.weight[:, 0, :].clone(),
-        conv_b_C=None if conv_b is None else conv_b.clone(),
-        A_H=-torch.exp(mixer.A_log.float()),
-        D_H1=mixer.D[:, None].clone(),
-        out_w_DE=out_w.to(dtype).contiguous(),
-        out_b_D=None if out_b is None else out_b.clone(),
+        gate_w_E=mixer.norm.weight.detach(),
+        out_w_DE=mixer.out_proj.weight.detach(),
+        out_b_D=None if out_b is None else out_b.detach(),
     )
 
 
 class Mamba2Step:
     """A `Mamba2ForCausalLM`'s weights packed once; calling it steps one token per row.
 
-    The packed weights are a snapshot: rebuild after changing the model's parameters.
+    The matrices are the model's own (no copies); A and the dt-biased in_proj bias are derived once,
+    so rebuild the step after changing the model's parameters.
     """
 
     def __init__(self, model):
@@ -114,7 +113,7 @@ class Mamba2Step:
         """ids [B,1] or [B] -> logits [B,V] float32 (and the final-normed hidden [B,D] if asked); states stepped in place."""
         resid_BD = F.embedding(ids_B1.reshape(-1), self.embed_VD)
         for layer, (conv_BCK, ssm_BHPN) in zip(self.layers, states):
-            u_BD = _rms_f32(resid_BD.to(self.dtype), layer.eps).to(self.dtype)
+            u_BD = _rms_weighted(resid_BD.to(self.dtype), layer.norm_w_D, layer.eps)
             mixed_BD = self._mixer(layer, u_BD, conv_BCK, ssm_BHPN)
             resid_BD = (resid_BD.float() if self.residual_in_fp32 else resid_BD) + mixed_BD
         h_BD = _rms_weighted(resid_BD, self.norm_f_D, self.norm_f_eps)
@@ -140,10 +139,10 @@ class Mamba2Step:
         x_BHP = x_BE.view(batch, heads, head_dim)
         y_BHP = self._ssm(ssm_BHPN, torch.exp(dt_BH.float() * layer.A_H), x_BHP * dt_BH[:, :, None], b_BG, c_BG)
         y_BHP.addcmul_(x_BHP, layer.D_H1)
-        # gate, then group RMSNorm (norm weight folded into out_proj)
+        # gate, then RMSNorm within each group (MambaRMSNormGated)
         g_BE = y_BHP.view(batch, self.inner).float() * F.silu(z_BE.float())
         g_BE = _rms_f32(g_BE.view(batch, groups, -1), layer.gate_eps).view(batch, self.inner)
-        return F.linear(g_BE.to(self.dtype), layer.out_w_DE, layer.out_b_D)
+        return F.linear(g_BE.to(self.dtype) * layer.gate_w_E, layer.out_w_DE, layer.out_b_D)
 
     def _ssm(self, ssm_BHPN, dA_BH, dtx_BHP, b_BG, c_BG) -> torch.Tensor:
         """h = dA·h + dtx ⊗ B (in place), then y = C·h; the heads of one group share its B and C."""
