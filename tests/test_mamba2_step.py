@@ -115,3 +115,23 @@ def test_dt_is_clamped_to_time_step_limit_like_the_chunked_forward():
             unclamped_V = mamba2_step_ref(model, ids_1T[:, t : t + 1], ref)[0]
             torch.testing.assert_close(logits_V, full_TV[t], rtol=1e-5, atol=1e-5)
             assert (unclamped_V - full_TV[t]).abs().max() > 1e-3  # the limit matters in this model
+
+
+def test_mamba_drafter_on_cpu_steps_with_it_and_drafts_what_transformers_drafts():
+    from draftforge.decode.drafter_mamba import MambaDrafter
+    from draftforge.decode.sampling import SamplingParams
+
+    model = make_model()
+    lean, hf = MambaDrafter(model, VOCAB, cuda_graphs="off"), MambaDrafter(model, VOCAB, cuda_graphs="off")
+    assert isinstance(lean.runner.lean, Mamba2Step)
+    hf.runner.lean = None  # before any step exists: every step of this drafter runs transformers' forward
+    params, seq = SamplingParams(temperature=1.0), [3, 1, 4, 1, 5]
+    for widths, path in [((2, 2, 1), [1, 4]), ((1, 1, 1), [0, 1, 2]), ((3, 2), [])]:
+        trees = [d.draft(seq, widths, params, torch.Generator().manual_seed(7)) for d in (lean, hf)]
+        assert trees[0].tokens == trees[1].tokens and trees[0].parents == trees[1].parents
+        torch.testing.assert_close(trees[0].q_probs, trees[1].q_probs, rtol=1e-5, atol=1e-6)
+        for d in (lean, hf):
+            d.accept(path)
+        seq = seq + [trees[0].tokens[j] for j in path] + [7]
+    assert all(step.lean is lean.runner.lean for step in lean.runner.steps)
+    assert all(step.lean is None for step in hf.runner.steps)
