@@ -103,7 +103,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['size']} | {r['batch']} | {r['transformers_ms']:.3f} | {r['lean_ms']:.3f} | "
               f"{r['speedup']:.2f}x | {r['head_ms']:.3f} |")
-    sizes = {name: {"preset": SIZES[name][0], "overrides": SIZES[name][1], "vocab": SIZES[name][2]} for name in args.sizes}
+    sizes = {name: dict(zip(("preset", "overrides", "vocab"), SIZES[name])) for name in args.sizes}
     result = {"args": vars(args), "threads": torch.get_num_threads(), "torch": torch.__version__, "sizes": sizes,
               "rows": rows}
     atomic_write_text(Path(args.json), json.dumps(result, indent=2))

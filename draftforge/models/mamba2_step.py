@@ -12,8 +12,9 @@ computed in float32 (also for a float64 model), logits returned as float32. Unli
 single-token path (and mamba_ssm's `step`), dt is clamped to `time_step_limit` as its chunked
 prefill and training do. `mamba2_step_ref` is the oracle the tests use: transformers' own forward.
 
-Legend: B batch, D model width, E inner width (expand·D), G groups, H heads, P head dim, N state
-size, K conv kernel, C conv channels (E + 2·G·N), J in_proj rows (E + C + H), V vocabulary.
+Legend: B batch, D model width, E inner width (expand·D), G groups, H heads, h heads per group (H/G),
+P head dim, N state size, L = h·P, K conv kernel, C conv channels (E + 2·G·N), J in_proj rows
+(E + C + H), V vocabulary; a `GN` suffix is the flat G·N axis.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ def _pack_layer(block) -> _Layer:
 class Mamba2Step:
     """A `Mamba2ForCausalLM`'s weights packed once; calling it steps one token per row.
 
-    The matrices are the model's own (no copies); A, the dt-biased in_proj bias and the conv taps are derived once,
-    so rebuild the step after changing the model's parameters.
+    The matrices are the model's own (no copies); A, the dt-biased in_proj bias and the conv taps are
+    derived once, so rebuild the step after changing the model's parameters.
     """
 
     def __init__(self, model):
@@ -110,7 +111,9 @@ class Mamba2Step:
         self.dtype = self.embed_VD.dtype
 
     def __call__(self, ids_B1: torch.Tensor, states: States, return_hidden: bool = False):
-        """ids [B,1] or [B] -> logits [B,V] float32 (and the final-normed hidden [B,D] if asked); states stepped in place."""
+        """ids [B,1] or [B] -> float32 logits [B,V] (with the final-normed hidden [B,D] if asked).
+
+        Every layer's (conv, ssm) state in `states` is stepped in place; they must be contiguous."""
         resid_BD = F.embedding(ids_B1.reshape(-1), self.embed_VD)
         for layer, (conv_BCK, ssm_BHPN) in zip(self.layers, states):
             u_BD = _rms_weighted(resid_BD.to(self.dtype), layer.norm_w_D, layer.eps)
@@ -133,24 +136,24 @@ class Mamba2Step:
         if layer.conv_b_C is not None:
             xbc_BC += layer.conv_b_C
         xbc_BC = F.silu(xbc_BC, inplace=True)
-        x_BE, b_BG, c_BG = xbc_BC.split([self.inner, gn, gn], dim=-1)  # b, c: [B, G*N]
+        x_BE, b_BGN, c_BGN = xbc_BC.split([self.inner, gn, gn], dim=-1)
         dt_BH = F.softplus(dt_BH)
         if self.dt_limit is not None:
             dt_BH = dt_BH.clamp(*self.dt_limit)
         x_BHP = x_BE.view(batch, heads, head_dim)
-        y_BHP = self._ssm(ssm_BHPN, torch.exp(dt_BH.float() * layer.A_H), x_BHP * dt_BH[:, :, None], b_BG, c_BG)
+        y_BHP = self._ssm(ssm_BHPN, torch.exp(dt_BH.float() * layer.A_H), x_BHP * dt_BH[:, :, None], b_BGN, c_BGN)
         y_BHP.addcmul_(x_BHP, layer.D_H1)
         # gate, then RMSNorm within each group (MambaRMSNormGated)
         g_BE = y_BHP.view(batch, self.inner).float() * F.silu(z_BE.float())
         g_BE = _rms_f32(g_BE.view(batch, groups, -1), layer.gate_eps).view(batch, self.inner)
         return F.linear(g_BE.to(self.dtype) * layer.gate_w_E, layer.out_w_DE, layer.out_b_D)
 
-    def _ssm(self, ssm_BHPN, dA_BH, dtx_BHP, b_BG, c_BG) -> torch.Tensor:
+    def _ssm(self, ssm_BHPN, dA_BH, dtx_BHP, b_BGN, c_BGN) -> torch.Tensor:
         """h = dA·h + dtx ⊗ B (in place), then y = C·h; the heads of one group share its B and C."""
         batch, groups, n = dA_BH.shape[0], self.groups, self.state_size
         shape_BGhPN = (batch, groups, self.heads // groups, self.head_dim, n)
         dA_BGh11 = dA_BH.view(*shape_BGhPN[:3], 1, 1)
-        dtx_BGhP1, b_BG11N = dtx_BHP.view(*shape_BGhPN[:4], 1), b_BG.view(batch, groups, 1, 1, n)
+        dtx_BGhP1, b_BG11N = dtx_BHP.view(*shape_BGhPN[:4], 1), b_BGN.view(batch, groups, 1, 1, n)
         if ssm_BHPN.dtype == dtx_BHP.dtype:  # the common case (float32 model): no temporaries
             new_BGhPN = ssm_BHPN.view(shape_BGhPN).mul_(dA_BGh11).addcmul_(dtx_BGhP1, b_BG11N)
         else:  # transformers keeps the state in float32 for any model dtype: step at the wider dtype, as it does
@@ -158,7 +161,7 @@ class Mamba2Step:
             ssm_BHPN.copy_(new_BGhPN.view(ssm_BHPN.shape))
             new_BGhPN = new_BGhPN.to(dtx_BHP.dtype)
         # y = C·h: a broadcast dot product, 3.5x faster at B=12 than a batched matmul-by-vector (on par at B=1)
-        y_BGL = torch.linalg.vecdot(new_BGhPN.view(batch, groups, -1, n), c_BG.view(batch, groups, 1, n))  # L = P·H/G
+        y_BGL = torch.linalg.vecdot(new_BGhPN.view(batch, groups, -1, n), c_BGN.view(batch, groups, 1, n))
         return y_BGL.view(batch, self.heads, self.head_dim)
 
 
