@@ -99,6 +99,27 @@ def test_tied_head_is_not_copied():
     assert step.head_VD.data_ptr() == step.embed_VD.data_ptr() == model.get_input_embeddings().weight.data_ptr()
 
 
+def test_lean_step_is_chosen_for_a_mamba2_off_cuda_only():
+    from unittest import mock
+
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from draftforge.decode.cuda_graphs import lean_step_for
+
+    model = make_model()
+    assert isinstance(lean_step_for(model), Mamba2Step)
+    with mock.patch.object(Mamba2ForCausalLM, "device", new_callable=mock.PropertyMock) as device:
+        device.return_value = torch.device("cuda")
+        assert lean_step_for(model) is None  # CUDA keeps transformers' kernels and the graphs
+    mamba1 = MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, state_size=4))
+    assert lean_step_for(mamba1) is None
+
+
+def test_unsupported_activation_is_a_clear_error():
+    with pytest.raises(DraftforgeError, match="hidden_act"):
+        Mamba2Step(make_model(hidden_act="gelu"))
+
+
 def test_dt_is_clamped_to_time_step_limit_like_the_chunked_forward():
     """transformers' chunked forward clamps dt to time_step_limit, its single-token step does not; we clamp."""
     model = make_model(torch.float64, time_step_limit=(0.0, 0.05))
