@@ -12,6 +12,10 @@ sizes B_i = N1·…·N_i in advance, so each (configuration, depth) gets one Sta
 The eager mode runs the very same static-buffer code without a graph, and `graph_factory` lets a
 test substitute a CPU stand-in whose replay re-executes the captured call.
 
+Off CUDA, a Mamba2's step is models.mamba2_step.Mamba2Step (same states, stepped in place) instead of
+transformers' forward, whose torch path is mostly op overhead at drafter sizes; CUDA keeps
+transformers (its kernels, and the graphs above).
+
 Legend: B batch (tree nodes at one depth), V vocabulary.
 """
 
@@ -20,9 +24,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, Mamba2ForCausalLM
 
 from draftforge.errors import DraftforgeError
+from draftforge.models.mamba2_step import Mamba2Step
 
 MODES = ("auto", "on", "off")
 States = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (conv state, ssm state)
@@ -77,11 +82,22 @@ def cache_over(config, states: States) -> DynamicCache:
     return cache
 
 
-class StaticStep:
-    """One batch size's single-token step: ids [B,1] in, logits [B,V] out, `states` stepped in place."""
+def lean_step_for(model) -> Mamba2Step | None:
+    """The lean step for a Mamba2 off CUDA; None (transformers' forward) for anything else."""
+    if isinstance(model, Mamba2ForCausalLM) and model.device.type != "cuda":
+        return Mamba2Step(model)
+    return None
 
-    def __init__(self, model, states: States, graph=None):
+
+class StaticStep:
+    """One batch size's single-token step: ids [B,1] in, logits [B,V] out, `states` stepped in place.
+
+    lean: "auto" (lean_step_for(model)), a Mamba2Step to share, or None to force transformers' forward.
+    """
+
+    def __init__(self, model, states: States, graph=None, lean: Mamba2Step | str | None = "auto"):
         self.model, self.states, self.graph = model, states, graph
+        self.lean = lean_step_for(model) if lean == "auto" else lean
         batch = states[0][0].shape[0]
         self.ids_B1 = torch.zeros((batch, 1), dtype=torch.long, device=states[0][0].device)
         self.cache = cache_over(model.config, states)
@@ -91,6 +107,8 @@ class StaticStep:
         return [self.ids_B1] + [t for pair in self.states for t in pair]
 
     def _run(self) -> torch.Tensor:
+        if self.lean is not None:
+            return self.lean(self.ids_B1, self.states)
         return self.model(input_ids=self.ids_B1, cache_params=self.cache, use_cache=True).logits[:, -1]
 
     @torch.inference_mode()
@@ -124,8 +142,9 @@ class StepRunner:
         self.model, self.graphed = model, graphed
         self.graph_factory = graph_factory or CudaGraph
         self.steps: list[StaticStep] = []  # every step made, for inspection
+        self.lean = lean_step_for(model)  # packed once, shared by every step
 
     def step_over(self, states: States) -> StaticStep:
-        step = StaticStep(self.model, states, self.graph_factory() if self.graphed else None)
+        step = StaticStep(self.model, states, self.graph_factory() if self.graphed else None, lean=self.lean)
         self.steps.append(step)
         return step
