@@ -21,10 +21,9 @@ def load_hf_causal_lm(model_or_path, device, dtype, what: str):
     if isinstance(model_or_path, PreTrainedModel):
         model = model_or_path
     else:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(model_or_path), dtype=dtype)
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot load the {what} from {model_or_path!r}: {exc}") from exc
+        from draftforge.loading import load_causal_lm
+
+        model = load_causal_lm(model_or_path, what=what, dtype=dtype)  # safetensors only; missing dir named
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(model_or_path))
         except (OSError, ValueError, TypeError):

@@ -6,7 +6,7 @@ from typing import Any
 
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from draftforge.errors import CheckpointError, RecipeError
+from draftforge.errors import RecipeError
 
 # Llama-style shapes. "tiny-target" is the offline testbed's target: deep and wide enough
 # that one cached decode step costs clearly more than the 2-layer "tiny" Mamba drafter's
@@ -107,12 +107,7 @@ def build_causal_lm(arch: str, vocab_size: int, *, size: str | None = None, over
 
 
 def load_pretrained(path_or_id, **kwargs) -> PreTrainedModel:
-    """`AutoModelForCausalLM.from_pretrained` (local dir or Hub id), safetensors only: pickle weights are refused."""
-    kwargs.setdefault("use_safetensors", True)
-    if kwargs["use_safetensors"] is not True:
-        raise CheckpointError("load_pretrained only loads safetensors weights; pickle (.bin) files can run code")
-    try:
-        return AutoModelForCausalLM.from_pretrained(str(path_or_id), **kwargs)
-    except OSError as err:
-        raise CheckpointError(f"cannot load model {str(path_or_id)!r}: {err}. Give a local directory with "
-                              "config.json + model.safetensors, or a Hub id reachable from this machine") from None
+    """A causal LM from a local dir or Hub id through `draftforge.loading.load_causal_lm` (safetensors only)."""
+    from draftforge.loading import load_causal_lm
+
+    return load_causal_lm(path_or_id, what="model.init_from", **kwargs)
