@@ -110,3 +110,19 @@ def test_cli_eval_missing_target_and_pickle_drafter_exit_2(dirs, tmp_path, capsy
     assert main(["eval", "--target", str(dirs / "safe"), "--drafter", str(dirs / "mamba2-pickle"), *common]) == 2
     assert "only pickle weights" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_init_from_missing_path_is_one_clear_error(tmp_path, tiny_tokenizer_dir, tiny_corpus_dir):
+    from draftforge.recipe import recipe_from_dict
+    from draftforge.train import run
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"input_ids": [5, 6, 7, 8], "prompt_len": 2}\n')
+    recipe = recipe_from_dict({
+        "task": "sft", "output_dir": str(tmp_path / "run"),
+        "model": {"init_from": str(tmp_path / "no-such-run"), "tokenizer": str(tiny_tokenizer_dir)},
+        "data": {"sources": [str(rows)], "format": "tokens", "eval_fraction": 0.0},
+        "train": {"max_steps": 1, "global_batch_size": 1, "micro_batch_size": 1, "block_size": 8,
+                  "trackers": []}})
+    with pytest.raises(CheckpointError, match=f"model.init_from: directory {tmp_path / 'no-such-run'} does not exist"):
+        run(recipe)
