@@ -1,4 +1,4 @@
-"""One safe way to load a causal LM.
+"""One safe way to load a causal LM, and one place that quiets notices a user cannot act on.
 
 `load_causal_lm` checks a local path before transformers sees it (a missing directory says so,
 instead of the Hub's "Repo id must be in the form ..."), loads safetensors only (pickle weights
@@ -8,9 +8,12 @@ turns a file named `.safetensors` that is not one into a CheckpointError.
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 import re
 import struct
+import sys
 from pathlib import Path
 
 from draftforge.errors import CheckpointError
@@ -86,6 +89,7 @@ def load_causal_lm(source, *, what: str = "model", allow_pickle: bool | None = N
     local = local_model_dir(source, what)
     if local is not None:
         check_local_weights(local, allowed, what)
+    quiet_known_notices()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(local or source), use_safetensors=None if allowed else True,
                                                      **kwargs)
@@ -93,4 +97,59 @@ def load_causal_lm(source, *, what: str = "model", allow_pickle: bool | None = N
         where = (f"{local}" if local is not None else
                  f"{str(source)!r} (no such local directory; tried it as a Hugging Face Hub id)")
         raise CheckpointError(f"cannot load the {what} from {where}: {str(err).splitlines()[0]}") from None
+    note_cpu_kernels(model)
     return model
+
+
+# ---- notices -----------------------------------------------------------------------------------------
+
+# (logger, text in the record) pairs that are dropped: transformers' advice to install the CUDA-only
+# mamba-ssm / causal-conv1d kernels (once per kernel function), DeepSpeed's CPU-accelerator warning,
+# and Accelerate's note that a tied lm_head is saved once (tied embeddings are the presets' default).
+_QUIET = (
+    ("transformers.integrations.hub_kernels", "is falling back to its reference PyTorch implementation"),
+    ("transformers.models.mamba.modeling_mamba", "fast path is not available"),
+    ("transformers.models.mamba2.modeling_mamba2", "fast path is not available"),
+    ("DeepSpeed", "Setting accelerator to CPU"),
+    ("accelerate.utils.other", "Removed shared tensor {'lm_head.weight'} while saving"),
+)
+_state = {"quiet": False, "noted": False}
+# Model types whose layers call the mamba-ssm / causal-conv1d kernels when they are installed.
+_SSM_TYPES = ("mamba", "bamba", "jamba", "zamba", "nemotron_h", "granitemoehybrid", "falcon_h1")
+
+
+class _DropText(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def quiet_known_notices() -> None:
+    """Drop the notices listed in _QUIET (once per process; the loggers need not exist yet)."""
+    if _state["quiet"]:
+        return
+    for name, text in _QUIET:
+        logging.getLogger(name).addFilter(_DropText(text))
+    _state["quiet"] = True
+
+
+def note_cpu_kernels(model) -> None:
+    """Say once per process, in our words, that Mamba layers run without their CUDA kernels (and why)."""
+    quiet_known_notices()
+    model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
+    if _state["noted"] or not any(t in model_type for t in _SSM_TYPES) or os.environ.get("RANK", "0") != "0":
+        return
+    _state["noted"] = True
+    import torch
+
+    if not torch.cuda.is_available():
+        line = "CPU: Mamba layers run transformers' PyTorch path (the mamba-ssm / causal-conv1d kernels need CUDA)"
+    elif importlib.util.find_spec("mamba_ssm") is None:
+        line = ("Mamba layers run transformers' PyTorch path: the mamba-ssm kernels are not installed "
+                "(pip install 'draftforge[gpu]')")
+    else:
+        return
+    print(f"[draftforge] {line}", file=sys.stderr)

@@ -1,8 +1,9 @@
 """One safe loader: missing local dirs are named, pickle weights are refused unless opted in, a fake
-safetensors file is a CheckpointError."""
+safetensors file is a CheckpointError; the notices a CPU user cannot act on are dropped."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import pytest
@@ -126,3 +127,30 @@ def test_init_from_missing_path_is_one_clear_error(tmp_path, tiny_tokenizer_dir,
                   "trackers": []}})
     with pytest.raises(CheckpointError, match=f"model.init_from: directory {tmp_path / 'no-such-run'} does not exist"):
         run(recipe)
+
+
+def test_cuda_only_kernel_advice_and_deepspeed_cpu_warning_are_dropped():
+    loading.quiet_known_notices()
+    record = logging.makeLogRecord
+    kernels = logging.getLogger("transformers.integrations.hub_kernels")
+    assert not kernels.filter(record({"msg": "`mamba_chunk_scan_combined` is falling back to its reference PyTorch "
+                                             "implementation because `mamba_ssm` is not installed."}))
+    assert kernels.filter(record({"msg": "some other kernel notice"}))
+    deepspeed = logging.getLogger("DeepSpeed")
+    assert not deepspeed.filter(record({"msg": "Setting accelerator to CPU. If you have GPU or other accelerator, "
+                                               "we were unable to detect it."}))
+    assert deepspeed.filter(record({"msg": "ZeRO stage 3 enabled"}))
+
+
+def test_one_line_in_our_words_once_per_process(monkeypatch, capsys):
+    from draftforge.models import build_model
+
+    monkeypatch.setattr(loading, "_state", {"quiet": False, "noted": False})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("RANK", raising=False)
+    build_model("llama", VOCAB, size="tiny-drafter")
+    assert "[draftforge]" not in capsys.readouterr().err  # nothing to say about a Transformer
+    for _ in range(2):
+        build_model("mamba2", VOCAB, size="tiny")
+    err = capsys.readouterr().err
+    assert err.count("[draftforge] CPU: Mamba layers run transformers' PyTorch path") == 1, err

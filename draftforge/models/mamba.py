@@ -11,6 +11,7 @@ from typing import Any
 from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM, PreTrainedModel
 
 from draftforge.errors import RecipeError
+from draftforge.loading import note_cpu_kernels
 from draftforge.models.student import check_vocab_and_ids, merge_overrides, require_positive_ints
 
 # Shared dims first, then per-architecture extras. Mamba-1 uses a small SSM state (16); Mamba2
@@ -87,4 +88,6 @@ def build_mamba(arch: str, vocab_size: int, *, size: str | None = "tiny", overri
     dims = resolve_mamba_dims(arch, size, overrides)
     config_cls, model_cls = _ARCHES[arch]
     config = config_cls(vocab_size=vocab_size, **special_ids, **dims)
-    return model_cls(config)
+    model = model_cls(config)
+    note_cpu_kernels(model)
+    return model
