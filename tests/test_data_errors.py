@@ -116,3 +116,11 @@ def test_malformed_json_file(tmp_path, tok):
     (tmp_path / "obj.json").write_text('{"text": "a"}')
     with pytest.raises(DataError, match="must hold a list"):
         build(tok, [tmp_path / "obj.json"])
+
+
+@pytest.mark.parametrize("content", ["", "  \n\n"], ids=["empty", "whitespace"])
+def test_empty_txt_file_says_it_has_no_text_not_text_field(tmp_path, tok, content):
+    (tmp_path / "empty.txt").write_text(content)
+    with pytest.raises(DataError, match="empty text.*hold no text") as err:
+        build(tok, [tmp_path / "empty.txt"])
+    assert "text_field" not in str(err.value)
