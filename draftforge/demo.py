@@ -7,7 +7,7 @@
    distillation), stored as the exact token ids the target read and emitted (`format: tokens`);
 4. export, then `draftforge eval` of the drafter against the target on held-out prompts:
    autoregressive vs chain vs tree, with the speedup table.
-The recipes below are the same as recipes/tiny/*.yaml (a test keeps them equal).
+The recipes are recipes/tiny/*.yaml, read from the source tree (see RECIPES).
 """
 
 from __future__ import annotations
@@ -19,42 +19,35 @@ import time
 from pathlib import Path
 
 TESTBED = "~/.cache/draftforge/testbed"
+OUT = "runs/demo"
+# The demo runs recipes/tiny/*.yaml, read from the source tree beside this package (a checkout or an
+# editable install; recipes/ is not package data), with their testbed and output paths re-rooted.
+RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "tiny"
 
 
-def target_recipe(testbed: str = TESTBED) -> dict:
-    return {
-        "task": "pretrain",
-        "output_dir": f"{testbed}/target-run",
-        "model": {"arch": "llama", "size": "tiny-target", "tokenizer": f"{testbed}/tokenizer"},
-        "data": {"sources": [f"{testbed}/corpus_train.jsonl"], "eval_fraction": 0.01},
-        "optim": {"lr": 2e-3, "warmup_steps": 20},
-        "train": {"max_steps": 150, "global_batch_size": 16, "micro_batch_size": 16,
-                  "block_size": 256, "eval_every": 50, "save_every": 50, "log_every": 10},
-    }
+def tiny_recipe(name: str, testbed: str = TESTBED, out: str = OUT) -> dict:
+    """recipes/tiny/NAME.yaml as a dict, with TESTBED and OUT path prefixes replaced by `testbed` and `out`."""
+    import yaml
+
+    from draftforge.errors import DraftforgeError
+
+    path = RECIPES / f"{name}.yaml"
+    if not path.is_file():
+        raise DraftforgeError(f"the demo reads its recipes from {RECIPES}, which this installation lacks; "
+                              "run it from a source checkout (pip install -e .)")
+    return _reroot(yaml.safe_load(path.read_text()), {TESTBED: str(testbed), OUT: str(out)})
 
 
-def drafter_pretrain_recipe(testbed: str = TESTBED, out: str = "runs/demo") -> dict:
-    return {
-        "task": "pretrain",
-        "output_dir": f"{out}/drafter-pretrain",
-        "model": {"arch": "mamba2", "size": "tiny", "target": f"{testbed}/target"},
-        "data": {"sources": [f"{testbed}/corpus_train.jsonl"], "eval_fraction": 0.01},
-        "optim": {"lr": 3e-3, "warmup_steps": 20},
-        "train": {"max_steps": 300, "global_batch_size": 16, "micro_batch_size": 16,
-                  "block_size": 256, "eval_every": 100, "save_every": 100, "log_every": 10},
-    }
-
-
-def drafter_sft_recipe(testbed: str = TESTBED, out: str = "runs/demo") -> dict:
-    return {
-        "task": "sft",
-        "output_dir": f"{out}/drafter-sft",
-        "model": {"init_from": f"{out}/drafter-pretrain", "target": f"{testbed}/target"},
-        "data": {"sources": [f"{out}/sft_distill.jsonl"], "format": "tokens", "eval_fraction": 0.05},
-        "optim": {"lr": 1e-3, "warmup_steps": 10},
-        "train": {"max_steps": 100, "global_batch_size": 16, "micro_batch_size": 16,
-                  "block_size": 256, "eval_every": 50, "save_every": 50, "log_every": 10},
-    }
+def _reroot(value, roots: dict[str, str]):
+    if isinstance(value, dict):
+        return {k: _reroot(v, roots) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_reroot(v, roots) for v in value]
+    if isinstance(value, str):
+        for old, new in roots.items():
+            if value == old or value.startswith(old + "/"):
+                return new + value[len(old):]
+    return value
 
 
 # --quick: a smoke run of the whole pipeline in about a minute (the numbers mean little).
@@ -78,7 +71,8 @@ def ensure_target(testbed: Path, quick: bool, say) -> dict | None:
     if (target / "draftforge.json").is_file():
         say(f"== target: reusing {target}")
         return None
-    stats = _train(target_recipe(str(testbed)), "target: pre-training a tiny Llama on the stdlib corpus", say, quick)
+    stats = _train(tiny_recipe("target", testbed), "target: pre-training a tiny Llama on the stdlib corpus", say,
+                   quick)
     tmp = testbed / ".target.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(stats["export"], tmp)
@@ -158,10 +152,10 @@ def run_demo(testbed: Path, out: Path, *, quick: bool = False, num_prompts: int 
     say(f"== testbed in {testbed} (tokenizer, stdlib corpus, held-out prompts)")
     paths = ensure_testbed(testbed, max_files=12 if quick else None)
     summary = {"testbed": str(testbed), "target_training": ensure_target(testbed, quick, say)}
-    summary["drafter_pretrain"] = _train(drafter_pretrain_recipe(str(testbed), str(out)),
+    summary["drafter_pretrain"] = _train(tiny_recipe("pretrain", testbed, out),
                                          "drafter: pre-training a tiny Mamba2", say, quick)
     write_distill_data(testbed, out, 32 if quick else 256, 16 if quick else 64, say)
-    summary["drafter_sft"] = _train(drafter_sft_recipe(str(testbed), str(out)),
+    summary["drafter_sft"] = _train(tiny_recipe("sft", testbed, out),
                                     "drafter: SFT on the target's continuations", say, quick)
     say("\n== eval: speculative decoding vs plain decoding on held-out prompts")
     from draftforge.eval.report import markdown_table
@@ -183,7 +177,7 @@ def run_demo(testbed: Path, out: Path, *, quick: bool = False, num_prompts: int 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--testbed", default=TESTBED, help="where the tokenizer, corpus and tiny target are cached "
                                                       "(default %(default)s)")
-    p.add_argument("--out", default="runs/demo", help="where the drafter runs, exports and eval report go")
+    p.add_argument("--out", default=OUT, help="where the drafter runs, exports and eval report go")
     p.add_argument("--quick", action="store_true", help="smallest settings (a smoke test, ~1 min; numbers mean little)")
     p.add_argument("--num-prompts", type=int, default=20, help="held-out prompts in the eval (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default %(default)s)")
