@@ -13,7 +13,9 @@ The recipes are recipes/tiny/*.yaml, read from the source tree (see RECIPES).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ OUT = "runs/demo"
 # The demo runs recipes/tiny/*.yaml, read from the source tree beside this package (a checkout or an
 # editable install; recipes/ is not package data), with their testbed and output paths re-rooted.
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "tiny"
+EVAL_REPEATS = 3  # timed passes over the prompts; the table shows their spread
 
 
 def tiny_recipe(name: str, testbed: str = TESTBED, out: str = OUT) -> dict:
@@ -103,12 +106,13 @@ def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens:
     `draftforge eval` encodes a plain-text prompt (tokenizer(text)), so contexts match.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from draftforge.loading import load_causal_lm
     from draftforge.testbed import prompt_candidates
 
     tok = AutoTokenizer.from_pretrained(testbed / "tokenizer")
-    model = AutoModelForCausalLM.from_pretrained(testbed / "target", use_safetensors=True).eval()
+    model = load_causal_lm(testbed / "target", what="target").eval()
     prompts = []
     with open(testbed / "corpus_train.jsonl") as f:
         for line in f:
@@ -141,35 +145,101 @@ def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens:
     return path
 
 
+@contextlib.contextmanager
+def _phase(seconds: dict[str, float], name: str):
+    """Record the wall time of the block as seconds[name]."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[name] = time.perf_counter() - t0
+
+
+def choose_threads(threads: int | None) -> str:
+    """Pin torch's intra-op threads (1 unless asked or OMP_NUM_THREADS is set); the sentence saying so.
+
+    Measured on a 2-core machine with other work running: the tiny drafter trained at 4,500-4,900 tok/s
+    with 1 thread vs 900-1,200 with 2, and the tiny target decoded at 9-11 vs 32-86 ms/token. Models this
+    small gain little from a second thread even on an idle core, and lose several-fold when one is busy.
+    """
+    import torch
+
+    if threads is None and os.environ.get("OMP_NUM_THREADS"):
+        return f"torch threads: {torch.get_num_threads()} (from OMP_NUM_THREADS)"
+    torch.set_num_threads(threads or 1)
+    why = "as asked" if threads else "tiny models gain little from more, and lose several-fold when a core is busy"
+    return f"torch threads: {threads or 1} ({why}; change with --threads N)"
+
+
+def speedup_spread(report: dict) -> str:
+    """Each method's median speedup and its range over the timed passes (worst pass vs best AR pass, and back)."""
+    results = report["results"]
+    ar = {r["temperature"]: r["tokens_per_s_spread"] for r in results if r["method"] == "ar"}
+    parts = []
+    for r in results:
+        base, spread = ar.get(r["temperature"]), r["tokens_per_s_spread"]
+        if r["method"] == "ar" or not base or r.get("speedup") is None:
+            continue
+        parts.append(f"{r['method']} {r['speedup']:.2f}× ({spread['min'] / base['max']:.2f}–"
+                     f"{spread['max'] / base['min']:.2f}×)")
+    return (f"speedup, median of {report['manifest']['repeats']} timed passes (range: slowest pass vs fastest AR "
+            f"pass to fastest vs slowest): " + ", ".join(parts))
+
+
+def _eval(testbed: Path, paths, drafter: str, out: Path, quick: bool, num_prompts: int, max_new_tokens: int):
+    from draftforge.eval.runner import EvalConfig, run_eval
+
+    return run_eval(EvalConfig(target=str(testbed / "target"), drafter=drafter, bench=str(paths.prompts),
+                               num_prompts=3 if quick else num_prompts, max_new_tokens=16 if quick else max_new_tokens,
+                               methods=("ar", "chain", "tree"), temperatures=(0.0,), repeats=EVAL_REPEATS,
+                               out_dir=str(out / "eval"), plots=not quick))
+
+
 def run_demo(testbed: Path, out: Path, *, quick: bool = False, num_prompts: int = 20, max_new_tokens: int = 64,
-             say=print) -> dict:
+             threads: int | None = None, say=print) -> dict:
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        return _run_demo(testbed, out, quick, num_prompts, max_new_tokens, choose_threads(threads), say)
+    finally:
+        torch.set_num_threads(before)  # an in-process caller (a test) keeps its own setting
+
+
+def _run_demo(testbed: Path, out: Path, quick: bool, num_prompts: int, max_new_tokens: int, threads_note: str,
+              say) -> dict:
+    from draftforge.eval.report import markdown_table
     from draftforge.testbed import ensure_testbed
 
-    t0 = time.perf_counter()
+    t0, seconds = time.perf_counter(), {}
     if quick:  # never let a smoke-run target be reused by a full demo
         testbed = testbed / "quick"
     out.mkdir(parents=True, exist_ok=True)
-    say(f"== testbed in {testbed} (tokenizer, stdlib corpus, held-out prompts)")
-    paths = ensure_testbed(testbed, max_files=12 if quick else None)
-    summary = {"testbed": str(testbed), "target_training": ensure_target(testbed, quick, say)}
-    summary["drafter_pretrain"] = _train(tiny_recipe("pretrain", testbed, out),
-                                         "drafter: pre-training a tiny Mamba2", say, quick)
-    write_distill_data(testbed, out, 32 if quick else 256, 16 if quick else 64, say)
-    summary["drafter_sft"] = _train(tiny_recipe("sft", testbed, out),
-                                    "drafter: SFT on the target's continuations", say, quick)
-    say("\n== eval: speculative decoding vs plain decoding on held-out prompts")
-    from draftforge.eval.report import markdown_table
-    from draftforge.eval.runner import EvalConfig, run_eval
-
-    report = run_eval(EvalConfig(target=str(testbed / "target"), drafter=summary["drafter_sft"]["export"],
-                                 bench=str(paths.prompts), num_prompts=3 if quick else num_prompts,
-                                 max_new_tokens=16 if quick else max_new_tokens, methods=("ar", "chain", "tree"),
-                                 temperatures=(0.0,), out_dir=str(out / "eval"), plots=not quick))
-    summary["eval"] = {r["method"]: {"speedup": r.get("speedup"), "tau": r.get("tau")} for r in report["results"]}
-    summary["minutes"] = (time.perf_counter() - t0) / 60
+    say(f"== testbed in {testbed} (tokenizer, stdlib corpus, held-out prompts); {threads_note}")
+    with _phase(seconds, "testbed"):
+        paths = ensure_testbed(testbed, max_files=12 if quick else None)
+    summary = {"testbed": str(testbed), "threads": threads_note}
+    with _phase(seconds, "target"):
+        summary["target_training"] = ensure_target(testbed, quick, say)
+    with _phase(seconds, "drafter pre-training"):
+        summary["drafter_pretrain"] = _train(tiny_recipe("pretrain", testbed, out), "drafter: pre-training a tiny "
+                                             "Mamba2", say, quick)
+    with _phase(seconds, "distillation data"):
+        write_distill_data(testbed, out, 32 if quick else 256, 16 if quick else 64, say)
+    with _phase(seconds, "drafter SFT"):
+        summary["drafter_sft"] = _train(tiny_recipe("sft", testbed, out), "drafter: SFT on the target's "
+                                        "continuations", say, quick)
+    say(f"\n== eval: speculative decoding vs plain decoding on held-out prompts, {EVAL_REPEATS} timed passes")
+    with _phase(seconds, "eval"):
+        report = _eval(testbed, paths, summary["drafter_sft"]["export"], out, quick, num_prompts, max_new_tokens)
+    summary["eval"] = {r["method"]: {"speedup": r.get("speedup"), "tau": r.get("tau"),
+                                     "tokens_per_s_spread": r.get("tokens_per_s_spread")} for r in report["results"]}
+    summary["phase_seconds"], summary["minutes"] = seconds, (time.perf_counter() - t0) / 60
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     say("\n" + markdown_table(report))
-    say(f"\ndemo done in {summary['minutes']:.1f} min: drafter export {summary['drafter_sft']['export']}, "
+    say(f"\n{speedup_spread(report)}\nphase times: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in seconds.items())
+        + f"\n{threads_note}")
+    say(f"demo done in {summary['minutes']:.1f} min: drafter export {summary['drafter_sft']['export']}, "
         f"eval report {out / 'eval'}, summary {out / 'summary.json'}")
     return summary
 
@@ -181,9 +251,15 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="smallest settings (a smoke test, ~1 min; numbers mean little)")
     p.add_argument("--num-prompts", type=int, default=20, help="held-out prompts in the eval (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default %(default)s)")
+    p.add_argument("--threads", type=int, help="torch threads for every phase (default: 1, or OMP_NUM_THREADS "
+                                               "when set; more rarely helps models this small)")
 
 
 def run(args) -> int:
+    if args.threads is not None and args.threads < 1:
+        from draftforge.errors import DraftforgeError
+
+        raise DraftforgeError(f"--threads must be >= 1, got {args.threads}")
     run_demo(Path(args.testbed).expanduser(), Path(args.out), quick=args.quick, num_prompts=args.num_prompts,
-             max_new_tokens=args.max_new_tokens)
+             max_new_tokens=args.max_new_tokens, threads=args.threads)
     return 0
