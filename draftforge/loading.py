@@ -96,7 +96,8 @@ def load_causal_lm(source, *, what: str = "model", allow_pickle: bool | None = N
     except (OSError, ValueError, SafetensorError) as err:
         where = (f"{local}" if local is not None else
                  f"{str(source)!r} (no such local directory; tried it as a Hugging Face Hub id)")
-        raise CheckpointError(f"cannot load the {what} from {where}: {str(err).splitlines()[0]}") from None
+        first_line = (str(err).splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"cannot load the {what} from {where}: {first_line}") from None
     note_cpu_kernels(model)
     return model
 
