@@ -26,6 +26,12 @@ def test_speedup_spread_pairs_the_extreme_passes():
     assert "tree 2.00× (1.20–3.12×)" in line and "ar " not in line
 
 
+def test_speedup_spread_prefers_the_reports_per_pass_speedups():
+    report = _report()
+    report["results"][1]["speedup_spread"] = {"min": 1.7, "median": 2.0, "max": 2.2}
+    assert "tree 2.00× (1.70–2.20×)" in demo.speedup_spread(report)
+
+
 @pytest.fixture
 def restore_threads():
     before = torch.get_num_threads()
