@@ -12,49 +12,14 @@ table, writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
 
 import torch
-from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
+from common import median_ms, print_table, tiny_model, write_json
 
 from draftforge.decode.cuda_graphs import CudaGraph, StaticStep
 from draftforge.decode.drafter_mamba import MambaDrafter
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.tree import level_sizes
-
-
-def build(kind: str, hidden: int, layers: int, vocab: int, device, dtype):
-    torch.manual_seed(0)
-    if kind == "mamba":
-        model = MambaForCausalLM(MambaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                                             state_size=16))
-    else:
-        model = Mamba2ForCausalLM(Mamba2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                                               state_size=64, expand=2, head_dim=64, num_heads=2 * hidden // 64,
-                                               n_groups=1))
-    return model.to(device=device, dtype=dtype).eval()
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_ms(fn, calls: int, repeats: int, warmup: int, device) -> float:
-    """Median over repeats of the mean time of one call, in ms, after `warmup` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) / calls * 1e3)
-    return statistics.median(times)
 
 
 @torch.inference_mode()
@@ -70,7 +35,8 @@ def step_latencies(model, widths, args, device, graphs: bool) -> list[dict]:
         modes = {"eager": None, "graph": CudaGraph} if graphs else {"eager": None}
         for name, graph_cls in modes.items():
             step = StaticStep(model, [(c.clone(), s.clone()) for c, s in states], graph_cls() if graph_cls else None)
-            row[f"{name}_ms"] = median_ms(lambda: step(ids_B1), args.steps, args.repeats, args.warmup, device)
+            row[f"{name}_ms"] = median_ms(lambda: step(ids_B1), device, args.repeats, calls=args.steps,
+                                          warmup=args.warmup)
         rows.append(row)
     return rows
 
@@ -85,7 +51,7 @@ def draft_latency(model, widths, args, device, mode: str) -> float:
         drafter.draft(seq, widths, params, gen)
         drafter.accept([])  # live state unchanged: every call drafts from the same prefix
 
-    return median_ms(one_draft, args.steps, args.repeats, args.warmup, device)
+    return median_ms(one_draft, device, args.repeats, calls=args.steps, warmup=args.warmup)
 
 
 def main() -> None:
@@ -106,24 +72,21 @@ def main() -> None:
     graphs = device.type == "cuda"
     if not graphs:
         print("CUDA graphs need a CUDA device: timing the eager static-buffer path only.")
-    model = build(args.kind, args.hidden, args.layers, args.vocab, device, getattr(torch, args.dtype))
+    model = tiny_model(args.kind, args.vocab, args.hidden, args.layers, device=device, dtype=getattr(torch, args.dtype))
     rows = step_latencies(model, widths, args, device, graphs)
     draft = {"eager_ms": draft_latency(model, widths, args, device, "off")}
     if graphs:
         draft["graph_ms"] = draft_latency(model, widths, args, device, "on")
     print(f"\n{args.kind} hidden={args.hidden} layers={args.layers} vocab={args.vocab} tree={widths} "
           f"device={device} dtype={args.dtype} (median of {args.repeats} x {args.steps} calls)\n")
-    print("| step | batch | eager ms | graph ms | speedup |\n|---|---:|---:|---:|---:|")
+    table = []
     for row in rows + [{"batch": "-", **draft}]:
-        name = "draft()" if row["batch"] == "-" else "decode step"
         graph = row.get("graph_ms")
-        cells = (f"{graph:.3f}", f"{row['eager_ms'] / graph:.2f}x") if graph else ("n/a", "n/a")
-        print(f"| {name} | {row['batch']} | {row['eager_ms']:.3f} | {cells[0]} | {cells[1]} |")
-    result = {"config": vars(args), "graphs_timed": graphs, "steps": rows, "draft": draft,
-              "device_name": torch.cuda.get_device_name(device) if graphs else "cpu"}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"\nwrote {args.out}")
+        table.append(["draft()" if row["batch"] == "-" else "decode step", row["batch"], f"{row['eager_ms']:.3f}",
+                      f"{graph:.3f}" if graph else "n/a", f"{row['eager_ms'] / graph:.2f}x" if graph else "n/a"])
+    print_table(["step", "batch", "eager ms", "graph ms", "speedup"], table, right={1, 2, 3, 4})
+    write_json(args.out, {"config": vars(args), "graphs_timed": graphs, "steps": rows, "draft": draft,
+                          "device_name": torch.cuda.get_device_name(device) if graphs else "cpu"})
 
 
 if __name__ == "__main__":

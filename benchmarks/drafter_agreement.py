@@ -19,10 +19,10 @@ Legend: T = sequence length, V = vocab.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
+from common import print_table, write_json
 
 
 def chain_tau(hits: list[bool], gamma: int) -> float:
@@ -121,11 +121,10 @@ def main(argv=None) -> dict:
     print(f"{result['num_prompts']} prompts x <= {a.max_new_tokens} target tokens; "
           f"{r['retokenized_differently']}/{r['rows']} continuations re-tokenize to other ids; "
           f"commonest target token {r['commonest_token']!r} is {r['commonest_token_share']:.0%} of them")
-    print(f"| drafter | top-1 | top-3 | top-5 | chain τ (γ={a.chain_length}) |\n|---|---|---|---|---|")
-    for d, s in result["drafters"].items():
-        print(f"| {d} | {s['top1']:.3f} | {s['top3']:.3f} | {s['top5']:.3f} | {s['chain_tau']:.2f} |")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    print_table(["drafter", "top-1", "top-3", "top-5", f"chain τ (γ={a.chain_length})"],
+                [[d, f"{s['top1']:.3f}", f"{s['top3']:.3f}", f"{s['top5']:.3f}", f"{s['chain_tau']:.2f}"]
+                 for d, s in result["drafters"].items()])
+    write_json(a.out, result)
     return result
 
 

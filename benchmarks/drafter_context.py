@@ -11,34 +11,11 @@ memory (CUDA allocator peak on GPU, process RSS growth on CPU). Prints a table, 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import time
 
-import psutil
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM
-
-
-def build(kind: str, hidden: int, layers: int, vocab: int, max_ctx: int):
-    torch.manual_seed(0)
-    if kind == "mamba":
-        return MambaForCausalLM(MambaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, state_size=16))
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=max(hidden // 64, 1), max_position_embeddings=max_ctx)
-    return LlamaForCausalLM(config)
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def memory_mb(device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return psutil.Process(os.getpid()).memory_info().rss / 2**20
+from common import memory_mb, print_table, time_ms, tiny_model, write_json
+from transformers import DynamicCache
 
 
 @torch.inference_mode()
@@ -51,15 +28,8 @@ def measure(model, ctx: int, steps: int, repeats: int, device) -> dict:
     cache = DynamicCache(config=model.config)
     model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_key: cache})  # no ctx x V logits
     tok = ids[:, -1:]
-    model(input_ids=tok, use_cache=True, **{cache_key: cache})  # warm-up step
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            model(input_ids=tok, use_cache=True, **{cache_key: cache})
-        sync(device)
-        times.append((time.perf_counter() - t0) / steps * 1e3)
+    times = time_ms(lambda: model(input_ids=tok, use_cache=True, **{cache_key: cache}), device, repeats,
+                    calls=steps, warmup=1)
     state_mb = sum(t.numel() * t.element_size() for t in _cache_tensors(cache)) / 2**20
     return {"context": ctx, "ms_per_token": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
             "state_mb": state_mb, "memory_growth_mb": memory_mb(device) - mem_before}
@@ -87,18 +57,19 @@ def main():
     args = ap.parse_args()
     device = torch.device(args.device)
     rows = []
-    for kind in ("mamba", "transformer"):
-        model = build(kind, args.hidden, args.layers, args.vocab, max(args.contexts) + 16).to(device).eval()
+    for kind in ("mamba", "llama"):
+        extra = {"max_position_embeddings": max(args.contexts) + 16} if kind == "llama" else {}
+        model = tiny_model(kind, args.vocab, args.hidden, args.layers, device=device, **extra)
         params_m = sum(p.numel() for p in model.parameters()) / 1e6
         for ctx in args.contexts:
-            rows.append({"drafter": kind, "params_m": round(params_m, 2), **measure(model, ctx, args.steps, args.repeats, device)})
-    header = f"{'drafter':<12}{'params(M)':>10}{'context':>9}{'ms/token':>10}{'min':>8}{'max':>8}{'state MB':>10}{'mem +MB':>9}"
-    print(header)
-    for r in rows:
-        print(f"{r['drafter']:<12}{r['params_m']:>10.2f}{r['context']:>9}{r['ms_per_token']:>10.2f}{r['ms_min']:>8.2f}"
-              f"{r['ms_max']:>8.2f}{r['state_mb']:>10.2f}{r['memory_growth_mb']:>9.1f}")
-    with open(args.out, "w") as f:
-        json.dump({"device": str(device), "torch": torch.__version__, "args": vars(args), "rows": rows}, f, indent=1)
+            rows.append({"drafter": "transformer" if kind == "llama" else kind, "params_m": round(params_m, 2),
+                         **measure(model, ctx, args.steps, args.repeats, device)})
+    print_table(["drafter", "params (M)", "context", "ms/token", "min", "max", "state MB", "mem +MB"],
+                [[r["drafter"], f"{r['params_m']:.2f}", r["context"], f"{r['ms_per_token']:.2f}", f"{r['ms_min']:.2f}",
+                  f"{r['ms_max']:.2f}", f"{r['state_mb']:.2f}", f"{r['memory_growth_mb']:.1f}"] for r in rows],
+                right=set(range(1, 8)))
+    write_json(args.out, {"device": str(device), "torch": torch.__version__, "args": vars(args), "rows": rows},
+               indent=1)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ noisy and capped by the cores; read it as "does DDP cost much", not as a cluster
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import socket
@@ -25,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from common import print_table, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny" / "pretrain.yaml"
@@ -105,18 +105,14 @@ def main() -> int:
     rows = [(p, tok_s[p], tok_s[p] / p, ", ".join(f"{x:,.0f}" for x in runs[p])) for p in (1, 2)]
     print(f"tiny pre-training recipe: global batch {G} x {values['train']['block_size']} tokens, "
           f"{args.steps} steps, median of {args.repeats}; cores on this machine: {os.cpu_count()}")
-    print(f"{'processes':>9} | {'tokens/s':>10} | {'tokens/s/process':>16} | runs")
-    for p, t, tp, all_runs in rows:
-        print(f"{p:>9} | {t:>10,.0f} | {tp:>16,.0f} | {all_runs}")
+    print_table(["processes", "tokens/s", "tokens/s/process", "runs"],
+                [[p, f"{t:,.0f}", f"{tp:,.0f}", all_runs] for p, t, tp, all_runs in rows], right={0, 1, 2})
     print(f"scaling efficiency (2 vs 1): {eff:.2f}  (1.00 = perfect; CPU cores shared, noisy)")
     result = {"recipe": args.recipe or "tiny pretrain shape, self-contained corpus", "steps": args.steps,
               "repeats": args.repeats, "global_batch": G, "cpu_count": os.cpu_count(),
               "tokens_per_s": {str(p): tok_s[p] for p in tok_s}, "runs": {str(p): runs[p] for p in runs},
               "tokens_per_s_per_process": {str(p): tok_s[p] / p for p in tok_s}, "scaling_efficiency": eff}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(args.out, result)
     return 0
 
 

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import print_table, write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -145,18 +147,18 @@ def main() -> None:
                       flush=True)
     med = {k: statistics.median(x["tokens_per_s"] for x in v) for k, v in runs.items()}
     table = {"config": vars(args) | {"worker": None}, "padding_fraction": stats.get("padding_fraction"),
-             "runs": runs, "median_tokens_per_s": med, "ratio_draftforge_over_trainer": med["draftforge"] / med["trainer"]}
+             "runs": runs, "median_tokens_per_s": med,
+             "ratio_draftforge_over_trainer": med["draftforge"] / med["trainer"]}
     print(f"\n{args.arch}, {args.steps} steps x {args.batch}x{args.accum} x {args.block} tokens, "
           f"padding {stats.get('padding_fraction', 0):.2%}, median of {args.repeats}")
-    print("| loop | tokens/s (median) | min-max | peak RSS MiB | final loss |\n|---|---|---|---|---|")
+    cells = []
     for k, v in runs.items():
         tps = [x["tokens_per_s"] for x in v]
-        print(f"| {k} | {med[k]:,.0f} | {min(tps):,.0f}-{max(tps):,.0f} | "
-              f"{statistics.median(x['peak_rss_mib'] for x in v):,.0f} | {v[-1]['final_loss']:.4f} |")
+        cells.append([k, f"{med[k]:,.0f}", f"{min(tps):,.0f}-{max(tps):,.0f}",
+                      f"{statistics.median(x['peak_rss_mib'] for x in v):,.0f}", f"{v[-1]['final_loss']:.4f}"])
+    print_table(["loop", "tokens/s (median)", "min-max", "peak RSS MiB", "final loss"], cells)
     print(f"\ndraftforge / Trainer = {table['ratio_draftforge_over_trainer']:.3f}x")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(table, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, table)
 
 
 if __name__ == "__main__":

@@ -12,27 +12,18 @@ Depth counts the root (the first drafted token after the accepted prefix): depth
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
-from pathlib import Path
 
 import torch
-from transformers import Mamba2Config, Mamba2ForCausalLM
+from common import median_ms, print_table, tiny_model, write_json
 from transformers.cache_utils import DynamicCache
 
 from draftforge.decode.mamba2_tree import full_binary_parents, leaf_paths, mamba2_tree_logits
-from draftforge.eval.report import atomic_write_text
 
 
-def build_model(args) -> Mamba2ForCausalLM:
-    config = Mamba2Config(
-        hidden_size=args.hidden, num_heads=args.hidden * 2 // args.head_dim, head_dim=args.head_dim,
-        expand=2, n_groups=1, state_size=args.state, conv_kernel=4, num_hidden_layers=args.layers,
-        vocab_size=args.vocab, chunk_size=args.chunk_size,
-    )
-    torch.manual_seed(0)
-    return Mamba2ForCausalLM(config).eval().to(args.device, getattr(torch, args.dtype))
+def build_model(args):
+    return tiny_model("mamba2", args.vocab, args.hidden, args.layers, device=args.device,
+                      dtype=getattr(torch, args.dtype), head_dim=args.head_dim, state_size=args.state,
+                      conv_kernel=4, chunk_size=args.chunk_size)
 
 
 def expanded_cache(model, cache, copies: int) -> DynamicCache:
@@ -43,24 +34,6 @@ def expanded_cache(model, cache, copies: int) -> DynamicCache:
         fresh.update_conv_state(conv, layer, conv_kernel_size=conv.shape[-1])
         fresh.update_recurrent_state(cache.get_recurrent_state(layer).repeat(copies, 1, 1, 1), layer)
     return fresh
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def median_ms(fn, prepare, device, warmup, repeats) -> float:
-    times = []
-    for i in range(warmup + repeats):
-        inputs = prepare()  # built outside the timed region (e.g. a fresh cache)
-        sync(device)
-        start = time.perf_counter()
-        fn(inputs)
-        sync(device)
-        if i >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 @torch.no_grad()
@@ -81,11 +54,12 @@ def bench_depth(model, cache, depth: int, args) -> dict:
     packed_logits = packed(None)[0]
     unrolled_logits = unrolled(expanded_cache(model, cache, len(paths)))
     max_diff = max((packed_logits[p] - unrolled_logits[i]).abs().max().item() for i, p in enumerate(paths))
-    packed_ms = median_ms(packed, lambda: None, args.device, args.warmup, args.repeats)
-    unrolled_ms = median_ms(unrolled, lambda: expanded_cache(model, cache, len(paths)), args.device,
-                            args.warmup, args.repeats)
+    packed_ms = median_ms(packed, args.device, args.repeats, warmup=args.warmup, prepare=lambda: None)
+    unrolled_ms = median_ms(unrolled, args.device, args.repeats, warmup=args.warmup,
+                            prepare=lambda: expanded_cache(model, cache, len(paths)))
     # On CUDA the packed path runs the kernel; time the PyTorch reference there too (kernel vs spec).
-    ref_ms = (median_ms(lambda _: packed(_, "ref"), lambda: None, args.device, args.warmup, args.repeats)
+    ref_ms = (median_ms(lambda _: packed(_, "ref"), args.device, args.repeats, warmup=args.warmup,
+                        prepare=lambda: None)
               if args.device.startswith("cuda") and args.impl != "ref" else None)
     return dict(depth=depth, nodes=n_nodes, leaves=len(paths), packed_ref_ms=ref_ms,
                 packed_ms=packed_ms, unrolled_ms=unrolled_ms, speedup=unrolled_ms / packed_ms,
@@ -121,17 +95,13 @@ def main(argv=None) -> None:
     path_kind = "kernel" if args.device.startswith("cuda") and args.impl != "ref" else "reference"
     print(f"Mamba2 stack: {args.layers} layers, hidden {args.hidden}, head_dim {args.head_dim}, "
           f"state {args.state}, {args.dtype} on {args.device} (packed = tree scan {path_kind})")
-    print("| depth | nodes | leaves | packed ms | packed (reference) ms | unrolled ms | unrolled/packed "
-          "| states packed/unrolled | tokens packed/unrolled | max logit diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        ref = "-" if r["packed_ref_ms"] is None else f"{r['packed_ref_ms']:.2f}"
-        print(f"| {r['depth']} | {r['nodes']} | {r['leaves']} | {r['packed_ms']:.2f} | {ref} | {r['unrolled_ms']:.2f} "
-              f"| {r['speedup']:.2f}x | {r['packed_states']}/{r['unrolled_states']} "
-              f"| {r['packed_tokens']}/{r['unrolled_tokens']} | {r['max_logit_diff']:.1e} |")
-    out = Path(args.json)
-    atomic_write_text(out, json.dumps(dict(args=vars(args), path=path_kind, rows=rows), indent=2))
-    print(f"wrote {out}")
+    table = [[r["depth"], r["nodes"], r["leaves"], f"{r['packed_ms']:.2f}",
+              "-" if r["packed_ref_ms"] is None else f"{r['packed_ref_ms']:.2f}", f"{r['unrolled_ms']:.2f}",
+              f"{r['speedup']:.2f}x", f"{r['packed_states']}/{r['unrolled_states']}",
+              f"{r['packed_tokens']}/{r['unrolled_tokens']}", f"{r['max_logit_diff']:.1e}"] for r in rows]
+    print_table(["depth", "nodes", "leaves", "packed ms", "packed (reference) ms", "unrolled ms", "unrolled/packed",
+                 "states packed/unrolled", "tokens packed/unrolled", "max logit diff"], table)
+    write_json(args.json, dict(args=vars(args), path=path_kind, rows=rows))
 
 
 if __name__ == "__main__":

@@ -7,54 +7,50 @@
    distillation), stored as the exact token ids the target read and emitted (`format: tokens`);
 4. export, then `draftforge eval` of the drafter against the target on held-out prompts:
    autoregressive vs chain vs tree, with the speedup table.
-The recipes below are the same as recipes/tiny/*.yaml (a test keeps them equal).
+The recipes are recipes/tiny/*.yaml, read from the source tree (see RECIPES).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 import time
 from pathlib import Path
 
 TESTBED = "~/.cache/draftforge/testbed"
+OUT = "runs/demo"
+# The demo runs recipes/tiny/*.yaml, read from the source tree beside this package (a checkout or an
+# editable install; recipes/ is not package data), with their testbed and output paths re-rooted.
+RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "tiny"
+EVAL_REPEATS = 3  # timed passes over the prompts; the table shows their spread
 
 
-def target_recipe(testbed: str = TESTBED) -> dict:
-    return {
-        "task": "pretrain",
-        "output_dir": f"{testbed}/target-run",
-        "model": {"arch": "llama", "size": "tiny-target", "tokenizer": f"{testbed}/tokenizer"},
-        "data": {"sources": [f"{testbed}/corpus_train.jsonl"], "eval_fraction": 0.01},
-        "optim": {"lr": 2e-3, "warmup_steps": 20},
-        "train": {"max_steps": 150, "global_batch_size": 16, "micro_batch_size": 16,
-                  "block_size": 256, "eval_every": 50, "save_every": 50, "log_every": 10},
-    }
+def tiny_recipe(name: str, testbed: str = TESTBED, out: str = OUT) -> dict:
+    """recipes/tiny/NAME.yaml as a dict, with TESTBED and OUT path prefixes replaced by `testbed` and `out`."""
+    import yaml
+
+    from draftforge.errors import DraftforgeError
+
+    path = RECIPES / f"{name}.yaml"
+    if not path.is_file():
+        raise DraftforgeError(f"the demo reads its recipes from {RECIPES}, which this installation lacks; "
+                              "run it from a source checkout (pip install -e .)")
+    return _reroot(yaml.safe_load(path.read_text()), {TESTBED: str(testbed), OUT: str(out)})
 
 
-def drafter_pretrain_recipe(testbed: str = TESTBED, out: str = "runs/demo") -> dict:
-    return {
-        "task": "pretrain",
-        "output_dir": f"{out}/drafter-pretrain",
-        "model": {"arch": "mamba2", "size": "tiny", "target": f"{testbed}/target"},
-        "data": {"sources": [f"{testbed}/corpus_train.jsonl"], "eval_fraction": 0.01},
-        "optim": {"lr": 3e-3, "warmup_steps": 20},
-        "train": {"max_steps": 300, "global_batch_size": 16, "micro_batch_size": 16,
-                  "block_size": 256, "eval_every": 100, "save_every": 100, "log_every": 10},
-    }
-
-
-def drafter_sft_recipe(testbed: str = TESTBED, out: str = "runs/demo") -> dict:
-    return {
-        "task": "sft",
-        "output_dir": f"{out}/drafter-sft",
-        "model": {"init_from": f"{out}/drafter-pretrain", "target": f"{testbed}/target"},
-        "data": {"sources": [f"{out}/sft_distill.jsonl"], "format": "tokens", "eval_fraction": 0.05},
-        "optim": {"lr": 1e-3, "warmup_steps": 10},
-        "train": {"max_steps": 100, "global_batch_size": 16, "micro_batch_size": 16,
-                  "block_size": 256, "eval_every": 50, "save_every": 50, "log_every": 10},
-    }
+def _reroot(value, roots: dict[str, str]):
+    if isinstance(value, dict):
+        return {k: _reroot(v, roots) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_reroot(v, roots) for v in value]
+    if isinstance(value, str):
+        for old, new in roots.items():
+            if value == old or value.startswith(old + "/"):
+                return new + value[len(old):]
+    return value
 
 
 # --quick: a smoke run of the whole pipeline in about a minute (the numbers mean little).
@@ -78,7 +74,8 @@ def ensure_target(testbed: Path, quick: bool, say) -> dict | None:
     if (target / "draftforge.json").is_file():
         say(f"== target: reusing {target}")
         return None
-    stats = _train(target_recipe(str(testbed)), "target: pre-training a tiny Llama on the stdlib corpus", say, quick)
+    stats = _train(tiny_recipe("target", testbed), "target: pre-training a tiny Llama on the stdlib corpus", say,
+                   quick)
     tmp = testbed / ".target.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(stats["export"], tmp)
@@ -109,12 +106,13 @@ def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens:
     `draftforge eval` encodes a plain-text prompt (tokenizer(text)), so contexts match.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from draftforge.loading import load_causal_lm
     from draftforge.testbed import prompt_candidates
 
     tok = AutoTokenizer.from_pretrained(testbed / "tokenizer")
-    model = AutoModelForCausalLM.from_pretrained(testbed / "target", use_safetensors=True).eval()
+    model = load_causal_lm(testbed / "target", what="target").eval()
     prompts = []
     with open(testbed / "corpus_train.jsonl") as f:
         for line in f:
@@ -147,35 +145,106 @@ def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens:
     return path
 
 
+@contextlib.contextmanager
+def _phase(seconds: dict[str, float], name: str):
+    """Record the wall time of the block as seconds[name]."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[name] = time.perf_counter() - t0
+
+
+def choose_threads(threads: int | None) -> str:
+    """Pin torch's intra-op threads (1 unless asked or OMP_NUM_THREADS is set); the sentence saying so.
+
+    Measured on a 2-core machine with other work running: the tiny drafter trained at 4,500-4,900 tok/s
+    with 1 thread vs 900-1,200 with 2, and the tiny target decoded at 9-11 vs 32-86 ms/token. Models this
+    small gain little from a second thread even on an idle core, and lose several-fold when one is busy.
+    """
+    import torch
+
+    if threads is None and os.environ.get("OMP_NUM_THREADS"):
+        return f"torch threads: {torch.get_num_threads()} (from OMP_NUM_THREADS)"
+    torch.set_num_threads(threads or 1)
+    why = "as asked" if threads else "tiny models gain little from more, and lose several-fold when a core is busy"
+    return f"torch threads: {threads or 1} ({why}; change with --threads N)"
+
+
+def speedup_spread(report: dict) -> str:
+    """Each method's median speedup and its range over the timed passes.
+
+    The range is the report's per-pass speedups when it has them (`speedup_spread`), else the widest
+    pairing of passes: the method's slowest over AR's fastest, to its fastest over AR's slowest.
+    """
+    results = report["results"]
+    ar = {r["temperature"]: r["tokens_per_s_spread"] for r in results if r["method"] == "ar"}
+    parts = []
+    for r in results:
+        base, tps = ar.get(r["temperature"]), r["tokens_per_s_spread"]
+        if r["method"] == "ar" or not base or r.get("speedup") is None:
+            continue
+        per_pass = r.get("speedup_spread") or {}
+        lo, hi = ((per_pass["min"], per_pass["max"]) if per_pass.get("min") is not None else
+                  (tps["min"] / base["max"], tps["max"] / base["min"]))
+        parts.append(f"{r['method']} {r['speedup']:.2f}× ({lo:.2f}–{hi:.2f}×)")
+    return f"speedup, median of {report['manifest']['repeats']} timed passes (range): " + ", ".join(parts)
+
+
+def _eval(testbed: Path, paths, drafter: str, out: Path, quick: bool, num_prompts: int, max_new_tokens: int):
+    from draftforge.eval.runner import EvalConfig, run_eval
+
+    return run_eval(EvalConfig(target=str(testbed / "target"), drafter=drafter, bench=str(paths.prompts),
+                               num_prompts=3 if quick else num_prompts, max_new_tokens=16 if quick else max_new_tokens,
+                               methods=("ar", "chain", "tree"), temperatures=(0.0,), repeats=EVAL_REPEATS,
+                               out_dir=str(out / "eval"), plots=not quick))
+
+
 def run_demo(testbed: Path, out: Path, *, quick: bool = False, num_prompts: int = 20, max_new_tokens: int = 64,
-             say=print) -> dict:
+             threads: int | None = None, say=print) -> dict:
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        return _run_demo(testbed, out, quick, num_prompts, max_new_tokens, choose_threads(threads), say)
+    finally:
+        torch.set_num_threads(before)  # an in-process caller (a test) keeps its own setting
+
+
+def _run_demo(testbed: Path, out: Path, quick: bool, num_prompts: int, max_new_tokens: int, threads_note: str,
+              say) -> dict:
+    from draftforge.eval.report import markdown_table
     from draftforge.testbed import ensure_testbed
 
-    t0 = time.perf_counter()
+    t0, seconds = time.perf_counter(), {}
     if quick:  # never let a smoke-run target be reused by a full demo
         testbed = testbed / "quick"
     out.mkdir(parents=True, exist_ok=True)
-    say(f"== testbed in {testbed} (tokenizer, stdlib corpus, held-out prompts)")
-    paths = ensure_testbed(testbed, max_files=12 if quick else None)
-    summary = {"testbed": str(testbed), "target_training": ensure_target(testbed, quick, say)}
-    summary["drafter_pretrain"] = _train(drafter_pretrain_recipe(str(testbed), str(out)),
-                                         "drafter: pre-training a tiny Mamba2", say, quick)
-    write_distill_data(testbed, out, 32 if quick else 256, 16 if quick else 64, say)
-    summary["drafter_sft"] = _train(drafter_sft_recipe(str(testbed), str(out)),
-                                    "drafter: SFT on the target's continuations", say, quick)
-    say("\n== eval: speculative decoding vs plain decoding on held-out prompts")
-    from draftforge.eval.report import markdown_table
-    from draftforge.eval.runner import EvalConfig, run_eval
-
-    report = run_eval(EvalConfig(target=str(testbed / "target"), drafter=summary["drafter_sft"]["export"],
-                                 bench=str(paths.prompts), num_prompts=3 if quick else num_prompts,
-                                 max_new_tokens=16 if quick else max_new_tokens, methods=("ar", "chain", "tree"),
-                                 temperatures=(0.0,), out_dir=str(out / "eval"), plots=not quick))
-    summary["eval"] = {r["method"]: {"speedup": r.get("speedup"), "tau": r.get("tau")} for r in report["results"]}
-    summary["minutes"] = (time.perf_counter() - t0) / 60
+    say(f"== testbed in {testbed} (tokenizer, stdlib corpus, held-out prompts); {threads_note}")
+    with _phase(seconds, "testbed"):
+        paths = ensure_testbed(testbed, max_files=12 if quick else None)
+    summary = {"testbed": str(testbed), "threads": threads_note}
+    with _phase(seconds, "target"):
+        summary["target_training"] = ensure_target(testbed, quick, say)
+    with _phase(seconds, "drafter pre-training"):
+        summary["drafter_pretrain"] = _train(tiny_recipe("pretrain", testbed, out), "drafter: pre-training a tiny "
+                                             "Mamba2", say, quick)
+    with _phase(seconds, "distillation data"):
+        write_distill_data(testbed, out, 32 if quick else 256, 16 if quick else 64, say)
+    with _phase(seconds, "drafter SFT"):
+        summary["drafter_sft"] = _train(tiny_recipe("sft", testbed, out), "drafter: SFT on the target's "
+                                        "continuations", say, quick)
+    say(f"\n== eval: speculative decoding vs plain decoding on held-out prompts, {EVAL_REPEATS} timed passes")
+    with _phase(seconds, "eval"):
+        report = _eval(testbed, paths, summary["drafter_sft"]["export"], out, quick, num_prompts, max_new_tokens)
+    summary["eval"] = {r["method"]: {"speedup": r.get("speedup"), "tau": r.get("tau"),
+                                     "tokens_per_s_spread": r.get("tokens_per_s_spread")} for r in report["results"]}
+    summary["phase_seconds"], summary["minutes"] = seconds, (time.perf_counter() - t0) / 60
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     say("\n" + markdown_table(report))
-    say(f"\ndemo done in {summary['minutes']:.1f} min: drafter export {summary['drafter_sft']['export']}, "
+    say(f"\n{speedup_spread(report)}\nphase times: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in seconds.items())
+        + f"\n{threads_note}")
+    say(f"demo done in {summary['minutes']:.1f} min: drafter export {summary['drafter_sft']['export']}, "
         f"eval report {out / 'eval'}, summary {out / 'summary.json'}")
     return summary
 
@@ -183,13 +252,19 @@ def run_demo(testbed: Path, out: Path, *, quick: bool = False, num_prompts: int 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--testbed", default=TESTBED, help="where the tokenizer, corpus and tiny target are cached "
                                                       "(default %(default)s)")
-    p.add_argument("--out", default="runs/demo", help="where the drafter runs, exports and eval report go")
+    p.add_argument("--out", default=OUT, help="where the drafter runs, exports and eval report go")
     p.add_argument("--quick", action="store_true", help="smallest settings (a smoke test, ~1 min; numbers mean little)")
     p.add_argument("--num-prompts", type=int, default=20, help="held-out prompts in the eval (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default %(default)s)")
+    p.add_argument("--threads", type=int, help="torch threads for every phase (default: 1, or OMP_NUM_THREADS "
+                                               "when set; more rarely helps models this small)")
 
 
 def run(args) -> int:
+    if args.threads is not None and args.threads < 1:
+        from draftforge.errors import DraftforgeError
+
+        raise DraftforgeError(f"--threads must be >= 1, got {args.threads}")
     run_demo(Path(args.testbed).expanduser(), Path(args.out), quick=args.quick, num_prompts=args.num_prompts,
-             max_new_tokens=args.max_new_tokens)
+             max_new_tokens=args.max_new_tokens, threads=args.threads)
     return 0

@@ -152,7 +152,9 @@ def read_export_metadata(path) -> dict:
 
 def load_exported(path, *, expected_task: str | None = None, device="cpu", dtype=None):
     """(model, tokenizer, metadata) of an export; refuses pickle files, another method's export, a tokenizer mismatch."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from draftforge.loading import load_causal_lm
 
     path = Path(path)
     if not path.is_dir():
@@ -164,8 +166,8 @@ def load_exported(path, *, expected_task: str | None = None, device="cpu", dtype
     meta = read_export_metadata(path)
     if expected_task is not None and meta["task"] != expected_task:
         raise CheckpointError(f"{path} is a {meta['task']!r} export, but a {expected_task!r} checkpoint is needed")
+    model = load_causal_lm(path, what="export", dtype=dtype)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
         raise CheckpointError(f"cannot load the export in {path}: {err}") from None

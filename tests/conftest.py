@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny byte-level BPE tokenizer and a tiny text corpus, built offline."""
+"""Shared fixtures, built offline: tiny byte-level BPE tokenizers (in memory for the data tests, saved for
+the training tests) and a tiny text corpus."""
 
 from __future__ import annotations
 
@@ -62,3 +63,39 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("tokenizer")
     fast.save_pretrained(d)
     return d
+
+
+# The data tests' tokenizer: 400 tokens trained in-process on a few lines of code and prose.
+_DATA_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "Hello world, this is a tiny corpus for a tiny tokenizer.",
+    "The user asks a question and the assistant answers it politely.",
+    "import os\nimport sys\nprint(sys.argv)\n",
+] * 20
+
+
+def _data_tokenizer(chat_template=None):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_DATA_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = chat_template
+    return fast
+
+
+@pytest.fixture
+def make_tokenizer():
+    """A factory: make_tokenizer(chat_template=None) -> a fresh in-memory 400-token tokenizer (eos + pad)."""
+    return _data_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """One in-memory 400-token tokenizer per test module (eos `</s>`, pad `<pad>`, no chat template)."""
+    return _data_tokenizer()

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 try:
-    from test_data_common import data_cfg, tiny_tokenizer, write_jsonl
+    from test_data_common import data_cfg, write_jsonl
 except ImportError:  # tests collected as a package
-    from tests.test_data_common import data_cfg, tiny_tokenizer, write_jsonl
+    from tests.test_data_common import data_cfg, write_jsonl
 
 from draftforge.data import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX, build_block_data
 from draftforge.data.chat import tokenize_conversation
@@ -59,8 +59,8 @@ def expected_chatml(tok, convo):
 
 
 @pytest.mark.parametrize("make_row", [sharegpt_row, openai_row])
-def test_default_template_mask_is_exactly_assistant_tokens(tmp_path, make_row):
-    tok = tiny_tokenizer()
+def test_default_template_mask_is_exactly_assistant_tokens(tmp_path, make_row, make_tokenizer):
+    tok = make_tokenizer()
     assert tok.chat_template is None  # exercises DEFAULT_CHAT_TEMPLATE
     ids, labels = expected_default(tok, CONVO)
     src = write_jsonl(tmp_path / "chat.jsonl", [make_row(CONVO)])
@@ -73,8 +73,8 @@ def test_default_template_mask_is_exactly_assistant_tokens(tmp_path, make_row):
     assert bd.stats["loss_tokens"] == sum(1 for x in labels if x != IGNORE_INDEX) > 0
 
 
-def test_tokenizer_own_chat_template_is_used():
-    tok = tiny_tokenizer(chat_template=CHATML)
+def test_tokenizer_own_chat_template_is_used(make_tokenizer):
+    tok = make_tokenizer(chat_template=CHATML)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     ids, labels = expected_chatml(tok, CONVO)
     out = tokenize_conversation(openai_row(CONVO)["messages"], tok, max_length=1000)
@@ -83,8 +83,8 @@ def test_tokenizer_own_chat_template_is_used():
         tok.apply_chat_template(openai_row(CONVO)["messages"], chat_template=DEFAULT_CHAT_TEMPLATE, tokenize=False)
 
 
-def test_truncation_and_greedy_packing(tmp_path):
-    tok = tiny_tokenizer()
+def test_truncation_and_greedy_packing(tmp_path, make_tokenizer):
+    tok = make_tokenizer()
     full_ids, full_labels = expected_default(tok, CONVO)
     short = [("user", "Hello"), ("assistant", "world")]
     s_ids, s_labels = expected_default(tok, short)
@@ -100,8 +100,8 @@ def test_truncation_and_greedy_packing(tmp_path):
     assert ids_BS[1].tolist() == full_ids[:block] and labels_BS[1].tolist() == full_labels[:block]
 
 
-def test_conversation_truncated_before_assistant_is_skipped(tmp_path, caplog):
-    tok = tiny_tokenizer()
+def test_conversation_truncated_before_assistant_is_skipped(tmp_path, caplog, make_tokenizer):
+    tok = make_tokenizer()
     long_user = [("user", "Hello world " * 30), ("assistant", "ok")]
     src = write_jsonl(tmp_path / "c.jsonl", [openai_row(long_user), openai_row(CONVO[1:3])])
     bd = build_block_data(data_cfg([src], format="chat"), tok, 32, seed=0)
@@ -113,8 +113,8 @@ def _labelled_text(tok, out):
     return tok.decode([t for t in out["labels"] if t != IGNORE_INDEX])
 
 
-def test_assistant_content_equal_to_a_marker_word_is_located_exactly():
-    tok = tiny_tokenizer()
+def test_assistant_content_equal_to_a_marker_word_is_located_exactly(make_tokenizer):
+    tok = make_tokenizer()
     convo = [("user", "assistant"), ("assistant", "assistant")]
     ids, labels = expected_default(tok, convo)
     out = tokenize_conversation(openai_row(convo)["messages"], tok, max_length=1000)
@@ -131,12 +131,12 @@ GLUED_GENERATION = (  # like the testbed's: contents glued together, assistant w
 )
 
 
-def test_templates_that_trim_drop_or_glue_contents():
-    tok = tiny_tokenizer(chat_template=TRIMMING_NO_SYSTEM)
+def test_templates_that_trim_drop_or_glue_contents(make_tokenizer):
+    tok = make_tokenizer(chat_template=TRIMMING_NO_SYSTEM)
     convo = [("system", "be brief"), ("user", " Hello world "), ("assistant", "  return a + b\n")]
     out = tokenize_conversation(openai_row(convo)["messages"], tok, max_length=1000)
     assert _labelled_text(tok, out) == "return a + b"
-    tok = tiny_tokenizer(chat_template=GLUED_GENERATION)
+    tok = make_tokenizer(chat_template=GLUED_GENERATION)
     convo = [("user", "def add(a, b):\n"), ("assistant", "    return a + b\n")]
     out = tokenize_conversation(openai_row(convo)["messages"], tok, max_length=1000)
     assert tok.decode(out["input_ids"]) == "def add(a, b):\n    return a + b\n"

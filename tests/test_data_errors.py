@@ -3,20 +3,15 @@
 import pytest
 
 try:
-    from test_data_common import data_cfg, tiny_tokenizer, write_jsonl
+    from test_data_common import data_cfg, write_jsonl
 except ImportError:  # tests collected as a package
-    from tests.test_data_common import data_cfg, tiny_tokenizer, write_jsonl
+    from tests.test_data_common import data_cfg, write_jsonl
 
 from draftforge.data import build_block_data
 from draftforge.errors import DataError, DraftforgeError
 
 GOOD_CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 NO_ASSISTANT = {"conversations": [{"from": "human", "value": "hi"}, {"from": "human", "value": "anyone?"}]}
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
 
 
 def build(tok, sources, block_size=16, **kw):
@@ -93,9 +88,9 @@ def test_missing_split_of_hf_dataset(tmp_path, tok):
         build(tok, [f"hf:{tmp_path / 'ds'}"], split="validation")
 
 
-def test_tokenizer_without_eos_and_bad_block_size(tmp_path):
+def test_tokenizer_without_eos_and_bad_block_size(tmp_path, make_tokenizer):
     src = write_jsonl(tmp_path / "a.jsonl", [{"text": "hello"}])
-    tok = tiny_tokenizer()
+    tok = make_tokenizer()
     with pytest.raises(DataError, match="block_size"):
         build_block_data(data_cfg([src]), tok, 1, seed=0)
     tok.eos_token = None
@@ -121,3 +116,11 @@ def test_malformed_json_file(tmp_path, tok):
     (tmp_path / "obj.json").write_text('{"text": "a"}')
     with pytest.raises(DataError, match="must hold a list"):
         build(tok, [tmp_path / "obj.json"])
+
+
+@pytest.mark.parametrize("content", ["", "  \n\n"], ids=["empty", "whitespace"])
+def test_empty_txt_file_says_it_has_no_text_not_text_field(tmp_path, tok, content):
+    (tmp_path / "empty.txt").write_text(content)
+    with pytest.raises(DataError, match="empty text.*hold no text") as err:
+        build(tok, [tmp_path / "empty.txt"])
+    assert "text_field" not in str(err.value)

@@ -4,19 +4,14 @@ import numpy as np
 import pytest
 
 try:
-    from test_data_common import data_cfg, tiny_tokenizer, write_jsonl
+    from test_data_common import data_cfg, write_jsonl
 except ImportError:  # tests collected as a package
-    from tests.test_data_common import data_cfg, tiny_tokenizer, write_jsonl
+    from tests.test_data_common import data_cfg, write_jsonl
 
 from draftforge.data import IGNORE_INDEX, build_block_data, describe
 from draftforge.data.packing import StreamPacker, pack_greedy, pack_stream
 
 DOCS = [f"def f{i}(x):\n    return x * {i}  # document {i}\n" * (1 + i % 4) for i in range(23)]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
 
 
 def expected_stream(tok, docs):
@@ -53,8 +48,8 @@ def test_text_packing_keeps_every_token_once_in_order(tmp_path, tok, block_size)
     assert f"{n_blocks:,} blocks" in describe(bd)
 
 
-def test_padding_uses_eos_when_tokenizer_has_no_pad(tmp_path):
-    tok = tiny_tokenizer()
+def test_padding_uses_eos_when_tokenizer_has_no_pad(tmp_path, make_tokenizer):
+    tok = make_tokenizer()
     tok.pad_token = None
     src = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello world"}])
     bd = build_block_data(data_cfg([src]), tok, 64, seed=0)

@@ -8,17 +8,12 @@ import pyarrow.parquet as pq
 import pytest
 
 try:
-    from test_data_common import data_cfg, tiny_tokenizer, write_jsonl
+    from test_data_common import data_cfg, write_jsonl
 except ImportError:  # tests collected as a package
-    from tests.test_data_common import data_cfg, tiny_tokenizer, write_jsonl
+    from tests.test_data_common import data_cfg, write_jsonl
 
 import draftforge.data.sources as sources
 from draftforge.data import IGNORE_INDEX, build_block_data
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
 
 
 def token_stream(tok, docs):

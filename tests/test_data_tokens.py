@@ -4,17 +4,12 @@ import numpy as np
 import pytest
 
 try:
-    from test_data_common import data_cfg, tiny_tokenizer, write_jsonl
+    from test_data_common import data_cfg, write_jsonl
 except ImportError:  # tests collected as a package
-    from tests.test_data_common import data_cfg, tiny_tokenizer, write_jsonl
+    from tests.test_data_common import data_cfg, write_jsonl
 
 from draftforge.data import IGNORE_INDEX, build_block_data
 from draftforge.errors import DataError, RecipeError
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
 
 
 def _rows():

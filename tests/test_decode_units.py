@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from test_decode_fixtures import tiny_llama, tiny_mamba, tiny_mamba2
@@ -76,24 +74,21 @@ def test_ucb_choices_match_hand_computation():
     arms = [(1, 1), (2, 1), (2, 2, 2)]
     ucb = UCBTree(arms, ucb_lambda=0.5, lambda_gamma=0.2)
     emitted = {0: [2, 1, 3], 1: [3, 3, 3], 2: [1, 4, 1]}  # scripted N_accept per pull of each arm
-    counts, sums, chosen = [0, 0, 0], [0.0, 0.0, 0.0], []
-    for t in range(1, 8):
-        if 0 in counts:
-            k = counts.index(0)
-        else:
-            score = [sums[i] / counts[i] + 0.5 * math.sqrt(2 * math.log(t) / counts[i]) for i in range(3)]
-            k = score.index(max(score))
-        chosen.append(k)
-        n = emitted[k][counts[k] % 3]
-        counts[k] += 1
-        sums[k] += -(1 / n + 0.2 * len(arms[k]) / n)
+    # Worked out by hand. Reward of a pull = -(1 + 0.2*gamma) / n: arms 0 and 1 (gamma 2) get -1.4/n,
+    # arm 2 (gamma 3) gets -1.6/n. Score = mean reward + 0.5 * sqrt(2 ln t / pulls).
+    # t=1..3: each arm once (untried first) -> 0, 1, 2; means -0.700, -0.467, -1.600.
+    # t=4: bonus 0.5*sqrt(2 ln 4) = 0.833 for all -> 0.133, 0.366, -0.767 -> arm 1 (n=3, -0.467).
+    # t=5: bonuses 0.897, 0.634, 0.897 -> 0.197, 0.168, -0.703 -> arm 0 (n=1, -1.400; mean -1.050).
+    # t=6: bonuses 0.669, 0.669, 0.947 -> -0.381, 0.203, -0.653 -> arm 1 (n=3; mean still -0.467).
+    # t=7: bonuses 0.697, 0.569, 0.986 -> -0.353, 0.103, -0.614 -> arm 1.
+    expected = [0, 1, 2, 1, 0, 1, 1]
     got = []
     for _ in range(7):
         widths = ucb.next_config()
         got.append(arms.index(widths))
         ucb.update(widths, emitted[got[-1]][ucb.counts[got[-1]] % 3])
-    assert got == chosen
-    assert chosen[:3] == [0, 1, 2] and len(set(chosen[3:])) >= 1
+    assert got == expected
+    assert ucb.counts == [2, 4, 1]
 
 
 def test_bad_input_errors(target):

@@ -176,3 +176,29 @@ def test_state_without_lm_head_loads_only_when_the_head_is_tied(tied):
     else:
         with pytest.raises(CheckpointError, match="missing \\['lm_head.weight'\\]"):
             load_fitting_state(fresh, state, "state")
+
+
+@pytest.mark.parametrize("state", ["no checkpoint", "corrupted", "finished, no checkpoint"])
+def test_export_of_a_run_without_a_usable_checkpoint_gives_export_advice(tmp_path, capsys, state):
+    """`draftforge export` must not print train's `--resume` advice; it exits 2 and writes nothing."""
+    import yaml
+
+    from draftforge.cli import main
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    recipe = {"task": "pretrain", "output_dir": str(run_dir), "model": {"tokenizer": str(tmp_path / "tok")},
+              "data": {"sources": [str(tmp_path / "corpus.txt")]}}
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    if state == "corrupted":
+        (run_dir / "checkpoints" / "step-00000002").mkdir(parents=True)  # no manifest: fails verification
+    if state.startswith("finished"):
+        (run_dir / "export").mkdir()
+        (run_dir / "export" / "config.json").write_text("{}")
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--resume" not in err and err.count("\n") == 1
+    expected = {"no checkpoint": "has no checkpoint to export yet", "corrupted": "is corrupted, so there is nothing",
+                "finished, no checkpoint": f"own export is in {run_dir / 'export'}"}[state]
+    assert expected in err
+    assert not (tmp_path / "out").exists()

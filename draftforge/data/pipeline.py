@@ -120,17 +120,26 @@ def _usable_rows(docs: datasets.Dataset, cfg):
     good_idx = np.flatnonzero(pc.equal(bad, "").to_numpy(zero_copy_only=False))
     summary = ", ".join(f"{n} x {r}" for r, n in reasons.most_common())
     if len(good_idx) == 0:
-        hint = {"text": f"set data.text_field (now {cfg.text_field!r})",
-                "tokens": "give each row at least one token with loss (prompt_len < len(input_ids), or a 1 in loss_mask)",
-                }.get(cfg.format, "give rows ShareGPT 'conversations' (from/value) or OpenAI 'messages' "
-                                  "(role/content) with an assistant turn")
-        raise DataError(f"no usable rows in {cfg.sources}: all {len(docs)} rows skipped ({summary}); {hint}")
+        raise DataError(f"no usable rows in {cfg.sources}: all {len(docs)} rows skipped ({summary}); "
+                        f"{_no_rows_hint(cfg, reasons)}")
     if reasons:
         log.warning("skipped %d of %d data rows: %s", len(docs) - len(good_idx), len(docs), summary)
     if cfg.max_documents is not None:
         good_idx = good_idx[: cfg.max_documents]
     stats = {"rows_read": len(docs), "rows_skipped": sum(reasons.values()), "skip_reasons": dict(reasons)}
     return docs.select(good_idx), stats
+
+
+def _no_rows_hint(cfg, reasons: Counter) -> str:
+    """What to fix when every row was skipped: the advice follows the reasons, not only the format."""
+    if cfg.format == "tokens":
+        return "give each row at least one token with loss (prompt_len < len(input_ids), or a 1 in loss_mask)"
+    if cfg.format != "text":
+        return ("give rows ShareGPT 'conversations' (from/value) or OpenAI 'messages' (role/content) "
+                "with an assistant turn")
+    if any(r.startswith("missing text field") for r in reasons):
+        return f"set data.text_field to the column that holds the text (now {cfg.text_field!r})"
+    return "the files or rows hold no text (empty or whitespace only); point data.sources at files with text"
 
 
 def _check_vocab(docs: datasets.Dataset, vocab_size: int) -> None:

@@ -11,11 +11,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoTokenizer, DynamicCache, PreTrainedModel
 
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
-from draftforge.errors import CheckpointError, CompatibilityError
-from draftforge.models.draft_vocab import reduced_head_kwargs, restore_reduced_head
+from draftforge.errors import CompatibilityError
 
 SSM_MODEL_TYPES = ("mamba", "mamba2")
 HYBRID_MODEL_TYPES = ("bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba", "zamba2", "jamba",
@@ -28,12 +27,9 @@ def load_hf_causal_lm(model_or_path, device, dtype, what: str):
     if isinstance(model_or_path, PreTrainedModel):
         model = model_or_path
     else:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(model_or_path), dtype=dtype, **reduced_head_kwargs(
-                model_or_path))
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot load the {what} from {model_or_path!r}: {exc}") from exc
-        restore_reduced_head(model, model_or_path)
+        from draftforge.loading import load_causal_lm
+
+        model = load_causal_lm(model_or_path, what=what, dtype=dtype)  # safetensors only; missing dir named
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(model_or_path))
         except (OSError, ValueError, TypeError):

@@ -11,6 +11,8 @@ from typing import Any
 from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM, PreTrainedModel
 
 from draftforge.errors import RecipeError
+from draftforge.loading import note_cpu_kernels
+from draftforge.models.student import check_vocab_and_ids, merge_overrides, require_positive_ints
 
 # Shared dims first, then per-architecture extras. Mamba-1 uses a small SSM state (16); Mamba2
 # uses a larger state split into heads of `head_dim` channels (Mamba2 paper §7, as in the
@@ -55,21 +57,13 @@ def resolve_mamba_dims(arch: str, size: str | None = "tiny", overrides: dict | N
         preset = MAMBA_PRESETS[size]
         dims.update({k: v for k, v in preset.items() if not isinstance(v, dict)})
         dims.update(preset.get(arch, {}))
-    config_cls = _ARCHES[arch][0]
-    known = set(config_cls().to_dict())
-    for key, value in (overrides or {}).items():
-        if key not in known or key == "vocab_size":
-            hint = "vocab_size comes from the tokenizer" if key == "vocab_size" else f"not a {config_cls.__name__} field"
-            raise RecipeError(f"model.{key}: cannot set this for arch {arch!r} ({hint})")
-        dims[key] = value
+    merge_overrides(dims, overrides, _ARCHES[arch][0], arch)
     _validate(arch, dims)
     return dims
 
 
 def _validate(arch: str, dims: dict[str, Any]) -> None:
-    for key in _POSITIVE_INT_FIELDS:
-        if key in dims and (not isinstance(dims[key], int) or isinstance(dims[key], bool) or dims[key] <= 0):
-            raise RecipeError(f"model.{key}: must be a positive integer, got {dims[key]!r}")
+    require_positive_ints(dims, _POSITIVE_INT_FIELDS)
     if arch != "mamba2":
         return
     hidden, expand = dims.get("hidden_size", 4096), dims.get("expand", 2)
@@ -89,14 +83,11 @@ def _validate(arch: str, dims: dict[str, Any]) -> None:
 def build_mamba(arch: str, vocab_size: int, *, size: str | None = "tiny", overrides: dict | None = None,
                 pad_token_id=None, bos_token_id=None, eos_token_id=None) -> PreTrainedModel:
     """A randomly initialised Mamba ("mamba") or Mamba2 ("mamba2") causal LM over `vocab_size` tokens."""
-    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size <= 0:
-        raise RecipeError(f"vocab_size: must be a positive integer (the target tokenizer's size), got {vocab_size!r}")
+    special_ids = {"pad_token_id": pad_token_id, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+    check_vocab_and_ids(vocab_size, special_ids)
     dims = resolve_mamba_dims(arch, size, overrides)
-    for name, token_id in (("pad_token_id", pad_token_id), ("bos_token_id", bos_token_id),
-                           ("eos_token_id", eos_token_id)):
-        if token_id is not None and not 0 <= token_id < vocab_size:
-            raise RecipeError(f"{name}: {token_id} is outside the vocabulary (size {vocab_size})")
     config_cls, model_cls = _ARCHES[arch]
-    config = config_cls(vocab_size=vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
-                        eos_token_id=eos_token_id, **dims)
-    return model_cls(config)
+    config = config_cls(vocab_size=vocab_size, **special_ids, **dims)
+    model = model_cls(config)
+    note_cpu_kernels(model)
+    return model

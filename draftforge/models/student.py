@@ -6,7 +6,7 @@ from typing import Any
 
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from draftforge.errors import CheckpointError, RecipeError
+from draftforge.errors import RecipeError
 
 # Llama-style shapes. "tiny-target" is the offline testbed's target: deep and wide enough
 # that one cached decode step costs clearly more than the 2-layer "tiny" Mamba drafter's
@@ -29,6 +29,32 @@ LLAMA_PRESETS: dict[str, dict] = {
 }
 
 
+def merge_overrides(dims: dict[str, Any], overrides: dict | None, config_cls, arch: str) -> None:
+    """Copy recipe `model.overrides` into `dims`; RecipeError naming a key `config_cls` has no field for."""
+    known = set(config_cls().to_dict())
+    for key, value in (overrides or {}).items():
+        if key not in known or key == "vocab_size":
+            hint = "vocab_size comes from the tokenizer" if key == "vocab_size" else f"not a {config_cls.__name__} field"
+            raise RecipeError(f"model.{key}: cannot set this for arch {arch!r} ({hint})")
+        dims[key] = value
+
+
+def require_positive_ints(dims: dict[str, Any], keys) -> None:
+    """RecipeError naming the first of `keys` in `dims` that is not a positive integer (bools are not)."""
+    for key in keys:
+        if key in dims and (not isinstance(dims[key], int) or isinstance(dims[key], bool) or dims[key] <= 0):
+            raise RecipeError(f"model.{key}: must be a positive integer, got {dims[key]!r}")
+
+
+def check_vocab_and_ids(vocab_size, special_ids: dict) -> None:
+    """RecipeError unless vocab_size is a positive int and every given special token id is inside it."""
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size <= 0:
+        raise RecipeError(f"vocab_size: must be a positive integer (the tokenizer's size), got {vocab_size!r}")
+    for name, token_id in special_ids.items():
+        if token_id is not None and not 0 <= token_id < vocab_size:
+            raise RecipeError(f"{name}: {token_id} is outside the vocabulary (size {vocab_size})")
+
+
 def _config_class(arch: str):
     try:
         return type(AutoConfig.for_model(arch))
@@ -40,35 +66,25 @@ def _config_class(arch: str):
 def resolve_causal_lm_config(arch: str, vocab_size: int, *, size: str | None = None, overrides: dict | None = None,
                              max_position_embeddings: int | None = None, **special_ids):
     """The config for `arch`: preset, then explicit overrides (they win), then vocab and special ids."""
-    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size <= 0:
-        raise RecipeError(f"vocab_size: must be a positive integer (the tokenizer's size), got {vocab_size!r}")
+    check_vocab_and_ids(vocab_size, special_ids)
     config_cls = _config_class(arch)
-    known = set(config_cls().to_dict())
     dims: dict[str, Any] = {}
     if size is not None:
         if size not in LLAMA_PRESETS:
             raise RecipeError(f"model.size: unknown preset {size!r}; use one of {sorted(LLAMA_PRESETS)}")
+        known = set(config_cls().to_dict())
         dims.update({k: v for k, v in LLAMA_PRESETS[size].items() if k in known})
-    for key, value in (overrides or {}).items():
-        if key not in known or key == "vocab_size":
-            hint = "vocab_size comes from the tokenizer" if key == "vocab_size" else f"not a {config_cls.__name__} field"
-            raise RecipeError(f"model.{key}: cannot set this for arch {arch!r} ({hint})")
-        dims[key] = value
+    merge_overrides(dims, overrides, config_cls, arch)
     if max_position_embeddings is not None:
         dims["max_position_embeddings"] = max_position_embeddings
-    for name, token_id in special_ids.items():
-        if token_id is not None and not 0 <= token_id < vocab_size:
-            raise RecipeError(f"{name}: {token_id} is outside the vocabulary (size {vocab_size})")
-        dims[name] = token_id
+    dims.update(special_ids)
     _validate_attention(dims)
     return config_cls(vocab_size=vocab_size, **dims)
 
 
 def _validate_attention(dims: dict[str, Any]) -> None:
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "max_position_embeddings"):
-        if key in dims and (not isinstance(dims[key], int) or isinstance(dims[key], bool) or dims[key] <= 0):
-            raise RecipeError(f"model.{key}: must be a positive integer, got {dims[key]!r}")
+    require_positive_ints(dims, ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                 "intermediate_size", "max_position_embeddings"))
     hidden, heads = dims.get("hidden_size"), dims.get("num_attention_heads")
     if hidden and heads and dims.get("head_dim") is None and hidden % heads:
         raise RecipeError(f"model.num_attention_heads: {heads} must divide hidden_size ({hidden})")
@@ -91,12 +107,7 @@ def build_causal_lm(arch: str, vocab_size: int, *, size: str | None = None, over
 
 
 def load_pretrained(path_or_id, **kwargs) -> PreTrainedModel:
-    """`AutoModelForCausalLM.from_pretrained` (local dir or Hub id), safetensors only: pickle weights are refused."""
-    kwargs.setdefault("use_safetensors", True)
-    if kwargs["use_safetensors"] is not True:
-        raise CheckpointError("load_pretrained only loads safetensors weights; pickle (.bin) files can run code")
-    try:
-        return AutoModelForCausalLM.from_pretrained(str(path_or_id), **kwargs)
-    except OSError as err:
-        raise CheckpointError(f"cannot load model {str(path_or_id)!r}: {err}. Give a local directory with "
-                              "config.json + model.safetensors, or a Hub id reachable from this machine") from None
+    """A causal LM from a local dir or Hub id through `draftforge.loading.load_causal_lm` (safetensors only)."""
+    from draftforge.loading import load_causal_lm
+
+    return load_causal_lm(path_or_id, what="model.init_from", **kwargs)

@@ -21,7 +21,7 @@ def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None
     from draftforge.train.distributed import load_fitting_state
 
     recipe = recipe_from_dict(yaml.safe_load((run_dir / "recipe.yaml").read_text()))
-    src = Path(checkpoint) if checkpoint else ckpt.latest_valid(run_dir)
+    src = Path(checkpoint) if checkpoint else _latest_checkpoint(run_dir)
     problem = ckpt.verify(src)
     if problem:
         raise CheckpointError(f"checkpoint {src} is unusable: {problem}")
@@ -52,6 +52,22 @@ class _NoAccelerator:
         import contextlib
 
         return contextlib.nullcontext()
+
+
+def _latest_checkpoint(run_dir: Path) -> Path:
+    """The newest intact checkpoint, with advice for `export` (latest_valid's own speaks of --resume)."""
+    where = Path(run_dir) / "checkpoints"
+    done = (Path(run_dir) / "export" / "config.json").is_file()
+    hint = (f"the run's own export is in {Path(run_dir) / 'export'}" if done else
+            "train until a checkpoint is saved (every train.save_every steps, and at the end) and export again")
+    if not ckpt.list_checkpoints(run_dir):
+        raise CheckpointError(f"{run_dir} has no checkpoint to export yet (nothing in {where}); {hint}")
+    try:
+        return ckpt.latest_valid(run_dir)
+    except CheckpointError:
+        hint = hint if done else "train the run again (draftforge train RECIPE --overwrite)"
+        raise CheckpointError(f"every checkpoint in {where} is corrupted, so there is nothing to export; "
+                              f"{hint}") from None
 
 
 def _final_metrics(run_dir: Path, step: int) -> dict:

@@ -13,6 +13,10 @@ from draftforge.errors import CheckpointError, RecipeError
 def resolve_checkpoint(path: str) -> str:
     """A run dir resolves to its export; an export dir or a HF id is used as is."""
     p = Path(path)
+    if not p.exists():  # a missing local path says so here, before any loader asks the Hub for it
+        from draftforge.loading import local_model_dir
+
+        local_model_dir(path, "model.init_from")
     if p.is_dir() and not (p / "config.json").is_file():
         if (p / "export" / "config.json").is_file():
             return str(p / "export")

@@ -1,0 +1,162 @@
+"""One safe way to load a causal LM, and one place that quiets notices a user cannot act on.
+
+`load_causal_lm` checks a local path before transformers sees it (a missing directory says so,
+instead of the Hub's "Repo id must be in the form ..."), loads safetensors only (pickle weights
+can run code when unpickled; opt in with `allow_pickle=True` or DRAFTFORGE_ALLOW_PICKLE=1), and
+turns a file named `.safetensors` that is not one into a CheckpointError.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import struct
+import sys
+from pathlib import Path
+
+from draftforge.errors import CheckpointError
+
+ALLOW_PICKLE_ENV = "DRAFTFORGE_ALLOW_PICKLE"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+# "name" or "org/name": what the Hub accepts; anything else that does not exist is a missing local path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+_MAX_HEADER = 100 * 2**20  # safetensors caps its JSON header at 100 MB
+
+
+def pickle_allowed(allow_pickle: bool | None = None) -> bool:
+    """An explicit argument wins; otherwise DRAFTFORGE_ALLOW_PICKLE=1 (the CLI's opt-in)."""
+    if allow_pickle is not None:
+        return allow_pickle
+    return os.environ.get(ALLOW_PICKLE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def local_model_dir(source, what: str = "model") -> Path | None:
+    """The local directory `source` names, or None for a Hub id; CheckpointError for a missing local path."""
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise CheckpointError(f"{what} {text!r} is a file; give the model's directory (config.json + weights)")
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{what} directory {path} holds no config.json, so it is not a Hugging Face "
+                                  "model directory (for a draftforge run, use its export/ subdirectory)")
+        return path
+    if isinstance(source, Path) or not _HUB_ID.match(text):
+        raise CheckpointError(f"cannot load the {what}: directory {path} does not exist")
+    return None
+
+
+def check_safetensors_file(path: Path) -> None:
+    """CheckpointError unless `path` starts like a safetensors file (8-byte header length, then JSON)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(9)
+    n = struct.unpack("<Q", head[:8])[0] if len(head) >= 8 else -1
+    if 0 < n <= min(size - 8, _MAX_HEADER) and head[8:9] == b"{":
+        return
+    kind = "a pickle / torch.save file" if head[:1] == b"\x80" or head[:4] == b"PK\x03\x04" else "unreadable"
+    raise CheckpointError(f"{path} is not a safetensors file ({kind}); re-save the model with "
+                          "save_pretrained(DIR), which writes real safetensors")
+
+
+def check_local_weights(path: Path, allow_pickle: bool, what: str = "model") -> None:
+    """Safetensors files must be real; a directory holding only pickle weights is refused unless allowed."""
+    safetensors = sorted(path.glob("*.safetensors"))
+    for file in safetensors:
+        check_safetensors_file(file)
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if safetensors or allow_pickle:
+        return
+    if pickles:
+        raise CheckpointError(
+            f"{what} directory {path} holds only pickle weights {pickles}, no model.safetensors; unpickling can run "
+            f"arbitrary code, so draftforge refuses it. Re-save it as safetensors (save_pretrained), or if you "
+            f"trust the file set {ALLOW_PICKLE_ENV}=1")
+    raise CheckpointError(f"{what} directory {path} holds no model weights (*.safetensors)")
+
+
+def load_causal_lm(source, *, what: str = "model", allow_pickle: bool | None = None, **kwargs):
+    """`AutoModelForCausalLM.from_pretrained(source, **kwargs)` after the checks above; CheckpointError on failure."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    allowed = pickle_allowed(allow_pickle)
+    if kwargs.pop("use_safetensors", True) is not True and not allowed:
+        raise CheckpointError(f"the {what} loads only safetensors weights unless pickle is allowed explicitly "
+                              "(allow_pickle=True): pickle (.bin) files can run code when loaded")
+    local = local_model_dir(source, what)
+    if local is not None:
+        check_local_weights(local, allowed, what)
+    quiet_known_notices()
+    from draftforge.models.draft_vocab import reduced_head_kwargs, restore_reduced_head
+
+    if local is not None:  # a reduced draft head does not fit config.vocab_size: put back after loading
+        kwargs.update(reduced_head_kwargs(local))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(local or source), use_safetensors=None if allowed else True,
+                                                     **kwargs)
+        if local is not None:
+            restore_reduced_head(model, local)
+    except (OSError, ValueError, SafetensorError) as err:
+        where = (f"{local}" if local is not None else
+                 f"{str(source)!r} (no such local directory; tried it as a Hugging Face Hub id)")
+        first_line = (str(err).splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"cannot load the {what} from {where}: {first_line}") from None
+    note_cpu_kernels(model)
+    return model
+
+
+# ---- notices -----------------------------------------------------------------------------------------
+
+# (logger, text in the record) pairs that are dropped: transformers' advice to install the CUDA-only
+# mamba-ssm / causal-conv1d kernels (once per kernel function), DeepSpeed's CPU-accelerator warning,
+# and Accelerate's note that a tied lm_head is saved once (tied embeddings are the presets' default).
+_QUIET = (
+    ("transformers.integrations.hub_kernels", "is falling back to its reference PyTorch implementation"),
+    ("transformers.models.mamba.modeling_mamba", "fast path is not available"),
+    ("transformers.models.mamba2.modeling_mamba2", "fast path is not available"),
+    ("DeepSpeed", "Setting accelerator to CPU"),
+    ("accelerate.utils.other", "Removed shared tensor {'lm_head.weight'} while saving"),
+)
+_state = {"quiet": False, "noted": False}
+# Model types whose layers call the mamba-ssm / causal-conv1d kernels when they are installed.
+_SSM_TYPES = ("mamba", "bamba", "jamba", "zamba", "nemotron_h", "granitemoehybrid", "falcon_h1")
+
+
+class _DropText(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def quiet_known_notices() -> None:
+    """Drop the notices listed in _QUIET (once per process; the loggers need not exist yet)."""
+    if _state["quiet"]:
+        return
+    for name, text in _QUIET:
+        logging.getLogger(name).addFilter(_DropText(text))
+    _state["quiet"] = True
+
+
+def note_cpu_kernels(model) -> None:
+    """Say once per process, in our words, that Mamba layers run without their CUDA kernels (and why)."""
+    quiet_known_notices()
+    model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
+    if _state["noted"] or not any(t in model_type for t in _SSM_TYPES) or os.environ.get("RANK", "0") != "0":
+        return
+    _state["noted"] = True
+    import torch
+
+    if not torch.cuda.is_available():
+        line = "CPU: Mamba layers run transformers' PyTorch path (the mamba-ssm / causal-conv1d kernels need CUDA)"
+    elif importlib.util.find_spec("mamba_ssm") is None:
+        line = ("Mamba layers run transformers' PyTorch path: the mamba-ssm kernels are not installed "
+                "(pip install 'draftforge[gpu]')")
+    else:
+        return
+    print(f"[draftforge] {line}", file=sys.stderr)

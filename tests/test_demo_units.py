@@ -1,0 +1,69 @@
+"""The demo's own plumbing, without training anything: thread choice, phase times, the speedup spread."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from draftforge import demo
+
+
+def _report(repeats=3):
+    def row(method, median, lo, hi, speedup):
+        return {"method": method, "temperature": 0.0, "speedup": speedup, "tau": 1.0,
+                "tokens_per_s_spread": {"median": median, "min": lo, "max": hi}}
+
+    return {"manifest": {"repeats": repeats},
+            "results": [row("ar", 100.0, 80.0, 125.0, 1.0), row("tree", 200.0, 150.0, 250.0, 2.0)]}
+
+
+def test_speedup_spread_pairs_the_extreme_passes():
+    line = demo.speedup_spread(_report())
+    # slowest tree pass / fastest AR pass = 150/125 = 1.20; fastest / slowest = 250/80 = 3.125
+    assert line.startswith("speedup, median of 3 timed passes")
+    assert "tree 2.00× (1.20–3.12×)" in line and "ar " not in line
+
+
+def test_speedup_spread_prefers_the_reports_per_pass_speedups():
+    report = _report()
+    report["results"][1]["speedup_spread"] = {"min": 1.7, "median": 2.0, "max": 2.2}
+    assert "tree 2.00× (1.70–2.20×)" in demo.speedup_spread(report)
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_threads_default_to_one_unless_asked_or_set_by_omp(monkeypatch, restore_threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert demo.choose_threads(None).startswith("torch threads: 1 (") and torch.get_num_threads() == 1
+    assert demo.choose_threads(2).startswith("torch threads: 2 (as asked") and torch.get_num_threads() == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert demo.choose_threads(None) == "torch threads: 2 (from OMP_NUM_THREADS)"
+
+
+def test_run_demo_prints_phase_times_spread_and_threads(tmp_path, monkeypatch, restore_threads):
+    calls = []
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("draftforge.testbed.ensure_testbed", lambda tb, max_files: SimpleNamespace(prompts="p"))
+    monkeypatch.setattr(demo, "ensure_target", lambda tb, quick, say: None)
+    monkeypatch.setattr(demo, "_train", lambda values, *a: calls.append(values) or {"export": values["output_dir"],
+                                                                                    "final_loss": 1.0})
+    monkeypatch.setattr(demo, "write_distill_data", lambda *a: None)
+    monkeypatch.setattr(demo, "_eval", lambda *a: _report())
+    monkeypatch.setattr("draftforge.eval.report.markdown_table", lambda report: "TABLE")
+    torch.set_num_threads(2)
+    lines = []
+    summary = demo.run_demo(tmp_path / "tb", tmp_path / "out", threads=None, say=lines.append)
+    assert torch.get_num_threads() == 2  # restored for the caller
+    assert [c["output_dir"] for c in calls] == [str(tmp_path / "out" / "drafter-pretrain"),
+                                                str(tmp_path / "out" / "drafter-sft")]
+    assert list(summary["phase_seconds"]) == ["testbed", "target", "drafter pre-training", "distillation data",
+                                              "drafter SFT", "eval"]
+    text = "\n".join(lines)
+    assert "phase times: testbed 0.0 min" in text and "tree 2.00×" in text and "torch threads: 1 (" in text
