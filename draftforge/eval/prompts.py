@@ -11,7 +11,6 @@ first answer in the context, which would make prompts differ between methods at 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,23 +38,18 @@ class Prompt:
     used_chat_template: bool
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Parse a JSONL file; a malformed line raises DataError naming the file and line number."""
+def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
+    """(line number, object) rows of a prompt file; DataError naming file:line for a malformed line."""
+    from draftforge.data.sources import iter_jsonl  # here: sources imports `datasets` (~1 s)
+
     path = Path(path)
     if not path.is_file():
         raise DataError(f"prompt file {path} does not exist; pass --bench a JSONL file of prompts")
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{line_no}: malformed JSON ({e.msg}); fix or delete that line") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{line_no}: expected a JSON object per line, got {type(row).__name__}")
-            rows.append((line_no, row))
+    for line_no, row in iter_jsonl(path):
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{line_no}: expected a JSON object per line, got {type(row).__name__}")
+        rows.append((line_no, row))
     if not rows:
         raise DataError(f"prompt file {path} is empty; it needs one JSON object per line")
     return rows
