@@ -105,21 +105,23 @@ def plain_copy(gguf_model):
     return model.eval()
 
 
-def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
-
-
 def _apply_umask(tree: Path) -> None:
-    """Give `tree` the modes plain mkdir/open would (mkdtemp/mkstemp, used by us and by savers, make 0700/0600)."""
-    umask = _umask()
-    tree.chmod(0o777 & ~umask)
+    """Give `tree` the modes plain mkdir/open would (mkdtemp/mkstemp, used by us and by savers, make 0700/0600).
+
+    The modes come from probes made the plain way, so the process umask is never changed (thread-safe).
+    """
+    probe_dir, probe_file = tree / ".mode-probe-dir", tree / ".mode-probe-file"
+    probe_dir.mkdir()
+    probe_file.touch()
+    dir_mode, file_mode = probe_dir.stat().st_mode & 0o777, probe_file.stat().st_mode & 0o777
+    probe_dir.rmdir()
+    probe_file.unlink()
+    tree.chmod(dir_mode)
     for root, dirs, files in os.walk(tree):
         for name in dirs:
-            os.chmod(os.path.join(root, name), 0o777 & ~umask)
+            os.chmod(os.path.join(root, name), dir_mode)
         for name in files:
-            os.chmod(os.path.join(root, name), 0o666 & ~umask)
+            os.chmod(os.path.join(root, name), file_mode)
 
 
 def replace_dir(tmp_dir: Path, out_dir: Path) -> None:
