@@ -148,6 +148,13 @@ def test_gzipped_prompt_file_and_its_malformed_line(tmp_path):
         f.write('{"prompt": "hello"}\n{"prompt": \n')
     with pytest.raises(DataError, match=r"bad\.jsonl\.gz:2: malformed JSON"):
         load_prompt_rows(bad)
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(good.read_bytes()[:-12])
+    with pytest.raises(DataError, match=r"cut\.jsonl\.gz: not a readable gzip file"):
+        load_prompt_rows(cut)
+    (tmp_path / "plain.jsonl.gz").write_text('{"prompt": "hello"}\n')
+    with pytest.raises(DataError, match="not a readable gzip file"):
+        load_prompt_rows(tmp_path / "plain.jsonl.gz")
 
 
 def test_unknown_bench_name_lists_the_named_benches():

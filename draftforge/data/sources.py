@@ -19,6 +19,7 @@ import glob
 import gzip
 import json
 import os
+import zlib
 from pathlib import Path
 
 import datasets
@@ -155,15 +156,18 @@ def iter_jsonl(path: str | Path):
     """
     path = Path(path)
     opener = gzip.open if path.suffix.lower() == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{line_no}: malformed JSON line ({e.msg}); fix or remove it") from None
-            yield line_no, value
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{line_no}: malformed JSON line ({e.msg}); fix or remove it") from None
+                yield line_no, value
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise DataError(f"{path}: not a readable gzip file ({e}); fetch or compress it again") from None
 
 
 def iter_located_rows(path: Path):
