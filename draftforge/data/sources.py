@@ -16,8 +16,10 @@ its producer, so it raises DataError naming file:line instead of being skipped.
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import os
+import zlib
 from pathlib import Path
 
 import datasets
@@ -147,18 +149,32 @@ def iter_file_rows(path: Path):
         yield row
 
 
-def iter_located_rows(path: Path):
-    """(where, raw row) pairs; `where` is "file:line" for JSONL, "file row i" otherwise (for error messages)."""
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
+def iter_jsonl(path: str | Path):
+    """(line number, parsed value) per non-blank line of a JSONL file (.jsonl.gz too).
+
+    The one JSONL reader: a malformed line raises DataError naming file:line.
+    """
+    path = Path(path)
+    opener = gzip.open if path.suffix.lower() == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
             for line_no, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
                 try:
-                    yield f"{path}:{line_no}", json.loads(line)
+                    value = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}:{line_no}: malformed JSON line ({e.msg}); fix or remove it") from None
+                yield line_no, value
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise DataError(f"{path}: not a readable gzip file ({e}); fetch or compress it again") from None
+
+
+def iter_located_rows(path: Path):
+    """(where, raw row) pairs; `where` is "file:line" for JSONL, "file row i" otherwise (for error messages)."""
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        yield from ((f"{path}:{line_no}", row) for line_no, row in iter_jsonl(path))
     elif suffix == ".json":
         try:
             rows = json.loads(path.read_text(encoding="utf-8"))

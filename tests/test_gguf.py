@@ -1,0 +1,142 @@
+"""GGUF -> HF conversion on a tiny llama GGUF this test writes itself with the `gguf` package."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: E402
+
+from draftforge.errors import CheckpointError, DraftforgeError  # noqa: E402
+from draftforge.models.gguf import check_gguf, convert_gguf, load_gguf, supported_architectures  # noqa: E402
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, CONTEXT = 2, 32, 4, 2, 64, 128
+
+
+def write_tiny_gguf(path, arch="llama"):
+    """A 2-layer llama GGUF with a byte-level BPE tokenizer and chat template in its metadata (tied head)."""
+    tokens = SPECIALS + sorted(set(bytes_to_unicode().values())) + [m.replace(" ", "") for m in MERGES]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny")
+    writer.add_context_length(CONTEXT)
+    writer.add_block_count(LAYERS)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))  # 3 = control
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(2)
+    writer.add_chat_template(TEMPLATE)
+    rng = np.random.default_rng(0)
+
+    def add(name, *shape, ones=False, f16=False):
+        a = np.ones(shape, np.float32) if ones else (rng.standard_normal(shape) * 0.2).astype(np.float32)
+        writer.add_tensor(name, a.astype(np.float16) if f16 else a)
+
+    head_dim = HIDDEN // HEADS
+    add("token_embd.weight", len(tokens), HIDDEN)
+    add("output_norm.weight", HIDDEN, ones=True)
+    for i in range(LAYERS):
+        b = f"blk.{i}."
+        add(b + "attn_norm.weight", HIDDEN, ones=True)
+        add(b + "ffn_norm.weight", HIDDEN, ones=True)
+        add(b + "attn_q.weight", HIDDEN, HIDDEN)
+        add(b + "attn_k.weight", KV_HEADS * head_dim, HIDDEN)
+        add(b + "attn_v.weight", KV_HEADS * head_dim, HIDDEN, f16=True)  # a half tensor gets converted too
+        add(b + "attn_output.weight", HIDDEN, HIDDEN)
+        add(b + "ffn_gate.weight", FFN, HIDDEN)
+        add(b + "ffn_up.weight", FFN, HIDDEN)
+        add(b + "ffn_down.weight", HIDDEN, FFN)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def test_converted_dir_loads_plainly_and_matches_the_gguf_model(tiny_gguf, tmp_path):
+    old_umask = os.umask(0o027)
+    try:
+        out, _, _ = convert_gguf(tiny_gguf, tmp_path / "hf")
+    finally:
+        os.umask(old_umask)
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= files
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dir left behind
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {oct(0o640)}  # umask respected
+    assert oct(out.stat().st_mode & 0o777) == oct(0o750)
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["num_hidden_layers"] == LAYERS
+    assert config["tie_word_embeddings"] and config["max_position_embeddings"] == CONTEXT
+
+    model = AutoModelForCausalLM.from_pretrained(out)  # no gguf_file: a standard HF directory
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ref_model, ref_tokenizer = load_gguf(tiny_gguf)
+    assert model.config.model_type == "llama" and model.generation_config.eos_token_id == 2
+    for text in ["hello world", "hello hello world world"]:
+        assert tokenizer(text)["input_ids"] == ref_tokenizer(text)["input_ids"]
+    messages = [{"role": "user", "content": "hello"}]
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat_ids == ref_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat_ids.endswith("<|im_start|>assistant\n")
+    rows = [tokenizer(text)["input_ids"] for text in ("hello world hello", "world, hello world!")]
+    ids_BT = torch.tensor([row[:4] for row in rows])
+    with torch.no_grad():
+        logits_BTV = model(ids_BT).logits
+        ref_logits_BTV = ref_model(ids_BT).logits
+    assert logits_BTV.shape[-1] == len(tokenizer)
+    torch.testing.assert_close(logits_BTV, ref_logits_BTV, rtol=0, atol=0)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
+
+
+def test_convert_replaces_an_existing_dir(tiny_gguf, tmp_path):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    convert_gguf(tiny_gguf, out, extra_files={"NOTE.txt": "hi"})
+    assert not (out / "stale.txt").exists() and (out / "NOTE.txt").read_text() == "hi"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    path = write_tiny_gguf(tmp_path / "bert.gguf", arch="bert")
+    with pytest.raises(CheckpointError, match=r"architecture 'bert' is not supported; supported .*llama"):
+        check_gguf(path)
+    assert "llama" in supported_architectures() and "t5" not in supported_architectures()
+
+
+def test_corrupt_truncated_and_missing_files(tiny_gguf, tmp_path):
+    data = tiny_gguf.read_bytes()
+    cases = {"half.gguf": data[: len(data) // 2], "header.gguf": data[:200], "junk.gguf": b"not a gguf" * 50}
+    for name, blob in cases.items():
+        (tmp_path / name).write_bytes(blob)
+        with pytest.raises(CheckpointError, match="corrupt or truncated"):
+            convert_gguf(tmp_path / name, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointError, match="does not exist"):
+        convert_gguf(tmp_path / "nope.gguf", tmp_path / "out")
+    assert issubclass(CheckpointError, DraftforgeError)
