@@ -19,7 +19,7 @@ import torch
 
 import draftforge
 from draftforge.errors import CheckpointError, CompatibilityError
-from draftforge.fsutil import temp_dir_beside, usual_permissions
+from draftforge.fsutil import replace_dir, temp_dir_beside, usual_permissions
 
 FORMAT_VERSION = 1
 METADATA_FILE = "draftforge.json"
@@ -102,34 +102,26 @@ def export_model(model: torch.nn.Module, tokenizer, out_dir, *, metadata: dict, 
         "metrics": metadata.get("metrics", {}),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    return write_model_dir(_mergeable_model(model), tokenizer, out_dir,
+                           {METADATA_FILE: json.dumps(record, indent=2, sort_keys=True) + "\n"})
+
+
+def write_model_dir(model, tokenizer, out_dir: Path, extra_files: dict[str, str] | None = None) -> Path:
+    """Save model (safetensors) + tokenizer + extra text files into `out_dir` atomically (temp dir beside
+    it, usual permissions, then a rename that replaces an old copy only once the new one is complete)."""
+    out_dir = Path(out_dir)
     tmp_dir = temp_dir_beside(out_dir)
     try:
-        _mergeable_model(model).save_pretrained(tmp_dir)
+        model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
-        (tmp_dir / METADATA_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        for name, text in (extra_files or {}).items():
+            (tmp_dir / name).write_text(text, encoding="utf-8")
         usual_permissions(tmp_dir)
-        _swap_into_place(tmp_dir, out_dir)
+        replace_dir(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     return out_dir
-
-
-def _swap_into_place(tmp_dir: Path, out_dir: Path) -> None:
-    """Rename the finished temp dir onto `out_dir`; an old export is moved aside first and removed after."""
-    if not out_dir.exists():
-        tmp_dir.rename(out_dir)
-        return
-    old_dir = temp_dir_beside(out_dir, "old")
-    old_dir.rmdir()
-    out_dir.rename(old_dir)
-    try:
-        tmp_dir.rename(out_dir)
-    except BaseException:
-        old_dir.rename(out_dir)  # put the previous export back
-        raise
-    shutil.rmtree(old_dir, ignore_errors=True)
 
 
 def read_export_metadata(path) -> dict:

@@ -8,7 +8,9 @@ have given it under the current umask.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -51,3 +53,28 @@ def usual_permissions(root: Path) -> None:
     for p in [root, *root.rglob("*")]:
         if not p.is_symlink():
             os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+def replace_dir(tmp_dir: Path, out_dir: Path) -> None:
+    """Rename the finished `tmp_dir` onto `out_dir`; an existing `out_dir` is moved aside first, put back if
+    the rename fails, and removed after."""
+    if not out_dir.exists():
+        tmp_dir.rename(out_dir)
+        return
+    old_dir = temp_dir_beside(out_dir, "old")
+    old_dir.rmdir()
+    out_dir.rename(old_dir)
+    try:
+        tmp_dir.rename(out_dir)
+    except BaseException:
+        old_dir.rename(out_dir)
+        raise
+    shutil.rmtree(old_dir, ignore_errors=True)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

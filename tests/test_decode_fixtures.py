@@ -44,3 +44,22 @@ def noisy_copy(model, noise=0.02, seed=9):
         for p in clone.parameters():
             p.add_(noise * torch.randn_like(p))
     return clone
+
+
+def greedy_reference(target, prompt, max_new, eos=None):
+    """The target's own greedy generate() continuation (the lossless oracle)."""
+    ids = torch.tensor([prompt])  # explicit mask: generate() would otherwise mask prompt tokens equal to pad
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                                eos_token_id=eos)
+    return out[0, len(prompt) :].tolist()
+
+
+def three_drafters(target, vocab):
+    """A Transformer (noisy copy of the target), a Mamba and a Mamba2 drafter, float64, bound to `target`."""
+    from draftforge.decode import load_drafter
+
+    return {
+        "transformer": load_drafter(noisy_copy(target.model, noise=0.05), target),
+        "mamba": load_drafter(tiny_mamba(vocab=vocab, dtype=torch.float64), target),
+        "mamba2": load_drafter(tiny_mamba2(vocab=vocab, dtype=torch.float64), target),
+    }

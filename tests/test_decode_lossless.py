@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decode_fixtures import noisy_copy, tiny_llama, tiny_mamba, tiny_mamba2
+from test_decode_fixtures import greedy_reference, noisy_copy, three_drafters, tiny_llama
 
 from draftforge.decode import build_decoder, load_drafter, load_target
 
@@ -19,18 +19,10 @@ def target():
 
 @pytest.fixture(scope="module")
 def drafters(target):
-    return {
-        "transformer": load_drafter(noisy_copy(target.model, noise=0.05), target),
-        "mamba": load_drafter(tiny_mamba(vocab=VOCAB, dtype=torch.float64), target),
-        "mamba2": load_drafter(tiny_mamba2(vocab=VOCAB, dtype=torch.float64), target),
-    }
+    return three_drafters(target, VOCAB)
 
 
-def reference(target, prompt, max_new, eos=None):
-    ids = torch.tensor([prompt])  # explicit mask: generate() would otherwise mask prompt tokens equal to pad
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                                eos_token_id=eos)
-    return out[0, len(prompt) :].tolist()
+reference = greedy_reference
 
 
 # (VOCAB, 2, 1) always accepts depth 1, so deep rollback paths are exercised even with random drafters

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decode_fixtures import noisy_copy, tiny_llama, tiny_mamba, tiny_mamba2
+from test_decode_fixtures import greedy_reference, noisy_copy, three_drafters, tiny_llama, tiny_mamba, tiny_mamba2
 from test_decode_units import reencoded_states
 
 from draftforge.decode import (Controller, DraftTree, Drafter, DynamicTree, SpeculativeDecoder, StopRule,
@@ -25,10 +25,7 @@ def target():
     return load_target(tiny_llama(vocab=VOCAB, dtype=torch.float64))
 
 
-def reference(target, prompt, max_new):
-    ids = torch.tensor([prompt])
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
-    return out[0, len(prompt):].tolist()
+reference = greedy_reference
 
 
 class PlanController(Controller):
@@ -161,11 +158,7 @@ class TopKBuilder(TreeBuilder):
 
 @pytest.fixture(scope="module")
 def drafters(target):
-    return {
-        "transformer": load_drafter(noisy_copy(target.model, noise=0.05), target),
-        "mamba": load_drafter(tiny_mamba(vocab=VOCAB, dtype=torch.float64), target),
-        "mamba2": load_drafter(tiny_mamba2(vocab=VOCAB, dtype=torch.float64), target),
-    }
+    return three_drafters(target, VOCAB)
 
 
 @pytest.mark.parametrize("kind", ["transformer", "mamba", "mamba2"])

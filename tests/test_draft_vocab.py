@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from test_decode_fixtures import tiny_llama, tiny_mamba, tiny_mamba2
+from test_decode_fixtures import greedy_reference, tiny_llama, tiny_mamba, tiny_mamba2
 from test_decode_sampling import PARAMS, chi_square, chi_square_limit, exact_two_token
 
 from draftforge.decode import build_decoder, load_drafter, load_target
@@ -46,10 +46,7 @@ def target():
     return load_target(tiny_llama(vocab=VOCAB, dtype=torch.float64))
 
 
-def reference(target, prompt, max_new):
-    ids = torch.tensor([prompt])
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
-    return out[0, len(prompt):].tolist()
+reference = greedy_reference
 
 
 @pytest.mark.parametrize("make", [tiny_mamba, tiny_mamba2, lambda **k: tiny_llama(seed=5, **k)],

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from draftforge.eval.metrics import fmt_num
+from draftforge.fsutil import atomic_write_text  # noqa: F401  (report writers use it)
 
 CONVENTIONS = {
     "tau": "tokens emitted per target forward, bonus/correction token counted",
@@ -44,20 +43,6 @@ MD_NAMES = {
     "gamma_total": "γ total", "alpha": "α (report.json)", "memory": "peak mem MiB", "self_check": "= AR (T=0)",
     "acceptance_by_position": "acceptance by position", "timing": "timing", "hf_assisted_policy": "hf_assisted",
 }
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temp file + rename so a killed run never leaves a half-written report."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _self_check_cell(sc: dict | None) -> str:

@@ -8,10 +8,7 @@ generation config into a temp dir that is renamed into place.
 
 from __future__ import annotations
 
-import os
-import shutil
 import struct
-import tempfile
 from pathlib import Path
 
 from draftforge.errors import CheckpointError
@@ -105,57 +102,11 @@ def plain_copy(gguf_model):
     return model.eval()
 
 
-def _apply_umask(tree: Path) -> None:
-    """Give `tree` the modes plain mkdir/open would (mkdtemp/mkstemp, used by us and by savers, make 0700/0600).
-
-    The modes come from probes made the plain way, so the process umask is never changed (thread-safe).
-    """
-    probe_dir, probe_file = tree / ".mode-probe-dir", tree / ".mode-probe-file"
-    probe_dir.mkdir()
-    probe_file.touch()
-    dir_mode, file_mode = probe_dir.stat().st_mode & 0o777, probe_file.stat().st_mode & 0o777
-    probe_dir.rmdir()
-    probe_file.unlink()
-    tree.chmod(dir_mode)
-    for root, dirs, files in os.walk(tree):
-        for name in dirs:
-            os.chmod(os.path.join(root, name), dir_mode)
-        for name in files:
-            os.chmod(os.path.join(root, name), file_mode)
-
-
-def replace_dir(tmp_dir: Path, out_dir: Path) -> None:
-    """Rename finished `tmp_dir` onto `out_dir`; an existing `out_dir` is moved aside, then removed."""
-    if not out_dir.exists():
-        tmp_dir.rename(out_dir)
-        return
-    old_dir = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-    shutil.rmtree(old_dir, ignore_errors=True)
-    out_dir.rename(old_dir)
-    try:
-        tmp_dir.rename(out_dir)
-    except BaseException:
-        old_dir.rename(out_dir)  # put the previous copy back
-        raise
-    shutil.rmtree(old_dir, ignore_errors=True)
-
-
 def write_hf_dir(model, tokenizer, out_dir: str | Path, extra_files: dict[str, str] | None = None) -> Path:
     """Save model (safetensors) + tokenizer + extra text files into `out_dir` atomically."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        model.save_pretrained(tmp_dir, safe_serialization=True)
-        tokenizer.save_pretrained(tmp_dir)
-        for name, text in (extra_files or {}).items():
-            (tmp_dir / name).write_text(text, encoding="utf-8")
-        _apply_umask(tmp_dir)
-        replace_dir(tmp_dir, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    return out_dir
+    from draftforge.export import write_model_dir
+
+    return write_model_dir(model, tokenizer, Path(out_dir), extra_files)
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype=None,

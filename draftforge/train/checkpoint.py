@@ -9,14 +9,13 @@ complete checkpoints; a checkpoint whose files do not match its manifest is skip
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
 
 from draftforge.errors import CheckpointError
-from draftforge.fsutil import usual_permissions
+from draftforge.fsutil import sha256_file, usual_permissions
 
 PREFIX = "step-"
 # Recipe keys that may change between a run and its resume without changing the result.
@@ -43,17 +42,9 @@ def recipe_differences(saved: dict, current: dict) -> list[str]:
     return [k for k in keys if k not in RESUMABLE_KEYS and a.get(k) != b.get(k)]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_manifest(ckpt_dir: Path) -> None:
     files = sorted(p for p in ckpt_dir.rglob("*") if p.is_file() and p.name != "manifest.json")
-    manifest = {str(p.relative_to(ckpt_dir)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    manifest = {str(p.relative_to(ckpt_dir)): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in files}
     _write_json_atomic(ckpt_dir / "manifest.json", manifest)
 
 
@@ -72,7 +63,7 @@ def verify(ckpt_dir: Path) -> str | None:
             return f"{rel} is missing"
         if p.stat().st_size != meta["size"]:
             return f"{rel} is truncated ({p.stat().st_size} of {meta['size']} bytes)"
-        if _sha256(p) != meta["sha256"]:
+        if sha256_file(p) != meta["sha256"]:
             return f"{rel} does not match its checksum"
     if "loop_state.json" not in manifest:
         return "loop_state.json is missing"
