@@ -155,6 +155,14 @@ class HFAssistedDecoder:
                 "use method 'chain' or 'tree' for Mamba drafters"
             )
         self.target, self.drafter = target, drafter
+        config = drafter.model.generation_config
+        self._initial_draft_tokens = getattr(config, "num_assistant_tokens", None)
+
+    def reset(self) -> None:
+        """transformers adapts the assistant's draft length in its generation_config across calls
+        ("heuristic" schedule): put the starting value back, like UCB's reset."""
+        if self._initial_draft_tokens is not None:
+            self.drafter.model.generation_config.num_assistant_tokens = self._initial_draft_tokens
 
     def generate(self, input_ids, *, max_new_tokens: int, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos_token_id=None):
         params = SamplingParams(float(temperature), float(top_p), int(top_k))
