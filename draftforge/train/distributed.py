@@ -176,3 +176,13 @@ def load_fitting_state(model: torch.nn.Module, state: dict, what: str) -> None:
                               f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
     if tied:
         model.tie_weights()
+
+
+def check_frozen_placement(acc, frozen: dict) -> None:
+    """Frozen modules (a target, a teacher) must be whole on every process: ZeRO-3's init flag would have
+    partitioned them while they were built, and nothing gathers them outside the training engine."""
+    plugin = getattr(acc.state, "deepspeed_plugin", None)
+    if frozen and plugin is not None and getattr(plugin, "zero3_init_flag", False):
+        raise DraftforgeError(f"this task keeps frozen modules ({', '.join(frozen)}) outside ZeRO, but the launch "
+                              "config sets zero3_init_flag: true, which partitions every model built under it; "
+                              "set zero3_init_flag: false (launch/deepspeed_zero3.yaml does)")

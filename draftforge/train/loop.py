@@ -98,6 +98,7 @@ class Trainer:
         self.recipe, self.acc, self.spec, self.run_dir, self.t = recipe, acc, spec, run_dir, recipe.train
         self.say = acc.print
         self._announce()
+        dist.check_frozen_placement(acc, spec.frozen)
         for module in spec.frozen.values():  # never prepared: no optimizer state, no grad sync, no sharding
             module.to(acc.device).eval().requires_grad_(False)
         opt, self.sched = build_optimizer(spec.model, recipe)
