@@ -100,3 +100,56 @@ def tiny_jamba(vocab=48, seed=5, dtype=torch.float32):
 
 HYBRIDS = {"bamba": tiny_bamba, "nemotron_h": tiny_nemotron_h, "granitemoehybrid": tiny_granite_hybrid,
            "zamba2": tiny_zamba2, "mamba2": tiny_mamba2_target}
+
+
+class ScriptedDrafter:
+    """A greedy-only test drafter that knows the target's true continuation (its own generate()) and
+    puts it in the tree with deliberate misses, so deep accepts, partial rejections and non-first
+    children are all exercised on random targets (a random drafter would almost never be accepted)."""
+
+    kind = "scripted"
+    node_map = None
+    d2t = None
+
+    def __init__(self, target, seed=0, miss=0.2, second=0.2):
+        self.target, self.vocab_size = target, target.vocab_size
+        self.gen, self.miss, self.second = torch.Generator().manual_seed(seed), miss, second
+
+    def reset(self):
+        pass
+
+    def _truth(self, seq, depth):
+        ids = torch.tensor([seq])
+        out = self.target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=depth,
+                                         do_sample=False, eos_token_id=None)
+        return out[0, len(seq):].tolist()
+
+    def draft(self, seq, plan, params, generator):
+        from draftforge.decode.plan import as_plan
+        from draftforge.decode.tree import DraftTree, level_sizes, tree_from_levels
+
+        plan = as_plan(plan)
+        widths = plan.widths if hasattr(plan, "widths") else (1,) * plan.max_len
+        truth = self._truth(seq, len(widths))
+        levels, on_line = [], 0  # on_line: the row at this depth that continues the true path (-1: none)
+        for depth, size in enumerate(level_sizes(widths)):
+            rnd = torch.randint(0, self.vocab_size, (size,), generator=self.gen).tolist()
+            first_child = on_line * widths[depth] if on_line >= 0 else -1
+            slot = -1
+            if first_child >= 0 and float(torch.rand((), generator=self.gen)) >= self.miss:
+                slot = first_child
+                if widths[depth] > 1 and float(torch.rand((), generator=self.gen)) < self.second:
+                    slot = first_child + 1
+            row_truth = truth[depth]
+            for r in range(size):  # siblings of the truth must differ from it
+                if r != slot and rnd[r] == row_truth:
+                    rnd[r] = (row_truth + 1) % self.vocab_size
+            if slot >= 0:
+                rnd[slot] = row_truth
+            levels.append(rnd)
+            on_line = slot
+        tokens, parents, depths = tree_from_levels(levels, widths)
+        return DraftTree(tokens, parents, depths, is_chain=all(w == 1 for w in widths))
+
+    def accept(self, path):
+        pass

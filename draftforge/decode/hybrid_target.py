@@ -133,14 +133,16 @@ class HybridTarget(Target):
         if not self.ssm_only:
             dtype = next(self.model.parameters()).dtype
             mask_11QK = packed_tree_mask(ancestor_matrix(parents_N), past, dtype, self.device)
-        with tree_mixers(self.mixers, packed, self.impl) as scans:
+        impl = self.impl
+        if n_rows > MAX_KERNEL_NODES and impl != "ref":  # the kernel holds at most that many rows
+            impl = "ref"
+            self.notes.add(f"trees over {MAX_KERNEL_NODES} rows ran the reference tree scan (kernel limit)")
+        with tree_mixers(self.mixers, packed, impl) as scans:
             out = self._forward([last_token] + tree.tokens, positions, mask_11QK, hidden=self.want_hidden)
         self._scans = scans
         logits_NV, hidden_ND = out if self.want_hidden else (out, None)
         self.last = Verification(tree, logits_NV, hidden_ND)
-        kernel = self.device.type == "cuda" and n_rows <= MAX_KERNEL_NODES and self.impl != "ref"
-        if self.device.type == "cuda" and n_rows > MAX_KERNEL_NODES:
-            self.notes.add(f"trees over {MAX_KERNEL_NODES} rows ran the reference tree scan (kernel limit)")
+        kernel = impl == "triton" or (impl == "auto" and self.device.type == "cuda")
         self.costs.append(VerifyCost(tokens=n_rows, states=1, kernel=kernel))
         return logits_NV
 
