@@ -93,6 +93,7 @@ class HybridTarget(Target):
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_context = max_context(model.config)
         self.ssm_only = model.config.model_type == "mamba2"
+        self.ssm_layers, self.states_per_verify = len(self.mixers), 1  # one state per SSM layer, any tree
         self.costs: list[VerifyCost] = []
         self.notes: set[str] = set()
         self.reset()
