@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from draftforge.errors import CompatibilityError
+from draftforge.errors import CompatibilityError, RecipeError
 from draftforge.recipe import Recipe, doc, require
 
 
@@ -28,6 +28,8 @@ class DistillConfig:
     ce_weight: float = doc(0.0, "weight of the next-token CE on the data (STree's recipe: 0.0)")
     embeddings_from_target: bool = doc(False, "start the student's input embeddings (and a tied head) from the "
                                               "target's; needs the same hidden size")
+    trainable: list[str] = doc([], "train only parameters whose name contains one of these strings (e.g. [mamba] "
+                                   "for a converted hybrid's new mixers); []: all")
 
     def check(self, at: str) -> None:
         require(self.temperature > 0, f"{at}.temperature", "must be > 0")
@@ -89,6 +91,16 @@ def copy_target_embeddings(student, teacher) -> None:
         dst.copy_(src.to(dst.dtype))
 
 
+def freeze_except(model, patterns: list[str]) -> None:
+    """requires_grad only for parameters whose name contains one of `patterns` (the rest stays as loaded)."""
+    names = [n for n, _ in model.named_parameters()]
+    if not any(pat in n for n in names for pat in patterns):
+        raise RecipeError(f"recipe key 'distill.trainable': no parameter name contains any of {patterns} "
+                          f"(names look like {names[:3]})")
+    for name, param in model.named_parameters():
+        param.requires_grad_(any(pat in name for pat in patterns))
+
+
 def build_distill_task(recipe: Recipe, accelerator, with_data: bool = True):
     """The student (a pretrain-style drafter), packed text blocks, and the frozen teacher."""
     from draftforge.train.lm import build_lm_task
@@ -103,6 +115,10 @@ def build_distill_task(recipe: Recipe, accelerator, with_data: bool = True):
     accelerator.print(f"[draftforge] distill: teacher {type(teacher).__name__} "
                       f"({sum(p.numel() for p in teacher.parameters()):,} params, frozen), τ={options.temperature}, "
                       f"KL×{options.kl_weight} + CE×{options.ce_weight}")
+    if options.trainable:
+        freeze_except(spec.model, options.trainable)
+        n_train = sum(p.numel() for p in spec.model.parameters() if p.requires_grad)
+        accelerator.print(f"[draftforge] distill: training {n_train:,} parameters matching {options.trainable}")
     spec.loss = make_loss(teacher, options)
     spec.frozen = {**spec.frozen, "teacher": teacher}
     spec.export_metadata["distilled_from"] = recipe.model.target  # the same dict the export hook reads
