@@ -1,6 +1,6 @@
 """A hybrid target from SmolLM2 (MambaInLlama style): convert, then measure how close it is to SmolLM2.
 
-    python benchmarks/hybrid_smollm2.py convert --share 0.25 --out runs/hybrid/smollm2-init
+    python benchmarks/hybrid_smollm2.py convert --share 0.1 --out runs/hybrid/smollm2-init
     draftforge train recipes/hybrid/smollm2_hybrid.yaml            # KL distillation of the new mixers
     python benchmarks/hybrid_smollm2.py compare runs/hybrid/smollm2-init runs/hybrid/smollm2/export
 
@@ -94,7 +94,7 @@ def main(argv=None) -> None:
     p.add_argument("--smollm2", default="/tmp/h1dl/cache/smollm2", help="converted SmolLM2 directory")
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("convert", help="write the attention-initialised hybrid and the training corpus")
-    c.add_argument("--share", type=float, default=0.25, help="share of attention layers replaced by Mamba2")
+    c.add_argument("--share", type=float, default=0.1, help="share of attention layers replaced by Mamba2")
     c.add_argument("--out", default="runs/hybrid/smollm2-init")
     c.add_argument("--corpus", default="runs/hybrid/corpus", help="where the training corpus files go")
     m = sub.add_parser("compare", help="KL, top-1 and greedy agreement of hybrids against SmolLM2")
