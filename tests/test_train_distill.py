@@ -80,3 +80,27 @@ def test_distill_needs_a_target(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, t
     values = distill_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir, temperature=0)
     with pytest.raises(RecipeError, match="distill.temperature"):
         recipe_from_dict(values)
+
+
+@pytest.mark.slow  # two accelerate launches on CPU
+def test_distill_on_two_processes_matches_one(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir):
+    """The teacher is frozen and never prepared, so N processes reproduce one process's KL curve."""
+    import subprocess
+
+    import yaml
+    from test_distributed import _command, _env
+
+    values = distill_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir)
+    values["train"].update(max_steps=6, save_every=6, log_every=1)
+    recipe = tmp_path / "distill.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    curves = {}
+    for config in (None, "multi_cpu.yaml"):
+        out = tmp_path / f"run-{config}"
+        proc = subprocess.run(_command(config, recipe, out), cwd=str(recipe.parent), env=_env(), capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert ("2 process(es)" if config else "1 process(es)") in proc.stdout
+        curves[config] = [r["kl"] for r in read_metrics(out) if "kl" in r]
+    assert len(curves[None]) == 6
+    assert curves["multi_cpu.yaml"] == pytest.approx(curves[None], rel=1e-4)
