@@ -151,9 +151,11 @@ def test_unknown_or_mamba1_hybrids_are_refused_with_the_supported_list():
         load_target(model)
 
 
-def test_drafter_with_another_vocabulary_is_refused(targets):
+def test_drafter_with_another_vocabulary_or_a_hybrid_drafter_is_refused(targets):
     with pytest.raises(CompatibilityError):
         load_drafter(tiny_mamba2(vocab=VOCAB + 8), targets["bamba"])
+    with pytest.raises(CompatibilityError, match="hybrid/recurrent.*task distill"):
+        load_drafter(tiny_bamba(vocab=VOCAB), targets["mamba2"])
 
 
 def test_tree_over_the_kernel_limit_uses_the_reference_with_a_note(targets, monkeypatch):
