@@ -9,7 +9,7 @@ from draftforge.decode.cuda_graphs import use_cuda_graphs
 from draftforge.decode.drafter_base import Drafter, propose_children  # noqa: F401  (public names)
 from draftforge.decode.drafter_hf import TransformerDrafter
 from draftforge.decode.drafter_mamba import MambaDrafter
-from draftforge.decode.targets import SSM_MODEL_TYPES, Target, load_hf_causal_lm
+from draftforge.decode.targets import SSM_MODEL_TYPES, Target, is_recurrent_model, load_hf_causal_lm
 from draftforge.errors import CompatibilityError
 
 
@@ -49,6 +49,10 @@ def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_
     check_vocab(target, model, tokenizer, allow_vocab_mismatch)
     if model.config.model_type in SSM_MODEL_TYPES:
         drafter = MambaDrafter(model, target.vocab_size, tokenizer, cuda_graphs=cuda_graphs)
+    elif is_recurrent_model(model.config):  # a hybrid's recurrent state cannot be cropped like a KV cache
+        raise CompatibilityError(
+            f"drafter {model.config.model_type!r} is a hybrid/recurrent model; drafters are Mamba / Mamba2 models "
+            "or Transformers with a KV cache (distil a Mamba2 drafter from it with task distill)")
     else:
         use_cuda_graphs(cuda_graphs, model.device)  # same validation for every drafter kind
         drafter = TransformerDrafter(model, target.vocab_size, tokenizer)

@@ -178,22 +178,35 @@ class KVCacheTarget(Target):
 RECURRENT_LAYER_TYPES = ("mamba", "mamba2", "linear_attention", "hybrid", "conv", "recurrent")
 
 
+def is_recurrent_model(config) -> bool:
+    """True for models with layers that keep recurrent (SSM / linear-attention) state."""
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    return (config.model_type in SSM_MODEL_TYPES or config.model_type in HYBRID_MODEL_TYPES
+            or bool(layer_types & set(RECURRENT_LAYER_TYPES)))
+
+
 def check_target_model(model) -> None:
-    """Refuse, at load, models this target cannot verify losslessly (one message naming what is supported)."""
+    """Refuse, at load, models the KV-cache target cannot verify losslessly (one message naming what to use)."""
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise CompatibilityError(f"target {config.model_type!r} is encoder-decoder; use a decoder-only LM")
-    layer_types = set(getattr(config, "layer_types", None) or [])
-    hybrid = bool(layer_types & set(RECURRENT_LAYER_TYPES)) or config.model_type in HYBRID_MODEL_TYPES
-    if config.model_type in SSM_MODEL_TYPES or hybrid:
+    if is_recurrent_model(config):
         raise CompatibilityError(
-            f"target {config.model_type!r} keeps recurrent (SSM) state, which the harness cannot verify or roll "
-            "back yet; supported targets are decoder-only Transformers with a KV cache (Llama, Qwen2, Mistral, "
-            "SmolLM2, ...). SSM and hybrid targets are planned (STree tree scan: draftforge.decode.mamba2_tree)"
+            f"target {config.model_type!r} keeps recurrent (SSM) state, which a KV cache cannot roll back; "
+            "load it with load_target (it picks the tree-scan HybridTarget, draftforge.decode.hybrid_target)"
         )
 
 
-def load_target(model_or_path, device="cpu", dtype=None, tokenizer=None) -> Target:
-    """A Target from a HF decoder-only Transformer (model object or path); `.model`, `.tokenizer`."""
+def load_target(model_or_path, device="cpu", dtype=None, tokenizer=None, scan_impl: str = "auto") -> Target:
+    """A Target from a HF decoder-only Transformer, or an SSM / hybrid model (model object or path).
+
+    Transformers get the KV-cache target; Mamba2 and Mamba2+attention hybrids get `HybridTarget`
+    (STree tree scan + replay; `scan_impl` = "auto" | "ref" | "triton"); other recurrent models
+    are refused with one message listing what is supported."""
     model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "target")
-    return KVCacheTarget(model, tokenizer if tokenizer is not None else found_tokenizer)
+    tokenizer = tokenizer if tokenizer is not None else found_tokenizer
+    if is_recurrent_model(model.config) and not getattr(model.config, "is_encoder_decoder", False):
+        from draftforge.decode.hybrid_target import HybridTarget
+
+        return HybridTarget(model, tokenizer, impl=scan_impl)
+    return KVCacheTarget(model, tokenizer)

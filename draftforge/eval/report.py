@@ -92,6 +92,19 @@ HEADER = ("| method | T | τ (+bonus) | τ (no bonus) | tok/s median [min–max]
           "| = AR (T=0) |")
 
 
+def _verify_cost_lines(report: dict) -> list[str]:
+    """For SSM/hybrid targets: tokens computed and states held per verification, and the target's notes."""
+    rows = [r for r in report["results"] if (r.get("verify_cost") or {}).get("ssm_layers")]
+    lines = []
+    if rows:
+        per = ", ".join(f"{r['method']}@{r['temperature']:g} {r['verify_cost']['tokens_per_verify']:.1f} tokens / "
+                        f"{r['verify_cost']['states_per_verify']} state" for r in rows)
+        lines.append(f"per verification ({rows[0]['verify_cost']['ssm_layers']} SSM layers; states per SSM layer, "
+                     f"packed tree scan: unrolling a tree would hold one per leaf): {per}.")
+    lines += [f"note: {n}" for n in report.get("target_notes", [])]
+    return lines
+
+
 def markdown_table(report: dict) -> str:
     """The speedup table plus the notes a reader needs to trust it."""
     m = report["manifest"]
@@ -113,6 +126,7 @@ def markdown_table(report: dict) -> str:
     checks = [f"{r['method']} {_self_check_cell(r['self_check'])}" for r in report["results"] if r["self_check"]]
     if checks:
         lines.append(f"self-check (T=0, prompts identical to AR in this run, every repeat): {', '.join(checks)}.")
+    lines += _verify_cost_lines(report)
     for s in report.get("skipped", []):
         lines.append(f"skipped {s['method']}: {s['reason']}")
     return "\n".join(lines)

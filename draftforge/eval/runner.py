@@ -222,11 +222,21 @@ def _summaries(cfg, records, memory, prompts, target) -> list[dict]:
             mine = [r for r in at_t if r.method == method]
             row = {"method": method, "temperature": temp, **metrics.summarize(mine, ar)}
             row["memory"] = memory.get(f"{method}@{temp:g}")
+            row["verify_cost"] = _verify_cost(row, target)
             row["self_check"] = None
             if temp == 0 and method != "ar":
                 row["self_check"] = metrics.self_check(mine, ar, ids_map, _logits_fn(target, cfg.device), dtype)
             results.append(row)
     return results
+
+
+def _verify_cost(row: dict, target) -> dict:
+    """Tokens computed and recurrent states held per verification (STree §4); states are per SSM layer,
+    0 for a KV-cache target. Tokens = drafted nodes + the root, averaged over rounds."""
+    forwards = row["target_forwards"] or 1
+    return {"tokens_per_verify": (row["gamma_total"] + row["target_forwards"]) / forwards,
+            "states_per_verify": getattr(target, "states_per_verify", 0),
+            "ssm_layers": getattr(target, "ssm_layers", 0)}
 
 
 def _enforce_self_check(cfg, results, dtype, paths) -> None:
@@ -304,6 +314,7 @@ def run_eval(cfg: EvalConfig) -> dict:
                      "chat_template": p.used_chat_template} for p in prompts],
         "results": results,
         "skipped": skipped,
+        "target_notes": sorted(getattr(target, "notes", ())),
         "records": [r.to_dict() for r in records],
     }
     paths = report_mod.write_reports(report, cfg.out_dir, plots=cfg.plots)

@@ -83,3 +83,6 @@ register_task("pretrain", builder="draftforge.train.lm:build_lm_task",
               doc="a Mamba / Mamba2 drafter (or any small causal LM) from scratch, next-token CE on packed text")
 register_task("sft", builder="draftforge.train.lm:build_lm_task", check="draftforge.train.lm:check_sft",
               doc="a pretrained drafter on chat data or token rows (loss where the mask says), optional LoRA")
+register_task("distill", builder="draftforge.train.distill:build_distill_task", config="draftforge.train.distill:DistillConfig",
+              check="draftforge.train.distill:check_distill",
+              doc="a small SSM drafter on a frozen target's distributions: forward KL at a temperature (+ optional CE)")

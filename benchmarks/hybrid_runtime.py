@@ -1,0 +1,114 @@
+"""STree's runtime model on a measured target: t(N) per verification, fitted, and the speedup it predicts.
+
+    python benchmarks/hybrid_runtime.py --target DIR [--report eval/report.json] [--max-n 16]
+
+Times one verification (tree scan + tree-masked attention, HybridTarget or KV-cache target) for chains of
+N = 1..max-n rows and for the trees given with --tree, fits t(N) = aN² + bN + c (STree §4; a ≈ 0 for a
+pure SSM) by least squares, and, given an eval report, puts the speedup the model predicts for each
+method (τ·t(1)/t(N̄), N̄ = mean rows per verification; and with the measured draft time per round
+added) next to the measured one. Progress on stderr, JSON on stdout. Timings: median of --repeats,
+methods interleaved; the machine may be shared, so read ratios, not absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def chain(n_nodes: int):
+    from draftforge.decode.tree import DraftTree
+
+    return DraftTree([1] * n_nodes, list(range(-1, n_nodes - 1)), list(range(1, n_nodes + 1)), is_chain=True)
+
+
+def tree_of(widths):
+    from draftforge.decode.tree import DraftTree, level_sizes, tree_from_levels
+
+    levels = [[1] * size for size in level_sizes(widths)]
+    tokens, parents, depths = tree_from_levels(levels, widths)
+    return DraftTree(tokens, parents, depths)
+
+
+def time_verifications(target, trees: dict, repeats: int, prompt_len: int) -> dict[str, float]:
+    """Median seconds of one verify per named tree; trees interleaved in each repeat, context reset each repeat."""
+    times = {name: [] for name in trees}
+    for rep in range(repeats + 1):  # the first pass warms up
+        target.prefill([3 + i % (target.vocab_size - 3) for i in range(prompt_len)])
+        for name, tree in trees.items():
+            t0 = time.perf_counter()
+            target.verify(5, tree)
+            dt = time.perf_counter() - t0
+            target.commit([])
+            if rep:
+                times[name].append(dt)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def fit(ns: list[int], ts: list[float]) -> dict:
+    x = torch.tensor(ns, dtype=torch.float64)
+    design = torch.stack([x * x, x, torch.ones_like(x)], 1)
+    coef = torch.linalg.lstsq(design, torch.tensor(ts, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
+    lin = torch.linalg.lstsq(design[:, 1:], torch.tensor(ts, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
+    return {"a": coef[0], "b": coef[1], "c": coef[2], "linear_k": lin[0], "linear_C": lin[1]}
+
+
+def t_of(model: dict, n: float) -> float:
+    return model["a"] * n * n + model["b"] * n + model["c"]
+
+
+def predict(report: dict, model: dict) -> list[dict]:
+    """Predicted vs measured speedup per method@T from an eval report (τ and rows per verification)."""
+    out = []
+    for r in report["results"]:
+        n_rows = (r.get("verify_cost") or {}).get("tokens_per_verify") or 1.0
+        rounds = max(r["target_forwards"], 1)
+        draft_per_round = r["time"]["draft_s"] / rounds
+        tau = r["tau"] or 0.0
+        out.append({
+            "method": r["method"], "temperature": r["temperature"], "tau": tau, "rows_per_verify": n_rows,
+            "predicted_speedup_verify_only": tau * t_of(model, 1) / t_of(model, n_rows),
+            "predicted_speedup_with_draft": tau * t_of(model, 1) / (t_of(model, n_rows) + draft_per_round),
+            "measured_speedup": r.get("speedup"),
+        })
+    return out
+
+
+def main(argv=None) -> dict:
+    from draftforge.decode import load_target
+    from draftforge.decode.methods import parse_widths
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", required=True, help="target model directory (SSM, hybrid or Transformer)")
+    p.add_argument("--report", help="an eval report.json to put predicted next to measured speedups")
+    p.add_argument("--max-n", type=int, default=16, help="largest chain, in rows (root included)")
+    p.add_argument("--tree", action="append", default=[], help="also time this tree, e.g. 3,1,1,1 (repeatable)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prompt-len", type=int, default=64)
+    args = p.parse_args(argv)
+    target = load_target(args.target)
+    trees = {f"chain{n}": chain(n - 1) for n in range(1, args.max_n + 1)}
+    trees.update({f"tree{w}": tree_of(parse_widths(w)) for w in args.tree})
+    print(f"timing {len(trees)} verification shapes x {args.repeats} repeats on {type(target).__name__}, "
+          f"torch threads {torch.get_num_threads()}", file=sys.stderr)
+    times = time_verifications(target, trees, args.repeats, args.prompt_len)
+    ns = list(range(1, args.max_n + 1))
+    model = fit(ns, [times[f"chain{n}"] for n in ns])
+    result = {"threads": torch.get_num_threads(), "t_seconds": times, "fit": model,
+              "trees_vs_model": {name: {"rows": len(trees[name]) + 1, "measured": times[name],
+                                        "model": t_of(model, len(trees[name]) + 1)}
+                                 for name in trees if name.startswith("tree")}}
+    if args.report:
+        with open(args.report) as f:
+            result["prediction"] = predict(json.load(f), model)
+    print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

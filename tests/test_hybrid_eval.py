@@ -1,0 +1,36 @@
+"""`draftforge eval` on a hybrid target (saved tiny Bamba) with a Mamba2 drafter: same report, self-check
+and manifest as for Transformer targets, plus tokens computed and states held per verification."""
+
+import json
+from pathlib import Path
+
+import torch
+from hybrid_fixtures import tiny_bamba
+from test_decode_fixtures import tiny_mamba2
+
+from draftforge.eval.runner import EvalConfig, run_eval
+
+PROMPTS = [[5, 17, 42, 9], [3, 8, 12, 61, 7, 30, 2, 9, 14]]
+
+
+def test_eval_on_a_hybrid_target_reports_verify_cost(tmp_path):
+    target, drafter = tmp_path / "bamba", tmp_path / "drafter"
+    model = tiny_bamba(vocab=64)
+    model.save_pretrained(target)
+    tiny_mamba2(vocab=64).save_pretrained(drafter)
+    bench = tmp_path / "p.jsonl"
+    bench.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    rep = run_eval(EvalConfig(target=str(target), drafter=str(drafter), bench=str(bench), max_new_tokens=8,
+                              methods=("ar", "chain", "tree", "ucb"), chain_length=4, tree=(3, 1, 1, 1),
+                              out_dir=str(tmp_path / "out"), quiet=True, plots=False))
+    for r in rep["records"]:
+        ids = torch.tensor([PROMPTS[int(r["prompt_id"]) - 1]])
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+        assert r["tokens"] == want[0, ids.shape[1]:].tolist(), r["method"]
+    rows = {row["method"]: row for row in rep["results"]}
+    assert rows["tree"]["self_check"]["identical"] == rows["tree"]["self_check"]["total"] == 2
+    assert rows["ar"]["verify_cost"]["tokens_per_verify"] == 1.0
+    assert 1 < rows["tree"]["verify_cost"]["tokens_per_verify"] <= 13
+    assert all(row["verify_cost"]["states_per_verify"] == 1 and row["verify_cost"]["ssm_layers"] == 2
+               for row in rows.values())
+    assert "per verification (2 SSM layers" in Path(rep["files"]["markdown"]).read_text()

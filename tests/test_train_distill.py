@@ -1,0 +1,106 @@
+"""Task `distill`: a tiny Mamba2 drafter learns a frozen hybrid target's distributions (KL falls), the
+teacher stays bitwise unchanged and out of the optimizer, and the export loads as a normal drafter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hybrid_fixtures import tiny_bamba
+
+from draftforge.errors import RecipeError
+from draftforge.recipe import recipe_from_dict
+from draftforge.train import checkpoint as ckpt
+from draftforge.train import distill, run
+from draftforge.train.loop import read_metrics
+
+
+def distill_recipe(tmp_path, corpus, tokenizer, teacher_dir, **options) -> dict:
+    return {
+        "task": "distill", "output_dir": str(tmp_path / "run"),
+        "model": {"arch": "mamba2", "size": "tiny", "tokenizer": str(tokenizer), "target": str(teacher_dir),
+                  "overrides": {"hidden_size": 32, "num_hidden_layers": 2, "head_dim": 16, "state_size": 8}},
+        "data": {"sources": [str(corpus)], "eval_fraction": 0.2},
+        "distill": {"temperature": 2.0, "ce_weight": 0.1, **options},
+        "optim": {"lr": 1e-2, "warmup_steps": 2},
+        "train": {"max_steps": 30, "global_batch_size": 4, "micro_batch_size": 2, "block_size": 32,
+                  "eval_every": 0, "save_every": 30, "log_every": 1, "trackers": []},
+    }
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory, tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+    d = tmp_path_factory.mktemp("teacher")
+    tiny_bamba(vocab=vocab, seed=7).save_pretrained(d)
+    return d
+
+
+def test_distill_lowers_kl_keeps_teacher_bitwise_and_exports_a_drafter(tmp_path, tiny_corpus_dir,
+                                                                        tiny_tokenizer_dir, teacher_dir, monkeypatch):
+    seen = {}
+    real_load = distill.load_teacher
+
+    def spy(recipe):
+        teacher = real_load(recipe)
+        seen["teacher"], seen["before"] = teacher, {k: v.clone() for k, v in teacher.state_dict().items()}
+        return teacher
+
+    monkeypatch.setattr(distill, "load_teacher", spy)
+    result = run(recipe_from_dict(distill_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir)))
+    logged = read_metrics(result.run_dir)
+    kl = [r["kl"] for r in logged if "kl" in r]
+    assert sum(kl[-5:]) / 5 < 0.7 * sum(kl[:3]) / 3, kl  # the student moved towards the teacher
+    after = seen["teacher"].state_dict()
+    assert all(torch.equal(after[k], v) for k, v in seen["before"].items())  # frozen: bitwise unchanged
+    opt_state = torch.load(ckpt.list_checkpoints(result.run_dir)[0] / "optimizer.bin", weights_only=True)
+    from draftforge.decode import load_drafter, load_target
+
+    student_params = sum(1 for _ in load_drafter(str(result.export_dir), load_target(str(teacher_dir))).model.parameters())
+    assert len(opt_state["state"]) == student_params  # no optimizer state for the teacher
+    meta = json.loads((result.export_dir / "draftforge.json").read_text())
+    assert meta["task"] == "distill" and meta["distilled_from"] == str(teacher_dir)
+
+
+def test_kl_loss_is_zero_for_equal_logits_and_positive_otherwise():
+    t = torch.randn(2, 5, 11)
+    keep = torch.ones(2, 5, dtype=torch.bool)
+    assert distill.kl_loss(t, t, keep, 2.0).abs() < 1e-5
+    assert distill.kl_loss(torch.randn(2, 5, 11), t, keep, 1.0) > 0
+
+
+def test_distill_needs_a_target(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir):
+    values = distill_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir)
+    values["model"].pop("target")
+    with pytest.raises(RecipeError, match="model.target"):
+        recipe_from_dict(values)
+    values = distill_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir, temperature=0)
+    with pytest.raises(RecipeError, match="distill.temperature"):
+        recipe_from_dict(values)
+
+
+@pytest.mark.slow  # two accelerate launches on CPU
+def test_distill_on_two_processes_matches_one(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir):
+    """The teacher is frozen and never prepared, so N processes reproduce one process's KL curve."""
+    import subprocess
+
+    import yaml
+    from test_distributed import _command, _env
+
+    values = distill_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir)
+    values["train"].update(max_steps=6, save_every=6, log_every=1)
+    recipe = tmp_path / "distill.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    curves = {}
+    for config in (None, "multi_cpu.yaml"):
+        out = tmp_path / f"run-{config}"
+        proc = subprocess.run(_command(config, recipe, out), cwd=str(recipe.parent), env=_env(), capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert ("2 process(es)" if config else "1 process(es)") in proc.stdout
+        curves[config] = [r["kl"] for r in read_metrics(out) if "kl" in r]
+    assert len(curves[None]) == 6
+    assert curves["multi_cpu.yaml"] == pytest.approx(curves[None], rel=1e-4)
