@@ -109,6 +109,11 @@ def draft_map(model, target_vocab: int):
     return d2t.to(model.device)
 
 
+def wants_hidden(stop: StopRule | None) -> bool:
+    """Whether a chain's stop rule reads the drafter's hidden state (else the drafter skips computing it)."""
+    return stop is not None and bool(getattr(stop, "wants_hidden", False))
+
+
 def chain_stops(stop: StopRule | None, depth: int, children_BW: torch.Tensor, logits_BV: torch.Tensor,
                 q_BV: torch.Tensor | None, hidden_D: torch.Tensor | None = None) -> bool:
     """Ask a chain's stop rule about the token just drafted at `depth` (no rule: never stop)."""
