@@ -83,3 +83,5 @@ register_task("pretrain", builder="draftforge.train.lm:build_lm_task",
               doc="a Mamba / Mamba2 drafter (or any small causal LM) from scratch, next-token CE on packed text")
 register_task("sft", builder="draftforge.train.lm:build_lm_task", check="draftforge.train.lm:check_sft",
               doc="a pretrained drafter on chat data or token rows (loss where the mask says), optional LoRA")
+register_task("theta", builder="draftforge.train.theta:build_theta_task", config="draftforge.train.theta:ThetaConfig",
+              doc="the Cali-TS θ predictor on rows from `draftforge harvest-theta` (EESD §3.3, App. B)")
