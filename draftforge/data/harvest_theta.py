@@ -33,7 +33,7 @@ SETTING_KEYS = ("target_fingerprint", "drafter_fingerprint", "max_offset", "anch
 
 def read_sequences(sources: list[str], tokenizer, max_sequences: int | None) -> list[tuple[list[int], int]]:
     """(ids, first labelled position) per row: token rows use their prompt_len / loss_mask, text starts at 1."""
-    from draftforge.data.sources import iter_jsonl
+    from draftforge.data.sources import iter_jsonl, normalize_tokens
 
     out = []
     for src in sources:
@@ -41,8 +41,8 @@ def read_sequences(sources: list[str], tokenizer, max_sequences: int | None) -> 
             raise DataError(f"harvest source {src} does not exist (give JSONL token rows or text rows)")
         for line_no, row in iter_jsonl(src):
             if "input_ids" in row:
-                ids = row["input_ids"]
-                start = row.get("prompt_len") or (row["loss_mask"].index(1) if 1 in row.get("loss_mask", [1]) else 1)
+                normalize_tokens(row, f"{src}:{line_no}")  # DataError for a malformed row
+                ids, start = row["input_ids"], _labelled_start(row)
             elif isinstance(row.get("text"), str) and tokenizer is not None:
                 ids, start = tokenizer(row["text"])["input_ids"], 1
             else:
@@ -53,6 +53,14 @@ def read_sequences(sources: list[str], tokenizer, max_sequences: int | None) -> 
             if max_sequences is not None and len(out) >= max_sequences:
                 return out
     return out
+
+
+def _labelled_start(row: dict) -> int:
+    """The first position of a token row's labelled part (prompt_len, else the first loss_mask 1, else 1)."""
+    if "prompt_len" in row:
+        return row["prompt_len"]
+    mask = row.get("loss_mask") or [1]
+    return mask.index(1) if 1 in mask else len(row["input_ids"])
 
 
 @torch.inference_mode()

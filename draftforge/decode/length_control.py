@@ -240,10 +240,11 @@ def register_length_methods() -> None:
     from draftforge.decode.methods import Method, Option, _non_negative, _positive_int, register_method, \
         register_option
 
-    def unit(value, where):
-        if value is None or not 0.0 <= float(value) <= 1.0:
+    def unit(value, where, open_=False):
+        ok = value is not None and (0.0 < float(value) < 1.0 if open_ else 0.0 <= float(value) <= 1.0)
+        if not ok:
             from draftforge.errors import RecipeError
-            raise RecipeError(f"{where} must be in [0, 1], got {value!r}")
+            raise RecipeError(f"{where} must be in {'(0, 1)' if open_ else '[0, 1]'}, got {value!r}")
         return float(value)
 
     def positive(value, where):
@@ -277,7 +278,7 @@ def register_length_methods() -> None:
                "Cali-TS σ_S, spread of a round's acceptance mean (default 0.3)"),
         Option("theta0", "--theta0", float, lambda v: unit(v, "--theta0"), None,
                "Cali-TS θ̂₀ (default: the predictor's mean training acceptance, else 0.5)"),
-        Option("specpp_threshold", "--specpp-threshold", float, lambda v: unit(v, "--specpp-threshold"), 0.3,
+        Option("specpp_threshold", "--specpp-threshold", float, lambda v: unit(v, "--specpp-threshold", True), 0.3,
                "SpecDec++: stop once P(some draft rejected) exceeds this (default 0.3)"),
     ):
         register_option(option)
