@@ -256,3 +256,43 @@ def test_cali_ts_with_a_drafter_without_hidden_states_says_so(target, drafters, 
     dec = build_decoder("cali_ts", target, recompute, theta_predictor=str(pred_dir))
     with pytest.raises(DraftforgeError, match="gives none in DraftStep.hidden_D"):
         dec.generate(PROMPTS[2], max_new_tokens=12)
+
+
+# ---------------------------------------------------------------- T > 0: still the target's distribution
+
+@pytest.mark.slow  # ~30 s each on a shared CPU
+@pytest.mark.parametrize("method", ["beta_ts", "specdec_pp"])
+def test_sampled_output_follows_the_target_with_a_stop_rule(method):
+    """First three tokens (the rule chooses 1 or 2 drafts in round one; SpecDec++'s choice depends on the
+    drafted token itself) against the exact product of the target's warped distributions (chi-square)."""
+    import itertools
+
+    from test_decode_sampling import chi_square, chi_square_limit
+
+    from draftforge.decode.sampling import probs_from_logits
+
+    vocab, params = 8, dict(temperature=1.0, top_k=3)
+    target = load_target(tiny_llama(vocab=vocab, hidden=16, layers=1, dtype=torch.float64))
+    drafter = load_drafter(noisy_copy(target.model, 0.3), target)
+    dec = build_decoder(method, target, drafter, max_draft=4, specpp_threshold=0.5) if method == "specdec_pp" \
+        else build_decoder(method, target, drafter, max_draft=4)
+    prompt, n, counts, lengths = [1, 2, 3], 1500, {}, set()
+    for seed in range(n):
+        res = dec.generate(prompt, max_new_tokens=3, seed=seed, **params)
+        counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
+        lengths.add(res.stats.drafted_per_round[0])
+    sp = SamplingParams(**params)
+    exact = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(vocab), repeat=3):
+            p, ctx = 1.0, list(prompt)
+            for tok in seq:
+                p *= float(probs_from_logits(target.model(torch.tensor([ctx])).logits[0, -1], sp)[tok])
+                ctx.append(tok)
+                if p == 0:
+                    break
+            if p > 0:
+                exact[seq] = p
+    stat, df = chi_square(counts, exact, n)
+    assert stat < chi_square_limit(df), (stat, df)
+    assert lengths == {1, 2}  # the rule really chose different lengths
