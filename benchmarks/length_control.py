@@ -53,7 +53,8 @@ def methods(args) -> dict[str, tuple[str, dict]]:
 def one_pass(dec, prompts, max_new: int, eos) -> dict:
     dec.reset()
     dec.generate(prompts[0], max_new_tokens=min(max_new, 16), eos_token_id=eos)  # untimed warm-up
-    totals = dict(tokens=0, forwards=0, drafted=0, accepted=0, drafting_rounds=0, time_s=0.0, outputs=[])
+    totals = {"tokens": 0, "forwards": 0, "drafted": 0, "accepted": 0, "drafting_rounds": 0, "time_s": 0.0,
+              "outputs": []}
     for prompt in prompts:
         t0 = time.perf_counter()
         res = dec.generate(prompt, max_new_tokens=max_new, eos_token_id=eos)

@@ -7,16 +7,40 @@ import random
 
 import pytest
 import torch
-from test_decode_fixtures import greedy_reference, noisy_copy, tiny_llama, tiny_mamba, tiny_mamba2
+from test_decode_fixtures import (
+    greedy_reference,
+    noisy_copy,
+    tiny_llama,
+    tiny_mamba,
+    tiny_mamba2,
+)
 from test_decode_plans import Recompute
 
-from draftforge.decode import DraftTree, StopRule, StoppableChain, build_decoder, load_drafter, load_target
+from draftforge.decode import (
+    DraftTree,
+    StoppableChain,
+    StopRule,
+    build_decoder,
+    load_drafter,
+    load_target,
+)
 from draftforge.decode.control import Round
-from draftforge.decode.length_control import BetaPosterior, BetaTS, CaliTS, GaussianCalibration, SpecDecPP
+from draftforge.decode.length_control import (
+    BetaPosterior,
+    BetaTS,
+    CaliTS,
+    GaussianCalibration,
+    SpecDecPP,
+)
 from draftforge.decode.plan import DraftStep
 from draftforge.decode.sampling import SamplingParams
 from draftforge.errors import CompatibilityError, DraftforgeError, RecipeError
-from draftforge.models.theta import ThetaPredictor, hidden_size, model_fingerprint, save_predictor
+from draftforge.models.theta import (
+    ThetaPredictor,
+    hidden_size,
+    model_fingerprint,
+    save_predictor,
+)
 
 VOCAB = 12
 PROMPTS = [[4], [3, 5, 7], [(7 * i + 3) % VOCAB for i in range(23)]]
@@ -271,7 +295,7 @@ def test_sampled_output_follows_the_target_with_a_stop_rule(method):
 
     from draftforge.decode.sampling import probs_from_logits
 
-    vocab, params = 8, dict(temperature=1.0, top_k=3)
+    vocab, params = 8, {"temperature": 1.0, "top_k": 3}
     target = load_target(tiny_llama(vocab=vocab, hidden=16, layers=1, dtype=torch.float64))
     drafter = load_drafter(noisy_copy(target.model, 0.3), target)
     dec = build_decoder(method, target, drafter, max_draft=4, specpp_threshold=0.5) if method == "specdec_pp" \

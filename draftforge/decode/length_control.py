@@ -31,8 +31,8 @@ import random
 import torch
 
 from draftforge.decode.control import Controller, Round
-from draftforge.decode.plan import DraftStep, StopRule, StoppableChain
-from draftforge.errors import DraftforgeError
+from draftforge.decode.plan import DraftStep, StoppableChain, StopRule
+from draftforge.errors import DraftforgeError, RecipeError
 
 DEFAULT_MAX_DRAFT = 16  # spec §3 [R]: K_max for safety
 
@@ -234,53 +234,58 @@ def _predictor(path, target, drafter):
     return load_predictor(path, target.model, drafter.model, device=target.device)
 
 
-def register_length_methods() -> None:
-    """beta_ts, cali_ts and specdec_pp with their options (called once by methods._register_builtins)."""
-    from draftforge.decode.engine import SpeculativeDecoder
-    from draftforge.decode.methods import Method, Option, _non_negative, _positive_int, register_method, \
-        register_option
+def _unit(value, where, open_=False) -> float:
+    ok = value is not None and (0.0 < float(value) < 1.0 if open_ else 0.0 <= float(value) <= 1.0)
+    if not ok:
+        raise RecipeError(f"{where} must be in {'(0, 1)' if open_ else '[0, 1]'}, got {value!r}")
+    return float(value)
 
-    def unit(value, where, open_=False):
-        ok = value is not None and (0.0 < float(value) < 1.0 if open_ else 0.0 <= float(value) <= 1.0)
-        if not ok:
-            from draftforge.errors import RecipeError
-            raise RecipeError(f"{where} must be in {'(0, 1)' if open_ else '[0, 1]'}, got {value!r}")
-        return float(value)
 
-    def positive(value, where):
-        if value is None or float(value) <= 0:
-            from draftforge.errors import RecipeError
-            raise RecipeError(f"{where} must be > 0, got {value!r}")
-        return float(value)
+def _positive(value, where) -> float:
+    if value is None or float(value) <= 0:
+        raise RecipeError(f"{where} must be > 0, got {value!r}")
+    return float(value)
 
-    def choice(value, where, choices):
-        if value not in choices:
-            from draftforge.errors import RecipeError
-            raise RecipeError(f"{where} must be one of {', '.join(choices)}, got {value!r}")
-        return value
 
-    for option in (
+def _choice(value, where, choices):
+    if value not in choices:
+        raise RecipeError(f"{where} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _length_options():
+    from draftforge.decode.methods import Option, _non_negative, _positive_int
+
+    return (
         Option("max_draft", "--max-draft", int, lambda v: _positive_int(v, "--max-draft"), DEFAULT_MAX_DRAFT,
                "cap on drafts per round for beta_ts / cali_ts / specdec_pp (default 16)"),
         Option("ts_seed", "--ts-seed", int, lambda v: int(_non_negative(v, "--ts-seed")), 0,
                "seed of the Thompson-sampling draws (default 0)"),
-        Option("beta_alpha0", "--beta-alpha0", float, lambda v: positive(v, "--beta-alpha0"), 1.0,
+        Option("beta_alpha0", "--beta-alpha0", float, lambda v: _positive(v, "--beta-alpha0"), 1.0,
                "Beta-TS prior α₀ (default 1)"),
-        Option("beta_beta0", "--beta-beta0", float, lambda v: positive(v, "--beta-beta0"), 1.0,
+        Option("beta_beta0", "--beta-beta0", float, lambda v: _positive(v, "--beta-beta0"), 1.0,
                "Beta-TS prior β₀ (default 1)"),
-        Option("beta_update", "--beta-update", str, lambda v: choice(v, "--beta-update", ("resolved", "literal")),
+        Option("beta_update", "--beta-update", str, lambda v: _choice(v, "--beta-update", ("resolved", "literal")),
                "resolved", "Beta-TS update: resolved (α+=a, β+=1[a<k], the spec's fix) or literal (Eqs. 3-4)"),
         Option("theta_predictor", "--theta-predictor", str, str, None,
                "a θ predictor export (task theta) for this target/drafter pair (cali_ts: θ_M; specdec_pp: head)"),
-        Option("sigma_m", "--sigma-m", float, lambda v: positive(v, "--sigma-m"), 0.2,
+        Option("sigma_m", "--sigma-m", float, lambda v: _positive(v, "--sigma-m"), 0.2,
                "Cali-TS σ_M, the θ predictor's error (default 0.2)"),
-        Option("sigma_s", "--sigma-s", float, lambda v: positive(v, "--sigma-s"), 0.3,
+        Option("sigma_s", "--sigma-s", float, lambda v: _positive(v, "--sigma-s"), 0.3,
                "Cali-TS σ_S, spread of a round's acceptance mean (default 0.3)"),
-        Option("theta0", "--theta0", float, lambda v: unit(v, "--theta0"), None,
+        Option("theta0", "--theta0", float, lambda v: _unit(v, "--theta0"), None,
                "Cali-TS θ̂₀ (default: the predictor's mean training acceptance, else 0.5)"),
-        Option("specpp_threshold", "--specpp-threshold", float, lambda v: unit(v, "--specpp-threshold", True), 0.3,
+        Option("specpp_threshold", "--specpp-threshold", float, lambda v: _unit(v, "--specpp-threshold", True), 0.3,
                "SpecDec++: stop once P(some draft rejected) exceeds this (default 0.3)"),
-    ):
+    )
+
+
+def register_length_methods() -> None:
+    """beta_ts, cali_ts and specdec_pp with their options (called once by methods._register_builtins)."""
+    from draftforge.decode.engine import SpeculativeDecoder
+    from draftforge.decode.methods import Method, register_method, register_option
+
+    for option in _length_options():
         register_option(option)
 
     def make(name, controller):

@@ -89,7 +89,7 @@ def model_fingerprint(model: nn.Module) -> str:
 
 def hidden_size(model: nn.Module) -> int:
     config = model.config
-    return int(getattr(config, "hidden_size", None) or getattr(config, "d_model"))
+    return int(getattr(config, "hidden_size", None) or config.d_model)
 
 
 def save_predictor(predictor: ThetaPredictor, out_dir: Path, metadata: dict) -> None:
