@@ -50,9 +50,13 @@ class ThetaPredictor(nn.Module):
 
     def forward(self, h_target_BT: torch.Tensor, h_draft_BD: torch.Tensor, offset_B: torch.Tensor) -> torch.Tensor:
         """Two logits per row [B, 2]; θ_M = softmax(.)[:, 1]."""
-        maps_BTT = self.offset_maps_OTT[self.offset_index(offset_B)]
-        mapped_BT = torch.bmm(maps_BTT, h_target_BT.to(maps_BTT.dtype)[:, :, None])[:, :, 0]
-        return F.linear(torch.cat([mapped_BT, h_draft_BD.to(maps_BTT.dtype)], dim=-1), self.head_2X)
+        h_target_BT = h_target_BT.to(self.offset_maps_OTT.dtype)
+        index_B = self.offset_index(offset_B)
+        mapped_BT = torch.zeros_like(h_target_BT)
+        for o in index_B.unique().tolist():  # one matmul per offset, not a d_T x d_T matrix per row
+            rows = index_B == o
+            mapped_BT = mapped_BT.index_put((rows,), h_target_BT[rows] @ self.offset_maps_OTT[o].T)
+        return F.linear(torch.cat([mapped_BT, h_draft_BD.to(mapped_BT.dtype)], dim=-1), self.head_2X)
 
     @torch.no_grad()
     def target_terms(self, h_target_T: torch.Tensor) -> torch.Tensor:
