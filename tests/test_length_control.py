@@ -320,3 +320,18 @@ def test_sampled_output_follows_the_target_with_a_stop_rule(method):
     stat, df = chi_square(counts, exact, n)
     assert stat < chi_square_limit(df), (stat, df)
     assert lengths == {1, 2}  # the rule really chose different lengths
+
+
+def test_a_reduced_vocabulary_drafter_works_with_a_stop_rule(target):
+    """The stop rule sees the drafted token's probability through the d2t map (a draft head of 6 of 12 ids)."""
+    from draftforge.models.draft_vocab import attach_reduced_head
+
+    model = tiny_mamba2(vocab=VOCAB, dtype=torch.float64)
+    attach_reduced_head(model, list(range(0, VOCAB, 2)))
+    drafter = load_drafter(model, target)
+    rule = HiddenRecorder()
+    tree = drafter.draft(PROMPTS[2], StoppableChain(5, rule), SamplingParams(), torch.Generator())
+    assert len(tree) == 3 and all(tok % 2 == 0 for tok in tree.tokens)
+    assert all(s.logits_V.shape[-1] == VOCAB and s.prob > 0 for s in rule.steps)
+    dec = build_decoder("beta_ts", target, drafter)
+    assert dec.generate(PROMPTS[1], max_new_tokens=12).tokens == greedy_reference(target, PROMPTS[1], 12)

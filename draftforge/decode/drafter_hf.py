@@ -49,7 +49,8 @@ class TransformerDrafter(Drafter):
             children_BW, q_BV = propose_children(logits_BV, width, params, self.vocab_size, generator, self.d2t)
             levels.append(children_BW.flatten().tolist())
             q_rows.append(q_BV)
-            if depth == len(widths) or chain_stops(stop, depth, children_BW, logits_BV, q_BV, hidden_D):
+            if depth == len(widths) or chain_stops(stop, depth, children_BW, logits_BV, q_BV, hidden_D,
+                                                   self.vocab_size, self.d2t):
                 break
             logits_BV = self._feed_level(levels, widths, hidden)
             if hidden:

@@ -116,7 +116,8 @@ class MambaDrafter(Drafter):
             children_BW, q_BV = propose_children(logits_BV, width, params, self.vocab_size, generator, self.d2t)
             levels.append(children_BW.flatten())
             q_rows.append(q_BV)
-            if depth == len(widths) or chain_stops(stop, depth, children_BW, logits_BV, q_BV, hidden_D):
+            if depth == len(widths) or chain_stops(stop, depth, children_BW, logits_BV, q_BV, hidden_D,
+                                                   self.vocab_size, self.d2t):
                 break
             self.bank.expand(depth)
             logits_BV = steps[depth](children_BW.reshape(-1, 1), hidden=hidden)
