@@ -20,6 +20,8 @@ COMMANDS = {
     "eval": ("draftforge.eval.command", "measure a drafter's speedup over plain decoding (JSON/Markdown/PNG report)"),
     "demo": ("draftforge.demo", "the embedded default: build the tiny testbed, train + export a tiny Mamba drafter, "
                                 "measure its speedup"),
+    "harvest-theta": ("draftforge.data.harvest_theta", "harvest χ labels + hidden states for the Cali-TS θ predictor "
+                                                       "(task theta); resumable"),
     "target": ("draftforge.cli_target", "prepare a real target offline (smollm2) or its instruction prompts (prompts)"),
 }
 

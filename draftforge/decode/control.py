@@ -56,6 +56,9 @@ class Controller:
     def reset(self) -> None:
         """Forget what was learned (eval calls it before each timed repeat); fixed controllers hold nothing."""
 
+    def start_prompt(self) -> None:
+        """A new prompt was prefilled (the engine calls it once per generate); per-prompt posteriors restart here."""
+
 
 class NoDraft(Controller):
     """Autoregressive decoding: no draft, one target forward per token."""

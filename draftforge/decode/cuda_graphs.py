@@ -106,10 +106,12 @@ class StaticStep:
     def static_tensors(self) -> list[torch.Tensor]:
         return [self.ids_B1] + [t for pair in self.states for t in pair]
 
-    def _run(self) -> torch.Tensor:
+    def _run(self, hidden: bool = False):
+        """logits [B,V]; with `hidden`, (logits, final-normed hidden state [B,D])."""
         if self.lean is not None:
-            return self.lean(self.ids_B1, self.states)
-        return self.model(input_ids=self.ids_B1, cache_params=self.cache, use_cache=True).logits[:, -1]
+            return self.lean(self.ids_B1, self.states, return_hidden=hidden)
+        out = self.model(input_ids=self.ids_B1, cache_params=self.cache, use_cache=True, output_hidden_states=hidden)
+        return (out.logits[:, -1], out.hidden_states[-1][:, -1]) if hidden else out.logits[:, -1]
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -121,14 +123,16 @@ class StaticStep:
             ssm.copy_(ssm0)
 
     @torch.inference_mode()
-    def __call__(self, tokens_B1: torch.Tensor | int) -> torch.Tensor:
-        """Step every row with its token; graphed, the result is the static output (valid until the next call)."""
+    def __call__(self, tokens_B1: torch.Tensor | int, hidden: bool = False):
+        """Step every row with its token; graphed, the result is the static output (valid until the next call).
+
+        With `hidden`, (logits, hidden [B,D]), run eagerly on the same static states (the graph records logits only)."""
         if isinstance(tokens_B1, int):
             self.ids_B1.fill_(tokens_B1)  # no host tensor, no host-to-device copy for committed tokens
         else:
             self.ids_B1.copy_(tokens_B1)
-        if self.graph is None:
-            return self._run()
+        if self.graph is None or hidden:
+            return self._run(hidden)
         if self.logits_BV is None:
             self._capture()
         self.graph.replay()

@@ -109,12 +109,23 @@ def draft_map(model, target_vocab: int):
     return d2t.to(model.device)
 
 
+def wants_hidden(stop: StopRule | None) -> bool:
+    """Whether a chain's stop rule reads the drafter's hidden state (else the drafter skips computing it)."""
+    return stop is not None and bool(getattr(stop, "wants_hidden", False))
+
+
 def chain_stops(stop: StopRule | None, depth: int, children_BW: torch.Tensor, logits_BV: torch.Tensor,
-                q_BV: torch.Tensor | None, hidden_D: torch.Tensor | None = None) -> bool:
-    """Ask a chain's stop rule about the token just drafted at `depth` (no rule: never stop)."""
+                q_BV: torch.Tensor | None, hidden_D: torch.Tensor | None = None, vocab: int | None = None,
+                d2t=None) -> bool:
+    """Ask a chain's stop rule about the token just drafted at `depth` (no rule: never stop).
+
+    Give `vocab` (and a reduced head's `d2t`): the token is a target id, so the logits the rule sees are
+    mapped into the target's vocabulary first, as propose_children did."""
     if stop is None:
         return False
     token = int(children_BW[0, 0])
+    if vocab is not None:
+        logits_BV = match_vocab(logits_BV, vocab, d2t)
     probs_V = q_BV[0] if q_BV is not None else logits_BV[0].float().softmax(-1)
     return stop.should_stop(DraftStep(depth, token, logits_BV[0], float(probs_V[token]), hidden_D))
 

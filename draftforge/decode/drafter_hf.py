@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from draftforge.decode.drafter_base import Drafter, chain_stops, draft_map, propose_children, stack_q
+from draftforge.decode.drafter_base import Drafter, chain_stops, draft_map, propose_children, stack_q, wants_hidden
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.targets import CachedLM
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask, tree_from_levels
@@ -27,26 +27,34 @@ class TransformerDrafter(Drafter):
 
     def reset(self) -> None:
         self.lm.reset()
-        self.last_logits_V = None
+        self.last_logits_V = self.last_hidden_D = None
 
-    def _sync(self, seq: list[int]) -> torch.Tensor:
-        """Feed committed tokens the cache has not seen; return logits after seq[-1]."""
+    def _sync(self, seq: list[int], hidden: bool = False) -> torch.Tensor:
+        """Feed committed tokens the cache has not seen; return logits after seq[-1] (with `hidden`, also
+        keep the final-normed hidden state there in `last_hidden_D`)."""
         pending = seq[self.lm.length :]
         if pending:
-            self.last_logits_V = self.lm.forward(pending, last_only=True)[-1]
+            out = self.lm.forward(pending, last_only=True, hidden=hidden)
+            logits_QV, self.last_hidden_D = (out[0], out[1][-1]) if hidden else (out, None)
+            self.last_logits_V = logits_QV[-1]
         return self.last_logits_V
 
     def draft_levels(self, seq, widths, params: SamplingParams, generator, stop=None) -> DraftTree:
-        logits_BV = self._sync(seq)[None]
+        hidden = wants_hidden(stop)  # chains only: a stop rule that reads the hidden state
+        logits_BV = self._sync(seq, hidden)[None]
+        hidden_D = self.last_hidden_D if hidden else None
         self.committed = len(seq)
         levels, q_rows = [], []
         for depth, width in enumerate(widths, start=1):
             children_BW, q_BV = propose_children(logits_BV, width, params, self.vocab_size, generator, self.d2t)
             levels.append(children_BW.flatten().tolist())
             q_rows.append(q_BV)
-            if depth == len(widths) or chain_stops(stop, depth, children_BW, logits_BV, q_BV):
+            if depth == len(widths) or chain_stops(stop, depth, children_BW, logits_BV, q_BV, hidden_D,
+                                                   self.vocab_size, self.d2t):
                 break
-            logits_BV = self._feed_level(levels, widths)
+            logits_BV = self._feed_level(levels, widths, hidden)
+            if hidden:
+                logits_BV, hidden_D = logits_BV[0], logits_BV[1][0]
         self.widths = widths[: len(levels)]
         tokens, parents, depths = tree_from_levels(levels, widths)
         self.depths = depths
@@ -54,7 +62,7 @@ class TransformerDrafter(Drafter):
         q_probs = None if params.greedy else stack_q(q_rows, len(tokens))
         return DraftTree(tokens, parents, depths, q_probs, is_chain=chain)
 
-    def _feed_level(self, levels: list[list[int]], widths) -> torch.Tensor:
+    def _feed_level(self, levels: list[list[int]], widths, hidden: bool = False):
         """Feed the newest depth in one forward; every node sees the prefix and its own ancestors."""
         tokens_fed, parents_fed, _ = tree_from_levels(levels, widths)
         depth = len(levels)
@@ -65,7 +73,7 @@ class TransformerDrafter(Drafter):
         if any(w > 1 for w in widths[:depth]):
             anc_NN = ancestor_matrix(parents_fed)
             mask = packed_tree_mask(anc_NN[first_new:], self.committed, self.model.dtype, self.lm.device)
-        return self.lm.forward(new, positions, mask)
+        return self.lm.forward(new, positions, mask, hidden=hidden)
 
     def accept_levels(self, path: list[int]) -> None:
         fed = [j for j in path if self.depths[j] < len(self.widths)]  # the deepest level is never fed

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from draftforge.decode.cuda_graphs import MODES, StaticStep, StepRunner, use_cuda_graphs
-from draftforge.decode.drafter_base import Drafter, chain_stops, draft_map, propose_children, stack_q
+from draftforge.decode.drafter_base import Drafter, chain_stops, draft_map, propose_children, stack_q, wants_hidden
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.ssm_state import StateBank, copy_states, layer_states
 from draftforge.decode.tree import DraftTree, level_sizes, tree_from_levels
@@ -54,7 +54,7 @@ class MambaDrafter(Drafter):
     def reset(self) -> None:
         self.encoded = False
         self.consumed = 0  # committed tokens folded into the live state
-        self.last_logits_V = None
+        self.last_logits_V = self.last_hidden_D = None
 
     @property
     def cache(self):
@@ -65,11 +65,14 @@ class MambaDrafter(Drafter):
     def live(self):
         return self.live_step.states
 
-    def _encode_prompt(self, seq: list[int]) -> torch.Tensor:
+    def _encode_prompt(self, seq: list[int], hidden: bool = False) -> torch.Tensor:
         """Multi-token encode with a throw-away cache (eager), then copy its states into the live buffer."""
         prompt_cache = DynamicCache(config=self.model.config)
         ids_1T = torch.tensor([seq], device=self.model.device)
-        logits_V = self.model(input_ids=ids_1T, cache_params=prompt_cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        out = self.model(input_ids=ids_1T, cache_params=prompt_cache, use_cache=True, logits_to_keep=1,
+                         output_hidden_states=hidden)
+        logits_V = out.logits[0, -1]
+        self.last_hidden_D = out.hidden_states[-1][0, -1] if hidden else None
         states = layer_states(prompt_cache)
         if self.live_step is None:  # allocated once, so a graph captured over it stays valid
             self.live_step = self.runner.step_over([(conv.clone(), ssm.clone()) for conv, ssm in states])
@@ -78,13 +81,15 @@ class MambaDrafter(Drafter):
         return logits_V
 
     @torch.inference_mode()
-    def _sync(self, seq: list[int]) -> torch.Tensor:
-        """Fold unseen committed tokens into the live state; return logits after seq[-1]."""
+    def _sync(self, seq: list[int], hidden: bool = False) -> torch.Tensor:
+        """Fold unseen committed tokens into the live state; return logits after seq[-1] (with `hidden`,
+        the final-normed hidden state there is kept in `last_hidden_D`)."""
         if not self.encoded:
-            self.last_logits_V, self.encoded = self._encode_prompt(seq), True
+            self.last_logits_V, self.encoded = self._encode_prompt(seq, hidden), True
         else:
             for tok in seq[self.consumed :]:
-                self.last_logits_V = self.live_step(int(tok))[0]
+                out = self.live_step(int(tok), hidden=hidden)
+                self.last_logits_V, self.last_hidden_D = (out[0][0], out[1][0]) if hidden else (out[0], None)
         self.consumed = len(seq)
         return self.last_logits_V
 
@@ -101,7 +106,9 @@ class MambaDrafter(Drafter):
 
     @torch.inference_mode()
     def draft_levels(self, seq, widths, params: SamplingParams, generator, stop=None) -> DraftTree:
-        logits_BV = self._sync(seq)[None]
+        hidden = wants_hidden(stop)  # chains only: a stop rule that reads the hidden state
+        logits_BV = self._sync(seq, hidden)[None]
+        hidden_D = self.last_hidden_D if hidden else None
         self.bank, steps = self._bank(widths)
         self.bank.save_root(self.live)
         levels, q_rows = [], []
@@ -109,10 +116,13 @@ class MambaDrafter(Drafter):
             children_BW, q_BV = propose_children(logits_BV, width, params, self.vocab_size, generator, self.d2t)
             levels.append(children_BW.flatten())
             q_rows.append(q_BV)
-            if depth == len(widths) or chain_stops(stop, depth, children_BW, logits_BV, q_BV):
+            if depth == len(widths) or chain_stops(stop, depth, children_BW, logits_BV, q_BV, hidden_D,
+                                                   self.vocab_size, self.d2t):
                 break
             self.bank.expand(depth)
-            logits_BV = steps[depth](children_BW.reshape(-1, 1))
+            logits_BV = steps[depth](children_BW.reshape(-1, 1), hidden=hidden)
+            if hidden:
+                logits_BV, hidden_D = logits_BV[0], logits_BV[1][0]
         self.widths = widths[: len(levels)]  # what accept() rolls back over (a stop rule may end early)
         # Tokens stay on the device while drafting, so the steps queue without waiting; read them once here.
         tokens, parents, depths = tree_from_levels([level.tolist() for level in levels], widths)

@@ -83,6 +83,7 @@ class SpeculativeDecoder:
         self.target.prefill(seq)
         if self.drafter is not None:
             self.drafter.reset()
+        self.controller.start_prompt()  # per-prompt posteriors (Beta-TS, Cali-TS) must not leak across prompts
         stats.prefill_time_s = _clock(device) - t_start
         while len(out) < max_new_tokens:
             emitted = self._round(seq, max_new_tokens - len(out), params, generator, eos, stats)

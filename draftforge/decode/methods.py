@@ -149,6 +149,9 @@ def _register_builtins() -> None:
                            ("ucb_trees", "ucb_lambda", "lambda_gamma")))
     register_method(Method("hf_assisted", "transformers' assisted generation (Transformer drafters only)", True,
                            lambda target, drafter, o: HFAssistedDecoder(target, drafter), baseline=True))
+    from draftforge.decode.length_control import register_length_methods
+
+    register_length_methods()  # beta_ts, cali_ts, specdec_pp (EESD §3.3; SpecDec++)
 
 
 _register_builtins()

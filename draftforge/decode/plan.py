@@ -29,11 +29,15 @@ class DraftStep:
     token: int
     logits_V: torch.Tensor  # the drafter's logits the token was chosen from
     prob: float  # the drafter's probability of the token (its q at T>0, softmax of the logits at T=0)
-    hidden_D: torch.Tensor | None = None  # the drafter's last hidden state there, when it provides one
+    # the drafter's last hidden state (final norm applied) whose logits chose `token`; given only to a
+    # rule with `wants_hidden` set, so it costs nothing otherwise
+    hidden_D: torch.Tensor | None = None
 
 
 class StopRule:
     """Decides after every drafted token whether the chain goes on."""
+
+    wants_hidden = False  # True: the drafter fills DraftStep.hidden_D (Cali-TS's θ predictor reads it)
 
     def start_round(self) -> None:
         """A new round's chain begins."""

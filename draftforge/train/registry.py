@@ -86,3 +86,5 @@ register_task("sft", builder="draftforge.train.lm:build_lm_task", check="draftfo
 register_task("distill", builder="draftforge.train.distill:build_distill_task", config="draftforge.train.distill:DistillConfig",
               check="draftforge.train.distill:check_distill",
               doc="a small SSM drafter on a frozen target's distributions: forward KL at a temperature (+ optional CE)")
+register_task("theta", builder="draftforge.train.theta:build_theta_task", config="draftforge.train.theta:ThetaConfig",
+              doc="the Cali-TS θ predictor on rows from `draftforge harvest-theta` (EESD §3.3, App. B)")

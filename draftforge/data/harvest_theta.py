@@ -1,0 +1,261 @@
+"""`draftforge harvest-theta`: χ labels and hidden states for the Cali-TS θ predictor (EESD §3.3, spec §3 [R]).
+
+Teacher-forced passes of the frozen target and drafter over held-out sequences (token rows, or text
+tokenized with the target's tokenizer; `--generate N` first lets the target continue each greedily, so
+the labelled part is the target's own output). For an anchor c (the last committed token s_c) and a
+draft offset i = 1..max_offset, one feature row holds what Cali-TS reads at decode time
+(models/theta.py says why these positions):
+  h_target  the target's hidden state at c-1 (the row that emitted s_c);
+  h_draft   the drafter's hidden state at p = c+i-1 (after s_≤p: the state that chooses draft i);
+  offset    i;   label  χ = 1[drafter argmax at p == target argmax at p].
+Rows go through `datasets` into shards of `--shard-size` sequences under OUT/shards/; OUT/harvest.json
+records the pair (fingerprints), the settings and the shards done, so a killed run resumes where it stopped.
+
+Legend: S sequence length, T target width, D drafter width, R rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from draftforge.errors import DataError, DraftforgeError
+from draftforge.fsutil import atomic_write_text, temp_dir_beside
+
+MANIFEST = "harvest.json"
+SETTING_KEYS = ("target_fingerprint", "drafter_fingerprint", "max_offset", "anchor_stride", "max_len", "generate",
+                "shard_size", "sources")
+
+
+def read_sequences(sources: list[str], tokenizer, max_sequences: int | None) -> list[tuple[list[int], int]]:
+    """(ids, first labelled position) per row: token rows use their prompt_len / loss_mask, text starts at 1."""
+    from draftforge.data.sources import iter_jsonl, normalize_tokens
+
+    out = []
+    for src in sources:
+        if not Path(src).is_file():
+            raise DataError(f"harvest source {src} does not exist (give JSONL token rows or text rows)")
+        for line_no, row in iter_jsonl(src):
+            if "input_ids" in row:
+                normalize_tokens(row, f"{src}:{line_no}")  # DataError for a malformed row
+                ids, start = row["input_ids"], _labelled_start(row)
+            elif isinstance(row.get("text"), str) and tokenizer is not None:
+                ids, start = tokenizer(row["text"])["input_ids"], 1
+            else:
+                raise DataError(f"{src}:{line_no}: a harvest row needs 'input_ids' (token rows) or 'text' "
+                                "(with a target that has a tokenizer)")
+            if len(ids) >= 2:
+                out.append((list(ids), max(1, int(start))))
+            if max_sequences is not None and len(out) >= max_sequences:
+                return out
+    return out
+
+
+def _labelled_start(row: dict) -> int:
+    """The first position of a token row's labelled part (prompt_len, else the first loss_mask 1, else 1)."""
+    if "prompt_len" in row:
+        return row["prompt_len"]
+    mask = row.get("loss_mask") or [1]
+    return mask.index(1) if 1 in mask else len(row["input_ids"])
+
+
+@torch.inference_mode()
+def sequence_rows(target, drafter, ids: list[int], start: int, max_offset: int, stride: int, vocab: int) -> dict:
+    """Feature rows of one sequence as column lists (empty lists if it is too short)."""
+    from draftforge.decode.drafter_base import draft_map
+    from draftforge.decode.sampling import match_vocab
+
+    ids_1S = torch.tensor([ids], device=target.device)
+    t_out = target(input_ids=ids_1S, output_hidden_states=True)
+    d_out = drafter(input_ids=ids_1S.to(drafter.device), output_hidden_states=True)
+    h_target_ST, h_draft_SD = t_out.hidden_states[-1][0].float(), d_out.hidden_states[-1][0].float()
+    target_tok_S = t_out.logits[0, :, :vocab].argmax(-1)
+    draft_tok_S = match_vocab(d_out.logits[0].float(), vocab, draft_map(drafter, vocab)).argmax(-1).to(target.device)
+    agree_S = (draft_tok_S == target_tok_S).long().tolist()
+    cols = {"h_target": [], "h_draft": [], "offset": [], "label": []}
+    n = len(ids)
+    for c in range(max(1, start), n, stride):
+        for i in range(1, max_offset + 1):
+            p = c + i - 1
+            if p >= n:
+                break
+            cols["h_target"].append(h_target_ST[c - 1])
+            cols["h_draft"].append(h_draft_SD[p])
+            cols["offset"].append(i)
+            cols["label"].append(agree_S[p])
+    return cols
+
+
+def _to_dataset(cols: dict):
+    import datasets
+
+    datasets.disable_progress_bars()  # one bar (sequences) is enough
+    if not cols["label"]:
+        return None
+    return datasets.Dataset.from_dict({
+        "h_target": torch.stack(cols["h_target"]).cpu().numpy(), "h_draft": torch.stack(cols["h_draft"]).cpu().numpy(),
+        "offset": cols["offset"], "label": cols["label"]})
+
+
+def _load_models(target_path, drafter_path, device):
+    from draftforge.decode.targets import load_hf_causal_lm
+
+    target, tokenizer = load_hf_causal_lm(target_path, device, None, "target")
+    drafter, _ = load_hf_causal_lm(drafter_path, device, None, "drafter")
+    return target, tokenizer, drafter
+
+
+def _continue(target, ids: list[int], n: int) -> list[int]:
+    """The target's own greedy continuation of `ids` by n tokens (the held-out, target-generated text)."""
+    ids_1S = torch.tensor([ids], device=target.device)
+    out = target.generate(ids_1S, attention_mask=torch.ones_like(ids_1S), max_new_tokens=n, do_sample=False,
+                          pad_token_id=0)
+    return out[0].tolist()
+
+
+def _check_resume(manifest_path: Path, settings: dict, resume: bool, overwrite: bool) -> dict:
+    """The manifest to continue from (fresh if none); refuses to mix settings or clobber a harvest silently."""
+    if not manifest_path.is_file():
+        return {**settings, "shards": {}}
+    old = json.loads(manifest_path.read_text())
+    if overwrite:
+        shutil.rmtree(manifest_path.parent / "shards", ignore_errors=True)
+        return {**settings, "shards": {}}
+    if not resume:
+        raise DraftforgeError(f"{manifest_path.parent} already holds a harvest; pass --resume to continue it "
+                              "or --overwrite to start again")
+    changed = [k for k in SETTING_KEYS if old.get(k) != settings.get(k)]
+    if changed:
+        raise DraftforgeError(f"--resume: the harvest in {manifest_path.parent} was made with other settings "
+                              f"({', '.join(changed)}); use the same ones, or --overwrite")
+    return old
+
+
+def harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, max_offset=16, anchor_stride=8,
+                  max_len=512, generate=0, max_sequences=None, shard_size=64, resume=False, overwrite=False,
+                  device="cpu", progress=True) -> dict:
+    """Write the feature rows (resumable); returns the manifest."""
+    from tqdm.auto import tqdm
+
+    from draftforge.models.theta import hidden_size, model_fingerprint
+
+    for name, value in (("max_offset", max_offset), ("anchor_stride", anchor_stride), ("shard_size", shard_size),
+                        ("max_len", max_len)):
+        if not isinstance(value, int) or value < 1:
+            raise DraftforgeError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    if not isinstance(generate, int) or not 0 <= generate < max_len:
+        raise DraftforgeError(f"--generate must be in [0, --max-len) = [0, {max_len}), got {generate!r}")
+    out_dir = Path(out_dir)
+    target, tokenizer, drafter = _load_models(target_path, drafter_path, device)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    settings = {"target": str(target_path), "drafter": str(drafter_path), "sources": [str(s) for s in sources],
+                "target_fingerprint": model_fingerprint(target), "drafter_fingerprint": model_fingerprint(drafter),
+                "target_dim": hidden_size(target), "draft_dim": hidden_size(drafter), "max_offset": max_offset,
+                "anchor_stride": anchor_stride, "max_len": max_len, "generate": generate, "shard_size": shard_size}
+    manifest = _check_resume(out_dir / MANIFEST, settings, resume, overwrite)
+    seqs = read_sequences(sources, tokenizer, max_sequences)
+    if not seqs:
+        raise DataError(f"no usable sequences in {', '.join(map(str, sources))} (each needs at least 2 tokens)")
+    n_shards = (len(seqs) + shard_size - 1) // shard_size
+    bar = tqdm(total=len(seqs), desc="harvest θ rows", unit="seq", disable=not progress)
+    for shard in range(n_shards):
+        chunk = seqs[shard * shard_size: (shard + 1) * shard_size]
+        if str(shard) in manifest["shards"]:
+            bar.update(len(chunk))
+            continue
+        cols = {"h_target": [], "h_draft": [], "offset": [], "label": []}
+        for ids, start in chunk:
+            if generate:
+                prompt = ids[: max_len - generate]
+                start, ids = len(prompt), _continue(target, prompt, generate)
+            ids = ids[:max_len]
+            for k, v in sequence_rows(target, drafter, ids, start, max_offset, anchor_stride, vocab).items():
+                cols[k] += v
+            bar.update(1)
+        manifest["shards"][str(shard)] = _write_shard(out_dir, shard, cols)
+        atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    bar.close()
+    return finish_manifest(out_dir, manifest)
+
+
+def _write_shard(out_dir: Path, shard: int, cols: dict) -> dict:
+    """One shard saved atomically (temp dir, then rename); its row count and label sum."""
+    ds = _to_dataset(cols)
+    if ds is None:
+        return {"rows": 0, "positives": 0}
+    final = out_dir / "shards" / f"shard-{shard:05d}"
+    tmp = temp_dir_beside(final)
+    ds.save_to_disk(str(tmp))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    return {"rows": len(ds), "positives": int(sum(cols["label"]))}
+
+
+def finish_manifest(out_dir: Path, manifest: dict) -> dict:
+    rows = sum(s["rows"] for s in manifest["shards"].values())
+    positives = sum(s["positives"] for s in manifest["shards"].values())
+    manifest.update(rows=rows, mean_label=positives / rows if rows else None)
+    atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def load_harvest(path) -> tuple:
+    """(dataset of all rows, manifest); DataError for a missing or empty harvest."""
+    import datasets
+
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        raise DataError(f"{path} is not a θ harvest (no {MANIFEST}); make one with `draftforge harvest-theta`")
+    manifest = json.loads((path / MANIFEST).read_text())
+    shards = [path / "shards" / f"shard-{int(k):05d}" for k, v in sorted(manifest["shards"].items(), key=lambda kv:
+                                                                            int(kv[0])) if v["rows"]]
+    if not shards:
+        raise DataError(f"the θ harvest in {path} is empty (0 rows): its sequences were shorter than 2 tokens or "
+                        "none was read; harvest longer sequences")
+    return datasets.concatenate_datasets([datasets.load_from_disk(str(s)) for s in shards]), manifest
+
+
+# ---------------------------------------------------------------- command line
+
+EPILOG = """examples:
+  draftforge harvest-theta --target TARGET --drafter DRAFTER --data heldout.jsonl --out runs/theta-harvest
+  draftforge harvest-theta ... --generate 128 --max-sequences 200   # label the target's own continuations
+  draftforge harvest-theta ... --resume                             # continue a killed harvest
+then train the predictor: draftforge train RECIPE (task: theta, data.sources: [runs/theta-harvest])
+"""
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.epilog = EPILOG
+    p.add_argument("--target", required=True, help="the target model (local path)")
+    p.add_argument("--drafter", required=True, help="the trained drafter (export dir or local path)")
+    p.add_argument("--data", required=True, action="append", help="JSONL rows: input_ids (token rows, "
+                   "prompt_len / loss_mask mark the labelled part) or text; repeatable")
+    p.add_argument("--out", required=True, help="harvest directory (shards + harvest.json)")
+    p.add_argument("--max-offset", type=int, default=16, help="draft offsets i = 1..N per anchor (default 16; "
+                   "offsets past 10 share W^10)")
+    p.add_argument("--anchor-stride", type=int, default=8, help="one anchor every N positions (default 8)")
+    p.add_argument("--max-len", type=int, default=512, help="cut sequences to N tokens (default 512)")
+    p.add_argument("--generate", type=int, default=0, help="first continue each row greedily by N target tokens "
+                   "and label only those (default 0: the rows as they are)")
+    p.add_argument("--max-sequences", type=int, default=None, help="read at most N rows")
+    p.add_argument("--shard-size", type=int, default=64, help="sequences per saved shard (default 64)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--resume", action="store_true", help="continue a harvest in --out with the same settings")
+    p.add_argument("--overwrite", action="store_true", help="replace a harvest in --out")
+
+
+def run(args) -> int:
+    m = harvest_theta(args.target, args.drafter, args.data, args.out, max_offset=args.max_offset,
+                      anchor_stride=args.anchor_stride, max_len=args.max_len, generate=args.generate,
+                      max_sequences=args.max_sequences, shard_size=args.shard_size, resume=args.resume,
+                      overwrite=args.overwrite, device=args.device)
+    mean = f"{m['mean_label']:.3f}" if m["mean_label"] is not None else "n/a"
+    print(f"harvested {m['rows']} rows ({len(m['shards'])} shards), mean acceptance χ {mean}, "
+          f"target width {m['target_dim']}, drafter width {m['draft_dim']} -> {args.out}")
+    return 0

@@ -1,0 +1,106 @@
+"""Task `theta`: the Cali-TS θ predictor (EESD §3.3 Eq. 5, App. B; spec §3 [R]) on harvested feature rows.
+
+The rows come from `draftforge harvest-theta` (data.sources: [HARVEST_DIR]); target and drafter were run
+there, so training touches neither (they are frozen by construction: only their hidden states are read).
+Loss: cross-entropy of the two logits against χ, optionally class-balanced (spec: when acceptance is far
+from 0.5). The export is the predictor alone plus the harvest's target/drafter fingerprints and widths,
+so the harness refuses it for another pair (models/theta.py `load_predictor`).
+
+Legend: B rows, T target width, D drafter width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from draftforge.models.theta import MAX_OFFSET, ThetaPredictor, save_predictor
+from draftforge.recipe import doc, require
+
+
+@dataclass
+class ThetaConfig:
+    max_offset: int = doc(MAX_OFFSET, "per-offset maps W^1..W^N; later offsets share W^N (EESD: 10)")
+    balance: bool = doc(False, "weight the two classes by their inverse frequency (when acceptance is far "
+                               "from 0.5)")
+
+    def check(self, at: str) -> None:
+        require(self.max_offset >= 1, f"{at}.max_offset", "must be >= 1")
+
+
+def theta_collate(columns: dict, device) -> dict:
+    return {"h_target": torch.tensor(columns["h_target"], dtype=torch.float32, device=device),
+            "h_draft": torch.tensor(columns["h_draft"], dtype=torch.float32, device=device),
+            "offset": torch.tensor(columns["offset"], device=device),
+            "label": torch.tensor(columns["label"], device=device)}
+
+
+def make_loss(class_weight_2: torch.Tensor | None):
+    def loss(model, batch):
+        logits_B2 = model(batch["h_target"], batch["h_draft"], batch["offset"])
+        label_B = batch["label"]
+        weight = None if class_weight_2 is None else class_weight_2.to(logits_B2.device)
+        loss_sum = F.cross_entropy(logits_B2.float(), label_B, weight=weight, reduction="sum")
+        theta_B = logits_B2.float().softmax(-1)[:, 1]
+        metrics = {"accuracy": ((theta_B > 0.5).long() == label_B).sum().float(),
+                   "brier": ((theta_B - label_B.float()) ** 2).sum()}  # its root is the RMSE, a start for σ_M
+        return loss_sum, label_B.numel(), metrics
+    return loss
+
+
+def _split(rows, fraction: float, seed: int):
+    if fraction <= 0 or len(rows) < 2:
+        return rows, None
+    parts = rows.train_test_split(test_size=max(1, int(len(rows) * fraction)), seed=seed)
+    return parts["train"], parts["test"]
+
+
+def build_theta_task(recipe, accelerator, with_data: bool = True):
+    from draftforge.data.harvest_theta import load_harvest
+    from draftforge.errors import RecipeError
+    from draftforge.train.spec import TaskSpec
+
+    cfg = recipe.task_options or ThetaConfig()
+    if len(recipe.data.sources) != 1:
+        raise RecipeError("data.sources: task theta reads exactly one harvest directory (draftforge harvest-theta)")
+    rows, manifest = load_harvest(recipe.data.sources[0])
+    mean = manifest["mean_label"]
+    model = ThetaPredictor(manifest["target_dim"], manifest["draft_dim"], cfg.max_offset, mean)
+    weight = None
+    if cfg.balance and 0 < mean < 1:
+        weight = torch.tensor([0.5 / (1 - mean), 0.5 / mean])
+    train = eval_ = None
+    if with_data:
+        train, eval_ = _split(rows, recipe.data.eval_fraction, recipe.train.seed)
+    pair = {k: manifest[k] for k in ("target", "drafter", "target_fingerprint", "drafter_fingerprint")}
+
+    def export(trained, out_dir, metadata, overwrite=False):
+        return export_predictor(trained, Path(out_dir), {**metadata, **pair, "harvest_rows": manifest["rows"]},
+                                overwrite)
+
+    return TaskSpec(model=model, loss=make_loss(weight), train_data=train, eval_data=eval_, collate=theta_collate,
+                    export=export, unit="rows", units=lambda b: len(b["label"]))
+
+
+def export_predictor(model: ThetaPredictor, out_dir: Path, metadata: dict, overwrite: bool = False) -> Path:
+    """Write the predictor into `out_dir` atomically (temp dir beside it, then a rename)."""
+    import shutil
+
+    from draftforge.errors import CheckpointError
+    from draftforge.fsutil import replace_dir, temp_dir_beside, usual_permissions
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise CheckpointError(f"{out_dir} already holds files; choose another --out or pass --overwrite")
+    tmp = temp_dir_beside(out_dir)
+    try:
+        save_predictor(model, tmp, metadata)
+        usual_permissions(tmp)
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
