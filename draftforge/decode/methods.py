@@ -149,6 +149,9 @@ def _register_builtins() -> None:
                            ("ucb_trees", "ucb_lambda", "lambda_gamma")))
     register_method(Method("hf_assisted", "transformers' assisted generation (Transformer drafters only)", True,
                            lambda target, drafter, o: HFAssistedDecoder(target, drafter), baseline=True))
+    from draftforge.decode import c2t, eagle2  # dynamic trees, registered from their own modules
+    eagle2.register()
+    c2t.register()
 
 
 _register_builtins()
