@@ -83,3 +83,5 @@ register_task("pretrain", builder="draftforge.train.lm:build_lm_task",
               doc="a Mamba / Mamba2 drafter (or any small causal LM) from scratch, next-token CE on packed text")
 register_task("sft", builder="draftforge.train.lm:build_lm_task", check="draftforge.train.lm:check_sft",
               doc="a pretrained drafter on chat data or token rows (loss where the mask says), optional LoRA")
+register_task("c2t", builder="draftforge.train.c2t:build", config="draftforge.train.c2t:C2TConfig",
+              doc="the C2T classifier (P, H, d) -> accept confidence on harvested EAGLE-2 trees (C2T §4)")
