@@ -144,6 +144,11 @@ def plot(rows, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def model_name(path: str) -> str:
+    p = Path(path)
+    return p.parent.name if p.name == "export" else p.name
+
+
 def main(argv=None) -> int:
     from draftforge.decode import load_drafter, load_target
     from draftforge.eval.prompts import load_prompts
@@ -160,8 +165,9 @@ def main(argv=None) -> int:
     setup = {k: v for k, v in vars(args).items()}
     setup["threads"] = torch.get_num_threads()
     write_json(out / "tree_budget.json", {"setup": setup, "points": rows})
-    plot(rows, out / "tree_budget.png", f"{Path(args.target).name} + {Path(args.drafter).name}: "
-                                        f"{len(prompts)} prompts x {args.max_new_tokens} tokens, greedy")
+    plot(rows, out / "tree_budget.png", f"{model_name(args.target)} + {model_name(args.drafter)}: "
+                                        f"{len(prompts)} prompts x {args.max_new_tokens} tokens, greedy, "
+                                        f"{torch.get_num_threads()} thread(s)")
     print_table(["point", "τ", "γ", "γ drafts", "tok/s", "speedup", "lossless"],
                 [[r["name"], f"{r['tau']:.2f}", r["gamma"], r["gamma_draft_only"], f"{r['tokens_per_s']:.1f}",
                   f"{r['speedup']:.2f}", r["lossless"]] for r in rows], right={1, 2, 3, 4, 5})

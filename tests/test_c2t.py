@@ -130,3 +130,22 @@ def test_head_round_trips(tmp_path):
     assert meta["features"] == ["P", "d"] and meta["depth_origin"] == 0 and loaded.features == ("P", "d")
     x = torch.rand(5, 2)
     torch.testing.assert_close(loaded.confidence(x), model.confidence(x))
+
+
+def test_eval_flags_reach_the_methods():
+    import argparse
+
+    from draftforge.eval.command import config_from_args, configure
+    from draftforge.eval.runner import validate
+
+    parser = configure(argparse.ArgumentParser())
+    args = parser.parse_args(["--target", "t", "--drafter", "d", "--bench", "b", "--methods", "eagle2,c2t",
+                              "--c2t", "head", "--beta", "0.35", "--total-tokens", "40", "--eagle-top-k", "8"])
+    cfg = config_from_args(args)
+    assert cfg.methods == ("eagle2", "c2t")
+    assert cfg.method_options["beta"] == 0.35 and cfg.method_options["c2t"] == "head"
+    assert cfg.method_options["total_tokens"] == 40 and cfg.method_options["eagle_top_k"] == 8
+    bad = config_from_args(parser.parse_args(["--target", "t", "--drafter", "d", "--bench", "b",
+                                              "--methods", "c2t", "--beta", "1.5"]))
+    with pytest.raises(RecipeError, match="--beta"):
+        validate(bad)  # refused before any model is loaded
