@@ -20,7 +20,7 @@ from draftforge.data import harvest as hv
 from draftforge.decode import Controller, SpeculativeDecoder, load_drafter, load_target
 from draftforge.decode.eagle2 import Eagle2Builder
 from draftforge.errors import CompatibilityError, DataError
-from draftforge.models.c2t import load_head
+from draftforge.models.c2t import C2TClassifier, load_head
 
 VOCAB = 12
 SETTINGS = hv.HarvestSettings(top_k=3, depth=3, top_m=1000, max_new_tokens=15)
@@ -149,6 +149,10 @@ def test_c2t_task_trains_and_exports_a_head(harvested, tmp_path):
     assert report["accepted"] > 0 and 0 <= report["beta=0.5"]["recall"] <= 1
     assert report["beta=0.2"]["positive_rate"] >= report["beta=0.9"]["positive_rate"]
     assert meta["harvest"]["train_rows"] < meta["harvest"]["rows"]  # negatives were sampled
+    torch.manual_seed(0)  # the builder's initialisation (train.seed 0)
+    initial = C2TClassifier(("P", "H", "d"), 48)
+    for (name, before), after in zip(initial.state_dict().items(), head.state_dict().values()):
+        assert not torch.equal(before, after), f"{name} did not train"
 
 
 def test_c2t_task_feature_sets_and_bad_target(harvested, tmp_path):

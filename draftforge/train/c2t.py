@@ -53,7 +53,8 @@ def split_rows(data, cfg: C2TConfig, seed: int):
     import datasets
 
     cols = data.select_columns(["tree_id", "P", "H", "d", "label"]).with_format("numpy")[:]
-    out_mask = np.array([held_out(t, cfg.eval_fraction) for t in cols["tree_id"]], dtype=bool)
+    trees, tree_of_row = np.unique(cols["tree_id"], return_inverse=True)
+    out_mask = np.array([held_out(t, cfg.eval_fraction) for t in trees], dtype=bool)[tree_of_row]
     label = cols["label"].astype(np.float32)
     train_idx = np.flatnonzero(~out_mask)
     if cfg.negative_ratio > 0:
