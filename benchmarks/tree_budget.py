@@ -111,6 +111,27 @@ def summarize(points, runs) -> list[dict]:
     return rows
 
 
+def interpolate(points: list[tuple[float, float]], x: float) -> float | None:
+    """y at x on the piecewise-linear curve through (x, y) points sorted by x; None outside their range."""
+    points = sorted(points)
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
+
+
+def compare_at_equal_tau(rows: list[dict]) -> None:
+    """For each C2T point: EAGLE-2's γ and speedup at the same τ (interpolated over the N sweep), and the ratios."""
+    eagle = [r for r in rows if r["method"] == "eagle2"]
+    for r in rows:
+        if r["method"] != "c2t":
+            continue
+        gamma = interpolate([(e["tau"], e["gamma"]) for e in eagle], r["tau"])
+        speed = interpolate([(e["tau"], e["speedup"]) for e in eagle], r["tau"])
+        r["eagle2_gamma_at_tau"], r["eagle2_speedup_at_tau"] = gamma, speed
+        r["gamma_ratio_vs_eagle2"] = r["gamma"] / gamma if gamma else None
+
+
 def plot(rows, path: Path, title: str) -> None:
     import matplotlib
 
@@ -161,6 +182,7 @@ def main(argv=None) -> int:
                            context_length=target.max_context, max_new_tokens=args.max_new_tokens)
     points = build_points(args, target, drafter)
     rows = summarize(points, run_points(points, prompts, args))
+    compare_at_equal_tau(rows)
     out = Path(args.out)
     setup = {k: v for k, v in vars(args).items()}
     setup["threads"] = torch.get_num_threads()
@@ -168,9 +190,15 @@ def main(argv=None) -> int:
     plot(rows, out / "tree_budget.png", f"{model_name(args.target)} + {model_name(args.drafter)}: "
                                         f"{len(prompts)} prompts x {args.max_new_tokens} tokens, greedy, "
                                         f"{torch.get_num_threads()} thread(s)")
-    print_table(["point", "τ", "γ", "γ drafts", "tok/s", "speedup", "lossless"],
+    def ratio(r, key, fmt):
+        return fmt.format(r[key]) if r.get(key) is not None else "–"
+
+    print_table(["point", "τ", "γ", "γ drafts", "tok/s", "speedup", "γ / EAGLE-2 γ at τ", "EAGLE-2 speedup at τ",
+                 "lossless"],
                 [[r["name"], f"{r['tau']:.2f}", r["gamma"], r["gamma_draft_only"], f"{r['tokens_per_s']:.1f}",
-                  f"{r['speedup']:.2f}", r["lossless"]] for r in rows], right={1, 2, 3, 4, 5})
+                  f"{r['speedup']:.2f}", ratio(r, "gamma_ratio_vs_eagle2", "{:.2f}"),
+                  ratio(r, "eagle2_speedup_at_tau", "{:.2f}"), r["lossless"]] for r in rows],
+                right={1, 2, 3, 4, 5, 6, 7})
     return 0 if all(r["lossless"] for r in rows) else 1
 
 
