@@ -171,3 +171,28 @@ def test_c2t_task_feature_sets_and_bad_target(harvested, tmp_path):
     other.save_pretrained(tmp_path / "other")
     with pytest.raises(CompatibilityError, match="not from this recipe's target"):
         run(recipe_from_dict(c2t_recipe(tmp_path / "again", tmp_path / "other", out)))
+
+
+@pytest.mark.slow
+def test_tree_budget_benchmark_end_to_end(harvested, tmp_path):
+    """benchmarks/tree_budget.py: one run sweeps N and β, checks every output against AR, writes JSON + PNG."""
+    import importlib.util
+
+    from test_c2t import hand_set_head
+
+    t_dir, d_dir, bench, _ = harvested
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "tree_budget.py"
+    spec = importlib.util.spec_from_file_location("tree_budget", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    head = hand_set_head(tmp_path / "head")
+    out = tmp_path / "bench"
+    assert mod.main(["--target", str(t_dir), "--drafter", str(d_dir), "--bench", str(bench), "--c2t", str(head),
+                     "--c2t-head", f"again={head}", "--ns", "4,12", "--betas", "0.4,0.6", "--eagle-top-k", "3",
+                     "--eagle-depth", "3", "--c2t-top-k", "3", "--c2t-depth", "4", "--num-prompts", "2",
+                     "--max-new-tokens", "12", "--repeats", "2", "--out", str(out)]) == 0
+    result = json.loads((out / "tree_budget.json").read_text())
+    names = [p["name"] for p in result["points"]]
+    assert names == ["ar", "eagle2 N=4", "eagle2 N=12", "c2t β=0.4", "c2t β=0.6", "again β=0.5"]
+    assert all(p["lossless"] and len(p["secs_per_repeat"]) == 2 for p in result["points"])
+    assert (out / "tree_budget.png").stat().st_size > 0
