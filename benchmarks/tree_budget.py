@@ -37,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--ns", default="10,20,40,60,100", help="EAGLE-2 total_tokens values")
     p.add_argument("--betas", default="0.3,0.4,0.5,0.6,0.7,0.8")
     p.add_argument("--ablation-betas", default="0.5")
+    p.add_argument("--chains", default="", help="fixed chain lengths to compare with C2T's chain mode (Table 3)")
+    p.add_argument("--chain-betas", default="", help="β values of C2T's chain mode (K = 1) with the --c2t head")
     p.add_argument("--eagle-top-k", type=int, default=10)
     p.add_argument("--eagle-depth", type=int, default=5)
     p.add_argument("--c2t-top-k", type=int, default=15)
@@ -69,6 +71,12 @@ def build_points(args, target, drafter) -> dict:
             points[f"{name} β={beta:g}"] = (build_decoder("c2t", target, drafter, c2t=path, beta=beta,
                                                           c2t_top_k=args.c2t_top_k, c2t_depth=args.c2t_depth),
                                             {"method": "c2t", "head": name, "path": path, "beta": beta})
+    for n in [int(v) for v in floats(args.chains)]:
+        points[f"chain K={n}"] = (build_decoder("chain", target, drafter, chain_length=n), {"method": "chain", "K": n})
+    for beta in floats(args.chain_betas):
+        points[f"c2t-chain β={beta:g}"] = (build_decoder("c2t", target, drafter, c2t=args.c2t, beta=beta, c2t_top_k=1,
+                                                         c2t_depth=args.c2t_depth),
+                                           {"method": "c2t_chain", "head": "c2t", "beta": beta})
     return points
 
 
@@ -142,14 +150,16 @@ def plot(rows, path: Path, title: str) -> None:
     groups = {}
     for r in rows:
         if r["method"] != "ar":
-            groups.setdefault(r["method"] if r["method"] == "eagle2" else f"C2T ({r['head']})", []).append(r)
+            label = {"eagle2": "eagle2", "chain": "fixed chain", "c2t_chain": "C2T chain (K=1)"}.get(r["method"])
+            groups.setdefault(label or f"C2T ({r['head']})", []).append(r)
     for label, pts in groups.items():
         pts = sorted(pts, key=lambda r: r["gamma"])
-        marker = "o-" if label == "eagle2" else "s--"
+        marker = {"eagle2": "o-", "fixed chain": "^:", "C2T chain (K=1)": "v:"}.get(label, "s--")
         left.plot([r["gamma"] for r in pts], [r["tau"] for r in pts], marker, label=label)
         right.plot([r["tau"] for r in pts], [r["speedup"] for r in pts], marker, label=label)
         for r in pts:
-            tag = f"N={r['N']}" if r["method"] == "eagle2" else f"β={r['beta']:g}"
+            tag = f"N={r['N']}" if r["method"] == "eagle2" else f"K={r['K']}" if r["method"] == "chain" else \
+                f"β={r['beta']:g}"
             left.annotate(tag, (r["gamma"], r["tau"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
     left.set_xlabel("γ: tokens sent to the target (root included)")
     left.set_ylabel("τ: accepted drafts per verification")
