@@ -15,6 +15,7 @@ Writes DIR/tree_budget.json and DIR/tree_budget.png (left: τ vs γ; right: spee
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -122,7 +123,7 @@ def summarize(points, runs) -> list[dict]:
 def interpolate(points: list[tuple[float, float]], x: float) -> float | None:
     """y at x on the piecewise-linear curve through (x, y) points sorted by x; None outside their range."""
     points = sorted(points)
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
         if x0 <= x <= x1:
             return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
     return None

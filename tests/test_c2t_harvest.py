@@ -103,12 +103,12 @@ def test_harvest_cli_writes_shards_and_resumes(harvested, capsys):
 
 
 def test_harvest_bad_input(harvested, tmp_path, capsys):
-    t_dir, d_dir, bench, out = harvested
+    _, d_dir, bench, out = harvested
     other = tiny_llama(vocab=VOCAB, seed=5)
     other.save_pretrained(tmp_path / "other")
     assert harvest_cli(tmp_path / "other", d_dir, bench, out, "--resume") == 2
     assert "another target" in capsys.readouterr().err
-    shard = sorted(out.glob("*.parquet"))[0]
+    shard = min(out.glob("*.parquet"))
     datasets.Dataset.from_parquet(str(shard)).remove_columns(["H"]).to_parquet(str(tmp_path / "noH.parquet"))
     with pytest.raises(DataError, match=r"lacks column\(s\) \['H'\]"):
         hv.load_harvest([tmp_path / "noH.parquet"])

@@ -59,7 +59,7 @@ def split_rows(data, cfg: C2TConfig, seed: int):
     train_idx = np.flatnonzero(~out_mask)
     if cfg.negative_ratio > 0:
         pos, neg = train_idx[label[train_idx] == 1], train_idx[label[train_idx] == 0]
-        n_neg = min(len(neg), int(round(cfg.negative_ratio * max(len(pos), 1))))
+        n_neg = min(len(neg), round(cfg.negative_ratio * max(len(pos), 1)))
         neg = np.random.default_rng(seed).choice(neg, size=n_neg, replace=False)
         train_idx = np.sort(np.concatenate([pos, neg]))
 
