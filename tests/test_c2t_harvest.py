@@ -149,6 +149,11 @@ def test_c2t_task_trains_and_exports_a_head(harvested, tmp_path):
     assert report["accepted"] > 0 and 0 <= report["beta=0.5"]["recall"] <= 1
     assert report["beta=0.2"]["positive_rate"] >= report["beta=0.9"]["positive_rate"]
     assert meta["harvest"]["train_rows"] < meta["harvest"]["rows"]  # negatives were sampled
+    again = tmp_path / "again"  # `draftforge export` of the run goes through the task's hook too
+    assert cli_main(["export", str(result.run_dir), "--out", str(again)]) == 0
+    assert (again / "c2t.safetensors").read_bytes() == (result.export_dir / "c2t.safetensors").read_bytes()
+    assert cli_main(["export", str(result.run_dir), "--out", str(again)]) == 2  # a head is kept without --overwrite
+    assert cli_main(["export", str(result.run_dir), "--out", str(again), "--overwrite"]) == 0
     torch.manual_seed(0)  # the builder's initialisation (train.seed 0)
     initial = C2TClassifier(("P", "H", "d"), 48)
     for (name, before), after in zip(initial.state_dict().items(), head.state_dict().values()):

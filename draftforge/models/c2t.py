@@ -58,13 +58,21 @@ def head_metadata(model: C2TClassifier, extra: dict | None = None) -> dict:
             "entropy_top_m": ENTROPY_TOP_M, **(extra or {})}
 
 
-def save_head(model: C2TClassifier, out_dir, extra: dict | None = None) -> Path:
-    """Write the head atomically: a temp dir beside `out_dir` renamed into place."""
+def save_head(model: C2TClassifier, out_dir, extra: dict | None = None, overwrite: bool = True) -> Path:
+    """Write the head atomically: a temp dir beside `out_dir` renamed into place. Never replaces a directory
+    that is not a C2T head; replaces a head only with `overwrite`."""
     from safetensors.torch import save_file
 
     from draftforge.fsutil import replace_dir, temp_dir_beside, usual_permissions
 
     out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        meta_file = out_dir / META_FILE
+        is_head = meta_file.is_file() and json.loads(meta_file.read_text()).get("kind") == KIND
+        if not is_head:
+            raise CheckpointError(f"{out_dir} holds files that are not a C2T classifier; choose another --out")
+        if not overwrite:
+            raise CheckpointError(f"{out_dir} already holds a C2T classifier; choose another --out or pass --overwrite")
     tmp = temp_dir_beside(out_dir, "c2t")
     save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp / WEIGHTS_FILE))
     (tmp / META_FILE).write_text(json.dumps(head_metadata(model, extra), indent=2, default=str))
