@@ -22,6 +22,7 @@ COMMANDS = {
                                 "measure its speedup"),
     "harvest-theta": ("draftforge.data.harvest_theta", "harvest χ labels + hidden states for the Cali-TS θ predictor "
                                                        "(task theta); resumable"),
+    "harvest": ("draftforge.cli_harvest", "harvest training data from a target + drafter (trees: EAGLE-2 trees for C2T)"),
     "target": ("draftforge.cli_target", "prepare a real target offline (smollm2) or its instruction prompts (prompts)"),
 }
 

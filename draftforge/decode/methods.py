@@ -152,6 +152,9 @@ def _register_builtins() -> None:
     from draftforge.decode.length_control import register_length_methods
 
     register_length_methods()  # beta_ts, cali_ts, specdec_pp (EESD §3.3; SpecDec++)
+    from draftforge.decode import c2t, eagle2  # dynamic trees, registered from their own modules
+    eagle2.register()
+    c2t.register()
 
 
 _register_builtins()

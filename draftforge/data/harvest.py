@@ -1,0 +1,183 @@
+"""Harvest full EAGLE-2 trees with acceptance labels, the training rows of C2T (C2T App. B.1; spec c2t.md §3, §7).
+
+For each prompt the target's greedy continuation is decoded once; then, from the true prefix at
+every step, the drafter grows the whole EAGLE-2 pool T1 (no rerank) and every node becomes a row:
+P (joint probability), H (entropy of the parent's softmax over its top-M tokens), d (draft layer,
+0 first), label (1 on the accepted root path). Under greedy decoding the accepted path is exactly
+the deepest chain of nodes matching the continuation (spec §7), so no tree-attention verification
+runs; the prefix then advances by the accepted drafts + 1, as the decoder would (the depth is
+capped by the tokens left, like the engine's plan). Rows are grouped by `tree_id`; every row also
+names its prompt and the target's and drafter's weight fingerprints.
+
+A harvest is a directory: `harvest.json` (settings + fingerprints) and one parquet shard per
+prompt (written through `datasets`, atomically), so a killed harvest resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from draftforge.decode.c2t import parent_entropy
+from draftforge.decode.eagle2 import Eagle2Builder
+from draftforge.decode.plan import DynamicTree
+from draftforge.decode.sampling import SamplingParams
+from draftforge.errors import CompatibilityError, DataError
+from draftforge.models.c2t import DEPTH_ORIGIN
+
+COLUMNS = ("tree_id", "prompt_id", "node", "parent", "P", "H", "d", "label", "target", "drafter")
+META_FILE = "harvest.json"
+
+
+def model_fingerprint(model) -> str:
+    """16 hex digits from every parameter's name, shape and a strided sample of its values."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().flatten()
+        sample = flat[:: max(1, flat.numel() // 256)][:256].float().cpu().numpy()
+        h.update(f"{name}:{tuple(tensor.shape)}".encode())
+        h.update(sample.tobytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class HarvestSettings:
+    top_k: int = 10  # K of the EAGLE-2 expansion (App. B.1: 10)
+    depth: int = 10  # EAGLE's code depth: draft layers = depth + 1 (App. B.1: dmax 11, 1,010 nodes a tree)
+    top_m: int = 1000  # entropy over the parent's top-M probabilities
+    max_new_tokens: int = 128
+
+
+class HarvestBuilder(Eagle2Builder):
+    """EAGLE-2 without rerank that also records, per created node, the entropy of its parent's distribution."""
+
+    def __init__(self, top_k: int, depth: int, top_m: int):
+        super().__init__(top_k, depth, rerank=False)
+        self.top_m, self.node_entropy, self.joint = top_m, [], []
+
+    def expand(self, depth, logits_BV, joint_B):
+        entropy_B, _, _ = parent_entropy(logits_BV.float().softmax(-1), self.top_m)
+        children = super().expand(depth, logits_BV, joint_B)
+        for h, kids in zip(entropy_B.tolist(), children):
+            self.node_entropy += [h] * len(kids)  # dynamic.py creates nodes in exactly this order
+        return children
+
+    def finish(self, parents, joint):
+        self.joint = list(joint)
+        return super().finish(parents, joint)
+
+
+def accepted_path(tree, continuation: list[int]) -> list[int]:
+    """Tree indices of the deepest root path matching the greedy continuation (siblings are distinct)."""
+    path, node = [], -1
+    for tok in continuation:
+        child = next((j for j in tree.children(node) if tree.tokens[j] == tok), None)
+        if child is None:
+            break
+        path.append(child)
+        node = child
+    return path
+
+
+def harvest_prompt(target, drafter, prompt: list[int], prompt_id: str, settings: HarvestSettings,
+                   fingerprints: tuple[str, str], eos=None) -> dict[str, list]:
+    """Column lists of every node of every tree grown along this prompt's greedy continuation."""
+    from draftforge.decode import build_decoder
+
+    continuation = build_decoder("ar", target).generate(prompt, max_new_tokens=settings.max_new_tokens,
+                                                        eos_token_id=eos).tokens
+    rows = {c: [] for c in COLUMNS}
+    drafter.reset()
+    seq, pos, step, params = list(prompt), 0, 0, SamplingParams()
+    while len(continuation) - pos - 1 > 0:  # the last token of the continuation comes without drafts
+        layers = min(settings.depth + 1, len(continuation) - pos - 1)
+        builder = HarvestBuilder(settings.top_k, settings.depth, settings.top_m)
+        tree = drafter.draft(seq, DynamicTree(builder, layers), params, None)
+        node_ids = list(drafter.node_map)
+        path = accepted_path(tree, continuation[pos:])
+        on_path = set(path)
+        for i, node in enumerate(node_ids):
+            rows["tree_id"].append(f"{prompt_id}/{step}")
+            rows["prompt_id"].append(prompt_id)
+            rows["node"].append(i)
+            rows["parent"].append(tree.parents[i])
+            rows["P"].append(builder.joint[node])
+            rows["H"].append(builder.node_entropy[node])
+            rows["d"].append(tree.depths[i] - 1 + DEPTH_ORIGIN)
+            rows["label"].append(int(i in on_path))
+        drafter.accept(path)
+        seq += continuation[pos: pos + len(path) + 1]
+        pos, step = pos + len(path) + 1, step + 1
+    n = len(rows["P"])
+    rows["target"], rows["drafter"] = [fingerprints[0]] * n, [fingerprints[1]] * n
+    return rows
+
+
+def open_harvest(out_dir: Path, meta: dict, resume: bool) -> None:
+    """Start a harvest dir, or check a resumed one was made with the same target, drafter and settings."""
+    meta_file = out_dir / META_FILE
+    if meta_file.is_file():
+        old = json.loads(meta_file.read_text())
+        if not resume:
+            raise DataError(f"{out_dir} already holds a harvest; pass --resume to continue it or choose another --out")
+        for key in ("target", "drafter", "settings"):
+            if old.get(key) != meta.get(key):
+                raise CompatibilityError(f"{out_dir} was harvested with another {key} ({old.get(key)} vs "
+                                         f"{meta.get(key)}); harvest into a new --out")
+        return
+    from draftforge.fsutil import atomic_write_text
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(meta_file, json.dumps(meta, indent=2))
+
+
+def write_shard(rows: dict[str, list], path: Path) -> None:
+    import datasets
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    datasets.Dataset.from_dict(rows).to_parquet(str(tmp))
+    tmp.replace(path)
+
+
+def shard_path(out_dir: Path, index: int) -> Path:
+    return out_dir / f"prompt-{index:06d}.parquet"
+
+
+def harvest_meta(target, drafter, settings: HarvestSettings, source: str) -> dict:
+    return {"kind": "c2t-harvest", "target": model_fingerprint(target.model), "drafter": model_fingerprint(drafter.model),
+            "settings": asdict(settings), "depth_origin": DEPTH_ORIGIN, "source": source, "columns": list(COLUMNS)}
+
+
+def load_harvest(sources, target_fingerprint: str | None = None):
+    """All shards of harvest dirs / parquet files as one `datasets.Dataset`, checked: columns, one target."""
+    import datasets
+
+    files = []
+    for src in sources:
+        src = Path(src)
+        found = sorted(src.glob("*.parquet")) if src.is_dir() else [src] if src.is_file() else []
+        if not found:
+            raise DataError(f"harvest source {src} holds no parquet shards; run `draftforge harvest trees` first")
+        files += found
+    data = datasets.Dataset.from_parquet([str(f) for f in files])
+    missing = [c for c in COLUMNS if c not in data.column_names]
+    if missing:
+        raise DataError(f"harvest {', '.join(map(str, sources))} lacks column(s) {missing}; expected {list(COLUMNS)} "
+                        "(files written by `draftforge harvest trees`)")
+    targets = sorted(set(data.unique("target")))
+    if len(targets) > 1:
+        raise CompatibilityError(f"the harvest mixes trees of several targets {targets}; train on one target's trees")
+    if target_fingerprint is not None and targets and targets[0] != target_fingerprint:
+        raise CompatibilityError(f"the harvest's trees come from target {targets[0]}, not from this recipe's target "
+                                 f"({target_fingerprint}); harvest again with the right --target")
+    return data
+
+
+def summarize(data) -> dict:
+    """Rows, trees, accepted nodes, their rate, and τ (accepted drafts per tree), read from the arrow columns."""
+    labels = data.data.column("label").to_numpy()  # column access by row would format 1M+ rows one by one
+    trees, positives = len(data.unique("tree_id")), int(labels.sum())
+    return {"rows": len(labels), "trees": trees, "positives": positives,
+            "positive_rate": positives / len(labels) if len(labels) else 0.0, "tau": positives / max(trees, 1)}

@@ -1,0 +1,111 @@
+"""C2T: classifier-pruned dynamic draft trees (C2T §3.3, Alg. 1; spec c2t.md §2.3).
+
+Layer by layer up to dmax: every kept frontier node proposes its top-K children; each child gets
+C = F(P, H, d) from the trained classifier (models/c2t.py) and survives when C >= β (C = β is kept,
+spec §5.7); optionally a second, global top-K by C over the layer's survivors (spec §5.8); only
+survivors are expanded, and the whole tree is verified (no N, no rerank). K = 1 is the chain mode,
+an early-exit rule: drafting stops at the first token with C < β. Greedy only, like EAGLE-2.
+
+Legend: B frontier nodes at one depth, K children per node, M entropy top-M, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftforge.decode.eagle2 import BuilderController, check_context, draft_vocab_size
+from draftforge.decode.plan import DynamicTree, TreeBuilder
+from draftforge.errors import RecipeError
+from draftforge.models.c2t import DEPTH_ORIGIN, C2TClassifier, feature_matrix, load_head
+
+DEFAULT_TOP_K, DEFAULT_DEPTH, DEFAULT_BETA = 15, 10, 0.5  # the paper's K, dmax, β (spec §2.3)
+
+
+def parent_entropy(probs_BV: torch.Tensor, top_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(H_B over each row's top-M probabilities, natural log, not renormalised; top values_BM; top ids_BM)."""
+    values_BM, ids_BM = probs_BV.topk(min(top_m, probs_BV.shape[-1]), dim=-1)
+    entropy_B = -torch.special.xlogy(values_BM, values_BM).sum(-1)  # xlogy: p = 0 gives 0, never NaN
+    return entropy_B, values_BM, ids_BM
+
+
+class C2TBuilder(TreeBuilder):
+    """Alg. 1 as a TreeBuilder: expand scores and prunes; every survivor is fed; finish keeps all."""
+
+    def __init__(self, classifier: C2TClassifier, beta: float = DEFAULT_BETA, top_k: int = DEFAULT_TOP_K,
+                 max_depth: int = DEFAULT_DEPTH, second_top_k: int | None = None, top_m: int = 1000):
+        check_beta(beta)
+        self.classifier, self.beta, self.top_k, self.max_depth = classifier, float(beta), top_k, max_depth
+        self.second_top_k = top_k if second_top_k is None else second_top_k  # 0: no second pruning
+        self.top_m = max(top_m, top_k)
+
+    def scores(self, depth: int, logits_BV: torch.Tensor, joint_B: torch.Tensor):
+        """(children ids_BK, C_BK) for the frontier's top-K children."""
+        probs_BV = logits_BV.float().softmax(-1)  # the same probabilities dynamic.py multiplies into P
+        entropy_B, values_BM, ids_BM = parent_entropy(probs_BV, self.top_m)
+        p_BK, ids_BK = values_BM[:, : self.top_k], ids_BM[:, : self.top_k]
+        joint_BK = joint_B.to(torch.float64)[:, None] * p_BK.double().cpu()
+        columns = {"P": joint_BK, "H": entropy_B.cpu()[:, None].expand_as(joint_BK),
+                   "d": torch.full_like(joint_BK, depth - 1 + DEPTH_ORIGIN)}
+        x_BKF = feature_matrix(columns, self.classifier.features)
+        return ids_BK.cpu(), self.classifier.confidence(x_BKF)
+
+    def expand(self, depth: int, logits_BV: torch.Tensor, joint_B: torch.Tensor) -> list[list[int]]:
+        ids_BK, conf_BK = self.scores(depth, logits_BV, joint_B)
+        keep_BK = conf_BK >= self.beta
+        if self.second_top_k and int(keep_BK.sum()) > self.second_top_k:
+            flat = torch.where(keep_BK.flatten(), conf_BK.flatten(), torch.tensor(-1.0))
+            # stable sort: equal C keeps the earlier (parent rank, child rank) position
+            best = torch.sort(flat, descending=True, stable=True).indices[: self.second_top_k]
+            keep_BK = torch.zeros_like(keep_BK).flatten().index_fill_(0, best, True).view_as(keep_BK)
+        return [ids_K[keep_K].tolist() for ids_K, keep_K in zip(ids_BK, keep_BK)]
+
+    def plan(self) -> DynamicTree:
+        return DynamicTree(self, self.max_depth)
+
+
+def check_beta(beta) -> float:
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 < beta < 1.0:
+        raise RecipeError(f"--beta must be in (0, 1) (a threshold on the classifier's confidence), got {beta!r}")
+    return float(beta)
+
+
+def make_c2t(target, drafter, options: dict):
+    from draftforge.decode.engine import SpeculativeDecoder
+
+    if options["c2t"] is None:
+        raise RecipeError("method c2t needs a trained classifier: --c2t PATH (an export of task c2t)")
+    classifier, meta = load_head(options["c2t"])
+    k, dmax = options["c2t_top_k"], options["c2t_depth"]
+    vocab = draft_vocab_size(drafter, target)
+    if k > vocab:
+        raise RecipeError(f"--c2t-top-k {k} is larger than the drafter's vocabulary ({vocab} tokens)")
+    check_context(dmax + 1, target, "--c2t-depth")
+    builder = C2TBuilder(classifier, options["beta"], k, dmax, options["c2t_second_top_k"],
+                         int(meta.get("entropy_top_m", 1000)))
+    return SpeculativeDecoder("c2t", target, drafter, BuilderController(builder.plan()))
+
+
+def _non_negative_int(value, flag):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RecipeError(f"{flag} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def register() -> None:
+    """The `c2t` method and its options (called once from decode/methods.py)."""
+    from draftforge.decode.methods import Method, Option, _positive_int, register_method, register_option
+
+    register_option(Option("c2t", "--c2t", str, str, None, "C2T: the exported classifier (task c2t) to prune with"))
+    register_option(Option("beta", "--beta", float, check_beta, DEFAULT_BETA,
+                           f"C2T: keep a node when its confidence C >= β, β in (0, 1) (default {DEFAULT_BETA})"))
+    register_option(Option("c2t_top_k", "--c2t-top-k", int, lambda v: _positive_int(v, "--c2t-top-k"),
+                           DEFAULT_TOP_K, f"C2T: children scored per kept node, K; 1 = chain mode (default "
+                           f"{DEFAULT_TOP_K})"))
+    register_option(Option("c2t_depth", "--c2t-depth", int, lambda v: _positive_int(v, "--c2t-depth"),
+                           DEFAULT_DEPTH, f"C2T: draft layers dmax (default {DEFAULT_DEPTH})"))
+    register_option(Option("c2t_second_top_k", "--c2t-second-top-k", int,
+                           lambda v: _non_negative_int(v, "--c2t-second-top-k"), None,
+                           "C2T: keep at most this many survivors per layer by C, 0 = off (default: K)"))
+    register_method(Method("c2t", "C2T: dynamic tree pruned by a classifier on (P, H, d) (--c2t PATH --beta; "
+                           "greedy only)", True, make_c2t, ("c2t", "beta", "c2t_top_k", "c2t_depth",
+                                                             "c2t_second_top_k")))

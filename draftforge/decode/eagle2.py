@@ -1,0 +1,125 @@
+"""EAGLE-2 dynamic draft trees for any drafter with the node interface (C2T paper §2.2; spec c2t.md §1).
+
+Expand: at every draft layer each frontier node proposes its top-k children by drafter probability;
+the global top-k of all new children by joint probability P (product of p along the root path)
+become the next frontier. Layer 1 is the root's top-k, then `depth` more layers, so the pool T1
+holds k + depth·k² nodes (paper dmax = EAGLE code `depth` + 1). Rerank: the top (total_tokens - 1)
+nodes of T1 by P (total_tokens counts the root, as EAGLE's `total_token` does) are verified in one
+target forward. They always form a valid subtree since P(child) <= P(parent); ties are broken by
+creation order, which puts parents first. Kept nodes stay in EAGLE's code order: layer by layer,
+within a layer by the parent's frontier rank (descending P), then by the child's rank.
+
+Children are chosen deterministically (top-k), so these trees are greedy-only: at T > 0 the
+dynamic-tree driver refuses them with a DraftforgeError (decode/dynamic.py), rather than verify
+them with a rule that would not be lossless.
+
+Legend: B frontier nodes at one depth, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftforge.decode.control import Controller
+from draftforge.decode.plan import DynamicTree, TreeBuilder
+from draftforge.errors import RecipeError
+
+# EAGLE's eval-script defaults (SafeAILab/EAGLE @bfeb532: --top-k 10 --depth 5 --total-token 60)
+DEFAULT_TOP_K, DEFAULT_DEPTH, DEFAULT_TOTAL_TOKENS = 10, 5, 60
+
+
+def by_joint(candidates: list[tuple[int, float]], k: int | None = None) -> list[tuple[int, float]]:
+    """(node, P) sorted by P descending, ties by creation order (parents before children); the first k."""
+    ranked = sorted(candidates, key=lambda c: (-c[1], c[0]))
+    return ranked if k is None else ranked[:k]
+
+
+class Eagle2Builder(TreeBuilder):
+    """EAGLE-2 expand (+ rerank unless `rerank=False`, which keeps the whole pool T1 for harvesting)."""
+
+    def __init__(self, top_k: int = DEFAULT_TOP_K, depth: int = DEFAULT_DEPTH,
+                 total_tokens: int = DEFAULT_TOTAL_TOKENS, rerank: bool = True):
+        self.top_k, self.depth, self.total_tokens, self.rerank = top_k, depth, total_tokens, rerank
+
+    @property
+    def layers(self) -> int:
+        """Draft layers (the paper's dmax)."""
+        return self.depth + 1
+
+    def pool_size(self) -> int:
+        return self.top_k + self.depth * self.top_k ** 2
+
+    def expand(self, depth: int, logits_BV: torch.Tensor, joint_B: torch.Tensor) -> list[list[int]]:
+        return logits_BV.topk(self.top_k, dim=-1).indices.tolist()
+
+    def frontier(self, depth: int, candidates: list[tuple[int, float]]) -> list[int]:
+        """The global top-k new nodes by P, best first (EAGLE's `topk(cu_scores.view(-1), K)` order)."""
+        return [node for node, _ in by_joint(candidates, self.top_k)]
+
+    def finish(self, parents: list[int], joint: list[float]) -> list[int]:
+        if not self.rerank:
+            return list(range(len(parents)))
+        kept = by_joint(list(enumerate(joint)), self.total_tokens - 1)
+        return sorted(node for node, _ in kept)  # pool order = EAGLE's ascending index order
+
+    def plan(self) -> DynamicTree:
+        return DynamicTree(self, self.layers)
+
+
+class BuilderController(Controller):
+    """Hands the drafter the same dynamic plan every round (EAGLE-2, C2T)."""
+
+    def __init__(self, plan: DynamicTree):
+        self.plan = plan
+
+    def next_plan(self):
+        return self.plan
+
+
+def check_eagle2(top_k: int, depth: int, total_tokens: int, target, drafter) -> None:
+    """Refuse settings this target/drafter cannot run: k beyond the (draft) vocabulary, a budget beyond the context."""
+    vocab = draft_vocab_size(drafter, target)
+    if top_k > vocab:
+        raise RecipeError(f"--eagle-top-k {top_k} is larger than the drafter's vocabulary ({vocab} tokens); "
+                          f"use at most {vocab}")
+    if total_tokens < 2:
+        raise RecipeError(f"--total-tokens must be >= 2 (the root plus at least one draft), got {total_tokens}")
+    check_context(total_tokens, target, "--total-tokens")
+
+
+def check_context(tokens: int, target, flag: str) -> None:
+    ctx = getattr(target, "max_context", None)
+    if ctx is not None and tokens > ctx:
+        raise RecipeError(f"{flag} {tokens} is beyond the target's context of {ctx} tokens; one verification "
+                          f"forward must fit in it, use at most {ctx}")
+
+
+def draft_vocab_size(drafter, target) -> int:
+    """Tokens the drafter can propose: its reduced draft vocabulary, else the target's vocabulary."""
+    d2t = getattr(drafter, "d2t", None)
+    return int(d2t.numel()) if d2t is not None else int(target.vocab_size)
+
+
+def make_eagle2(target, drafter, options: dict):
+    from draftforge.decode.engine import SpeculativeDecoder
+
+    k, depth, total = options["eagle_top_k"], options["eagle_depth"], options["total_tokens"]
+    check_eagle2(k, depth, total, target, drafter)
+    return SpeculativeDecoder("eagle2", target, drafter, BuilderController(Eagle2Builder(k, depth, total).plan()))
+
+
+def register() -> None:
+    """The `eagle2` method and its options (called once from decode/methods.py)."""
+    from draftforge.decode.methods import Method, Option, _positive_int, register_method, register_option
+
+    register_option(Option("eagle_top_k", "--eagle-top-k", int, lambda v: _positive_int(v, "--eagle-top-k"),
+                           DEFAULT_TOP_K, f"EAGLE-2: children per frontier node and frontier width k "
+                           f"(default {DEFAULT_TOP_K})"))
+    register_option(Option("eagle_depth", "--eagle-depth", int, lambda v: _positive_int(v, "--eagle-depth"),
+                           DEFAULT_DEPTH, f"EAGLE-2: expansion rounds after the first layer, EAGLE's `depth` "
+                           f"(draft layers = depth + 1; default {DEFAULT_DEPTH})"))
+    register_option(Option("total_tokens", "--total-tokens", int, lambda v: _positive_int(v, "--total-tokens"),
+                           DEFAULT_TOTAL_TOKENS, "EAGLE-2 rerank budget N: tokens per verification, root included "
+                           f"(EAGLE's total_token; default {DEFAULT_TOTAL_TOKENS})"))
+    register_method(Method("eagle2", "EAGLE-2 dynamic tree: top-k expand + rerank to --total-tokens (greedy only)",
+                           True, make_eagle2, ("eagle_top_k", "eagle_depth", "total_tokens")))
