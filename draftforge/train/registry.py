@@ -83,3 +83,6 @@ register_task("pretrain", builder="draftforge.train.lm:build_lm_task",
               doc="a Mamba / Mamba2 drafter (or any small causal LM) from scratch, next-token CE on packed text")
 register_task("sft", builder="draftforge.train.lm:build_lm_task", check="draftforge.train.lm:check_sft",
               doc="a pretrained drafter on chat data or token rows (loss where the mask says), optional LoRA")
+register_task("eesd", builder="draftforge.train.eesd:build_eesd_task", config="draftforge.train.eesd:EesdConfig",
+              check="draftforge.train.eesd:check_eesd",
+              doc="an early-exit drafter: exit layer + norm + head on the target's frozen first N layers (EESD)")
