@@ -42,15 +42,20 @@ class TargetParts:
         return len(self.layers)
 
 
+def check_family(model_type: str, missing_parts: bool = False) -> None:
+    """CompatibilityError for a target whose decoder layers this module cannot split, naming what it supports."""
+    if model_type not in SUPPORTED_FAMILIES or missing_parts:
+        raise CompatibilityError(
+            f"target {model_type!r} cannot be split after a decoder layer for an early exit; EESD supports "
+            f"the Llama family: {', '.join(SUPPORTED_FAMILIES)} (SmolLM2 is a Llama)")
+
+
 def split_target(model) -> TargetParts:
     """The target's parts, or CompatibilityError naming the supported families."""
     config = model.config
     inner = getattr(model, "model", None)
     missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(inner, a)]
-    if config.model_type not in SUPPORTED_FAMILIES or missing:
-        raise CompatibilityError(
-            f"target {config.model_type!r} cannot be split after a decoder layer for an early exit; EESD supports "
-            f"the Llama family: {', '.join(SUPPORTED_FAMILIES)} (SmolLM2 is a Llama)")
+    check_family(config.model_type, bool(missing))
     sliding = [t for t in (getattr(config, "layer_types", None) or []) if t != "full_attention"]
     if sliding:
         raise CompatibilityError(f"target {config.model_type!r} has {len(sliding)} {sliding[0]} layers; the "

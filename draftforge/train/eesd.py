@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from draftforge.errors import RecipeError
-from draftforge.models.early_exit import HEAD_INITS, LAYER_INITS, check_exit_after, default_exit_after
+from draftforge.models.early_exit import HEAD_INITS, LAYER_INITS, check_exit_after, check_family, default_exit_after
 from draftforge.recipe import Recipe, doc, require
 
 
@@ -50,6 +50,7 @@ def check_eesd(recipe: Recipe) -> None:
 
     require(bool(recipe.model.target), "model.target", "eesd trains an exit head on a frozen target: set model.target")
     config = load_config(recipe.model.target, "model.target")
+    check_family(config.model_type)
     layers = getattr(config, "num_hidden_layers", None)
     cfg = recipe.task_options
     if layers is not None and cfg.exit_after_layer is not None:
