@@ -156,3 +156,25 @@ def test_a_target_that_cannot_be_split_is_refused(tmp_path, tiny_tokenizer_dir):
     rows.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
     with pytest.raises(CompatibilityError, match="gpt2.*llama, mistral, qwen2"):
         recipe_from_dict(recipe(tmp_path, path, rows))
+
+
+def test_eval_runs_an_eesd_export_against_ar(tmp_path, target_dir):
+    """`draftforge eval --drafter EESD_EXPORT --methods eesd`: loaded, paired, self-checked against AR."""
+    from draftforge.eval.runner import EvalConfig, run_eval
+    from draftforge.models.early_exit import ExitHead, split_target
+    from draftforge.models.early_exit_export import save_exit_head, target_identity
+
+    target = load_target(str(target_dir))
+    parts = split_target(target.model)
+    export = save_exit_head(ExitHead.from_target(parts, 3), target_identity(parts, 3), target.tokenizer,
+                            tmp_path / "exit", {"task": "eesd", "target": str(target_dir)})
+    bench = tmp_path / "p.jsonl"
+    bench.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in ([5, 17, 42, 9], [3, 88, 12, 61, 7])))
+    rep = run_eval(EvalConfig(target=str(target_dir), drafter=str(export), bench=str(bench), max_new_tokens=12,
+                              methods=("ar", "eesd", "chain"), chain_length=3, out_dir=str(tmp_path / "out"),
+                              quiet=True, plots=False))
+    by_method = {}
+    for r in rep["records"]:
+        by_method.setdefault(r["method"], []).append((r["prompt_id"], r["tokens"]))
+    assert set(by_method) == {"ar", "eesd", "chain"}  # hf_assisted is skipped for an early-exit drafter
+    assert by_method["eesd"] == by_method["ar"] == by_method["chain"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,8 @@ def check_eesd(recipe: Recipe) -> None:
     from draftforge.train.parts import load_config
 
     require(bool(recipe.model.target), "model.target", "eesd trains an exit head on a frozen target: set model.target")
+    if not Path(recipe.model.target).is_dir():
+        return  # a Hub id or a path made later: checked when the task is built
     config = load_config(recipe.model.target, "model.target")
     check_family(config.model_type)
     layers = getattr(config, "num_hidden_layers", None)
