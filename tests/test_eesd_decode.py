@@ -12,7 +12,13 @@ import torch
 from test_decode_fixtures import greedy_reference, tiny_llama
 from test_decode_plans import PlanController
 
-from draftforge.decode import SpeculativeDecoder, StopRule, StoppableChain, build_decoder, load_target
+from draftforge.decode import (
+    SpeculativeDecoder,
+    StoppableChain,
+    StopRule,
+    build_decoder,
+    load_target,
+)
 from draftforge.decode.early_exit import EarlyExitDrafter, EarlyExitTarget
 from draftforge.errors import CompatibilityError, DraftforgeError, RecipeError
 from draftforge.models.early_exit import ExitHead, Trunk, split_target

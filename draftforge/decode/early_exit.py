@@ -20,11 +20,23 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from draftforge.decode.drafter_base import Drafter, chain_stops, propose_children, stack_q
+from draftforge.decode.drafter_base import (
+    Drafter,
+    chain_stops,
+    propose_children,
+    stack_q,
+)
 from draftforge.decode.targets import KVCacheTarget, Verification
 from draftforge.decode.tree import DraftTree
 from draftforge.errors import DraftforgeError
-from draftforge.models.early_exit import ExitHead, TargetParts, causal_mask, check_exit_after, run_layers, split_target
+from draftforge.models.early_exit import (
+    ExitHead,
+    TargetParts,
+    causal_mask,
+    check_exit_after,
+    run_layers,
+    split_target,
+)
 
 
 def crop_to(cache, keep: int) -> None:

@@ -17,10 +17,21 @@ from safetensors.torch import load_file, save_file
 
 import draftforge
 from draftforge.errors import CheckpointError, CompatibilityError
-from draftforge.export import FORMAT_VERSION, METADATA_FILE, _check_destination, read_export_metadata
-from draftforge.export import _jsonable, tokenizer_fingerprint
+from draftforge.export import (
+    FORMAT_VERSION,
+    METADATA_FILE,
+    _check_destination,
+    _jsonable,
+    read_export_metadata,
+    tokenizer_fingerprint,
+)
 from draftforge.fsutil import replace_dir, temp_dir_beside, usual_permissions
-from draftforge.models.early_exit import ExitHead, TargetParts, frozen_fingerprint, split_target
+from draftforge.models.early_exit import (
+    ExitHead,
+    TargetParts,
+    frozen_fingerprint,
+    split_target,
+)
 
 WEIGHTS_FILE = "exit_head.safetensors"
 TASK = "eesd"

@@ -18,7 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from draftforge.errors import RecipeError
-from draftforge.models.early_exit import HEAD_INITS, LAYER_INITS, check_exit_after, check_family, default_exit_after
+from draftforge.models.early_exit import (
+    HEAD_INITS,
+    LAYER_INITS,
+    check_exit_after,
+    check_family,
+    default_exit_after,
+)
 from draftforge.recipe import Recipe, doc, require
 
 
