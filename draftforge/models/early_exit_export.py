@@ -68,8 +68,14 @@ def save_exit_head(head: ExitHead, identity: dict, tokenizer, out_dir, metadata:
 
 
 def is_eesd_export(path) -> bool:
-    p = Path(str(path))
-    if not (p / METADATA_FILE).is_file():
+    """True for a local directory holding an EESD export (a model object or a Hub id is not one)."""
+    if not isinstance(path, (str, Path)):
+        return False
+    p = Path(path)
+    try:
+        if not (p / METADATA_FILE).is_file():
+            return False
+    except OSError:  # e.g. a name too long for a path
         return False
     try:
         return read_export_metadata(p).get("task") == TASK
