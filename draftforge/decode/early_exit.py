@@ -175,7 +175,8 @@ class EarlyExitDrafter(Drafter):
         if head.layer is not None:
             rope = self.target.parts.rotary(hidden_1QD, position_ids_1Q)
             mask = causal_mask(self.target.parts.config, hidden_1QD, position_ids_1Q, self.cache, 0)
-        logits_1QV, normed_1QD = head(hidden_1QD, position_ids_1Q, rope, mask, self.cache if head.layer else None)
+        cache = self.cache if head.layer is not None else None
+        logits_1QV, normed_1QD = head(hidden_1QD, position_ids_1Q, rope, mask, cache)
         self.ee_length += rows_QD.shape[0]
         return logits_1QV[0, -1:].float(), normed_1QD[0, -1]
 
