@@ -167,7 +167,7 @@ class EarlyExitDrafter(Drafter):
 
     @torch.inference_mode()
     def _exit(self, rows_QD: torch.Tensor):
-        """Feed H^N rows at positions ee_length.. through the exit head; (logits [1, V], post-norm state [D]) of the last."""
+        """H^N rows at positions ee_length.. through the exit head; (logits [1, V], post-norm state [D]) of the last."""
         start, head = self.ee_length, self.exit_head
         hidden_1QD = rows_QD[None].to(head.lm_head.weight.dtype)
         position_ids_1Q = torch.arange(start, start + rows_QD.shape[0], device=rows_QD.device)[None]
