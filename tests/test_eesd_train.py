@@ -179,3 +179,33 @@ def test_eval_runs_an_eesd_export_against_ar(tmp_path, target_dir):
         by_method.setdefault(r["method"], []).append((r["prompt_id"], r["tokens"]))
     assert set(by_method) == {"ar", "eesd", "chain"}  # hf_assisted is skipped for an early-exit drafter
     assert by_method["eesd"] == by_method["ar"] == by_method["chain"]
+
+
+def test_eesd_on_two_processes_matches_one(tmp_path, target_dir):
+    """The frozen trunk stays out of DDP; 2 CPU processes give the 1-process loss curve."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    import yaml
+    from test_distributed import _command, _env
+
+    from draftforge.train.loop import read_metrics
+
+    rows = token_rows(tmp_path / "rows.jsonl", target_dir, n=8)
+    values = recipe(tmp_path, target_dir, rows)
+    values["train"].update(max_steps=4, log_every=1, eval_every=0, save_every=4)
+    path = tmp_path / "eesd.yaml"
+    path.write_text(yaml.safe_dump(values))
+    tests = Path(__file__).parent
+    env = {**_env(), "PYTHONPATH": f"{tests}{os.pathsep}{_env()['PYTHONPATH']}"}
+    losses = {}
+    for config in (None, "multi_cpu.yaml"):
+        out = tmp_path / f"run-{config}"
+        proc = subprocess.run(_command(config, path, out), cwd=tests.parent, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert ("2 process(es)" if config else "1 process(es)") in proc.stdout
+        assert (out / "export" / "exit_head.safetensors").is_file()
+        losses[config] = [r["loss"] for r in read_metrics(out)]
+    assert losses["multi_cpu.yaml"] == pytest.approx(losses[None], rel=1e-4)
