@@ -230,3 +230,20 @@ def test_other_llama_family_targets_are_lossless(family):
     model.generation_config.pad_token_id = 0
     fam_target = load_target(model)
     check_lossless(fam_target, drafter_for(fam_target, 2), k=3)
+
+
+def test_want_hidden_gives_the_targets_final_states(target):
+    """A controller asking for the target's hidden states (Cali-TS's H^T) gets exact ones from the split forward."""
+    drafter = drafter_for(target, 3)
+    paired = drafter.paired_target(target)
+    paired.want_hidden = True
+    try:
+        prompt = PROMPTS[2]
+        res = build_decoder("eesd", target, drafter, chain_length=4).generate(prompt, max_new_tokens=9)
+        last, start = paired.last, paired._verify_start
+        with torch.no_grad():
+            full = target.model(torch.tensor([prompt + res.tokens]), output_hidden_states=True).hidden_states[-1][0]
+        rows = 1 + len(last.path)
+        torch.testing.assert_close(last.hidden_ND[:rows], full[start:start + rows], rtol=1e-9, atol=1e-9)
+    finally:
+        paired.want_hidden = False
