@@ -39,11 +39,18 @@ def check_vocab(target: Target, model, tokenizer, allow_vocab_mismatch: bool) ->
 
 def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_vocab_mismatch=False, tokenizer=None,
                  cuda_graphs="auto"):
-    """A MambaDrafter for Mamba/Mamba2 checkpoints (HF or draftforge export), else a TransformerDrafter.
+    """A MambaDrafter for Mamba/Mamba2 checkpoints (HF or draftforge export), an EarlyExitDrafter for an EESD
+    export (task eesd), else a TransformerDrafter.
 
     cuda_graphs ("auto" | "on" | "off") applies to Mamba drafters: their per-batch-size decode steps
     are CUDA graphs when on (auto: exactly when the drafter is on CUDA); Transformer drafters ignore it.
     """
+    from draftforge.models.early_exit_export import is_eesd_export
+
+    if is_eesd_export(model_or_path):  # an EESD exit head: attached to (and checked against) this target
+        from draftforge.decode.early_exit import load_early_exit
+
+        return load_early_exit(model_or_path, target, device=device, dtype=dtype)
     model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "drafter")
     tokenizer = tokenizer if tokenizer is not None else found_tokenizer
     check_vocab(target, model, tokenizer, allow_vocab_mismatch)

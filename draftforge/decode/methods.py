@@ -113,6 +113,8 @@ def build(method: str, target, drafter=None, **options):
         raise DraftforgeError(f"unknown decoding option(s) {sorted(unknown)}; known: {', '.join(OPTIONS)}")
     if m.needs_drafter and drafter is None:
         raise DraftforgeError(f"method {method!r} needs a drafter (load one with load_drafter)")
+    if m.needs_drafter and hasattr(drafter, "paired_target"):  # e.g. EESD: verification is split after layer N
+        target = drafter.paired_target(target)
     return m.make(target, drafter if m.needs_drafter else None, resolve_options(method, options))
 
 
@@ -155,6 +157,16 @@ def _register_builtins() -> None:
     from draftforge.decode import c2t, eagle2  # dynamic trees, registered from their own modules
     eagle2.register()
     c2t.register()
+    register_method(Method("eesd", "EESD early-exit drafter (an eesd export): a chain of --chain-length drafts "
+                           "from the target's first N layers + exit head, verified by layers N+1..L", True,
+                           _eesd_decoder, ("chain_length",)))
+
+
+def _eesd_decoder(target, drafter, o):
+    from draftforge.decode.control import FixedChain
+    from draftforge.decode.early_exit import make_eesd_decoder
+
+    return make_eesd_decoder(target, drafter, FixedChain(o["chain_length"]))
 
 
 _register_builtins()

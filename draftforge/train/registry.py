@@ -90,3 +90,6 @@ register_task("theta", builder="draftforge.train.theta:build_theta_task", config
               doc="the Cali-TS θ predictor on rows from `draftforge harvest-theta` (EESD §3.3, App. B)")
 register_task("c2t", builder="draftforge.train.c2t:build", config="draftforge.train.c2t:C2TConfig",
               doc="the C2T classifier (P, H, d) -> accept confidence on harvested EAGLE-2 trees (C2T §4)")
+register_task("eesd", builder="draftforge.train.eesd:build_eesd_task", config="draftforge.train.eesd:EesdConfig",
+              check="draftforge.train.eesd:check_eesd",
+              doc="an early-exit drafter: exit layer + norm + head on the target's frozen first N layers (EESD)")

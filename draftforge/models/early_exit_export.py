@@ -1,0 +1,123 @@
+"""An EESD export: only the trained exit head plus what the harness needs to attach it to its target.
+
+Directory: `exit_head.safetensors` (layer + norm + head), the tokenizer, and `draftforge.json` with
+task "eesd", the target, N, whether there is an exit layer, the target's shape (model type, layers,
+hidden size, vocabulary) and a fingerprint of its frozen part (embeddings + layers 1..N), so an
+export is refused for any other target. Written atomically (temp dir beside it, then a rename).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+import draftforge
+from draftforge.errors import CheckpointError, CompatibilityError
+from draftforge.export import (
+    FORMAT_VERSION,
+    METADATA_FILE,
+    _check_destination,
+    _jsonable,
+    read_export_metadata,
+    tokenizer_fingerprint,
+)
+from draftforge.fsutil import replace_dir, temp_dir_beside, usual_permissions
+from draftforge.models.early_exit import (
+    ExitHead,
+    TargetParts,
+    frozen_fingerprint,
+    split_target,
+)
+
+WEIGHTS_FILE = "exit_head.safetensors"
+TASK = "eesd"
+
+
+def target_identity(parts: TargetParts, n: int) -> dict:
+    """What an exit head needs of its target: shape and the fingerprint of the frozen part."""
+    c = parts.config
+    return {"model_type": c.model_type, "num_layers": parts.num_layers, "hidden_size": c.hidden_size,
+            "vocab_size": parts.head.out_features, "exit_after_layer": n,
+            "frozen_fingerprint": frozen_fingerprint(parts, n)}
+
+
+def save_exit_head(head: ExitHead, identity: dict, tokenizer, out_dir, metadata: dict, overwrite=False) -> Path:
+    """Write the export directory atomically; `metadata` carries task/target/recipe/metrics."""
+    out_dir = Path(out_dir).resolve()
+    record = {**_jsonable(metadata), **identity, "task": TASK, "exit_layer": head.layer is not None,
+              "format_version": FORMAT_VERSION, "draftforge_version": draftforge.__version__,
+              "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,
+              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    _check_destination(out_dir, {k: record.get(k) for k in ("task", "target", "recipe", "run_dir")}, overwrite)
+    tmp = temp_dir_beside(out_dir)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}, str(tmp / WEIGHTS_FILE))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / METADATA_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        usual_permissions(tmp)
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def is_eesd_export(path) -> bool:
+    """True for a local directory holding an EESD export (a model object or a Hub id is not one)."""
+    if not isinstance(path, (str, Path)):
+        return False
+    p = Path(path)
+    try:
+        if not (p / METADATA_FILE).is_file():
+            return False
+    except OSError:  # e.g. a name too long for a path
+        return False
+    try:
+        return read_export_metadata(p).get("task") == TASK
+    except CheckpointError:
+        return False
+
+
+def check_target(meta: dict, parts: TargetParts, where: str) -> None:
+    """CompatibilityError unless `parts` is the target the head was trained on (shape, then fingerprint)."""
+    n = meta["exit_after_layer"]
+    trained_on = meta.get("target") or "its training target"
+    have = {"model_type": parts.config.model_type, "num_layers": parts.num_layers,
+            "hidden_size": parts.config.hidden_size, "vocab_size": parts.head.out_features}
+    diff = [f"{k} {meta.get(k)!r} vs {v!r}" for k, v in have.items() if meta.get(k) != v]
+    if not diff and n < parts.num_layers and frozen_fingerprint(parts, n) != meta.get("frozen_fingerprint"):
+        diff = [f"the embeddings / layers 1..{n} differ (frozen-weight fingerprint mismatch)"]
+    if diff:
+        raise CompatibilityError(f"EESD export {where} was trained on {trained_on} and cannot attach to this target: "
+                                 f"{'; '.join(diff)}; use the target it was trained on or train an exit head for "
+                                 "this one (task eesd)")
+
+
+def load_exit_head(path, target_model):
+    """(ExitHead with the exported weights, metadata, tokenizer or None), checked against `target_model`."""
+    path = Path(str(path))
+    meta = read_export_metadata(path)
+    if meta.get("task") != TASK:
+        raise CheckpointError(f"{path} is a {meta.get('task')!r} export, not an EESD exit head")
+    parts = split_target(target_model)
+    check_target(meta, parts, str(path))
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{path} has no {WEIGHTS_FILE}; re-export the eesd run")
+    head = ExitHead.empty_like(parts, with_layer=bool(meta.get("exit_layer", True)))
+    state = load_file(str(weights))
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{weights} does not match an exit head (missing {missing[:3]}, unexpected "
+                              f"{unexpected[:3]}); re-export the eesd run")
+    tokenizer = None
+    if (path / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return head, meta, tokenizer
