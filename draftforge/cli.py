@@ -20,9 +20,8 @@ COMMANDS = {
     "eval": ("draftforge.eval.command", "measure a drafter's speedup over plain decoding (JSON/Markdown/PNG report)"),
     "demo": ("draftforge.demo", "the embedded default: build the tiny testbed, train + export a tiny Mamba drafter, "
                                 "measure its speedup"),
-    "harvest-theta": ("draftforge.data.harvest_theta", "harvest χ labels + hidden states for the Cali-TS θ predictor "
-                                                       "(task theta); resumable"),
-    "harvest": ("draftforge.cli_harvest", "harvest training data from a target + drafter (trees: EAGLE-2 trees for C2T)"),
+    "harvest": ("draftforge.cli_harvest", "harvest training data from a target + drafter (trees: EAGLE-2 trees for C2T; theta: χ labels "
+                                         "for Cali-TS)"),
     "target": ("draftforge.cli_target", "prepare a real target offline (smollm2) or its instruction prompts (prompts)"),
 }
 

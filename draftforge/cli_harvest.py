@@ -1,6 +1,7 @@
-"""`draftforge harvest trees`: full EAGLE-2 trees with exact greedy acceptance labels (C2T training data).
+"""`draftforge harvest trees|theta`: training data harvested from a target + drafter pair.
 
-  draftforge harvest trees --target T --drafter D --bench PROMPTS --out DIR [--resume]
+  draftforge harvest trees --target T --drafter D --bench PROMPTS --out DIR [--resume]   # C2T: EAGLE-2 trees
+  draftforge harvest theta --target T --drafter D --data ROWS --out DIR [--resume]      # Cali-TS: χ labels
 
 One parquet shard per prompt in DIR (see draftforge.data.harvest); train on it with task `c2t`.
 """
@@ -35,10 +36,20 @@ def configure(p: argparse.ArgumentParser) -> None:
     t.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     t.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     t.add_argument("--resume", action="store_true", help="continue a harvest in --out (same target, drafter, settings)")
+    from draftforge.data import harvest_theta
+
+    th = sub.add_parser("theta", help="χ labels + hidden states for the Cali-TS θ predictor (task theta)",
+                        description=harvest_theta.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    harvest_theta.configure(th)
 
 
 def run(args) -> int:
     from draftforge.errors import RecipeError
+
+    if args.what == "theta":
+        from draftforge.data import harvest_theta
+
+        return harvest_theta.run(args)
 
     for flag in ("top_k", "depth", "top_m", "max_new_tokens"):
         if getattr(args, flag) < 1:

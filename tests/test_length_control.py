@@ -202,7 +202,7 @@ class HiddenRecorder(StopRule):
 @pytest.mark.parametrize("kind", ["transformer", "mamba", "mamba2"])
 def test_drafters_hand_the_hidden_state_that_chose_each_draft(target, drafters, kind):
     """DraftStep.hidden_D equals the drafter's full forward (hidden_states[-1]) at the position before the
-    draft: what harvest-theta writes as h_draft."""
+    draft: what harvest theta writes as h_draft."""
     drafter = drafters[kind]
     drafter.reset()
     rule = HiddenRecorder()

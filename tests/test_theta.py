@@ -1,4 +1,4 @@
-"""The θ predictor (models/theta.py), `draftforge harvest-theta` and task `theta`: shapes, a tiny overfit,
+"""The θ predictor (models/theta.py), `draftforge harvest theta` and task `theta`: shapes, a tiny overfit,
 harvested rows against a direct forward, resume, training through the one loop, export -> load, bad input."""
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def test_an_empty_harvest_is_one_clear_error(pair, tmp_path):
     harvest_theta(pair / "target", pair / "drafter", [str(unlabeled)], tmp_path / "b", progress=False)
     with pytest.raises(DataError, match="empty"):
         load_harvest(tmp_path / "b")
-    assert cli_main(["harvest-theta", "--target", str(pair / "target"), "--drafter", str(pair / "drafter"),
+    assert cli_main(["harvest", "theta", "--target", str(pair / "target"), "--drafter", str(pair / "drafter"),
                      "--data", str(short), "--out", str(tmp_path / "c")]) == 2  # one line, exit 2
 
 

@@ -1,4 +1,4 @@
-"""`draftforge harvest-theta`: χ labels and hidden states for the Cali-TS θ predictor (EESD §3.3, spec §3 [R]).
+"""`draftforge harvest theta`: χ labels and hidden states for the Cali-TS θ predictor (EESD §3.3, spec §3 [R]).
 
 Teacher-forced passes of the frozen target and drafter over held-out sequences (token rows, or text
 tokenized with the target's tokenizer; `--generate N` first lets the target continue each greedily, so
@@ -210,7 +210,7 @@ def load_harvest(path) -> tuple:
 
     path = Path(path)
     if not (path / MANIFEST).is_file():
-        raise DataError(f"{path} is not a θ harvest (no {MANIFEST}); make one with `draftforge harvest-theta`")
+        raise DataError(f"{path} is not a θ harvest (no {MANIFEST}); make one with `draftforge harvest theta`")
     manifest = json.loads((path / MANIFEST).read_text())
     shards = [path / "shards" / f"shard-{int(k):05d}" for k, v in sorted(manifest["shards"].items(), key=lambda kv:
                                                                             int(kv[0])) if v["rows"]]
@@ -223,9 +223,9 @@ def load_harvest(path) -> tuple:
 # ---------------------------------------------------------------- command line
 
 EPILOG = """examples:
-  draftforge harvest-theta --target TARGET --drafter DRAFTER --data heldout.jsonl --out runs/theta-harvest
-  draftforge harvest-theta ... --generate 128 --max-sequences 200   # label the target's own continuations
-  draftforge harvest-theta ... --resume                             # continue a killed harvest
+  draftforge harvest theta --target TARGET --drafter DRAFTER --data heldout.jsonl --out runs/theta-harvest
+  draftforge harvest theta ... --generate 128 --max-sequences 200   # label the target's own continuations
+  draftforge harvest theta ... --resume                             # continue a killed harvest
 then train the predictor: draftforge train RECIPE (task: theta, data.sources: [runs/theta-harvest])
 """
 

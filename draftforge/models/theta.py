@@ -134,7 +134,7 @@ def check_pair(meta: dict, target_model, drafter_model, where) -> None:
     if problems:
         raise CompatibilityError(
             f"θ predictor {where} was trained for another target/drafter pair ({'; '.join(problems)}); "
-            "harvest and train a θ predictor for this pair (draftforge harvest-theta, then task: theta)")
+            "harvest and train a θ predictor for this pair (draftforge harvest theta, then task: theta)")
 
 
 def load_predictor(path, target_model, drafter_model, device="cpu") -> ThetaPredictor:

@@ -87,7 +87,7 @@ register_task("distill", builder="draftforge.train.distill:build_distill_task", 
               check="draftforge.train.distill:check_distill",
               doc="a small SSM drafter on a frozen target's distributions: forward KL at a temperature (+ optional CE)")
 register_task("theta", builder="draftforge.train.theta:build_theta_task", config="draftforge.train.theta:ThetaConfig",
-              doc="the Cali-TS θ predictor on rows from `draftforge harvest-theta` (EESD §3.3, App. B)")
+              doc="the Cali-TS θ predictor on rows from `draftforge harvest theta` (EESD §3.3, App. B)")
 register_task("c2t", builder="draftforge.train.c2t:build", config="draftforge.train.c2t:C2TConfig",
               doc="the C2T classifier (P, H, d) -> accept confidence on harvested EAGLE-2 trees (C2T §4)")
 register_task("eesd", builder="draftforge.train.eesd:build_eesd_task", config="draftforge.train.eesd:EesdConfig",

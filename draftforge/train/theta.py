@@ -1,6 +1,6 @@
 """Task `theta`: the Cali-TS θ predictor (EESD §3.3 Eq. 5, App. B; spec §3 [R]) on harvested feature rows.
 
-The rows come from `draftforge harvest-theta` (data.sources: [HARVEST_DIR]); target and drafter were run
+The rows come from `draftforge harvest theta` (data.sources: [HARVEST_DIR]); target and drafter were run
 there, so training touches neither (they are frozen by construction: only their hidden states are read).
 Loss: cross-entropy of the two logits against χ, optionally class-balanced (spec: when acceptance is far
 from 0.5). The export is the predictor alone plus the harvest's target/drafter fingerprints and widths,
@@ -65,7 +65,7 @@ def build_theta_task(recipe, accelerator, with_data: bool = True):
 
     cfg = recipe.task_options or ThetaConfig()
     if len(recipe.data.sources) != 1:
-        raise RecipeError("data.sources: task theta reads exactly one harvest directory (draftforge harvest-theta)")
+        raise RecipeError("data.sources: task theta reads exactly one harvest directory (draftforge harvest theta)")
     rows, manifest = load_harvest(recipe.data.sources[0])
     mean = manifest["mean_label"]
     model = ThetaPredictor(manifest["target_dim"], manifest["draft_dim"], cfg.max_offset, mean)
