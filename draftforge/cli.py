@@ -20,6 +20,7 @@ COMMANDS = {
     "eval": ("draftforge.eval.command", "measure a drafter's speedup over plain decoding (JSON/Markdown/PNG report)"),
     "demo": ("draftforge.demo", "the embedded default: build the tiny testbed, train + export a tiny Mamba drafter, "
                                 "measure its speedup"),
+    "generate": ("draftforge.cli_generate", "a target's own answers (greedy and sampled) as token rows for SFT, resumable"),
     "target": ("draftforge.cli_target", "prepare a real target offline (smollm2) or its instruction prompts (prompts)"),
 }
 
