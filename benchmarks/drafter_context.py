@@ -40,14 +40,25 @@ def measure(model, ctx: int, steps: int, repeats: int, device) -> dict:
 
 
 @torch.inference_mode()
-def measure_harness(path: str, ctx: int, steps: int, repeats: int) -> dict:
-    """ms per drafted token through draftforge.decode's drafter for a checkpoint, after a ctx-token prefill."""
+def measure_harness(path: str, ctx: int, steps: int, repeats: int, full_head: bool = False) -> dict:
+    """ms per drafted token through draftforge.decode's drafter for a checkpoint, after a ctx-token prefill.
+
+    full_head: swap a reduced draft head for a full-vocabulary one tied to the embedding (the cost that
+    model.draft_vocab removes; the weights are then meaningless, the timing is not).
+    """
     from draftforge.decode.drafter_hf import TransformerDrafter
     from draftforge.decode.drafter_mamba import MambaDrafter
     from draftforge.decode.targets import SSM_MODEL_TYPES, load_hf_causal_lm
 
     model, _ = load_hf_causal_lm(path, "cpu", None, "drafter")
     vocab = model.get_input_embeddings().weight.shape[0]
+    if full_head:
+        from draftforge.models.draft_vocab import CONFIG_KEY
+
+        head = torch.nn.Linear(model.config.hidden_size, vocab, bias=False)
+        head.weight = model.get_input_embeddings().weight
+        model.set_output_embeddings(head)
+        setattr(model.config, CONFIG_KEY, None)
     is_ssm = model.config.model_type in SSM_MODEL_TYPES
     drafter = (MambaDrafter if is_ssm else TransformerDrafter)(model, vocab)
     if not is_ssm and ctx + steps * (repeats + 2) > getattr(model.config, "max_position_embeddings", 1 << 30):
@@ -90,13 +101,15 @@ def main():
     ap.add_argument("--out", default="drafter_context.json")
     ap.add_argument("--drafter", action="append", help="time this trained checkpoint through the harness "
                                                         "(repeatable; CPU; replaces the random models)")
+    ap.add_argument("--full-head", action="store_true", help="with --drafter: time a full-vocabulary head "
+                                                             "instead of the checkpoint's reduced one")
     args = ap.parse_args()
     device = torch.device(args.device)
     rows = []
     for path in args.drafter or []:
         for ctx in args.contexts:
-            r = measure_harness(path, ctx, args.steps, args.repeats)
-            rows.append({"drafter": path, "params_m": round(r.pop("params_m", 0.0), 2), **r})
+            r = measure_harness(path, ctx, args.steps, args.repeats, args.full_head)
+            rows.append({"drafter": path + (" (full head)" if args.full_head else ""), "params_m": round(r.pop("params_m", 0.0), 2), **r})
             print(rows[-1], flush=True)
     for kind in () if args.drafter else ("mamba", "llama"):
         extra = {"max_position_embeddings": max(args.contexts) + 16} if kind == "llama" else {}
