@@ -3,15 +3,16 @@
 # and a Llama drafter of equal size (pretrain -> sft), then the speedup tables (README "Drafters for SmolLM2").
 #
 #   bash benchmarks/smollm2_pipeline.sh            # env: CACHE (default /tmp/h1dl/cache), N_PROMPTS (48),
-#                                                  #      EVAL_PROMPTS (2), NEW_TOKENS (64), JOBS (4)
-# Phases run in the background where they are independent (the two drafters train side by side; the four
-# eval suites run side by side, JOBS at a time). Each phase is resumable or idempotent; rerun to continue.
-# Wall time measured on a shared 2-core CPU (load 10-13 from other work): see README.
+#                                                  #      EVAL_PROMPTS (1), NEW_TOKENS (32)
+# Independent phases run side by side (the two drafters train together; the four eval suites and the TV
+# measurement run together). generate resumes; training uses --overwrite. Defaults are what fit a 2-core CPU
+# shared with other work (load 10-17) in about an hour; on a quiet machine or a GPU raise EVAL_PROMPTS,
+# NEW_TOKENS (128) and the recipes' max_steps. Wall times: README "Drafters for SmolLM2".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-CACHE="${CACHE:-/tmp/h1dl/cache}"; N_PROMPTS="${N_PROMPTS:-48}"; EVAL_PROMPTS="${EVAL_PROMPTS:-2}"
-NEW_TOKENS="${NEW_TOKENS:-64}"; OUT=runs/smollm2
+CACHE="${CACHE:-/tmp/h1dl/cache}"; N_PROMPTS="${N_PROMPTS:-48}"; EVAL_PROMPTS="${EVAL_PROMPTS:-1}"
+NEW_TOKENS="${NEW_TOKENS:-32}"; OUT=runs/smollm2
 T0=$SECONDS
 phase() { echo "== [$((SECONDS - T0)) s] $*"; }
 mkdir -p "$OUT"
