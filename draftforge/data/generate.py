@@ -141,7 +141,8 @@ def _left_pad(seqs: list[list[int]], pad_id: int):
 
 
 def answer_batch(model, jobs: list[Job], temperature: float, max_new_tokens: int, eos, pad_id) -> list[list[int]]:
-    """The target's answer to each job (EOS included, nothing after it); a base job's greedy prefix first."""
+    """The target's answer to each job (EOS included, nothing after it); at T>0 base jobs decode their
+    greedy prefix first (one length per batch: the longest of its jobs, so a batch stays one generate())."""
     prefix = max(j.greedy_prefix for j in jobs) if temperature > 0 else 0
     prefix = min(prefix, max_new_tokens)
     seqs = [list(j.input_ids) for j in jobs]
@@ -190,6 +191,8 @@ def generate_rows(model, tokenizer, jobs: list[Job], out: Path, *, temperatures=
             missing = [j for j in batch if (j.prompt_id, temp) not in done]
             stats.skipped += len(batch) - len(missing)
             if not missing:
+                if progress is not None:
+                    progress(len(batch), stats.new_tokens / max(time.perf_counter() - t0, 1e-9))
                 continue
             torch.manual_seed(batch_seed(seed, b, temp))  # the whole batch again: same rows as an unbroken run
             answers = answer_batch(model, batch, temp, max_new_tokens, eos, pad_id)
