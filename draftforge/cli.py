@@ -22,6 +22,7 @@ COMMANDS = {
                                 "measure its speedup"),
     "harvest": ("draftforge.cli_harvest", "harvest training data from a target + drafter (trees: EAGLE-2 trees for C2T; theta: χ labels "
                                          "for Cali-TS)"),
+    "generate": ("draftforge.cli_generate", "a target's own answers (greedy and sampled) as token rows for SFT, resumable"),
     "target": ("draftforge.cli_target", "prepare a real target offline (smollm2) or its instruction prompts (prompts)"),
 }
 

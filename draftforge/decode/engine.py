@@ -170,7 +170,8 @@ class HFAssistedDecoder:
         seq = check_prompt(input_ids, self.target, max_new_tokens)
         eos = sorted(eos_set(eos_token_id, self.target))
         stats, calls, device = DecodeStats(), {"target": [], "drafter": []}, self.target.device
-        hooks = [_timing_hooks(self.target.model, calls["target"]), _timing_hooks(self.drafter.model, calls["drafter"])]
+        hooks = [_timing_hooks(self.target.model, calls["target"]), _timing_hooks(self.drafter.model, calls["drafter"]),
+                 _draft_vocab_hook(self.drafter)]
         torch.manual_seed(seed)  # transformers samples from the global generator
         sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
         t_start = _clock(device)
@@ -190,6 +191,20 @@ class HFAssistedDecoder:
         tokens = out[0, len(seq) :].tolist()
         _fill_assisted_stats(stats, calls, len(seq), len(tokens))
         return DecodeResult(tokens=tokens, stats=stats)
+
+
+def _draft_vocab_hook(drafter) -> tuple:
+    """A reduced-vocabulary drafter's head predicts draft ids: map its logits into the target's vocabulary
+    (-inf elsewhere) so transformers drafts target ids (greedy) and gets a full-width q (sampling)."""
+    if drafter.d2t is None:
+        return ()
+    from draftforge.models.draft_vocab import to_target_logits
+
+    def post(module, args, kwargs, output):
+        output.logits = to_target_logits(output.logits, drafter.d2t, drafter.vocab_size)
+        return output
+
+    return (drafter.model.register_forward_hook(post, with_kwargs=True),)
 
 
 def _timing_hooks(model, log: list):

@@ -1,0 +1,221 @@
+"""`draftforge generate`: a target's own responses as token rows (format: tokens) for SFT / self-distillation.
+
+Chat targets answer prompts (a JSONL of `messages` / `prompt`, encoded exactly as `draftforge eval`
+encodes them); base targets follow the EESD / LLM-QAT recipe (EESD §3.2, specs/eesd.md §2): start
+from one random token, decode greedily for the first 3-5 tokens, then sample. Each prompt is answered
+once per temperature (0 = greedy), so one file mixes greedy and sampled answers.
+
+Rows {"input_ids", "prompt_len", "prompt_id", "temperature"} are appended to a JSONL file one batch at
+a time. A killed run resumes: the rows already written are kept (a torn last line is dropped) and only
+the missing ones are generated. A batch is always the same prompts with the same seed, so a resumed
+file equals an uninterrupted one.
+Legend: B = batch, P = padded prompt length, N = new tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from draftforge.errors import DataError
+
+GREEDY_PREFIX = (3, 5)  # EESD §3.2: random first token, greedy for 3-5 tokens, then sample
+
+
+@dataclass
+class Job:
+    """One prompt to answer: its id and the ids the target reads (greedy_prefix > 0 only for base targets)."""
+
+    prompt_id: str
+    input_ids: list[int]
+    greedy_prefix: int = 0
+
+
+@dataclass
+class GenStats:
+    rows: int = 0
+    skipped: int = 0
+    new_tokens: int = 0
+    ended_eos: int = 0
+    seconds: float = 0.0
+
+
+def chat_jobs(prompt_file, tokenizer, context: int, max_new_tokens: int, num_prompts=None) -> list[Job]:
+    """Prompts from a JSONL file through the chat template; DataError for a prompt longer than the context."""
+    from draftforge.eval.prompts import load_prompts
+
+    prompts = load_prompts(prompt_file, tokenizer, num_prompts=num_prompts, context_length=context,
+                           max_new_tokens=max_new_tokens)
+    seen = set()
+    for p in prompts:
+        if p.prompt_id in seen:
+            raise DataError(f"{prompt_file}: prompt id {p.prompt_id!r} appears twice; ids must be unique so that "
+                            "a resumed run knows which prompts are answered")
+        seen.add(p.prompt_id)
+    return [Job(p.prompt_id, p.input_ids) for p in prompts]
+
+
+def random_start_jobs(n: int, vocab_size: int, seed: int, skip_ids=()) -> list[Job]:
+    """EESD §3.2 for base targets: n prompts of one random token each, greedy for the first 3-5 tokens."""
+    if n <= 0:
+        raise DataError(f"--random-starts must be positive, got {n}")
+    rng = random.Random(seed)
+    skip = set(skip_ids)
+    jobs = []
+    for i in range(n):
+        token = rng.randrange(vocab_size)
+        while token in skip:
+            token = rng.randrange(vocab_size)
+        jobs.append(Job(f"random-{i:06d}", [token], rng.randint(*GREEDY_PREFIX)))
+    return jobs
+
+
+def read_done(path: Path) -> set[tuple[str, float]]:
+    """(prompt_id, temperature) pairs already in the file; a torn last line (a killed write) is cut off."""
+    done: set[tuple[str, float]] = set()
+    if not path.is_file():
+        return done
+    data = path.read_bytes()
+    good = 0  # byte offset after the last complete, parseable line
+    for line in data.splitlines(keepends=True):
+        try:
+            row = json.loads(line) if line.endswith(b"\n") else None
+        except ValueError:
+            row = None
+        if row is None:
+            if data[good + len(line):].strip():
+                raise DataError(f"{path}: a malformed line at byte {good} is not the last one; the file is not "
+                                "one this command wrote (move it away or pass another --out)")
+            break
+        if not isinstance(row, dict) or "prompt_id" not in row or "temperature" not in row:
+            raise DataError(f"{path}: rows lack 'prompt_id'/'temperature'; it is not a `draftforge generate` file")
+        done.add((str(row["prompt_id"]), float(row["temperature"])))
+        good += len(line)
+    if good < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    return done
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+def cut_at_eos(new_ids: list[int], eos: list[int]) -> tuple[list[int], bool]:
+    """The emitted ids up to and including the first EOS (padding after it dropped); whether EOS came."""
+    for i, t in enumerate(new_ids):
+        if t in eos:
+            return new_ids[: i + 1], True
+    return new_ids, False
+
+
+def _generate(model, prompts_BP, mask_BP, n_new: int, temperature: float, eos, pad_id):
+    from transformers import GenerationConfig
+
+    sample = temperature > 0
+    cfg = GenerationConfig(max_new_tokens=n_new, do_sample=sample, temperature=temperature if sample else None,
+                           top_k=0 if sample else None, top_p=1.0 if sample else None,
+                           eos_token_id=eos or None, pad_token_id=pad_id)
+    with torch.no_grad():
+        out_BT = model.generate(input_ids=prompts_BP, attention_mask=mask_BP, generation_config=cfg)
+    return out_BT[:, prompts_BP.shape[1]:]
+
+
+def _left_pad(seqs: list[list[int]], pad_id: int):
+    width = max(len(s) for s in seqs)
+    ids_BP = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask_BP = torch.zeros((len(seqs), width), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids_BP[b, width - len(s):] = torch.tensor(s)
+        mask_BP[b, width - len(s):] = 1
+    return ids_BP, mask_BP
+
+
+def answer_batch(model, jobs: list[Job], temperature: float, max_new_tokens: int, eos, pad_id) -> list[list[int]]:
+    """The target's answer to each job (EOS included, nothing after it); at T>0 base jobs decode their
+    greedy prefix first (one length per batch: the longest of its jobs, so a batch stays one generate())."""
+    prefix = max(j.greedy_prefix for j in jobs) if temperature > 0 else 0
+    prefix = min(prefix, max_new_tokens)
+    seqs = [list(j.input_ids) for j in jobs]
+    if prefix:  # EESD §3.2: the first tokens greedily (all jobs of a batch share the prefix length)
+        ids_BP, mask_BP = _left_pad(seqs, pad_id)
+        head_BN = _generate(model, ids_BP, mask_BP, prefix, 0.0, eos, pad_id).tolist()
+        seqs = [s + h for s, h in zip(seqs, head_BN)]
+    ids_BP, mask_BP = _left_pad(seqs, pad_id)
+    rest = max_new_tokens - prefix
+    new_BN = _generate(model, ids_BP, mask_BP, rest, temperature, eos, pad_id).tolist() if rest else [[]] * len(jobs)
+    answers = []
+    for job, seq, new in zip(jobs, seqs, new_BN):
+        answers.append(seq[len(job.input_ids):] + new)
+    return answers
+
+
+def batch_seed(seed: int, batch_index: int, temperature: float) -> int:
+    return (seed * 1_000_003 + batch_index * 7919 + int(round(temperature * 1000))) % (2**31)
+
+
+def plan_batches(jobs: list[Job], batch_size: int) -> list[list[Job]]:
+    """Fixed batches of similar lengths (less padding); the same jobs give the same batches on resume."""
+    order = sorted(jobs, key=lambda j: (len(j.input_ids), j.prompt_id))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def generate_rows(model, tokenizer, jobs: list[Job], out: Path, *, temperatures=(0.0, 1.0), max_new_tokens=256,
+                  batch_size=8, seed=0, progress=None) -> GenStats:
+    """Answer every job at every temperature and append the rows to `out`, skipping rows already there."""
+    if max_new_tokens <= 0:
+        raise DataError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+    if batch_size <= 0:
+        raise DataError(f"--batch-size must be positive, got {batch_size}")
+    temps = [float(t) for t in temperatures]
+    if not temps or any(t < 0 or math.isnan(t) for t in temps):
+        raise DataError(f"--temperature takes values >= 0 (0 = greedy), got {list(temperatures)}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = read_done(out)
+    eos = eos_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else (eos or [0])[0]
+    stats, t0 = GenStats(), time.perf_counter()
+    model.eval()
+    for temp in temps:
+        for b, batch in enumerate(plan_batches(jobs, batch_size)):
+            missing = [j for j in batch if (j.prompt_id, temp) not in done]
+            stats.skipped += len(batch) - len(missing)
+            if not missing:
+                if progress is not None:
+                    progress(len(batch), stats.new_tokens / max(time.perf_counter() - t0, 1e-9))
+                continue
+            torch.manual_seed(batch_seed(seed, b, temp))  # the whole batch again: same rows as an unbroken run
+            answers = answer_batch(model, batch, temp, max_new_tokens, eos, pad_id)
+            lines = []
+            for job, new in zip(batch, answers):
+                if (job.prompt_id, temp) in done:
+                    continue
+                new, ended = cut_at_eos(new, eos)
+                stats.rows, stats.new_tokens, stats.ended_eos = (stats.rows + 1, stats.new_tokens + len(new),
+                                                                 stats.ended_eos + ended)
+                lines.append(json.dumps({"input_ids": job.input_ids + new, "prompt_len": len(job.input_ids),
+                                         "prompt_id": job.prompt_id, "temperature": temp}) + "\n")
+            with open(out, "a", encoding="utf-8") as f:
+                f.write("".join(lines))
+                f.flush()
+            if progress is not None:
+                progress(len(batch), stats.new_tokens / max(time.perf_counter() - t0, 1e-9))
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def summary_lines(stats: GenStats, out: Path, total: int) -> list[str]:
+    per = stats.new_tokens / stats.rows if stats.rows else 0.0
+    return [f"generate: wrote {stats.rows} rows to {out} (skipped {stats.skipped} already there; {total} in all)",
+            f"  new tokens: {stats.new_tokens:,} ({per:.1f} per row, {stats.ended_eos} ended with EOS) in "
+            f"{stats.seconds:.1f} s = {stats.new_tokens / max(stats.seconds, 1e-9):.1f} tokens/s"]
