@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from draftforge.errors import CheckpointError
+from draftforge.errors import CheckpointError, RecipeError
 
 EPILOG = """examples:
   draftforge train recipes/tiny/pretrain.yaml
@@ -35,7 +35,8 @@ def run(args) -> int:
         print_recipe_help(args.help_recipe)
         return 0
     if not args.recipe:
-        raise SystemExit("draftforge train: give a recipe file (or --help-recipe TASK)")
+        raise RecipeError("draftforge train needs a recipe file, e.g. draftforge train recipes/tiny/pretrain.yaml "
+                          "(every field: draftforge train --help-recipe TASK)")
     recipe = load_recipe(args.recipe, args.overrides)
     from draftforge.train import run as run_training
 

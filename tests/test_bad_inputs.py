@@ -1,0 +1,32 @@
+"""Bad inputs the issue-14 sweep (benchmarks/bad_input_sweep.py) found: each now exits 2 with one
+`error:` line naming the fix, without a traceback, and leaves the files as they were."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftforge.cli import main as cli_main
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.is_dir() or p.read_bytes()) for p in sorted(root.rglob("*"))}
+
+
+def refused(argv: list[str], root: Path, capsys) -> str:
+    """Run the CLI in-process: exit 2, one `error:` line, nothing under root changed; returns the line."""
+    before = _snapshot(root)
+    assert cli_main(argv) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert _snapshot(root) == before
+    return err[0]
+
+
+def test_train_without_a_recipe_is_a_one_line_error(tmp_path, capsys):
+    line = refused(["train"], tmp_path, capsys)
+    assert "needs a recipe file" in line and "--help-recipe" in line
