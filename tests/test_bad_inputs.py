@@ -30,3 +30,19 @@ def refused(argv: list[str], root: Path, capsys) -> str:
 def test_train_without_a_recipe_is_a_one_line_error(tmp_path, capsys):
     line = refused(["train"], tmp_path, capsys)
     assert "needs a recipe file" in line and "--help-recipe" in line
+
+
+def test_target_prompts_refuses_n_zero_and_an_out_under_a_file(tmp_path, capsys):
+    line = refused(["target", "prompts", "--out", str(tmp_path / "p.jsonl"), "-n", "0"], tmp_path, capsys)
+    assert "-n" in line and "must be >= 1" in line  # it wrote every prompt before: rows[:n] if n else rows
+    (tmp_path / "a_file").write_text("x")
+    line = refused(["target", "prompts", "--out", str(tmp_path / "a_file" / "p.jsonl"), "-n", "3"], tmp_path, capsys)
+    assert "cannot write the prompts" in line and "--out" in line
+
+
+@pytest.mark.parametrize("wheel", ["missing.whl", "not_a_wheel.whl"])
+def test_smollm2_with_a_bad_wheel_leaves_no_cache_dir(tmp_path, capsys, wheel):
+    (tmp_path / "not_a_wheel.whl").write_text("not a zip\n")
+    line = refused(["target", "smollm2", "--wheel", str(tmp_path / wheel), "--cache", str(tmp_path / "c" / "d")],
+                   tmp_path, capsys)
+    assert wheel in line
