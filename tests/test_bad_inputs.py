@@ -58,3 +58,17 @@ def test_demo_refuses_bad_flags_before_any_work(tmp_path, capsys, flags):
     argv = ["demo", "--out", str(tmp_path / "out"), "--testbed", str(tmp_path / "tb"), *flags]
     line = refused(argv, tmp_path, capsys)
     assert flags[0] in line and ("must be >= 1" in line or "is a file, not a directory" in line)
+
+
+@pytest.mark.parametrize("key", ["model.target", "model.tokenizer"])
+def test_a_missing_target_or_tokenizer_dir_is_named_with_its_key(tmp_path, capsys, key, tiny_corpus_dir,
+                                                                 tiny_tokenizer_dir):
+    """It said "recipe key 'model.tokenizer'" for a missing model.target, with the Hub's "Repo id must be ..."."""
+    import yaml
+    from test_train_loop import tiny_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir)))
+    line = refused(["train", str(recipe), "--set", f"{key}={tmp_path / 'gone'}"], tmp_path, capsys)
+    assert f"recipe key '{key}'" in line and f"directory {tmp_path / 'gone'} does not exist" in line
+    assert "Repo id" not in line
