@@ -1,0 +1,150 @@
+"""SIGKILL tests of the sweep: training runs killed at random moments resume to the same bits.
+
+The reference is the uninterrupted run `runs/good` (sweep_fixtures). Each scenario trains the same
+recipe into its own output_dir, SIGKILLs the CLI process at chosen moments, then `--resume`s until
+the run completes; the final export's model.safetensors and metrics.jsonl must equal the
+reference's byte for byte. Moments are drawn after the run directory appears (before it, nothing
+exists and a plain rerun is the whole story), uniformly over the reference's training time.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from sweep_fixtures import cli_env, good_recipe
+
+
+def _start(argv: list[str], root: Path, repo: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "draftforge", *argv], cwd=root / "cwd", env=cli_env(root, repo),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(cond, proc, timeout=300.0, poll=0.005) -> bool:
+    """Poll until cond() (True) or the process ends (False)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        if proc.poll() is not None:
+            return cond()
+        time.sleep(poll)
+    return False
+
+
+def _checkpoints(run: Path) -> list[Path]:
+    return sorted(p for p in (run / "checkpoints").glob("step-*") if p.is_dir())
+
+
+def _logged_steps(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def run_once(argv, root, repo, kill=None) -> tuple[int | None, str]:
+    """Run the CLI; `kill(proc)` returns once it is time to SIGKILL (None: let it finish). (rc, where killed)."""
+    proc = _start(argv, root, repo)
+    where = ""
+    if kill is not None:
+        where = kill(proc)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        else:
+            where = "finished before the kill"
+    _, err = proc.communicate(timeout=600)
+    if proc.returncode not in (0, -signal.SIGKILL):
+        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{err[-2000:]}")
+    return proc.returncode, where
+
+
+def _touched_since(run: Path, start_ns: int) -> bool:
+    """The run has begun writing: a fresh start writes recipe.yaml, a resume rewrites metrics.jsonl."""
+    for name in ("recipe.yaml", "metrics.jsonl"):
+        try:
+            if (run / name).stat().st_mtime_ns >= start_ns:
+                return True
+        except FileNotFoundError:
+            pass
+    return False
+
+
+def at_random(rng, span: float, run: Path):
+    """A kill moment: once this process has begun writing the run, after uniform(0, span) seconds."""
+    def kill(proc):
+        start_ns = time.time_ns() - 10_000_000
+        _wait_for(lambda: _touched_since(run, start_ns), proc)
+        time.sleep(rng.uniform(0, span))
+        return f"{len(_checkpoints(run))} ckpt, {_logged_steps(run)} steps logged"
+    return kill
+
+
+def before_first_checkpoint(run: Path):
+    def kill(proc):
+        _wait_for(lambda: _logged_steps(run) >= 1, proc)
+        return f"{len(_checkpoints(run))} ckpt, {_logged_steps(run)} steps logged"
+    return kill
+
+
+def _same_bits(run: Path, ref: Path) -> str:
+    bad = [name for name in ("export/model.safetensors", "metrics.jsonl")
+           if not (run / name).is_file() or (run / name).read_bytes() != (ref / name).read_bytes()]
+    return "identical" if not bad else "DIFFERS: " + ", ".join(bad)
+
+
+def scenario(name, p, root, repo, kills, torn=False) -> dict:
+    """Train into runs/kill-NAME, applying each kill in turn (the first on a fresh start, later ones on
+    --resume), optionally tear the last metrics line, then resume to the end and compare with the reference."""
+    run = root / "runs" / f"kill-{name}"
+    recipe = root / "in" / f"kill-{name}.yaml"
+    recipe.write_text(yaml.safe_dump(good_recipe(p, str(run))))
+    notes, resume = [], False
+    for kill in kills:
+        if resume and not (run / "recipe.yaml").exists():
+            resume = False  # killed before the run claimed its directory: nothing to resume
+        rc, where = run_once(["train", str(recipe)] + (["--resume"] if resume else []), root, repo, kill)
+        notes.append(where if rc else f"ran to the end ({where})")
+        resume = True
+    if torn and (run / "metrics.jsonl").exists():
+        with open(run / "metrics.jsonl", "a") as f:
+            f.write('{"step": 99, "loss": 1.2')  # a line cut short by the crash
+        notes.append("torn last metrics line")
+    t0 = time.monotonic()
+    run_once(["train", str(recipe), "--resume"], root, repo)
+    return {"case": f"kill: {name}", "kills": "; ".join(notes), "resume_s": round(time.monotonic() - t0, 1),
+            "result": _same_bits(run, root / "runs" / "good")}
+
+
+def reference_span(p, root, repo) -> float:
+    """Seconds from the run directory's appearance to the end of a clean run of the same recipe."""
+    run = root / "runs" / "kill-span"
+    recipe = root / "in" / "kill-span.yaml"
+    recipe.write_text(yaml.safe_dump(good_recipe(p, str(run))))
+    proc = _start(["train", str(recipe)], root, repo)
+    _wait_for(lambda: (run / "recipe.yaml").exists(), proc)
+    t0 = time.monotonic()
+    proc.communicate(timeout=600)
+    return max(time.monotonic() - t0, 0.5)
+
+
+def kill_table(p, root, repo, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    span = reference_span(p, root, repo)
+    rows = [scenario("before first checkpoint", p, root, repo, [before_first_checkpoint(root / "runs" /
+                                                                  "kill-before first checkpoint")])]
+    for i in range(3):
+        name = f"random #{i + 1}"
+        rows.append(scenario(name, p, root, repo, [at_random(rng, span, root / "runs" / f"kill-{name}")]))
+    name = "five kills, four during resumes"
+    rows.append(scenario(name, p, root, repo, [at_random(rng, span, root / "runs" / f"kill-{name}")
+                                               for _ in range(5)]))
+    name = "killed + torn metrics line"
+    rows.append(scenario(name, p, root, repo, [at_random(rng, span, root / "runs" / f"kill-{name}")], torn=True))
+    for r in rows:
+        r["span_s"] = round(span, 1)
+    return rows
