@@ -22,6 +22,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import sweep_fixtures
@@ -59,7 +60,27 @@ def fs_change(before: dict, after: dict) -> str:
     return "; ".join(parts)
 
 
-def run_case(case: Case, paths: dict, root: Path, timeout: float) -> dict:
+def case_root(root: Path, index: int) -> tuple[Path, dict]:
+    """A private copy of the fixtures for one case, paths inside its YAML/JSON re-rooted (checkpoints, whose
+    manifests hash their files, are copied as they are), so that cases can run side by side."""
+    dst = root.parent / f"{root.name}-cases" / f"{index:02d}"
+    for sub in ("in", "runs", "cwd", "exported"):
+        if (root / sub).exists():
+            shutil.copytree(root / sub, dst / sub, symlinks=True)
+    (dst / "home").mkdir(parents=True)
+    for f in dst.rglob("*"):
+        if f.suffix in (".yaml", ".json") and f.is_file() and "checkpoints" not in f.parts:
+            text = f.read_text()
+            if str(root) in text:
+                f.write_text(text.replace(str(root), str(dst)))
+    return dst, {k: v.replace(str(root), str(dst)) for k, v in PATHS.items()}
+
+
+PATHS: dict = {}  # the fixture paths of the shared root (set by main)
+
+
+def run_case(case: Case, index: int, root: Path, timeout: float) -> dict:
+    root, paths = case_root(root, index)
     argv = case.command(paths)
     before = snapshot(root)
     t0 = time.monotonic()
@@ -76,6 +97,10 @@ def run_case(case: Case, paths: dict, root: Path, timeout: float) -> dict:
            "traceback": "Traceback (most recent call last)" in err, "fs": change or "unchanged",
            "seconds": round(seconds, 1), "stderr_tail": err[-1500:] if rc != case.rc else ""}
     row["problems"] = problems(case, row)
+    row["command"] = row["command"].replace(str(root), "$SWEEP")
+    row["error"] = row["error"].replace(str(root), "$SWEEP")
+    if not row["problems"]:
+        shutil.rmtree(root, ignore_errors=True)
     return row
 
 
@@ -97,7 +122,7 @@ def problems(case: Case, row: dict) -> list[str]:
 
 
 def short(text: str, root: str, width: int) -> str:
-    text = text.replace(root + "/", "")
+    text = text.replace("$SWEEP/", "")
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
@@ -115,6 +140,12 @@ def print_tables(rows: list[dict], kills: list[dict], root: str) -> None:
             print(f"| {k['case']} | {k['kills']} | {k['result']} |")
 
 
+def _report(row: dict, total: int) -> dict:
+    print(f"[{total}] {row['case']}: {'; '.join(row['problems']) or 'ok'} ({row['seconds']} s)", file=sys.stderr,
+          flush=True)
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only the cases that need no trained run; no kills")
@@ -122,6 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-kills", action="store_true", help="skip the SIGKILL scenarios")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random kill moments (default 0)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per case before it counts as hung")
+    ap.add_argument("--jobs", type=int, default=1, help="cases run side by side, each on its own copy (default 1)")
     ap.add_argument("--json", help="also write every row as JSON here")
     ap.add_argument("--keep", help="build everything in this (new) directory and keep it")
     args = ap.parse_args(argv)
@@ -129,21 +161,23 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     try:
         paths = sweep_fixtures.build(root, REPO, log=lambda m: print(m, file=sys.stderr), train=not args.quick)
+        PATHS.update(paths)
         cases = [c for c in CASES if (c.quick or not args.quick) and (not args.only or args.only in c.name)]
-        rows = []
-        for case in cases:
-            rows.append(run_case(case, paths, root, args.timeout))
-            print(f"[{len(rows)}/{len(cases)}] {case.name}: {'; '.join(rows[-1]['problems']) or 'ok'} "
-                  f"({rows[-1]['seconds']} s)", file=sys.stderr, flush=True)
-        kills = []
-        if not (args.no_kills or args.only or args.quick):
-            from sweep_kills import kill_table
+        with ThreadPoolExecutor(args.jobs) as pool:
+            kills = None
+            if not (args.no_kills or args.only or args.quick):
+                from sweep_kills import kill_table
 
-            kills = kill_table(paths, root, REPO, args.seed)
+                kills = pool.submit(kill_table, paths, root, REPO, args.seed, max(1, args.jobs - 1))
+            rows = list(pool.map(lambda ic: _report(run_case(ic[1], ic[0], root, args.timeout), len(cases)),
+                                 enumerate(cases)))
+            kills = kills.result() if kills else []
         print_tables(rows, kills, str(root))
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
+            for extra in ("cases", "kills"):
+                shutil.rmtree(root.parent / f"{root.name}-{extra}", ignore_errors=True)
     bad = [r for r in rows if r["problems"]] + [k for k in kills if k["result"] != "identical"]
     print(f"\n{len(rows)} cases, {len(kills)} kill scenarios, {len(bad)} regressions; "
           f"{(time.monotonic() - t0) / 60:.1f} min (seed {args.seed})")

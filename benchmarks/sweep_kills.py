@@ -74,12 +74,12 @@ def _touched_since(run: Path, start_ns: int) -> bool:
     return False
 
 
-def at_random(rng, span: float, run: Path):
-    """A kill moment: once this process has begun writing the run, after uniform(0, span) seconds."""
+def at_random(delay: float, run: Path):
+    """A kill moment: once this process has begun writing the run, after `delay` seconds."""
     def kill(proc):
         start_ns = time.time_ns() - 10_000_000
         _wait_for(lambda: _touched_since(run, start_ns), proc)
-        time.sleep(rng.uniform(0, span))
+        time.sleep(delay)
         return f"{len(_checkpoints(run))} ckpt, {_logged_steps(run)} steps logged"
     return kill
 
@@ -100,30 +100,31 @@ def _same_bits(run: Path, ref: Path) -> str:
 def scenario(name, p, root, repo, kills, torn=False) -> dict:
     """Train into runs/kill-NAME, applying each kill in turn (the first on a fresh start, later ones on
     --resume), optionally tear the last metrics line, then resume to the end and compare with the reference."""
-    run = root / "runs" / f"kill-{name}"
-    recipe = root / "in" / f"kill-{name}.yaml"
+    run, recipe = _paths(root, name)
     recipe.write_text(yaml.safe_dump(good_recipe(p, str(run))))
     notes, resume = [], False
     for kill in kills:
         if resume and not (run / "recipe.yaml").exists():
             resume = False  # killed before the run claimed its directory: nothing to resume
-        rc, where = run_once(["train", str(recipe)] + (["--resume"] if resume else []), root, repo, kill)
+        rc, where = run_once(["train", str(recipe)] + (["--resume"] if resume else []), root, repo, kill(run))
         notes.append(where if rc else f"ran to the end ({where})")
         resume = True
     if torn and (run / "metrics.jsonl").exists():
         with open(run / "metrics.jsonl", "a") as f:
             f.write('{"step": 99, "loss": 1.2')  # a line cut short by the crash
         notes.append("torn last metrics line")
-    t0 = time.monotonic()
     run_once(["train", str(recipe), "--resume"], root, repo)
-    return {"case": f"kill: {name}", "kills": "; ".join(notes), "resume_s": round(time.monotonic() - t0, 1),
-            "result": _same_bits(run, root / "runs" / "good")}
+    return {"case": f"kill: {name}", "kills": "; ".join(notes), "result": _same_bits(run, Path(p["runs"]) / "good")}
+
+
+def _paths(root: Path, name: str) -> tuple[Path, Path]:
+    slug = name.replace(" ", "-").replace("#", "")
+    return root / "runs" / f"kill-{slug}", root / "in" / f"kill-{slug}.yaml"
 
 
 def reference_span(p, root, repo) -> float:
     """Seconds from the run directory's appearance to the end of a clean run of the same recipe."""
-    run = root / "runs" / "kill-span"
-    recipe = root / "in" / "kill-span.yaml"
+    run, recipe = _paths(root, "span")
     recipe.write_text(yaml.safe_dump(good_recipe(p, str(run))))
     proc = _start(["train", str(recipe)], root, repo)
     _wait_for(lambda: (run / "recipe.yaml").exists(), proc)
@@ -132,19 +133,25 @@ def reference_span(p, root, repo) -> float:
     return max(time.monotonic() - t0, 0.5)
 
 
-def kill_table(p, root, repo, seed: int) -> list[dict]:
+def kill_table(p, root, repo, seed: int, jobs: int = 1) -> list[dict]:
+    """The scenarios, `jobs` at a time, in their own root beside the cases' (root-kills)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    kroot = root.parent / f"{root.name}-kills"
+    for sub in ("in", "runs", "cwd", "home"):
+        (kroot / sub).mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    span = reference_span(p, root, repo)
-    rows = [scenario("before first checkpoint", p, root, repo, [before_first_checkpoint(root / "runs" /
-                                                                  "kill-before first checkpoint")])]
-    for i in range(3):
-        name = f"random #{i + 1}"
-        rows.append(scenario(name, p, root, repo, [at_random(rng, span, root / "runs" / f"kill-{name}")]))
-    name = "five kills, four during resumes"
-    rows.append(scenario(name, p, root, repo, [at_random(rng, span, root / "runs" / f"kill-{name}")
-                                               for _ in range(5)]))
-    name = "killed + torn metrics line"
-    rows.append(scenario(name, p, root, repo, [at_random(rng, span, root / "runs" / f"kill-{name}")], torn=True))
+    span = reference_span(p, kroot, repo)
+    def rand():  # moments drawn here, in order, so a seed gives the same moments however threads interleave
+        delay = rng.uniform(0, span)
+        return lambda run: at_random(delay, run)
+
+    plans = [("before the first checkpoint", [before_first_checkpoint], False),
+             ("at a random moment #1", [rand()], False), ("at a random moment #2", [rand()], False),
+             ("three times, twice during resumes", [rand(), rand(), rand()], False),
+             ("at a random moment, then a torn metrics line", [rand()], True)]
+    with ThreadPoolExecutor(jobs) as pool:
+        rows = list(pool.map(lambda plan: scenario(plan[0], p, kroot, repo, plan[1], torn=plan[2]), plans))
     for r in rows:
         r["span_s"] = round(span, 1)
     return rows
