@@ -21,8 +21,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", nargs="?", help="YAML recipe (see recipes/ and recipes/tiny/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe field, e.g. --set optim.lr=3e-4 (repeatable; value parsed as YAML)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest intact checkpoint of output_dir")
-    p.add_argument("--overwrite", action="store_true", help="replace a run already in output_dir")
+    what = p.add_mutually_exclusive_group()  # both at once silently resumed
+    what.add_argument("--resume", action="store_true", help="continue from the latest intact checkpoint of output_dir")
+    what.add_argument("--overwrite", action="store_true", help="replace a run already in output_dir")
     p.add_argument("--help-recipe", metavar="TASK", nargs="?", const="pretrain",
                    help="print every recipe field of TASK (default pretrain) with its default and doc, and the "
                         "registered tasks, then exit")

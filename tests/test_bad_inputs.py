@@ -72,3 +72,13 @@ def test_a_missing_target_or_tokenizer_dir_is_named_with_its_key(tmp_path, capsy
     line = refused(["train", str(recipe), "--set", f"{key}={tmp_path / 'gone'}"], tmp_path, capsys)
     assert f"recipe key '{key}'" in line and f"directory {tmp_path / 'gone'} does not exist" in line
     assert "Repo id" not in line
+
+
+def test_resume_and_overwrite_together_are_refused(tmp_path, capsys):
+    """With a run in output_dir, `--resume --overwrite` resumed without a word."""
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["train", str(tmp_path / "r.yaml"), "--resume", "--overwrite"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument --overwrite: not allowed with argument --resume" in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())
