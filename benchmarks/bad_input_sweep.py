@@ -64,7 +64,7 @@ def case_root(root: Path, index: int) -> tuple[Path, dict]:
     """A private copy of the fixtures for one case, paths inside its YAML/JSON re-rooted (checkpoints, whose
     manifests hash their files, are copied as they are), so that cases can run side by side."""
     dst = root.parent / f"{root.name}-cases" / f"{index:02d}"
-    for sub in ("in", "runs", "cwd", "exported"):
+    for sub in ("in", "runs", "cwd"):
         if (root / sub).exists():
             shutil.copytree(root / sub, dst / sub, symlinks=True)
     (dst / "home").mkdir(parents=True)

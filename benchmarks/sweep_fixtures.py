@@ -81,6 +81,8 @@ def _data_files(d: Path, corpus: Path) -> None:
     (d / "empty.txt").write_text("")
     (d / "malformed.jsonl").write_text('{"text": "def f():\\n    return 1\\n"}\n{"text": "oops\n')
     (d / "wrong_field.jsonl").write_text('{"body": "def f():\\n    return 1\\n"}\n' * 4)
+    chat = [{"role": "user", "content": "def add(a, b):\n"}, {"role": "assistant", "content": "    return a + b\n"}]
+    (d / "chat.jsonl").write_text((json.dumps({"messages": chat}) + "\n") * 8)
     (d / "no_assistant.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     (d / "bad_tokens.jsonl").write_text('{"input_ids": [1, 2, "x"]}\n')
     (d / "not_yaml.yaml").write_text("task: pretrain\nmodel: [unclosed\n")
@@ -118,7 +120,8 @@ def build(root: Path, repo: Path, log=print, train: bool = True) -> dict:
          "corpus": str(corpus), "target": str(d / "target")}
     (d / "recipe.yaml").write_text(yaml.safe_dump(good_recipe(p, str(root / "runs" / "good"))))
     sft = good_recipe(p, str(root / "runs" / "sft"))
-    sft.update(task="sft", model={"init_from": str(root / "runs" / "good"), "target": p["target"]})
+    sft.update(task="sft", model={"init_from": str(root / "runs" / "good"), "target": p["target"]},
+               data={"sources": [str(d / "chat.jsonl")], "format": "chat", "eval_fraction": 0.1})
     (d / "sft.yaml").write_text(yaml.safe_dump(sft))
     if not train:
         return p
@@ -135,5 +138,4 @@ def build(root: Path, repo: Path, log=print, train: bool = True) -> dict:
     shutil.copytree(good, corrupt, ignore=shutil.ignore_patterns("export"))
     for f in corrupt.glob("checkpoints/*/model.safetensors"):
         f.write_bytes(f.read_bytes()[:100])
-    shutil.copytree(good / "export", root / "exported")  # an existing export (for --out without --overwrite)
     return p
