@@ -149,7 +149,7 @@ def _report(row: dict, total: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only the cases that need no trained run; no kills")
-    ap.add_argument("--only", help="only cases whose name contains TEXT")
+    ap.add_argument("--only", help="only cases whose name contains TEXT (a comma list: any of them)")
     ap.add_argument("--no-kills", action="store_true", help="skip the SIGKILL scenarios")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random kill moments (default 0)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per case before it counts as hung")
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     try:
         paths = sweep_fixtures.build(root, REPO, log=lambda m: print(m, file=sys.stderr), train=not args.quick)
         PATHS.update(paths)
-        cases = [c for c in CASES if (c.quick or not args.quick) and (not args.only or args.only in c.name)]
+        cases = [c for c in CASES if (c.quick or not args.quick) and (not args.only or any(t in c.name for t in args.only.split(",")))]
         with ThreadPoolExecutor(args.jobs) as pool:
             kills = None
             if not (args.no_kills or args.only or args.quick):
