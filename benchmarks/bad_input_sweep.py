@@ -152,6 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="only the cases that need no trained run; no kills")
     ap.add_argument("--only", help="only cases whose name contains TEXT (a comma list: any of them)")
     ap.add_argument("--no-kills", action="store_true", help="skip the SIGKILL scenarios")
+    ap.add_argument("--kills-only", action="store_true", help="only the SIGKILL scenarios")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random kill moments (default 0)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per case before it counts as hung")
     ap.add_argument("--jobs", type=int, default=1, help="cases run side by side, each on its own copy (default 1)")
@@ -164,7 +165,8 @@ def main(argv=None) -> int:
         paths = sweep_fixtures.build(root, REPO, log=lambda m: print(m, file=sys.stderr), train=not args.quick)
         PATHS.update(paths)
         only = args.only.split(",") if args.only else []
-        cases = [c for c in CASES if (c.quick or not args.quick) and (not only or any(t in c.name for t in only))]
+        cases = [c for c in CASES if (c.quick or not args.quick) and (not only or any(t in c.name for t in only))
+                 and not args.kills_only]
         with ThreadPoolExecutor(args.jobs) as pool:
             kills = None
             if not (args.no_kills or args.only or args.quick):

@@ -3,8 +3,9 @@
 The reference is the uninterrupted run `runs/good` (sweep_fixtures). Each scenario trains the same
 recipe into its own output_dir, SIGKILLs the CLI process at chosen moments, then `--resume`s until
 the run completes; the final export's model.safetensors and metrics.jsonl must equal the
-reference's byte for byte. Moments are drawn after the run directory appears (before it, nothing
-exists and a plain rerun is the whole story), uniformly over the reference's training time.
+reference's byte for byte. Moments are drawn uniformly over the reference's time from its first
+logged step to its end (final checkpoint and export), counted from when the killed process starts
+training (a kill during imports or data loading leaves nothing new on disk).
 """
 
 from __future__ import annotations
@@ -63,31 +64,33 @@ def run_once(argv, root, repo, kill=None) -> tuple[int | None, str]:
     return proc.returncode, where
 
 
-def _touched_since(run: Path, start_ns: int) -> bool:
-    """The run has begun writing: a fresh start writes recipe.yaml, a resume rewrites metrics.jsonl."""
-    for name in ("recipe.yaml", "metrics.jsonl"):
-        try:
-            if (run / name).stat().st_mtime_ns >= start_ns:
-                return True
-        except FileNotFoundError:
-            pass
-    return False
+def _training_since(run: Path, start_ns: int) -> bool:
+    """This process is training: it logged a first step (fresh run) or rewrote metrics.jsonl (resume)."""
+    try:
+        return (run / "metrics.jsonl").stat().st_mtime_ns >= start_ns
+    except FileNotFoundError:
+        return False
+
+
+def _where(run: Path) -> str:
+    steps = [int(p.name.split("-")[1]) for p in _checkpoints(run)]
+    return f"ckpts {steps}, {_logged_steps(run)} steps logged{', exported' if (run / 'export').is_dir() else ''}"
 
 
 def at_random(delay: float, run: Path):
-    """A kill moment: once this process has begun writing the run, after `delay` seconds."""
+    """A kill moment: `delay` seconds after this process began training (its startup is not drawn from)."""
     def kill(proc):
         start_ns = time.time_ns() - 10_000_000
-        _wait_for(lambda: _touched_since(run, start_ns), proc)
+        _wait_for(lambda: _training_since(run, start_ns), proc)
         time.sleep(delay)
-        return f"{len(_checkpoints(run))} ckpt, {_logged_steps(run)} steps logged"
+        return _where(run)
     return kill
 
 
 def before_first_checkpoint(run: Path):
     def kill(proc):
         _wait_for(lambda: _logged_steps(run) >= 1, proc)
-        return f"{len(_checkpoints(run))} ckpt, {_logged_steps(run)} steps logged"
+        return _where(run)
     return kill
 
 
@@ -123,11 +126,11 @@ def _paths(root: Path, name: str) -> tuple[Path, Path]:
 
 
 def reference_span(p, root, repo) -> float:
-    """Seconds from the run directory's appearance to the end of a clean run of the same recipe."""
+    """Seconds from the first logged step to the end (final checkpoint, export) of a clean run of the recipe."""
     run, recipe = _paths(root, "span")
     recipe.write_text(yaml.safe_dump(good_recipe(p, str(run))))
     proc = _start(["train", str(recipe)], root, repo)
-    _wait_for(lambda: (run / "recipe.yaml").exists(), proc)
+    _wait_for(lambda: _logged_steps(run) >= 1, proc)
     t0 = time.monotonic()
     proc.communicate(timeout=600)
     return max(time.monotonic() - t0, 0.5)
