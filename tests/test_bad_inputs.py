@@ -81,3 +81,13 @@ def test_resume_and_overwrite_together_are_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "error: argument --overwrite: not allowed with argument --resume" in err and "Traceback" not in err
     assert not any(tmp_path.iterdir())
+
+
+def test_export_names_a_missing_checkpoint_dir(tmp_path, capsys):
+    """It said "checkpoint X is unusable: manifest.json is missing" about a directory that does not exist."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text("task: pretrain\n")
+    line = refused(["export", str(run), "--out", str(tmp_path / "x"), "--checkpoint", str(run / "nope")], tmp_path,
+                   capsys)
+    assert f"--checkpoint {run / 'nope'} is not a directory" in line and "manifest" not in line
