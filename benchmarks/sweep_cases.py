@@ -87,7 +87,7 @@ EXPORT = [
       forbid="--resume"),
     C("export: every checkpoint corrupted", "export {runs}/corrupt --out {runs}/x", want="corrupted"),
     C("export: --checkpoint missing", "export {runs}/good --out {runs}/x --checkpoint {runs}/good/nope",
-      want="not a directory", quick=True),
+      want="not a directory"),
     C("export: --out holds other files", "export {runs}/good --out {in}/target-noconfig", want="another --out"),
 ]
 
