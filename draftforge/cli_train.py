@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from draftforge.errors import CheckpointError
+from draftforge.errors import CheckpointError, RecipeError
 
 EPILOG = """examples:
   draftforge train recipes/tiny/pretrain.yaml
@@ -21,8 +21,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", nargs="?", help="YAML recipe (see recipes/ and recipes/tiny/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe field, e.g. --set optim.lr=3e-4 (repeatable; value parsed as YAML)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest intact checkpoint of output_dir")
-    p.add_argument("--overwrite", action="store_true", help="replace a run already in output_dir")
+    what = p.add_mutually_exclusive_group()  # both at once silently resumed
+    what.add_argument("--resume", action="store_true", help="continue from the latest intact checkpoint of output_dir")
+    what.add_argument("--overwrite", action="store_true", help="replace a run already in output_dir")
     p.add_argument("--help-recipe", metavar="TASK", nargs="?", const="pretrain",
                    help="print every recipe field of TASK (default pretrain) with its default and doc, and the "
                         "registered tasks, then exit")
@@ -35,7 +36,8 @@ def run(args) -> int:
         print_recipe_help(args.help_recipe)
         return 0
     if not args.recipe:
-        raise SystemExit("draftforge train: give a recipe file (or --help-recipe TASK)")
+        raise RecipeError("draftforge train needs a recipe file, e.g. draftforge train recipes/tiny/pretrain.yaml "
+                          "(every field: draftforge train --help-recipe TASK)")
     recipe = load_recipe(args.recipe, args.overrides)
     from draftforge.train import run as run_training
 

@@ -260,11 +260,22 @@ def configure(p: argparse.ArgumentParser) -> None:
                                                "when set; more rarely helps models this small)")
 
 
-def run(args) -> int:
-    if args.threads is not None and args.threads < 1:
-        from draftforge.errors import DraftforgeError
+def check_args(args) -> None:
+    """Refuse what would fail only after minutes of training: counts below 1, paths that are files."""
+    from draftforge.errors import DraftforgeError
 
-        raise DraftforgeError(f"--threads must be >= 1, got {args.threads}")
+    for flag, value in (("--threads", args.threads), ("--num-prompts", args.num_prompts),
+                        ("--max-new-tokens", args.max_new_tokens)):
+        if value is not None and value < 1:
+            raise DraftforgeError(f"{flag} must be >= 1, got {value}")
+    for flag, value in (("--testbed", Path(args.testbed).expanduser()), ("--out", Path(args.out))):
+        file = next((p for p in (value, *value.parents) if p.exists() and not p.is_dir()), None)
+        if file is not None:
+            raise DraftforgeError(f"{flag} {value}: {file} is a file, not a directory; give {flag} a directory")
+
+
+def run(args) -> int:
+    check_args(args)
     run_demo(Path(args.testbed).expanduser(), Path(args.out), quick=args.quick, num_prompts=args.num_prompts,
              max_new_tokens=args.max_new_tokens, threads=args.threads)
     return 0

@@ -32,6 +32,15 @@ def pickle_allowed(allow_pickle: bool | None = None) -> bool:
     return os.environ.get(ALLOW_PICKLE_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
+def missing_local_path(source) -> Path | None:
+    """`source` as a Path when it names a local path that does not exist (and is no Hub id), else None."""
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.exists() or (not isinstance(source, Path) and _HUB_ID.match(text)):
+        return None
+    return path
+
+
 def local_model_dir(source, what: str = "model") -> Path | None:
     """The local directory `source` names, or None for a Hub id; CheckpointError for a missing local path."""
     text = str(source)

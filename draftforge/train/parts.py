@@ -25,22 +25,38 @@ def resolve_checkpoint(path: str) -> str:
     return path
 
 
+def check_local(source: str, key: str) -> str:
+    """`source`, or RecipeError naming `key` when it is a local path that does not exist (not the Hub's
+    "Repo id must be in the form ..." that transformers says about it)."""
+    from draftforge.loading import missing_local_path
+
+    missing = missing_local_path(source)
+    if missing is not None:
+        raise RecipeError(f"recipe key '{key}': directory {missing} does not exist")
+    return source
+
+
 def load_tokenizer(recipe):
     """The recipe's tokenizer: model.tokenizer, else the target's, else init_from's."""
     from transformers import AutoTokenizer
 
     m = recipe.model
-    source = m.tokenizer or m.target or resolve_checkpoint(m.init_from)
+    if m.tokenizer or m.target:
+        key, source = ("model.tokenizer", m.tokenizer) if m.tokenizer else ("model.target", m.target)
+    else:
+        key, source = "model.init_from", resolve_checkpoint(m.init_from)
+    check_local(source, key)
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as e:
-        raise RecipeError(f"recipe key 'model.tokenizer': cannot load a tokenizer from {source!r} ({e})") from None
+        raise RecipeError(f"recipe key '{key}': cannot load a tokenizer from {source!r} ({e})") from None
 
 
 def load_config(path: str, key: str):
     """A transformers config from `path`, or RecipeError naming the recipe key that points there."""
     from transformers import AutoConfig
 
+    check_local(path, key)
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
