@@ -11,7 +11,6 @@ import copy
 import dataclasses
 import hashlib
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 
 import draftforge
 from draftforge.errors import CheckpointError, CompatibilityError
-from draftforge.fsutil import replace_dir, temp_dir_beside, usual_permissions
+from draftforge.fsutil import write_dir_atomically
 
 FORMAT_VERSION = 1
 METADATA_FILE = "draftforge.json"
@@ -109,19 +108,13 @@ def export_model(model: torch.nn.Module, tokenizer, out_dir, *, metadata: dict, 
 def write_model_dir(model, tokenizer, out_dir: Path, extra_files: dict[str, str] | None = None) -> Path:
     """Save model (safetensors) + tokenizer + extra text files into `out_dir` atomically (temp dir beside
     it, usual permissions, then a rename that replaces an old copy only once the new one is complete)."""
-    out_dir = Path(out_dir)
-    tmp_dir = temp_dir_beside(out_dir)
-    try:
+    def fill(tmp_dir: Path) -> None:
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
         for name, text in (extra_files or {}).items():
             (tmp_dir / name).write_text(text, encoding="utf-8")
-        usual_permissions(tmp_dir)
-        replace_dir(tmp_dir, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    return out_dir
+
+    return write_dir_atomically(Path(out_dir), fill)
 
 
 def read_export_metadata(path) -> dict:

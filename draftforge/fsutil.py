@@ -55,6 +55,21 @@ def usual_permissions(root: Path) -> None:
             os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
 
 
+def write_dir_atomically(out_dir: Path, fill) -> Path:
+    """Build a directory with `fill(tmp_dir)` in a temp dir beside `out_dir`, give it the usual permissions,
+    then rename it onto `out_dir` (an old copy is replaced only once the new one is complete)."""
+    out_dir = Path(out_dir)
+    tmp_dir = temp_dir_beside(out_dir)
+    try:
+        fill(tmp_dir)
+        usual_permissions(tmp_dir)
+        replace_dir(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir
+
+
 def replace_dir(tmp_dir: Path, out_dir: Path) -> None:
     """Rename the finished `tmp_dir` onto `out_dir`; an existing `out_dir` is moved aside first, put back if
     the rename fails, and removed after."""

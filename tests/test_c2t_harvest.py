@@ -13,11 +13,11 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from test_decode_fixtures import noisy_copy, tiny_llama, tiny_mamba
+from test_decode_fixtures import PlanController, noisy_copy, tiny_llama, tiny_mamba
 
 from draftforge.cli import main as cli_main
 from draftforge.data import harvest as hv
-from draftforge.decode import Controller, SpeculativeDecoder, load_drafter, load_target
+from draftforge.decode import SpeculativeDecoder, load_drafter, load_target
 from draftforge.decode.eagle2 import Eagle2Builder
 from draftforge.errors import CompatibilityError, DataError
 from draftforge.models.c2t import C2TClassifier, load_head
@@ -26,15 +26,7 @@ VOCAB = 12
 SETTINGS = hv.HarvestSettings(top_k=3, depth=3, top_m=1000, max_new_tokens=15)
 
 
-class Recorder(Controller):
-    def __init__(self, plan):
-        self.plan, self.rounds = plan, []
-
-    def next_plan(self):
-        return self.plan
-
-    def feedback(self, rnd):
-        self.rounds.append(rnd)
+Recorder = PlanController
 
 
 @pytest.mark.parametrize("kind", ["mamba", "transformer"])

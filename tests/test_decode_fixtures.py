@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Mamba2Config,
+    Mamba2ForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
+)
+
+from draftforge.decode.control import Controller
 
 
 def tiny_llama(vocab=64, seed=0, layers=2, hidden=32, dtype=torch.float32, ctx=256):
@@ -63,3 +72,16 @@ def three_drafters(target, vocab):
         "mamba": load_drafter(tiny_mamba(vocab=vocab, dtype=torch.float64), target),
         "mamba2": load_drafter(tiny_mamba2(vocab=vocab, dtype=torch.float64), target),
     }
+
+
+class PlanController(Controller):
+    """A controller that hands the drafter the same plan every round and records each Round."""
+
+    def __init__(self, plan):
+        self.plan, self.rounds = plan, []
+
+    def next_plan(self):
+        return self.plan
+
+    def feedback(self, rnd):
+        self.rounds.append(rnd)

@@ -7,11 +7,29 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decode_fixtures import greedy_reference, noisy_copy, three_drafters, tiny_llama, tiny_mamba, tiny_mamba2
+from test_decode_fixtures import (
+    PlanController,
+    greedy_reference,
+    noisy_copy,
+    three_drafters,
+    tiny_llama,
+    tiny_mamba,
+    tiny_mamba2,
+)
 from test_decode_units import reencoded_states
 
-from draftforge.decode import (Controller, DraftTree, Drafter, DynamicTree, SpeculativeDecoder, StopRule,
-                               StoppableChain, TreeBuilder, build_decoder, load_drafter, load_target)
+from draftforge.decode import (
+    Drafter,
+    DraftTree,
+    DynamicTree,
+    SpeculativeDecoder,
+    StoppableChain,
+    StopRule,
+    TreeBuilder,
+    build_decoder,
+    load_drafter,
+    load_target,
+)
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.ssm_state import layer_states
 from draftforge.errors import DraftforgeError
@@ -28,17 +46,6 @@ def target():
 reference = greedy_reference
 
 
-class PlanController(Controller):
-    """Hands the drafter the same plan every round."""
-
-    def __init__(self, plan):
-        self.plan, self.rounds = plan, []
-
-    def next_plan(self):
-        return self.plan
-
-    def feedback(self, rnd):
-        self.rounds.append(rnd)
 
 
 def check_lossless(target, drafter, plan, max_news=(1, 13)):

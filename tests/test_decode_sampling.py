@@ -46,6 +46,19 @@ def exact_two_token(target, prompt) -> dict:
     return {(a, b): float(p1[a] * p2[a, b]) for a, b in itertools.product(range(VOCAB), repeat=2)}
 
 
+def assert_two_tokens_follow_target(dec, target, prompt, n=1000):
+    """The first two sampled tokens of `dec` over n seeds pass a chi-square test against the exact
+    enumerated target distribution, and drafts were really accepted (min(1, p/q) was exercised)."""
+    counts, accepted = {}, 0
+    for seed in range(n):
+        res = dec.generate(prompt, max_new_tokens=2, seed=seed, **PARAMS)
+        counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
+        accepted += sum(res.stats.accepted_per_round)
+    stat, df = chi_square(counts, exact_two_token(target, prompt), n)
+    assert stat < chi_square_limit(df), (stat, df)
+    assert accepted > n // 10
+
+
 @pytest.fixture(scope="module")
 def target():
     return load_target(tiny_llama(vocab=VOCAB, hidden=16, layers=1, dtype=torch.float64))

@@ -7,13 +7,17 @@ import json
 import pytest
 import torch
 from test_decode_fixtures import greedy_reference, tiny_llama, tiny_mamba, tiny_mamba2
-from test_decode_sampling import PARAMS, chi_square, chi_square_limit, exact_two_token
+from test_decode_sampling import assert_two_tokens_follow_target
 
 from draftforge.decode import build_decoder, load_drafter, load_target
 from draftforge.decode.drafter_base import propose_children
 from draftforge.decode.sampling import SamplingParams
 from draftforge.errors import CompatibilityError, RecipeError
-from draftforge.models.draft_vocab import attach_reduced_head, frequent_tokens, to_target_logits
+from draftforge.models.draft_vocab import (
+    attach_reduced_head,
+    frequent_tokens,
+    to_target_logits,
+)
 
 VOCAB = 12
 KEEP = [0, 2, 3, 5, 7, 8, 11]
@@ -102,12 +106,4 @@ def test_reduced_tree_sampling_follows_the_target():
 
     target = load_target(tiny_llama(vocab=V8, hidden=16, layers=1, dtype=torch.float64))
     drafter = load_drafter(attach_reduced_head(tiny_mamba(V8, dtype=torch.float64), [0, 1, 3, 4, 6]), target)
-    dec = build_decoder("tree", target, drafter, tree=(3, 2))
-    prompt, n, counts, accepted = [1, 2, 3], 1000, {}, 0
-    for seed in range(n):
-        res = dec.generate(prompt, max_new_tokens=2, seed=seed, **PARAMS)
-        counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
-        accepted += sum(res.stats.accepted_per_round)
-    stat, df = chi_square(counts, exact_two_token(target, prompt), n)
-    assert stat < chi_square_limit(df), (stat, df)
-    assert accepted > n // 10
+    assert_two_tokens_follow_target(build_decoder("tree", target, drafter, tree=(3, 2)), target, [1, 2, 3])

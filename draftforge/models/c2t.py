@@ -63,7 +63,7 @@ def save_head(model: C2TClassifier, out_dir, extra: dict | None = None, overwrit
     that is not a C2T head; replaces a head only with `overwrite`."""
     from safetensors.torch import save_file
 
-    from draftforge.fsutil import replace_dir, temp_dir_beside, usual_permissions
+    from draftforge.fsutil import write_dir_atomically
 
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -73,12 +73,11 @@ def save_head(model: C2TClassifier, out_dir, extra: dict | None = None, overwrit
             raise CheckpointError(f"{out_dir} holds files that are not a C2T classifier; choose another --out")
         if not overwrite:
             raise CheckpointError(f"{out_dir} already holds a C2T classifier; choose another --out or pass --overwrite")
-    tmp = temp_dir_beside(out_dir, "c2t")
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp / WEIGHTS_FILE))
-    (tmp / META_FILE).write_text(json.dumps(head_metadata(model, extra), indent=2, default=str))
-    usual_permissions(tmp)
-    replace_dir(tmp, out_dir)
-    return out_dir
+    def fill(tmp: Path) -> None:
+        save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp / WEIGHTS_FILE))
+        (tmp / META_FILE).write_text(json.dumps(head_metadata(model, extra), indent=2, default=str))
+
+    return write_dir_atomically(out_dir, fill)
 
 
 def load_head(path) -> tuple[C2TClassifier, dict]:

@@ -9,7 +9,6 @@ export is refused for any other target. Written atomically (temp dir beside it, 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from draftforge.export import (
     read_export_metadata,
     tokenizer_fingerprint,
 )
-from draftforge.fsutil import replace_dir, temp_dir_beside, usual_permissions
+from draftforge.fsutil import write_dir_atomically
 from draftforge.models.early_exit import (
     ExitHead,
     TargetParts,
@@ -53,18 +52,13 @@ def save_exit_head(head: ExitHead, identity: dict, tokenizer, out_dir, metadata:
               "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,
               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     _check_destination(out_dir, {k: record.get(k) for k in ("task", "target", "recipe", "run_dir")}, overwrite)
-    tmp = temp_dir_beside(out_dir)
-    try:
+    def fill(tmp: Path) -> None:
         save_file({k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}, str(tmp / WEIGHTS_FILE))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / METADATA_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        usual_permissions(tmp)
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    return write_dir_atomically(out_dir, fill)
 
 
 def is_eesd_export(path) -> bool:

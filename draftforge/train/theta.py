@@ -87,20 +87,10 @@ def build_theta_task(recipe, accelerator, with_data: bool = True):
 
 def export_predictor(model: ThetaPredictor, out_dir: Path, metadata: dict, overwrite: bool = False) -> Path:
     """Write the predictor into `out_dir` atomically (temp dir beside it, then a rename)."""
-    import shutil
-
     from draftforge.errors import CheckpointError
-    from draftforge.fsutil import replace_dir, temp_dir_beside, usual_permissions
+    from draftforge.fsutil import write_dir_atomically
 
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise CheckpointError(f"{out_dir} already holds files; choose another --out or pass --overwrite")
-    tmp = temp_dir_beside(out_dir)
-    try:
-        save_predictor(model, tmp, metadata)
-        usual_permissions(tmp)
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    return write_dir_atomically(out_dir, lambda tmp: save_predictor(model, tmp, metadata))
