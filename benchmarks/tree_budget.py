@@ -182,11 +182,15 @@ def model_name(path: str) -> str:
 
 
 def main(argv=None) -> int:
+    with torch.no_grad():  # scoped: tests call main() in-process, and a global switch would leak into them
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
     from draftforge.decode import load_drafter, load_target
     from draftforge.eval.prompts import load_prompts
 
     args = parse_args(argv)
-    torch.set_grad_enabled(False)
     target = load_target(args.target)
     drafter = load_drafter(args.drafter, target)
     prompts = load_prompts(args.bench, target.tokenizer, num_prompts=args.num_prompts, chat=args.chat_template,

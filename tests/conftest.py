@@ -99,3 +99,14 @@ def make_tokenizer():
 def tok():
     """One in-memory 400-token tokenizer per test module (eos `</s>`, pad `<pad>`, no chat template)."""
     return _data_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def _grad_mode_is_restored():
+    """A test (or code it runs in-process) must not leave autograd switched off for the tests after it."""
+    yield
+    import torch
+
+    if not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("autograd was left disabled globally (torch.set_grad_enabled(False) outside a context)")
