@@ -74,12 +74,23 @@ class ModelConfig:
     draft_vocab: int | None = doc(None, "reduced draft vocabulary: the head predicts only the N most frequent target "
                                         "tokens of the training data (EAGLE-3's d2t map, kept in config.json); "
                                         "None = the full vocabulary")
+    draft_vocab_from: str | None = doc(None, "count the draft vocabulary on these token rows (format: tokens, e.g. "
+                                             "`draftforge generate` output: what the target emits) instead of "
+                                             "the training data")
+    embed_from_target: bool = doc(False, "start the embedding (and head) from the target's: a copy at equal width, "
+                                         "else its top principal directions (fresh models only)")
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"doc": "LoRA options (sft)"})
 
     def check(self, at: str) -> None:
         require(bool(self.tokenizer or self.target or self.init_from), f"{at}.tokenizer",
                  "set model.tokenizer (or model.target / model.init_from, whose tokenizer is then used)")
         require(self.draft_vocab is None or self.draft_vocab > 0, f"{at}.draft_vocab", "must be > 0 (or null)")
+        require(self.draft_vocab_from is None or self.draft_vocab is not None, f"{at}.draft_vocab_from",
+                 "set model.draft_vocab (how many ids) as well")
+        require(not self.embed_from_target or bool(self.target), f"{at}.embed_from_target",
+                 "needs model.target (the model whose embedding is copied)")
+        require(not (self.embed_from_target and self.init_from), f"{at}.embed_from_target",
+                 "only a fresh model starts from the target's embedding; init_from already has one")
         self.lora.check(f"{at}.lora")
 
 
@@ -277,6 +288,7 @@ def recipe_from_dict(values: dict, overrides: list[str] = ()) -> Recipe:
     recipe.output_dir = _expand(recipe.output_dir)
     m = recipe.model
     m.init_from, m.tokenizer, m.target = _expand(m.init_from), _expand(m.tokenizer), _expand(m.target)
+    m.draft_vocab_from = _expand(m.draft_vocab_from)
     recipe.data.sources = [_expand(s) for s in recipe.data.sources]
     recipe.check()
     return recipe

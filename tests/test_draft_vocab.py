@@ -107,3 +107,28 @@ def test_reduced_tree_sampling_follows_the_target():
     target = load_target(tiny_llama(vocab=V8, hidden=16, layers=1, dtype=torch.float64))
     drafter = load_drafter(attach_reduced_head(tiny_mamba(V8, dtype=torch.float64), [0, 1, 3, 4, 6]), target)
     assert_two_tokens_follow_target(build_decoder("tree", target, drafter, tree=(3, 2)), target, [1, 2, 3])
+
+
+def test_draft_vocabulary_counted_on_other_token_rows(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    """model.draft_vocab_from: the head's ids are the most frequent loss ids of those rows, not the corpus's."""
+    from test_train_loop import tiny_recipe
+
+    from draftforge.errors import DataError
+    from draftforge.recipe import recipe_from_dict
+    from draftforge.train.lm import build_model, load_tokenizer
+
+    rows = tmp_path / "answers.jsonl"
+    rows.write_text('{"input_ids": [5, 6, 7, 9, 9, 9], "prompt_len": 2}\n{"input_ids": [40, 41, 9, 41], "prompt_len": 1}\n')
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir)
+    values["model"].update(draft_vocab=3, draft_vocab_from=str(rows))
+    recipe = recipe_from_dict(values)
+    tokenizer = load_tokenizer(recipe)
+    model = build_model(recipe, tokenizer, data=object())  # the data is not read when draft_vocab_from is set
+    eos = tokenizer.eos_token_id  # always kept; then 9 (x4) and 41 (x2); prompt ids 5, 6, 40 carry no loss
+    assert json.loads(json.dumps(model.config.draft_vocab)) == sorted({eos, 9, 41})
+    values["model"]["draft_vocab_from"] = str(tmp_path / "missing.jsonl")
+    with pytest.raises(DataError, match="does not exist"):
+        build_model(recipe_from_dict(values), tokenizer, data=object())
+    values["model"].pop("draft_vocab")
+    with pytest.raises(RecipeError, match="model.draft_vocab_from"):
+        recipe_from_dict(values)

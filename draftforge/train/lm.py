@@ -10,6 +10,7 @@ Legend: B = batch, T = block size, V = vocab.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -64,6 +65,12 @@ def build_model(recipe: Recipe, tokenizer, data=None):
         model = build_fresh(m.arch, vocab, size=m.size, overrides=m.overrides,
                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                             eos_token_id=tokenizer.eos_token_id)
+        if m.embed_from_target:
+            from draftforge.models.target_embed import init_embeddings_from_target
+
+            info = init_embeddings_from_target(model, resolve_checkpoint(m.target))
+            if os.environ.get("RANK", "0") == "0":
+                print(f"[draftforge] embedding from the target: {info}", flush=True)
     check_vocab_fits(model, tokenizer)
     d2t = choose_draft_vocab(recipe, model, data, tokenizer)
     if d2t is not None and d2t_of(model) is None:
@@ -88,12 +95,24 @@ def choose_draft_vocab(recipe: Recipe, model, data, tokenizer) -> list[int] | No
         if not saved.is_file():
             raise CheckpointError(f"{saved} is missing: the run's draft vocabulary cannot be rebuilt without it")
         return json.loads(saved.read_text())
-    if not hasattr(data.train, "data"):
-        raise RecipeError("recipe key 'model.draft_vocab': counting token frequencies needs map-style data "
-                          "(streaming: false)")
     vocab = model.get_input_embeddings().weight.shape[0]
-    labels = (chunk.flatten().to_numpy() for chunk in data.train.data.column("labels").chunks)
+    if recipe.model.draft_vocab_from:
+        labels = row_labels(recipe.model.draft_vocab_from)
+    elif not hasattr(data.train, "data"):
+        raise RecipeError("recipe key 'model.draft_vocab': counting token frequencies needs map-style data "
+                          "(streaming: false), or model.draft_vocab_from")
+    else:
+        labels = (chunk.flatten().to_numpy() for chunk in data.train.data.column("labels").chunks)
     return frequent_tokens(labels, vocab, want, always=(tokenizer.eos_token_id,))
+
+
+def row_labels(source: str):
+    """The loss-carrying ids of every token row in `source` (a file, folder or glob), row by row."""
+    from draftforge.data.sources import iter_located_rows, normalize_tokens, resolve_local_files
+
+    for path in resolve_local_files(source, "**/*"):
+        for where, row in iter_located_rows(path):
+            yield normalize_tokens(row, where)["labels"]
 
 
 def labels_to_draft_ids(t2d_V: torch.Tensor):
