@@ -32,7 +32,7 @@ def read_target_embedding(target_dir: str) -> torch.Tensor:
                               "embedding from (a local target directory is needed)")
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for key in f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if key.endswith(EMBED_SUFFIXES):
                     return f.get_tensor(key).float()
     raise CheckpointError(f"model.embed_from_target: no tensor ending in {' / '.join(EMBED_SUFFIXES)} in "
