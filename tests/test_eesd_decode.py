@@ -1,5 +1,6 @@
 """The early-exit drafter (EESD §3.1): lossless greedy with fixed K and with a stop rule, KV sharing with the
-target (layers 1..N run once per token, on the target's own cache), chains only, bad pairings.
+target (layers 1..N run once per token, on the target's own cache), chains only, bad pairings, a reduced
+draft vocabulary (d2t map) drafting target ids and sampling exactly.
 
 Oracle: the target's own greedy generate(). Exit heads are untrained copies of the target's last layer,
 norm and head (EESD's init), which agree with the target often enough for drafts to be accepted.
@@ -44,8 +45,9 @@ def reference(target, prompt, max_new, eos=None):
     return _REFS[key]
 
 
-def drafter_for(target, n, with_layer=True):
-    return EarlyExitDrafter(ExitHead.from_target(split_target(target.model), n, with_layer), n, target.vocab_size)
+def drafter_for(target, n, with_layer=True, draft_vocab=None):
+    head = ExitHead.from_target(split_target(target.model), n, with_layer, draft_vocab=draft_vocab)
+    return EarlyExitDrafter(head, n, target.vocab_size)
 
 
 def check_lossless(target, drafter, plan=None, k=None, eos=None):
@@ -247,3 +249,70 @@ def test_want_hidden_gives_the_targets_final_states(target):
         torch.testing.assert_close(last.hidden_ND[:rows], full[start:start + rows], rtol=1e-9, atol=1e-9)
     finally:
         paired.want_hidden = False
+
+
+KEEP = [0, 1, 2, 4, 5, 7, 8, 10, 11, 13, 15]  # a reduced draft vocabulary: 11 of the 16 target ids
+
+
+@pytest.mark.parametrize("plan", ["fixed", "stop"])
+def test_reduced_vocabulary_drafts_target_ids_losslessly(target, plan):
+    drafter = drafter_for(target, 3, draft_vocab=KEEP)
+    assert drafter.d2t.tolist() == KEEP and drafter.exit_head.lm_head.weight.shape[0] == len(KEEP)
+    # the head's rows start as the target head's rows at the draft ids (head_init: target)
+    assert torch.equal(drafter.exit_head.lm_head.weight, target.model.lm_head.weight[KEEP])
+    rule = ScriptedStop([1, 4, 2, 6, 3])
+    accepted, rounds = check_lossless(target, drafter, plan=StoppableChain(6, rule) if plan == "stop" else None,
+                                      k=None if plan == "stop" else 3)
+    assert accepted > rounds // 2  # drafts are accepted: the mapped ids are the target's own ids
+    if plan == "stop":
+        assert {t for _, t, _ in rule.steps} <= set(KEEP) and rule.steps  # the rule is told target ids
+        assert all(h.shape == (target.model.config.hidden_size,) for _, _, h in rule.steps)
+
+
+def test_reduced_vocabulary_greedy_draft_is_the_mapped_argmax(target):
+    drafter = drafter_for(target, 2, draft_vocab=KEEP)
+    seq = PROMPTS[2]
+    drafter.paired_target(target).prefill(seq)
+    drafter.reset()
+    tokens = drafter.draft(seq, (1, 1, 1, 1), _greedy(), torch.Generator()).tokens
+    with torch.no_grad():  # the same chain without caches: argmax over the 11 head rows, mapped by KEEP
+        expect = []
+        for _ in range(4):
+            hidden, pos, rope, mask = Trunk(split_target(target.model), 2)(torch.tensor([seq + expect]))
+            logits_1TN, _ = drafter.exit_head(hidden, pos, rope, mask)
+            expect.append(KEEP[int(logits_1TN[0, -1].argmax())])
+    assert tokens == expect and set(tokens) <= set(KEEP)
+
+
+def test_reduced_vocabulary_q_is_zero_outside_the_map_and_trees_are_still_refused(target):
+    from draftforge.decode.sampling import SamplingParams
+
+    drafter = drafter_for(target, 3, draft_vocab=KEEP)
+    seq = PROMPTS[1]
+    drafter.paired_target(target).prefill(seq)
+    drafter.reset()
+    tree = drafter.draft(seq, (1, 1, 1), SamplingParams(temperature=1.0), torch.Generator().manual_seed(1))
+    assert tree.q_probs.shape == (4, VOCAB)  # rows over the target's vocabulary (the last, a leaf's, is zero)
+    outside = [t for t in range(VOCAB) if t not in KEEP]
+    assert (tree.q_probs[:, outside] == 0).all()
+    torch.testing.assert_close(tree.q_probs[:3].sum(-1), torch.ones(3, dtype=tree.q_probs.dtype))
+    assert set(tree.tokens) <= set(KEEP)
+    with pytest.raises(DraftforgeError, match="chains"):
+        build_decoder("tree", target, drafter, tree=(2, 1)).generate(PROMPTS[1], max_new_tokens=5)
+
+
+@pytest.mark.slow
+def test_reduced_vocabulary_sampling_follows_the_target():
+    from test_decode_sampling import VOCAB as V8
+    from test_decode_sampling import assert_two_tokens_follow_target
+
+    small = load_target(tiny_llama(vocab=V8, hidden=16, layers=2, dtype=torch.float64))
+    drafter = drafter_for(small, 1, draft_vocab=[0, 1, 3, 4, 6])
+    assert_two_tokens_follow_target(build_decoder("eesd", small, drafter, chain_length=2), small, [1, 2, 3])
+
+
+def test_a_map_outside_the_target_vocabulary_is_refused(target):
+    head = ExitHead.from_target(split_target(target.model), 2, draft_vocab=[0, 3, 5])
+    head.config.draft_vocab = [0, 3, VOCAB + 2]  # a map made for a larger target
+    with pytest.raises(CompatibilityError, match="outside the target's vocabulary"):
+        EarlyExitDrafter(head, 2, target.vocab_size)

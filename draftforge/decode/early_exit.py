@@ -11,8 +11,10 @@ accepted states it never saw (all drafts accepted) at the next round's start.
 
 Chains only (EESD footnote 3: one top-1 candidate per step), fixed K or ended by any StopRule; a
 stop rule gets `hidden_D` = the post-norm exit output after consuming the token (spec §3 [R]).
+A reduced exit head (model.draft_vocab) proposes through its d2t map like every other drafter
+(propose_children: argmax over the draft ids mapped to target ids; at T > 0, q is zero elsewhere).
 
-Legend: Q rows fed at once, D hidden size, V vocabulary, P committed positions.
+Legend: Q rows fed at once, D hidden size, V vocabulary (the head's: N draft ids when reduced), P committed positions.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from transformers import DynamicCache
 from draftforge.decode.drafter_base import (
     Drafter,
     chain_stops,
+    draft_map,
     propose_children,
     stack_q,
 )
@@ -140,6 +143,7 @@ class EarlyExitDrafter(Drafter):
     def __init__(self, exit_head: ExitHead, exit_after: int, vocab_size: int, tokenizer=None, metadata=None):
         self.exit_head, self.n, self.vocab_size = exit_head.eval(), exit_after, vocab_size
         self.model, self.tokenizer, self.metadata = exit_head, tokenizer, metadata or {}
+        self.d2t = draft_map(exit_head, vocab_size)  # a reduced head's target ids (checked), else None
         self._paired: dict[int, EarlyExitTarget] = {}
         self.reset()
 
@@ -203,13 +207,13 @@ class EarlyExitDrafter(Drafter):
         logits_1V, _ = self._exit(torch.stack(backlog + [row_D]))
         tokens, q_rows = [], []
         for depth in range(1, len(widths) + 1):
-            child_11, q_1V = propose_children(logits_1V, 1, params, self.vocab_size, generator)
+            child_11, q_1V = propose_children(logits_1V, 1, params, self.vocab_size, generator, self.d2t)
             tokens.append(int(child_11[0, 0]))
             q_rows.append(q_1V)
             if depth == len(widths):
                 break
             next_logits_1V, hidden_D = self._feed(tokens[-1])
-            if chain_stops(stop, depth, child_11, logits_1V, q_1V, hidden_D):
+            if chain_stops(stop, depth, child_11, logits_1V, q_1V, hidden_D, self.vocab_size, self.d2t):
                 break
             logits_1V = next_logits_1V
         self.round_start = committed

@@ -3,9 +3,10 @@ trainable exit head on top of it, `p(y_t) = softmax(W^T RMSNorm(Transformer^e(H_
 
 The target's own transformers modules run the layers (its rotary embedding, its mask functions, its
 decoder layers); nothing is copied from a modeling file. The trainable `ExitHead` holds one decoder
-layer (a copy of the target's last layer by default), a norm and an untied LM head.
+layer (a copy of the target's last layer by default), a norm and an untied LM head, optionally over a
+reduced draft vocabulary (models/draft_vocab.py: N rows for the target's N most frequent ids).
 
-Legend: B batch, T tokens, D hidden size, V vocabulary.
+Legend: B batch, T tokens, D hidden size, V vocabulary (the target's, or the N draft ids of a reduced head).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import copy
 import hashlib
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from transformers.masking_utils import create_causal_mask
@@ -123,18 +125,34 @@ class Trunk(torch.nn.Module):
 
 
 class ExitHead(torch.nn.Module):
-    """The trainable drafter part: [decoder layer] -> norm -> untied head (no layer = head-only exit)."""
+    """The trainable drafter part: [decoder layer] -> norm -> untied head (no layer = head-only exit).
+
+    It speaks the bit of a transformers model's interface that models/draft_vocab.py uses (`config.draft_vocab`,
+    get/set_output_embeddings, `device`), so a reduced head is attached, read and checked by the same helpers
+    as every other drafter's."""
 
     def __init__(self, layer: torch.nn.Module | None, norm: torch.nn.Module, lm_head: torch.nn.Linear):
         super().__init__()
         self.layer, self.norm, self.lm_head = layer, norm, lm_head
+        self.config = SimpleNamespace(draft_vocab=None)  # target ids of the head's rows; None = full vocabulary
         if layer is not None:
             _set_layer_idx(layer, 0)  # the exit layer keeps its own one-layer cache
 
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, head: torch.nn.Linear) -> None:
+        self.lm_head = head
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
     @classmethod
     def from_target(cls, parts: TargetParts, n: int, with_layer: bool = True, layer_init: str = "last",
-                    head_init: str = "target", seed: int = 0) -> ExitHead:
-        """Init per EESD §3.1: layer <- the target's last layer, norm/head <- its final norm and head."""
+                    head_init: str = "target", seed: int = 0, draft_vocab: list[int] | None = None) -> ExitHead:
+        """Init per EESD §3.1: layer <- the target's last layer, norm/head <- its final norm and head (with
+        `draft_vocab`, the head's rows at those target ids: a Linear(D, N))."""
         layer = None
         if with_layer:
             source = parts.layers[-1] if layer_init != "next" else parts.layers[n]
@@ -150,15 +168,21 @@ class ExitHead(torch.nn.Module):
                     head.bias.copy_(parts.head.bias)
             else:
                 _reinit(head, parts.config, seed)
-        return cls(layer, norm, head.to(parts.head.weight.dtype))
+        exit_head = cls(layer, norm, head.to(parts.head.weight.dtype))
+        if draft_vocab is not None:
+            from draftforge.models.draft_vocab import attach_reduced_head
+
+            attach_reduced_head(exit_head, draft_vocab)
+        return exit_head
 
     @classmethod
-    def empty_like(cls, parts: TargetParts, with_layer: bool) -> ExitHead:
+    def empty_like(cls, parts: TargetParts, with_layer: bool, draft_vocab: list[int] | None = None) -> ExitHead:
         """The right shapes for loading exported weights (values are overwritten)."""
-        return cls.from_target(parts, 1, with_layer=with_layer, layer_init="last", head_init="target")
+        return cls.from_target(parts, 1, with_layer=with_layer, layer_init="last", head_init="target",
+                               draft_vocab=draft_vocab)
 
     def forward(self, hidden_BTD, position_ids_BT=None, position_embeddings=None, mask=None, cache=None):
-        """(logits [B, T, V], post-norm state [B, T, D]) of H^N rows."""
+        """(logits [B, T, V] (N draft ids for a reduced head), post-norm state [B, T, D]) of H^N rows."""
         if self.layer is not None:
             hidden_BTD = run_layers([self.layer], hidden_BTD, position_ids_BT, position_embeddings, mask, cache)
         normed_BTD = self.norm(hidden_BTD)
