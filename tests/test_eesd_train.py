@@ -1,6 +1,7 @@
 """Task `eesd` (EESD §3.1-3.2): only the exit head trains (the target's trunk stays bitwise the same), the
 loss falls, the export holds only the trained parts and attaches to its own target only, export -> load
-gives the same drafts, bad recipes are refused before anything is built.
+gives the same drafts, bad recipes are refused before anything is built; the same with a reduced draft
+vocabulary (model.draft_vocab, counted on the training labels or on model.draft_vocab_from rows).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from draftforge.cli import main as cli_main
 from draftforge.decode import load_drafter, load_target
 from draftforge.decode.early_exit import EarlyExitDrafter
 from draftforge.decode.sampling import SamplingParams
-from draftforge.errors import CompatibilityError, RecipeError
+from draftforge.errors import CheckpointError, CompatibilityError, RecipeError
 from draftforge.recipe import recipe_from_dict
 from draftforge.train.eesd import build_eesd_task
 from draftforge.train.loop import train
@@ -68,8 +69,8 @@ def recipe(tmp_path, target_dir, rows, corpus=None, **eesd):
     }
 
 
-def test_only_the_exit_head_trains_and_the_export_attaches_to_its_target(tmp_path, target_dir, tiny_corpus_dir):
-    rows = token_rows(tmp_path / "rows.jsonl", target_dir)
+def train_and_check(values: dict, target_dir):
+    """Train; the loss falls, every exit-head tensor moved and the trunk is bitwise as loaded. (result, spec, head0)"""
     built = {}
 
     def build(r, acc, with_data=True):
@@ -77,7 +78,7 @@ def test_only_the_exit_head_trains_and_the_export_attaches_to_its_target(tmp_pat
         built["head0"] = {k: v.clone() for k, v in spec.model.state_dict().items()}
         return spec
 
-    result = train(recipe_from_dict(recipe(tmp_path, target_dir, rows, tiny_corpus_dir)), build)
+    result = train(recipe_from_dict(values), build)
     spec = built["spec"]
     assert sum(result.losses[-3:]) / 3 < result.losses[0] - 0.3
     original = load_file(str(target_dir / "model.safetensors"))
@@ -88,6 +89,23 @@ def test_only_the_exit_head_trains_and_the_export_attaches_to_its_target(tmp_pat
     assert not any(p.requires_grad for p in trunk.parameters())
     for name, value in spec.model.state_dict().items():
         assert not torch.equal(value, built["head0"][name]), f"{name} did not train"
+    return result, spec, built["head0"]
+
+
+def first_drafts(drafters, target, seq=(5, 17, 42, 9, 100, 7)):
+    """Each drafter's greedy 6-token chain after `seq`."""
+    seq, drafts = list(seq), []
+    for d in drafters:
+        paired = d.paired_target(target)
+        paired.prefill(seq)
+        d.reset()
+        drafts.append(d.draft(seq, (1,) * 6, SamplingParams(), torch.Generator()).tokens)
+    return drafts
+
+
+def test_only_the_exit_head_trains_and_the_export_attaches_to_its_target(tmp_path, target_dir, tiny_corpus_dir):
+    rows = token_rows(tmp_path / "rows.jsonl", target_dir)
+    result, spec, _ = train_and_check(recipe(tmp_path, target_dir, rows, tiny_corpus_dir), target_dir)
     assert {p.split(".")[0] for p in spec.model.state_dict()} == {"layer", "norm", "lm_head"}
     mix = spec.data_stats
     assert mix["open_blocks"] == mix["self_distilled_blocks"] > 0  # open_fraction 0.5: as many blocks of each
@@ -102,14 +120,7 @@ def test_only_the_exit_head_trains_and_the_export_attaches_to_its_target(tmp_pat
     # export -> load -> the same drafts as the trained head in memory
     target = load_target(str(target_dir))
     loaded = load_drafter(str(export), target)
-    fresh = EarlyExitDrafter(spec.model.cpu(), 2, target.vocab_size)
-    seq = [5, 17, 42, 9, 100, 7]
-    drafts = []
-    for d in (loaded, fresh):
-        paired = d.paired_target(target)
-        paired.prefill(seq)
-        d.reset()
-        drafts.append(d.draft(seq, (1,) * 6, SamplingParams(), torch.Generator()).tokens)
+    drafts = first_drafts([loaded, EarlyExitDrafter(spec.model.cpu(), 2, target.vocab_size)], target)
     assert drafts[0] == drafts[1]
 
     out = tmp_path / "again"  # `draftforge export RUN_DIR` goes through the same hook
@@ -119,6 +130,59 @@ def test_only_the_exit_head_trains_and_the_export_attaches_to_its_target(tmp_pat
     other = load_target(str(save_target(tmp_path / "other", target_dir, seed=1)))
     with pytest.raises(CompatibilityError, match="fingerprint"):
         load_drafter(str(export), other)
+
+
+def test_a_reduced_draft_vocabulary_trains_exports_and_drafts_inside_it(tmp_path, target_dir, tiny_corpus_dir):
+    rows = token_rows(tmp_path / "rows.jsonl", target_dir, n=12)
+    values = recipe(tmp_path, target_dir, rows, tiny_corpus_dir)
+    values["model"]["draft_vocab"] = 48
+    result, spec, head0 = train_and_check(values, target_dir)
+    d2t = json.loads((result.run_dir / "draft_vocab.json").read_text())
+    assert len(d2t) == 48 and d2t == sorted(d2t) and spec.model.lm_head.weight.shape == (48, 32)
+    original = load_file(str(target_dir / "model.safetensors"))  # tied: the head is the embedding
+    assert torch.equal(head0["lm_head.weight"], original["model.embed_tokens.weight"][d2t])
+    # counted on the training blocks' loss labels (self-distilled and open), most frequent first
+    labels = torch.tensor(spec.train_data["labels"]).flatten()
+    counts = torch.bincount(labels[labels >= 0], minlength=512)
+    assert set(counts.argsort(descending=True, stable=True)[:40].tolist()) <= set(d2t)
+    # the loss is CE over draft ids: labels become head rows, -100 where the map lacks the token
+    inside, outside = d2t[3], next(t for t in range(512) if t not in d2t)
+    batch = spec.collate({"input_ids": [[1, 2, 3, 4]], "labels": [[-100, inside, outside, d2t[0]]]}, "cpu")
+    assert batch["labels"].tolist() == [[-100, 3, -100, 0]]
+
+    export = result.export_dir
+    assert json.loads((export / "draftforge.json").read_text())["draft_vocab"] == d2t
+    target = load_target(str(target_dir))
+    loaded = load_drafter(str(export), target)
+    assert loaded.d2t.tolist() == d2t
+    drafts = first_drafts([loaded, EarlyExitDrafter(spec.model.cpu(), 2, target.vocab_size)], target)
+    assert drafts[0] == drafts[1] and set(drafts[0]) <= set(d2t)
+    out = tmp_path / "again"  # `draftforge export RUN_DIR` rebuilds the 48-row head from the run's map
+    assert cli_main(["export", str(result.run_dir), "--out", str(out)]) == 0
+    assert (out / "exit_head.safetensors").read_bytes() == (export / "exit_head.safetensors").read_bytes()
+
+    meta = json.loads((out / "draftforge.json").read_text())  # a map made for a larger target: one clear error
+    (out / "draftforge.json").write_text(json.dumps({**meta, "draft_vocab": d2t[:-1] + [512 + 7]}))
+    with pytest.raises(CompatibilityError, match="outside the target's vocabulary"):
+        load_drafter(str(out), target)
+    (out / "draftforge.json").write_text(json.dumps({**meta, "draft_vocab": d2t[:-1]}))  # 47 ids, 48 rows
+    with pytest.raises(CheckpointError, match="does not fit"):
+        load_drafter(str(out), target)
+
+
+def test_draft_vocabulary_from_other_token_rows(tmp_path, target_dir):
+    """model.draft_vocab_from: the head's ids are those rows' most frequent loss ids, not the training data's."""
+    from draftforge.train.export_run import _NoAccelerator
+
+    rows = token_rows(tmp_path / "rows.jsonl", target_dir, n=4)
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text('{"input_ids": [5, 6, 7, 9, 9, 9], "prompt_len": 2}\n{"input_ids": [40, 41, 9, 41], '
+                       '"prompt_len": 1}\n')
+    values = recipe(tmp_path, target_dir, rows)
+    values["model"].update(draft_vocab=3, draft_vocab_from=str(answers))
+    spec = build_eesd_task(recipe_from_dict(values), _NoAccelerator())
+    eos = spec.tokenizer.eos_token_id  # always kept; then 9 (x4) and 41 (x2); prompt ids 5, 6, 40 carry no loss
+    assert spec.model.config.draft_vocab == sorted({eos, 9, 41}) and spec.model.lm_head.out_features == 3
 
 
 def test_head_only_exit_trains_norm_and_head(tmp_path, target_dir):

@@ -3,7 +3,8 @@
 Directory: `exit_head.safetensors` (layer + norm + head), the tokenizer, and `draftforge.json` with
 task "eesd", the target, N, whether there is an exit layer, the target's shape (model type, layers,
 hidden size, vocabulary) and a fingerprint of its frozen part (embeddings + layers 1..N), so an
-export is refused for any other target. Written atomically (temp dir beside it, then a rename).
+export is refused for any other target; a reduced head's d2t map (`draft_vocab`: the target ids of its
+rows) is recorded there too. Written atomically (temp dir beside it, then a rename).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from draftforge.export import (
     tokenizer_fingerprint,
 )
 from draftforge.fsutil import write_dir_atomically
+from draftforge.models.draft_vocab import check_map
 from draftforge.models.early_exit import (
     ExitHead,
     TargetParts,
@@ -48,6 +50,7 @@ def save_exit_head(head: ExitHead, identity: dict, tokenizer, out_dir, metadata:
     """Write the export directory atomically; `metadata` carries task/target/recipe/metrics."""
     out_dir = Path(out_dir).resolve()
     record = {**_jsonable(metadata), **identity, "task": TASK, "exit_layer": head.layer is not None,
+              "draft_vocab": head.config.draft_vocab,
               "format_version": FORMAT_VERSION, "draftforge_version": draftforge.__version__,
               "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,
               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -103,9 +106,19 @@ def load_exit_head(path, target_model):
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"{path} has no {WEIGHTS_FILE}; re-export the eesd run")
-    head = ExitHead.empty_like(parts, with_layer=bool(meta.get("exit_layer", True)))
+    d2t = meta.get("draft_vocab")
+    if d2t is not None:
+        if not isinstance(d2t, list) or not d2t or not all(isinstance(t, int) and not isinstance(t, bool) for t in d2t):
+            raise CheckpointError(f"{path}/{METADATA_FILE}: draft_vocab must be a non-empty list of target token ids; "
+                                  "re-export the eesd run")
+        check_map(d2t, parts.head.out_features)
+    head = ExitHead.empty_like(parts, with_layer=bool(meta.get("exit_layer", True)), draft_vocab=d2t)
     state = load_file(str(weights))
-    missing, unexpected = head.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = head.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # a shape mismatch, e.g. a head with more rows than draft_vocab lists
+        raise CheckpointError(f"{weights} does not fit the exit head {METADATA_FILE} describes ("
+                              f"{str(err).splitlines()[-1].strip()}); re-export the eesd run") from None
     if missing or unexpected:
         raise CheckpointError(f"{weights} does not match an exit head (missing {missing[:3]}, unexpected "
                               f"{unexpected[:3]}); re-export the eesd run")

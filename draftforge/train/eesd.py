@@ -5,12 +5,16 @@ the target's last layer), a norm (the target's final norm) and an untied LM head
 by next-token cross-entropy on self-distilled data (the target's own outputs as `format: tokens` rows,
 e.g. from `draftforge generate`) mixed with open data (`eesd.open_sources`) at `eesd.open_fraction`.
 The export holds only the trained parts plus the target's identity (draftforge.models.early_exit_export).
-Legend: B batch, T block size, V vocabulary, D hidden size.
+`model.draft_vocab: N` shrinks the head to the target's N most frequent ids (as the other drafters' heads,
+train/lm.py: on SmolLM2 the full 49,152-row head costs as much as several decoder layers per draft step);
+labels outside those ids carry no loss.
+Legend: B batch, T block size, V vocabulary (N draft ids for a reduced head), D hidden size.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,10 +132,16 @@ def build_eesd_task(recipe: Recipe, accelerator, with_data: bool = True):
     """The exit head (trainable), the target's trunk (frozen), blocks of input_ids + labels."""
     from draftforge.data import describe
     from draftforge.loading import load_causal_lm
+    from draftforge.models.draft_vocab import target_to_draft
     from draftforge.models.early_exit import ExitHead, Trunk, split_target
     from draftforge.models.early_exit_export import save_exit_head, target_identity
+    from draftforge.train.lm import (
+        DRAFT_VOCAB_FILE,
+        choose_draft_vocab,
+        labels_to_draft_ids,
+    )
     from draftforge.train.parts import load_tokenizer
-    from draftforge.train.spec import TaskSpec
+    from draftforge.train.spec import TaskSpec, tensor_collate
 
     cfg = recipe.task_options
     tokenizer = load_tokenizer(recipe)
@@ -139,24 +149,33 @@ def build_eesd_task(recipe: Recipe, accelerator, with_data: bool = True):
     parts = split_target(target)
     n = exit_after(cfg, parts.num_layers)
     identity = target_identity(parts, n)
-    head = ExitHead.from_target(parts, n, cfg.exit_layer, cfg.layer_init, cfg.head_init, recipe.train.seed)
-    trunk = Trunk(parts, n)
-    del target, parts  # layers N+1..L, the final norm and the head are not needed any more
-    trainable = sum(p.numel() for p in head.parameters())
-    accelerator.print(f"[draftforge] eesd: exit after layer {n} of {identity['num_layers']}, "
-                      f"{'exit layer + ' if cfg.exit_layer else 'head-only: '}norm + head, "
-                      f"{trainable:,} trainable parameters")
     data = None
     if with_data:
         with accelerator.main_process_first():
             data = mixed_blocks(recipe, tokenizer, identity["vocab_size"])
         accelerator.print(f"[draftforge] {describe(data)}")
+    # The target stands in for the drafter here: it has no map of its own, and its vocabulary is the one counted.
+    d2t = choose_draft_vocab(recipe, target, data, tokenizer)
+    head = ExitHead.from_target(parts, n, cfg.exit_layer, cfg.layer_init, cfg.head_init, recipe.train.seed,
+                                draft_vocab=d2t)
+    trunk = Trunk(parts, n)
+    del target, parts  # layers N+1..L, the final norm and the head are not needed any more
+    trainable = sum(p.numel() for p in head.parameters())
+    head_rows = f"{len(d2t):,}-token draft vocabulary" if d2t is not None else "full vocabulary"
+    accelerator.print(f"[draftforge] eesd: exit after layer {n} of {identity['num_layers']}, "
+                      f"{'exit layer + ' if cfg.exit_layer else 'head-only: '}norm + head ({head_rows}), "
+                      f"{trainable:,} trainable parameters")
     meta = {"exit_after_layer": n}
+    collate, run_files = tensor_collate, {}
+    if d2t is not None:  # labels become draft ids (-100 outside the draft vocabulary), as for the other drafters
+        collate = labels_to_draft_ids(target_to_draft(identity["vocab_size"], d2t))
+        run_files[DRAFT_VOCAB_FILE] = json.dumps(d2t)
+        meta["draft_vocab_size"] = len(d2t)
 
     def export(trained, out_dir, metadata, overwrite=False):
         return save_exit_head(trained, identity, tokenizer, out_dir, {**metadata, **meta}, overwrite=overwrite)
 
     return TaskSpec(model=head, loss=head_loss(trunk), count=loss_tokens, frozen={"trunk": trunk},
-                    train_data=data and data.train, eval_data=data and data.eval, export=export,
+                    train_data=data and data.train, eval_data=data and data.eval, collate=collate, export=export,
                     tokenizer=tokenizer, unit="tokens", export_metadata=meta,
-                    data_stats=data.stats if data else {})
+                    data_stats=data.stats if data else {}, run_files=run_files)
