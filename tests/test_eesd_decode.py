@@ -301,6 +301,24 @@ def test_reduced_vocabulary_q_is_zero_outside_the_map_and_trees_are_still_refuse
         build_decoder("tree", target, drafter, tree=(2, 1)).generate(PROMPTS[1], max_new_tokens=5)
 
 
+def test_cali_ts_with_a_theta_predictor_drives_a_reduced_exit_head(target, tmp_path):
+    """Cali-TS's θ reads the exit state hidden_D (not the head): lossless, lengths vary, θ saw [D] states."""
+    from test_length_control import predictor_for
+
+    drafter = drafter_for(target, 3, draft_vocab=KEEP)
+    dec = build_decoder("cali_ts", target, drafter, max_draft=6,
+                        theta_predictor=predictor_for(target, drafter, tmp_path))
+    ctl, seen = dec.controller, []
+    original = ctl.theta_model
+    ctl.theta_model = lambda step: seen.append(step.hidden_D) or original(step)
+    lengths = set()
+    for prompt in PROMPTS:
+        res = dec.generate(prompt, max_new_tokens=20)
+        assert res.tokens == reference(target, prompt, 20)
+        lengths |= set(res.stats.drafted_per_round)
+    assert len(lengths) > 1 and seen and all(h.shape == (target.model.config.hidden_size,) for h in seen)
+
+
 @pytest.mark.slow
 def test_reduced_vocabulary_sampling_follows_the_target():
     from test_decode_sampling import VOCAB as V8

@@ -129,12 +129,13 @@ class ExitHead(torch.nn.Module):
 
     It speaks the bit of a transformers model's interface that models/draft_vocab.py uses (`config.draft_vocab`,
     get/set_output_embeddings, `device`), so a reduced head is attached, read and checked by the same helpers
-    as every other drafter's."""
+    as every other drafter's, and `config.hidden_size`, which a θ predictor checks its drafter by."""
 
     def __init__(self, layer: torch.nn.Module | None, norm: torch.nn.Module, lm_head: torch.nn.Linear):
         super().__init__()
         self.layer, self.norm, self.lm_head = layer, norm, lm_head
-        self.config = SimpleNamespace(draft_vocab=None)  # target ids of the head's rows; None = full vocabulary
+        # draft_vocab: target ids of the head's rows (None = the full vocabulary)
+        self.config = SimpleNamespace(draft_vocab=None, hidden_size=lm_head.in_features)
         if layer is not None:
             _set_layer_idx(layer, 0)  # the exit layer keeps its own one-layer cache
 
