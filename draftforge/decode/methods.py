@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 from draftforge.decode.tree import validate_widths
 from draftforge.decode.tree_shape import (
+    OTHER_FORMS,
     PARENTS_PREFIX,
-    TREE_FORMS,
     TREE_PRESETS,
     TreeShape,
     parse_tree,
@@ -36,8 +36,8 @@ def parse_widths(text: str, flag: str = "--tree") -> tuple[int, ...] | TreeShape
     try:
         widths = tuple(int(p) for p in text.split(",") if p.strip())
     except ValueError:
-        raise RecipeError(f"{flag} expects comma-separated integers like 3,2,2,1, got {text!r} (a tree can also "
-                          f"be {TREE_FORMS})") from None
+        raise RecipeError(f"{flag} expects comma-separated integers like 3,2,2,1, got {text!r} (or give "
+                          f"{OTHER_FORMS})") from None
     return check_widths(widths, flag)
 
 

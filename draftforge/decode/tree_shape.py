@@ -34,9 +34,9 @@ TREE_PRESETS = {
     "stree13": ((0, 0, 0), (0, 0, 1), (0, 0, 1), (0, 0, 0)),
 }
 
-TREE_FORMS = ("comma-separated widths like 3,2,2,1, parent lists per layer like parents:0,0,0/0,0,1/0,0,1/0,0,0 "
-              f"(each layer gives every node's parent index among the previous layer's nodes), or a preset: "
-              f"{', '.join(TREE_PRESETS)}")
+OTHER_FORMS = ("parent lists per layer like parents:0,0,0/0,0,1/0,0,1/0,0,0 (each layer gives every node's parent "
+               f"index among the previous layer's nodes), or a preset: {', '.join(TREE_PRESETS)}")
+TREE_FORMS = f"comma-separated widths like 3,2,2,1, {OTHER_FORMS}"
 
 
 def check_layers(layers) -> tuple[tuple[int, ...], ...]:
