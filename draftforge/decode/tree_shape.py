@@ -17,6 +17,7 @@ Legend: B fed nodes at one depth, W branch (tokens proposed per fed node).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
@@ -97,7 +98,8 @@ class TreeShape:
     @cached_property
     def children(self) -> tuple[tuple[int, ...], ...]:
         """children[d][p]: children of node p at depth d (d = 0: the root) in the next layer."""
-        return tuple(tuple(layer.count(p) for p in range(self.nodes_at(d))) for d, layer in enumerate(self.layers))
+        counts = [Counter(layer) for layer in self.layers]
+        return tuple(tuple(c[p] for p in range(self.nodes_at(d))) for d, c in enumerate(counts))
 
     @cached_property
     def widths(self) -> tuple[int, ...] | None:
@@ -151,7 +153,13 @@ class TreeShape:
 
     def take_list(self, depth: int) -> list[int] | None:
         """Flat indices into the [len(fed[depth-1]), branch[depth-1]] token block, one per node at `depth`
-        (None: the block already is the layer, as for widths trees)."""
+        (None: the block already is the layer, as for widths trees). Built once per shape and depth."""
+        key = ("take_list", depth)
+        if key not in self._cache:
+            self._cache[key] = self._take_list(depth)
+        return self._cache[key]
+
+    def _take_list(self, depth: int) -> list[int] | None:
         layer, rows, width = self.layers[depth - 1], self._fed_row[depth - 1], self.branch[depth - 1]
         take, rank = [], 0
         for k, p in enumerate(layer):
@@ -189,16 +197,16 @@ class TreeShape:
         return tokens, self.parents[: len(tokens)], depths
 
     @cached_property
-    def _tensors(self) -> dict:
+    def _cache(self) -> dict:
         return {}
 
     def index(self, kind: str, depth: int, device) -> torch.Tensor | None:
         """`take_list` / `feed_list` as a LongTensor on `device`, built once per shape and device."""
         key = (kind, depth, str(device))
-        if key not in self._tensors:
+        if key not in self._cache:
             idx = (self.take_list if kind == "take" else self.feed_list)(depth)
-            self._tensors[key] = None if idx is None else torch.tensor(idx, device=device)
-        return self._tensors[key]
+            self._cache[key] = None if idx is None else torch.tensor(idx, device=device)
+        return self._cache[key]
 
 
 @lru_cache(maxsize=64)
