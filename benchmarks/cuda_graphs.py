@@ -18,8 +18,9 @@ from common import median_ms, print_table, tiny_model, write_json
 
 from draftforge.decode.cuda_graphs import CudaGraph, StaticStep
 from draftforge.decode.drafter_mamba import MambaDrafter
+from draftforge.decode.methods import parse_widths
 from draftforge.decode.sampling import SamplingParams
-from draftforge.decode.tree import level_sizes
+from draftforge.decode.tree_shape import as_shape
 
 
 @torch.inference_mode()
@@ -27,7 +28,7 @@ def step_latencies(model, widths, args, device, graphs: bool) -> list[dict]:
     drafter = MambaDrafter(model, model.config.vocab_size, cuda_graphs="off")
     drafter._sync(list(range(1, 17)))  # real state shapes
     rows = []
-    for batch in [1] + level_sizes(widths)[:-1]:  # the batch sizes that are stepped (depth γ is never fed)
+    for batch in [len(nodes) for nodes in as_shape(widths).fed]:  # the batch stepped per depth (nodes with children)
         states = [(c.repeat(batch, *[1] * (c.dim() - 1)), s.repeat(batch, *[1] * (s.dim() - 1)))
                   for c, s in drafter.live]
         ids_B1 = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
@@ -60,7 +61,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--tree", default="3,2,2,1", help="configuration N1,...,Nγ whose batch sizes are timed")
+    p.add_argument("--tree", default="3,2,2,1", help="tree whose batch sizes are timed: N1,...,Nγ, parent lists "
+                   "(parents:0,0,0/0,0,1) or stree13")
     p.add_argument("--steps", type=int, default=20, help="calls per timed repeat")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
@@ -68,7 +70,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--out", default="cuda_graphs.json")
     args = p.parse_args()
-    device, widths = torch.device(args.device), tuple(int(w) for w in args.tree.split(","))
+    device, widths = torch.device(args.device), parse_widths(args.tree)
     graphs = device.type == "cuda"
     if not graphs:
         print("CUDA graphs need a CUDA device: timing the eager static-buffer path only.")
@@ -77,7 +79,7 @@ def main() -> None:
     draft = {"eager_ms": draft_latency(model, widths, args, device, "off")}
     if graphs:
         draft["graph_ms"] = draft_latency(model, widths, args, device, "on")
-    print(f"\n{args.kind} hidden={args.hidden} layers={args.layers} vocab={args.vocab} tree={widths} "
+    print(f"\n{args.kind} hidden={args.hidden} layers={args.layers} vocab={args.vocab} tree={args.tree} "
           f"device={device} dtype={args.dtype} (median of {args.repeats} x {args.steps} calls)\n")
     table = []
     for row in rows + [{"batch": "-", **draft}]:

@@ -27,11 +27,13 @@ def chain(n_nodes: int):
     return DraftTree([1] * n_nodes, list(range(-1, n_nodes - 1)), list(range(1, n_nodes + 1)), is_chain=True)
 
 
-def tree_of(widths):
-    from draftforge.decode.tree import DraftTree, level_sizes, tree_from_levels
+def tree_of(tree):
+    """A DraftTree of `tree`'s shape (widths tuple or TreeShape, e.g. stree13), every token 1."""
+    from draftforge.decode.tree import DraftTree
+    from draftforge.decode.tree_shape import as_shape
 
-    levels = [[1] * size for size in level_sizes(widths)]
-    tokens, parents, depths = tree_from_levels(levels, widths)
+    shape = as_shape(tree)
+    tokens, parents, depths = shape.flatten([[1] * len(layer) for layer in shape.layers])
     return DraftTree(tokens, parents, depths)
 
 
@@ -87,7 +89,9 @@ def main(argv=None) -> dict:
     p.add_argument("--target", required=True, help="target model directory (SSM, hybrid or Transformer)")
     p.add_argument("--report", help="an eval report.json to put predicted next to measured speedups")
     p.add_argument("--max-n", type=int, default=16, help="largest chain, in rows (root included)")
-    p.add_argument("--tree", action="append", default=[], help="also time this tree, e.g. 3,1,1,1 (repeatable)")
+    p.add_argument("--tree", action="append", default=[],
+                   help="also time this tree: widths like 3,1,1,1, parent lists like parents:0,0,0/0,0,1, or "
+                        "stree13 (repeatable)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prompt-len", type=int, default=64)
     args = p.parse_args(argv)

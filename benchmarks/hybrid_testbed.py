@@ -1,13 +1,18 @@
-"""A tiny hybrid testbed for CPU speed runs: a small Bamba target (Mamba2 + attention, 1.3M parameters)
+r"""A tiny hybrid testbed for CPU speed runs: a small Bamba target (Mamba2 + attention, 1.3M parameters)
 briefly trained on stdlib code, a 512-token BPE tokenizer, held-out prompts, and a distill recipe for
-its Mamba2 drafter.
+its Mamba2 drafter; with --target/--drafter, the AR vs chain vs STree vs UCB measurement on any saved
+hybrid target and Mamba drafter.
 
     python benchmarks/hybrid_testbed.py --out runs/hybrid-testbed
     draftforge train runs/hybrid-testbed/pretrain.yaml        # the target: a few minutes of CE on code
     draftforge train runs/hybrid-testbed/distill.yaml         # its drafter: KL against the trained target
-    draftforge eval --target runs/hybrid-testbed/target-run/export \
+    python benchmarks/hybrid_testbed.py --target runs/hybrid-testbed/target-run/export \
         --drafter runs/hybrid-testbed/drafter/export --bench runs/hybrid-testbed/prompts.jsonl \
-        --methods ar,chain,tree,ucb --chain-length 4 --tree 3,1,1,1 --temperature 0,1
+        --tree stree13 --eval-out runs/hybrid-testbed/eval-stree13
+
+The measurement is `draftforge eval` with the README's settings (methods ar,chain,tree,ucb, a chain of 4
+drafts, T = 0 and 1, 6 prompts x 64 tokens past EOS, 3 rotated repeats); --tree takes widths (3,1,1,1),
+parent lists per layer (parents:0,0,0/0,0,1/0,0,1/0,0,0) or stree13, STree's 13-token config A (Fig. 4a).
 
 No hub weights are reachable, so the target is tiny and under-trained: its text is repetitive and
 easy to draft. Numbers measured on it say how the harness behaves, not how a real hybrid would.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -62,13 +68,66 @@ def make_target(vocab: int, sharpen: float, seed: int):
     return model
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="runs/hybrid-testbed")
+def measure(args) -> dict:
+    """AR vs chain vs the static tree vs UCB on a saved target + drafter (one run_eval, one AR baseline)."""
+    from draftforge.decode.methods import parse_widths
+    from draftforge.decode.tree_shape import as_shape, tree_name
+    from draftforge.eval.manifest import command_line
+    from draftforge.eval.report import markdown_table
+    from draftforge.eval.runner import EvalConfig, run_eval
+
+    if not args.drafter or not args.bench:
+        raise SystemExit("--target needs --drafter (a Mamba/Mamba2 drafter) and --bench (a prompt file or 'humaneval')")
+    tree = parse_widths(args.tree)
+    shape = as_shape(tree)
+    print(f"[hybrid_testbed] tree {tree_name(tree)}: {shape.size} drafts + root, depth {shape.depth}, "
+          f"parents {shape.parents}", file=sys.stderr)
+    out = args.eval_out or f"runs/hybrid-eval/{tree_name(tree).replace('/', '_').replace(':', '_')}"
+    report = run_eval(EvalConfig(
+        target=args.target, drafter=args.drafter, bench=args.bench, methods=tuple(args.methods.split(",")),
+        temperatures=tuple(float(t) for t in args.temperatures.split(",")), chain_length=args.chain_length,
+        tree=tree, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+        ignore_eos=args.ignore_eos, device=args.device, dtype=args.dtype, out_dir=out, command=command_line(),
+        extra_manifest={"benchmark": "hybrid_testbed", "tree_name": tree_name(tree), "tree_parents": shape.parents}))
+    print(markdown_table(report))
+    for kind, path in report["files"].items():
+        print(f"{kind}: {path}")
+    return report
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/hybrid-testbed", help="build: where the testbed is written")
     p.add_argument("--sharpen", type=float, default=1.0, help="scale of the random head (peakier distributions)")
     p.add_argument("--steps", type=int, default=200, help="max_steps of the written pretrain and distill recipes")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    m = p.add_argument_group("measure (given --target): draftforge eval with the README's settings")
+    m.add_argument("--target", help="a saved hybrid (or Mamba2) target directory, e.g. a train export")
+    m.add_argument("--drafter", help="its Mamba/Mamba2 drafter directory (e.g. a distill export)")
+    m.add_argument("--bench", help="prompt file (JSONL with 'prompt'/'text'/'messages'/'input_ids') or 'humaneval'")
+    m.add_argument("--tree", default="stree13",
+                   help="static tree: stree13 (default: STree's 13-token config A), parent lists per layer like "
+                        "parents:0,0,0/0,0,1/0,0,1/0,0,0, or widths like 3,1,1,1")
+    m.add_argument("--methods", default="ar,chain,tree,ucb", help="comma list (default ar,chain,tree,ucb)")
+    m.add_argument("--chain-length", type=int, default=4, help="drafts per chain round (default 4, the paper's)")
+    m.add_argument("--temperatures", default="0,1", help="comma list (default 0,1)")
+    m.add_argument("--num-prompts", type=int, default=6, help="first N prompts (default 6)")
+    m.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
+    m.add_argument("--repeats", type=int, default=3, help="timed passes, method order rotated (default 3)")
+    m.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="fixed-length outputs (default on)")
+    m.add_argument("--device", default="cpu")
+    m.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    m.add_argument("--eval-out", help="report directory (default runs/hybrid-eval/<tree>)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.target:
+        measure(args)
+        return
     out = Path(args.out).resolve()
     (out / "corpus").mkdir(parents=True, exist_ok=True)
     train_texts, held = stdlib_texts(0, 48), stdlib_texts(48, 12)

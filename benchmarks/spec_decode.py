@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from draftforge.decode.methods import parse_widths
 from draftforge.eval.manifest import command_line
 from draftforge.eval.report import atomic_write_text, markdown_table
 from draftforge.eval.runner import EvalConfig, run_eval
@@ -64,7 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--chain-length", type=int, default=5)
-    p.add_argument("--tree", default="3,2,2,1")
+    p.add_argument("--tree", default="3,2,2,1", help="static tree: widths like 3,2,2,1, parent lists per layer like "
+                   "parents:0,0,0/0,0,1/0,0,1/0,0,0, or stree13 (STree's 13-token tree)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--ignore-eos", action="store_true",
@@ -75,7 +77,7 @@ def parse_args(argv=None):
 
 def run_suite(args, target: str, drafters: dict[str, str | None], bench: str) -> dict:
     temps = tuple(float(t) for t in args.temperatures.split(","))
-    tree = tuple(int(w) for w in args.tree.split(","))
+    tree = parse_widths(args.tree)
     plan = {
         "mamba": (drafters.get("mamba"), ("ar", "chain", "tree", "ucb"), ("ar",)),
         "transformer": (drafters.get("transformer"), ("ar", "chain", "tree"), ("ar", "hf_assisted")),

@@ -109,6 +109,7 @@ EVAL_CASES = [
     C("eval: negative temperature", f"{EVAL} --temperature -1", quick=True),
     C("eval: unknown method", f"{EVAL} --methods bogus", want="bogus", quick=True),
     C("eval: bad --tree", f"{EVAL} --tree 3,x", want="--tree", quick=True),
+    C("eval: --tree parent out of range", f"{EVAL} --tree parents:0,0/0,2", want="out of range", quick=True),
     C("eval: --max-new-tokens 0", f"{EVAL} --max-new-tokens 0", quick=True),
     C("eval: chain without --drafter", EVAL_AR.replace("--methods ar", "--methods chain"), want="--drafter",
       quick=True),

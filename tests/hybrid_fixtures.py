@@ -126,30 +126,31 @@ class ScriptedDrafter:
 
     def draft(self, seq, plan, params, generator):
         from draftforge.decode.plan import as_plan
-        from draftforge.decode.tree import DraftTree, level_sizes, tree_from_levels
+        from draftforge.decode.tree import DraftTree
+        from draftforge.decode.tree_shape import as_shape
 
         plan = as_plan(plan)
-        widths = plan.widths if hasattr(plan, "widths") else (1,) * plan.max_len
-        truth = self._truth(seq, len(widths))
-        levels, on_line = [], 0  # on_line: the row at this depth that continues the true path (-1: none)
-        for depth, size in enumerate(level_sizes(widths)):
-            rnd = torch.randint(0, self.vocab_size, (size,), generator=self.gen).tolist()
-            first_child = on_line * widths[depth] if on_line >= 0 else -1
+        shape = as_shape(plan.tree if hasattr(plan, "tree") else (1,) * plan.max_len)
+        truth = self._truth(seq, shape.depth)
+        levels, on_line = [], 0  # on_line: the node at this depth that continues the true path (-1: none)
+        for depth, layer in enumerate(shape.layers):
+            rnd = torch.randint(0, self.vocab_size, (len(layer),), generator=self.gen).tolist()
+            kids = [k for k, p in enumerate(layer) if p == on_line] if on_line >= 0 else []
             slot = -1
-            if first_child >= 0 and float(torch.rand((), generator=self.gen)) >= self.miss:
-                slot = first_child
-                if widths[depth] > 1 and float(torch.rand((), generator=self.gen)) < self.second:
-                    slot = first_child + 1
+            if kids and float(torch.rand((), generator=self.gen)) >= self.miss:
+                slot = kids[0]
+                if len(kids) > 1 and float(torch.rand((), generator=self.gen)) < self.second:
+                    slot = kids[1]
             row_truth = truth[depth]
-            for r in range(size):  # siblings of the truth must differ from it
+            for r in range(len(layer)):  # siblings of the truth must differ from it
                 if r != slot and rnd[r] == row_truth:
                     rnd[r] = (row_truth + 1) % self.vocab_size
             if slot >= 0:
                 rnd[slot] = row_truth
             levels.append(rnd)
             on_line = slot
-        tokens, parents, depths = tree_from_levels(levels, widths)
-        return DraftTree(tokens, parents, depths, is_chain=all(w == 1 for w in widths))
+        tokens, parents, depths = shape.flatten(levels)
+        return DraftTree(tokens, parents, depths, is_chain=shape.is_chain)
 
     def accept(self, path):
         pass

@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_decode_fixtures import tiny_llama, tiny_mamba, tiny_mamba2
 
-from draftforge.decode import build_decoder, load_drafter, load_target
+from draftforge.decode import build_decoder, load_drafter, load_target, parse_tree
 from draftforge.decode.cuda_graphs import CudaGraph, StaticStep, use_cuda_graphs
 from draftforge.decode.drafter_mamba import MambaDrafter
 from draftforge.decode.sampling import SamplingParams
@@ -128,6 +128,26 @@ def test_graphed_sampling_drafts_equal_eager(target, kind):
             assert res_g.tokens == res_e.tokens
     assert trees_eager and trees_eager[0][2] is not None
     assert_same_drafts(trees_eager, trees_graphed)
+
+
+@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+def test_graphed_drafts_of_a_parent_list_tree_equal_eager(target, kind):
+    """STree's 13-token tree (nodes with 2, 1 or 0 children; batches 1, 2, 2, 1) greedy and sampled: the same
+    drafts, q included; the shallower trees of a prompt's last rounds reuse its buffers and graphs."""
+    eager, graphed = drafter_pair(kind, target)
+    trees_eager, trees_graphed = record_drafts(eager), record_drafts(graphed)
+    stree13 = parse_tree("stree13")
+    for prompt in PROMPTS:
+        for temperature in (0.0, 1.0):
+            res_e = build_decoder("tree", target, eager, tree=stree13).generate(
+                prompt, max_new_tokens=13, temperature=temperature)
+            res_g = build_decoder("tree", target, graphed, tree=stree13).generate(
+                prompt, max_new_tokens=13, temperature=temperature)
+            assert res_g.tokens == res_e.tokens
+            assert temperature > 0 or res_g.tokens == reference(target, prompt, 13)
+    assert_same_drafts(trees_eager, trees_graphed)
+    assert set(graphed.banks) == {stree13.layers} and len(graphed.runner.steps) == 1 + 3
+    assert [len(buf[0][0]) for buf in graphed.banks[stree13.layers].buffers] == [1, 2, 2, 1]
 
 
 def test_live_state_after_new_prompt_equals_fresh_drafter(target):

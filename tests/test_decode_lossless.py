@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_decode_fixtures import greedy_reference, noisy_copy, three_drafters, tiny_llama
 
-from draftforge.decode import build_decoder, load_drafter, load_target
+from draftforge.decode import build_decoder, load_drafter, load_target, parse_tree
 
 VOCAB = 12
 PROMPTS = [[4], [3, 5, 7], [(7 * i + 3) % VOCAB for i in range(23)]]
@@ -25,13 +25,17 @@ def drafters(target):
 reference = greedy_reference
 
 
-# (VOCAB, 2, 1) always accepts depth 1, so deep rollback paths are exercised even with random drafters
+# (VOCAB, 2, 1) always accepts depth 1, so deep rollback paths are exercised even with random drafters;
+# stree13 is STree's 13-token tree (parent lists: nodes at one depth have 2, 1 or 0 children)
+STREE13 = parse_tree("stree13")
 METHODS = [("chain", {"chain_length": 3}), ("tree", {"tree": (2, 2, 1)}), ("tree", {"tree": (VOCAB, 2, 1)}),
-           ("ucb", {"ucb_trees": [(1, 1), (3, 2), (VOCAB, 1, 1)]})]
+           ("ucb", {"ucb_trees": [(1, 1), (3, 2), (VOCAB, 1, 1)]}), ("tree", {"tree": STREE13}),
+           ("ucb", {"ucb_trees": [(1, 1), STREE13, "parents:0,0,0/0,2,2/1"]})]
 
 
 @pytest.mark.parametrize("kind", ["transformer", "mamba", "mamba2"])
-@pytest.mark.parametrize("method,options", METHODS, ids=["chain3", "tree221", "treeV21", "ucb"])
+@pytest.mark.parametrize("method,options", METHODS, ids=["chain3", "tree221", "treeV21", "ucb", "stree13",
+                                                         "ucb_shapes"])
 def test_greedy_equals_generate(target, drafters, kind, method, options):
     dec = build_decoder(method, target, drafters[kind], **options)
     accepted = 0

@@ -7,10 +7,17 @@ import torch
 from test_decode_fixtures import tiny_llama, tiny_mamba, tiny_mamba2
 from transformers import DynamicCache
 
-from draftforge.decode import UCBTree, build_decoder, load_drafter, load_target
+from draftforge.decode import (
+    TreeShape,
+    UCBTree,
+    build_decoder,
+    load_drafter,
+    load_target,
+    parse_tree,
+)
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.ssm_state import layer_states
-from draftforge.decode.tree import DraftTree, root_path, tree_from_levels
+from draftforge.decode.tree import DraftTree, root_path
 from draftforge.errors import CompatibilityError, DraftforgeError
 
 VOCAB = 16
@@ -21,12 +28,14 @@ def target():
     return load_target(tiny_llama(vocab=VOCAB, dtype=torch.float64))
 
 
-def test_tree_logits_equal_root_path_sequences(target):
+# widths (3, 2, 2), and STree's 13-token tree whose nodes at one depth have 2, 1 or 0 children
+@pytest.mark.parametrize("shape,commit_node", [(TreeShape.from_widths((3, 2, 2)), 13), (parse_tree("stree13"), 9)],
+                         ids=["tree322", "stree13"])
+def test_tree_logits_equal_root_path_sequences(target, shape, commit_node):
     prompt = [1, 4, 9, 2, 7]
-    widths = (3, 2, 2)
     gen = torch.Generator().manual_seed(0)
-    levels = [torch.randint(0, VOCAB, (b,), generator=gen).tolist() for b in (3, 6, 12)]
-    tokens, parents, depths = tree_from_levels(levels, widths)
+    levels = [torch.randint(0, VOCAB, (len(layer),), generator=gen).tolist() for layer in shape.layers]
+    tokens, parents, depths = shape.flatten(levels)
     target.prefill(prompt)
     logits_NV = target.verify(prompt[-1], DraftTree(tokens, parents, depths))
     with torch.no_grad():
@@ -37,7 +46,7 @@ def test_tree_logits_equal_root_path_sequences(target):
             plain = target.model(torch.tensor([seq])).logits[0, -1]
             torch.testing.assert_close(logits_NV[1 + j], plain, rtol=1e-9, atol=1e-9)
     # after committing a root path, the cache equals the plain prefix's cache
-    path = root_path(parents, 13)
+    path = root_path(parents, commit_node)
     target.commit(path)
     nxt = target.verify(5, DraftTree([], [], []))  # the bonus token 5 is fed next round
     seq = prompt + [tokens[k] for k in path] + [5]

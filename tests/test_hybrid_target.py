@@ -8,7 +8,7 @@ import torch
 from hybrid_fixtures import HYBRIDS, ScriptedDrafter, tiny_bamba, tiny_jamba
 from test_decode_fixtures import greedy_reference, tiny_llama, tiny_mamba, tiny_mamba2
 
-from draftforge.decode import build_decoder, load_drafter, load_target
+from draftforge.decode import build_decoder, load_drafter, load_target, parse_tree
 from draftforge.decode.hybrid_target import HybridTarget
 from draftforge.decode.tree import DraftTree, root_path
 from draftforge.errors import CompatibilityError
@@ -36,13 +36,15 @@ def test_load_target_picks_the_hybrid_target(targets):
     assert all(isinstance(t, HybridTarget) for t in targets.values())
 
 
-# chain, the paper's 13-token tree (depth 4, width 3), a wide-then-deep tree and a bushy one
+# STree's 13-token config A (Fig. 4a): parent lists, nodes at one depth have 2, 1 or 0 children
+STREE13 = parse_tree("stree13")
+# chain, 13 tokens as widths (depth 4, width 3), a wide-then-deep tree, a bushy one, and the paper's tree
 SHAPES = [("chain", {"chain_length": 4}), ("tree", {"tree": (3, 1, 1, 1)}), ("tree", {"tree": (2, 2, 2, 1)}),
-          ("tree", {"tree": (4, 3)})]
+          ("tree", {"tree": (4, 3)}), ("tree", {"tree": STREE13})]
 
 
 @pytest.mark.parametrize("name", list(HYBRIDS))
-@pytest.mark.parametrize("method,options", SHAPES, ids=["chain4", "tree3111", "tree2221", "tree43"])
+@pytest.mark.parametrize("method,options", SHAPES, ids=["chain4", "tree3111", "tree2221", "tree43", "stree13"])
 def test_greedy_equals_generate_with_accepting_drafts(targets, name, method, options):
     target = targets[name]
     dec = build_decoder(method, target, ScriptedDrafter(target, seed=len(name)), **options)
@@ -71,6 +73,20 @@ def test_greedy_equals_generate_for_every_drafter_kind(targets, name, kind):
                 assert sum(res.stats.accepted_per_round) > 0
 
 
+@pytest.mark.parametrize("kind", ["transformer", "mamba", "mamba2"])
+def test_stree13_with_real_drafters_equals_generate(targets, kind):
+    """The drafters' own stree13 drafts (fed nodes only, ranked children) on a Bamba target, T=0 and T=1."""
+    target = targets["bamba"]
+    make = {"transformer": tiny_llama, "mamba": tiny_mamba, "mamba2": tiny_mamba2}[kind]
+    dec = build_decoder("tree", target, load_drafter(make(vocab=VOCAB), target), tree=STREE13)
+    for prompt in PROMPTS[:2]:
+        res = dec.generate(prompt, max_new_tokens=11)
+        assert res.tokens == reference(target, prompt, 11), prompt
+        assert res.stats.drafted_per_round[0] == 12  # rounds near max_new_tokens are cut to a shallower tree
+        sampled = dec.generate(prompt, max_new_tokens=11, temperature=1.0, seed=3)
+        assert len(sampled.tokens) == 11 and max(sampled.stats.drafted_per_round) == 12
+
+
 @pytest.mark.parametrize("name", ["bamba", "mamba2"])
 def test_eos_inside_draft_stops_like_generate(targets, name):
     target, prompt = targets[name], PROMPTS[1]
@@ -87,9 +103,9 @@ def _tree(tokens, parents):
 
 
 @pytest.mark.parametrize("name", list(HYBRIDS))
-def test_tree_logits_equal_each_root_path_run_as_a_sequence(targets, name):
+@pytest.mark.parametrize("parents", [[-1, -1, 0, 0, 1, 2, 2, 4, -1], STREE13.parents], ids=["mixed", "stree13"])
+def test_tree_logits_equal_each_root_path_run_as_a_sequence(targets, name, parents):
     target, prefix = targets[name], [5, 9, 13, 2, 7, 30]
-    parents = [-1, -1, 0, 0, 1, 2, 2, 4, -1]
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (len(parents),), generator=gen).tolist()
     target.prefill(prefix + [11])

@@ -2,6 +2,7 @@
 
     target = load_target(path_or_model); drafter = load_drafter(path_or_model, target)   # cuda_graphs="auto"
     dec = build_decoder("tree", target, drafter, tree=(3, 2, 2, 1))     # methods: decode/methods.py
+    dec = build_decoder("tree", target, drafter, tree=parse_tree("stree13"))   # or any TreeShape
     res = dec.generate(ids, max_new_tokens=128, temperature=0.0)   # -> DecodeResult
 
 A Mamba drafter's decode steps are CUDA graphs when load_drafter(..., cuda_graphs=) resolves to on
@@ -17,13 +18,14 @@ from draftforge.decode.plan import DraftStep, DynamicTree, StaticTree, StopRule,
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.targets import KVCacheTarget, Target, Verification, load_target
 from draftforge.decode.tree import DraftTree
+from draftforge.decode.tree_shape import TREE_PRESETS, TreeShape, parse_tree
 
 METHODS = method_names()  # the built-in methods; register_method adds more
 
 __all__ = [
     "METHODS", "DEFAULT_UCB_TREES", "Controller", "DecodeResult", "DecodeStats", "DraftStep", "DraftTree", "Drafter",
     "DynamicTree", "FixedChain", "FixedTree", "HFAssistedDecoder", "KVCacheTarget", "Method", "NoDraft", "Option",
-    "SamplingParams", "SpeculativeDecoder", "StaticTree", "StopRule", "StoppableChain", "Target", "TreeBuilder",
-    "UCBTree", "Verification", "build_decoder", "load_drafter", "load_target", "method_names", "register_method",
-    "register_option",
+    "SamplingParams", "SpeculativeDecoder", "StaticTree", "StopRule", "StoppableChain", "TREE_PRESETS", "Target",
+    "TreeBuilder", "TreeShape", "UCBTree", "Verification", "build_decoder", "load_drafter", "load_target",
+    "method_names", "parse_tree", "register_method", "register_option",
 ]

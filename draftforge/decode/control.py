@@ -2,7 +2,8 @@
 
 `next_plan()` returns a draft plan (plan.py) or None for a round without drafts; the static
 controllers here name a tree configuration (N1..Nγ) with `next_config()` (a chain of length K is
-(1,)*K), which `next_plan` wraps. After each round the engine calls `feedback(Round)`.
+(1,)*K) or a TreeShape (parent lists per layer), which `next_plan` wraps. After each round the
+engine calls `feedback(Round)`.
 UCB follows Mamba Drafters §4.2: k* = argmax_k r̂_k + λ_UCB·sqrt(2 ln t / n_k), reward
 r = -(1/N_accept + λ_γ·γ/N_accept), where N_accept is the tokens emitted by the round (bonus
 included, so >= 1) and γ the draft depth (one drafter forward per depth with batch expansion), so
@@ -15,7 +16,8 @@ import math
 from dataclasses import dataclass
 
 from draftforge.decode.plan import StaticTree
-from draftforge.decode.tree import DraftTree, config_name, validate_widths
+from draftforge.decode.tree import DraftTree, validate_widths
+from draftforge.decode.tree_shape import TreeShape, tree_depth, tree_name, validate_tree
 from draftforge.errors import DraftforgeError
 
 DEFAULT_UCB_TREES = ((1, 1, 1, 1, 1), (2, 2, 1, 1), (3, 2, 2, 1), (4, 2, 1), (2, 1, 1, 1, 1, 1))
@@ -33,17 +35,23 @@ class Round:
     verify_time_s: float
 
     @property
-    def widths(self) -> tuple[int, ...]:
+    def widths(self) -> tuple[int, ...] | TreeShape:
+        """The static tree drafted (widths, or a TreeShape widths cannot draw); () for other plans."""
+        if isinstance(self.plan, StaticTree):
+            return self.plan.tree
         return getattr(self.plan, "widths", ())
 
 
 class Controller:
-    def next_config(self) -> tuple[int, ...]:
+    def next_config(self) -> tuple[int, ...] | TreeShape:
         raise NotImplementedError
 
     def next_plan(self):
         """The next round's draft plan (None: no draft)."""
-        widths = tuple(self.next_config())
+        config = self.next_config()
+        if isinstance(config, TreeShape):
+            return StaticTree(config)
+        widths = tuple(config)
         return StaticTree(widths) if widths else None
 
     def feedback(self, rnd: Round) -> None:
@@ -79,7 +87,7 @@ class FixedChain(Controller):
 
 class FixedTree(Controller):
     def __init__(self, widths):
-        self.widths = validate_widths(widths)
+        self.widths = validate_tree(widths)  # widths or a TreeShape
 
     def next_config(self):
         return self.widths
@@ -93,7 +101,7 @@ class UCBTree(Controller):
     """
 
     def __init__(self, candidates=DEFAULT_UCB_TREES, ucb_lambda: float = 0.1, lambda_gamma: float | None = None):
-        self.arms = [validate_widths(c) for c in (candidates or DEFAULT_UCB_TREES)]
+        self.arms = [validate_tree(c) for c in (candidates or DEFAULT_UCB_TREES)]
         if ucb_lambda < 0 or (lambda_gamma is not None and lambda_gamma < 0):
             raise DraftforgeError("ucb_lambda and lambda_gamma must be >= 0")
         self.ucb_lambda, self.fixed_lambda_gamma = ucb_lambda, lambda_gamma
@@ -128,11 +136,11 @@ class UCBTree(Controller):
         return self.arms[self.last_arm]
 
     def reward(self, widths, n_emitted: int) -> float:
-        return -(1.0 / n_emitted + self.lambda_gamma * len(widths) / n_emitted)
+        return -(1.0 / n_emitted + self.lambda_gamma * tree_depth(widths) / n_emitted)
 
     def update(self, widths, n_emitted, draft_time_s=0.0, verify_time_s=0.0):
         self.draft_step_time += draft_time_s
-        self.draft_steps += len(widths)
+        self.draft_steps += tree_depth(widths)
         self.target_time += verify_time_s
         self.target_rounds += 1
         arm = self.last_arm
@@ -140,4 +148,4 @@ class UCBTree(Controller):
         self.reward_sums[arm] += self.reward(widths, n_emitted)
 
     def arm_name(self) -> str:
-        return config_name(self.arms[self.last_arm])
+        return tree_name(self.arms[self.last_arm])

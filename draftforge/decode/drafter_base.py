@@ -19,6 +19,7 @@ import torch
 from draftforge.decode.plan import DraftStep, DynamicTree, StaticTree, StopRule, StoppableChain, as_plan
 from draftforge.decode.sampling import SamplingParams, match_vocab, probs_from_logits, sample
 from draftforge.decode.tree import DraftTree
+from draftforge.decode.tree_shape import TreeShape
 
 
 class Drafter(ABC):
@@ -42,11 +43,12 @@ class Drafter(ABC):
         """Forget all state (a new prompt starts)."""
 
     def draft(self, seq: list[int], plan, params: SamplingParams, generator) -> DraftTree:
-        """Propose a tree continuing `seq` (prompt + committed tokens) as `plan` says (a widths tuple = static tree)."""
+        """Propose a tree continuing `seq` (prompt + committed tokens) as `plan` says (a widths tuple or a
+        TreeShape = static tree)."""
         plan = as_plan(plan)
         self.node_map = None
-        if isinstance(plan, StaticTree):
-            return self.draft_levels(seq, plan.widths, params, generator)
+        if isinstance(plan, StaticTree):  # widths whenever the shape has them, so widths-only drafters still run
+            return self.draft_levels(seq, plan.widths if plan.widths is not None else plan.tree, params, generator)
         if isinstance(plan, StoppableChain):
             plan.stop.start_round()
             return self.draft_levels(seq, (1,) * plan.max_len, params, generator, stop=plan.stop)
@@ -57,9 +59,10 @@ class Drafter(ABC):
         raise TypeError(f"unknown draft plan {plan!r}")
 
     @abstractmethod
-    def draft_levels(self, seq: list[int], widths: tuple[int, ...], params: SamplingParams, generator,
+    def draft_levels(self, seq: list[int], widths: tuple[int, ...] | TreeShape, params: SamplingParams, generator,
                      stop: StopRule | None = None) -> DraftTree:
-        """A static tree (N_i children per node at depth i); with `stop` (chains), end after any token it says."""
+        """A static tree: widths (N_i children per node at depth i) or, for other shapes, a TreeShape (the
+        r-th child of a node takes its r-th ranked token); with `stop` (chains), end after any token it says."""
 
     def accept(self, path: list[int]) -> None:
         """The target accepted these nodes (root path, depth 1 first) of the last draft."""
@@ -130,12 +133,18 @@ def chain_stops(stop: StopRule | None, depth: int, children_BW: torch.Tensor, lo
     return stop.should_stop(DraftStep(depth, token, logits_BV[0], float(probs_V[token]), hidden_D))
 
 
-def stack_q(q_rows: list[torch.Tensor], n_nodes: int) -> torch.Tensor:
-    """Rows: root then node j's child distribution at 1+j (leaves left zero)."""
+def stack_q(q_rows: list[torch.Tensor], n_nodes: int, shape: TreeShape | None = None) -> torch.Tensor:
+    """Rows: root then node j's child distribution at 1+j (leaves left zero). Depth d's q_BV holds one row
+    per node at depth d (every node has children), or, given the TreeShape, one per fed node only."""
     vocab = q_rows[0].shape[-1]
     q_probs = q_rows[0].new_zeros(1 + n_nodes, vocab)
-    row = 0
-    for q_BV in q_rows:
-        q_probs[row : row + q_BV.shape[0]] = q_BV
-        row += q_BV.shape[0]
+    row = 0  # q row of the first node at this depth
+    for depth, q_BV in enumerate(q_rows):
+        fed = shape.feed_list(depth) if shape is not None and depth > 0 else None
+        if fed is None:
+            q_probs[row : row + q_BV.shape[0]] = q_BV
+            row += q_BV.shape[0]
+        else:
+            q_probs[torch.tensor([row + k for k in fed], device=q_probs.device)] = q_BV
+            row += shape.nodes_at(depth)
     return q_probs

@@ -1,7 +1,7 @@
 """Transformer drafter (the external-drafter baseline): KV cache, chain and tree drafting.
 
-Tree drafting feeds each depth as one packed forward with a tree mask over the nodes already fed;
-rollback keeps the committed prefix plus the accepted nodes' K/V.
+Tree drafting feeds each depth's nodes that have children as one packed forward with a tree mask over
+the nodes already fed; rollback keeps the committed prefix plus the accepted nodes' K/V.
 
 Legend: B nodes at one depth, V vocabulary.
 """
@@ -13,7 +13,8 @@ import torch
 from draftforge.decode.drafter_base import Drafter, chain_stops, draft_map, propose_children, stack_q, wants_hidden
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.targets import CachedLM
-from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask, tree_from_levels
+from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
+from draftforge.decode.tree_shape import as_shape
 
 
 class TransformerDrafter(Drafter):
@@ -40,44 +41,48 @@ class TransformerDrafter(Drafter):
         return self.last_logits_V
 
     def draft_levels(self, seq, widths, params: SamplingParams, generator, stop=None) -> DraftTree:
+        shape = as_shape(widths)
         hidden = wants_hidden(stop)  # chains only: a stop rule that reads the hidden state
         logits_BV = self._sync(seq, hidden)[None]
         hidden_D = self.last_hidden_D if hidden else None
-        self.committed = len(seq)
+        self.committed, self.slot = len(seq), {}  # slot: tree node -> its row in the cache after the prefix
         levels, q_rows = [], []
-        for depth, width in enumerate(widths, start=1):
-            children_BW, q_BV = propose_children(logits_BV, width, params, self.vocab_size, generator, self.d2t)
-            levels.append(children_BW.flatten().tolist())
+        for depth in range(1, shape.depth + 1):
+            children_BW, q_BV = propose_children(logits_BV, shape.branch[depth - 1], params, self.vocab_size,
+                                                 generator, self.d2t)
+            flat, take = children_BW.flatten().tolist(), shape.take_list(depth)
+            levels.append(flat if take is None else [flat[i] for i in take])
             q_rows.append(q_BV)
-            if depth == len(widths) or chain_stops(stop, depth, children_BW, logits_BV, q_BV, hidden_D,
+            if depth == shape.depth or chain_stops(stop, depth, children_BW, logits_BV, q_BV, hidden_D,
                                                    self.vocab_size, self.d2t):
                 break
-            logits_BV = self._feed_level(levels, widths, hidden)
+            logits_BV = self._feed_level(shape, levels, hidden)
             if hidden:
                 logits_BV, hidden_D = logits_BV[0], logits_BV[1][0]
-        self.widths = widths[: len(levels)]
-        tokens, parents, depths = tree_from_levels(levels, widths)
-        self.depths = depths
-        chain = all(w == 1 for w in widths)
-        q_probs = None if params.greedy else stack_q(q_rows, len(tokens))
-        return DraftTree(tokens, parents, depths, q_probs, is_chain=chain)
+        tokens, parents, depths = shape.flatten(levels)
+        q_probs = None if params.greedy else stack_q(q_rows, len(tokens), shape)
+        return DraftTree(tokens, parents, depths, q_probs, is_chain=shape.is_chain)
 
-    def _feed_level(self, levels: list[list[int]], widths, hidden: bool = False):
-        """Feed the newest depth in one forward; every node sees the prefix and its own ancestors."""
-        tokens_fed, parents_fed, _ = tree_from_levels(levels, widths)
+    def _feed_level(self, shape, levels: list[list[int]], hidden: bool = False):
+        """Feed the newest depth's fed nodes (those with children) in one forward; every node sees the prefix
+        and its own ancestors."""
         depth = len(levels)
-        new = levels[-1]
-        first_new = len(tokens_fed) - len(new)
+        fed = shape.feed_list(depth)
+        new = range(len(levels[-1])) if fed is None else fed
+        offset = shape.offset(depth)
+        for k in new:
+            self.slot[offset + k] = len(self.slot)
         positions = [self.committed + depth - 1] * len(new)
         mask = None
-        if any(w > 1 for w in widths[:depth]):
+        if any(len(nodes) > 1 for nodes in shape.fed[1 : depth + 1]):  # fed nodes that are not one chain
+            order = list(self.slot)  # fed nodes in cache order; each one's parent was fed before it
+            parents_fed = [-1 if shape.parents[n] == -1 else self.slot[shape.parents[n]] for n in order]
             anc_NN = ancestor_matrix(parents_fed)
-            mask = packed_tree_mask(anc_NN[first_new:], self.committed, self.model.dtype, self.lm.device)
-        return self.lm.forward(new, positions, mask, hidden=hidden)
+            mask = packed_tree_mask(anc_NN[len(order) - len(new):], self.committed, self.model.dtype, self.lm.device)
+        return self.lm.forward([levels[-1][k] for k in new], positions, mask, hidden=hidden)
 
     def accept_levels(self, path: list[int]) -> None:
-        fed = [j for j in path if self.depths[j] < len(self.widths)]  # the deepest level is never fed
-        self.lm.keep(self.committed, fed)
+        self.lm.keep(self.committed, [self.slot[j] for j in path if j in self.slot])  # unfed nodes hold no K/V
 
     # ---- node interface (dynamic trees): fed nodes sit in the cache after the committed prefix, in feed order
 

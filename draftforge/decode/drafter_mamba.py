@@ -22,7 +22,8 @@ from draftforge.decode.cuda_graphs import MODES, StaticStep, StepRunner, use_cud
 from draftforge.decode.drafter_base import Drafter, chain_stops, draft_map, propose_children, stack_q, wants_hidden
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.ssm_state import StateBank, copy_states, layer_states
-from draftforge.decode.tree import DraftTree, level_sizes, tree_from_levels
+from draftforge.decode.tree import DraftTree
+from draftforge.decode.tree_shape import TreeShape, as_shape
 from draftforge.errors import DraftforgeError
 
 
@@ -45,9 +46,10 @@ class MambaDrafter(Drafter):
             self.cuda_graphs = cuda_graphs != "off"
         self.runner = StepRunner(model, self.cuda_graphs, graph_factory)
         self.live_step: StaticStep | None = None  # batch-1 step over the persistent live state
-        # per configuration, kept across prompts: its state buffers and one step per fed depth (1..γ-1)
-        self.banks: dict[tuple[int, ...], StateBank] = {}
-        self.depth_steps: dict[tuple[int, ...], list[StaticStep | None]] = {}
+        # per tree shape (keyed by its widths, else its parent lists), kept across prompts: its state
+        # buffers and one step per fed depth (1..γ-1)
+        self.banks: dict[tuple, StateBank] = {}
+        self.depth_steps: dict[tuple, list[StaticStep | None]] = {}
         self.dyn_steps: dict[tuple[int, int], StaticStep] = {}  # dynamic trees: one step per (depth, batch)
         self.reset()
 
@@ -93,49 +95,53 @@ class MambaDrafter(Drafter):
         self.consumed = len(seq)
         return self.last_logits_V
 
-    def _bank(self, widths) -> tuple[StateBank, list[StaticStep | None]]:
-        """Buffers and steps for `widths`. A prefix of a configuration already seen (the engine cuts
-        the last rounds of a prompt short) reuses its buffers: depth i only depends on N1..Ni, and
-        no new graph gets captured inside a timed run."""
-        key = widths if widths in self.banks else next((w for w in self.banks if w[: len(widths)] == widths), None)
-        if key is None:
-            key, bank = widths, StateBank(widths, self.live)
-            self.banks[key] = bank
+    def _bank(self, shape: TreeShape) -> tuple[StateBank, list[StaticStep | None]]:
+        """Buffers and steps for `shape`. A prefix of a shape already seen (the engine cuts the last
+        rounds of a prompt short) reuses its buffers: depth i only depends on layers 1..i+1, and no
+        new graph gets captured inside a timed run."""
+        key = shape.widths or shape.layers
+        if key not in self.banks:
+            key = next((k for k, bank in self.banks.items() if bank.shape.layers[: shape.depth] == shape.layers), key)
+        if key not in self.banks:
+            bank = self.banks[key] = StateBank(shape, self.live)
             self.depth_steps[key] = [None] + [self.runner.step_over(buf) for buf in bank.buffers[1:]]
         return self.banks[key], self.depth_steps[key]
 
     @torch.inference_mode()
     def draft_levels(self, seq, widths, params: SamplingParams, generator, stop=None) -> DraftTree:
+        shape = as_shape(widths)
         hidden = wants_hidden(stop)  # chains only: a stop rule that reads the hidden state
         logits_BV = self._sync(seq, hidden)[None]
         hidden_D = self.last_hidden_D if hidden else None
-        self.bank, steps = self._bank(widths)
+        self.bank, steps = self._bank(shape)
         self.bank.save_root(self.live)
-        levels, q_rows = [], []
-        for depth, width in enumerate(widths, start=1):
-            children_BW, q_BV = propose_children(logits_BV, width, params, self.vocab_size, generator, self.d2t)
-            levels.append(children_BW.flatten())
+        device, levels, q_rows = logits_BV.device, [], []
+        for depth in range(1, shape.depth + 1):
+            children_BW, q_BV = propose_children(logits_BV, shape.branch[depth - 1], params, self.vocab_size,
+                                                 generator, self.d2t)
+            take = shape.index("take", depth, device)
+            levels.append(children_BW.flatten() if take is None else children_BW.flatten()[take])
             q_rows.append(q_BV)
-            if depth == len(widths) or chain_stops(stop, depth, children_BW, logits_BV, q_BV, hidden_D,
+            if depth == shape.depth or chain_stops(stop, depth, children_BW, logits_BV, q_BV, hidden_D,
                                                    self.vocab_size, self.d2t):
                 break
             self.bank.expand(depth)
-            logits_BV = steps[depth](children_BW.reshape(-1, 1), hidden=hidden)
+            feed = shape.index("feed", depth, device)
+            logits_BV = steps[depth]((levels[-1] if feed is None else levels[-1][feed]).reshape(-1, 1), hidden=hidden)
             if hidden:
                 logits_BV, hidden_D = logits_BV[0], logits_BV[1][0]
-        self.widths = widths[: len(levels)]  # what accept() rolls back over (a stop rule may end early)
+        self.shape = shape.capped(len(levels))  # what accept() rolls back over (a stop rule may end early)
         # Tokens stay on the device while drafting, so the steps queue without waiting; read them once here.
-        tokens, parents, depths = tree_from_levels([level.tolist() for level in levels], widths)
-        q_probs = None if params.greedy else stack_q(q_rows, len(tokens))
-        return DraftTree(tokens, parents, depths, q_probs, is_chain=all(w == 1 for w in widths))
+        tokens, parents, depths = shape.flatten([level.tolist() for level in levels])
+        q_probs = None if params.greedy else stack_q(q_rows, len(tokens), shape)
+        return DraftTree(tokens, parents, depths, q_probs, is_chain=shape.is_chain)
 
     @torch.inference_mode()
     def accept_levels(self, path: list[int]) -> None:
-        """Restore the state after the deepest accepted node that was fed (depth < γ)."""
-        fed = min(len(path), len(self.widths) - 1)
+        """Restore the state after the deepest accepted node that was fed (one with children)."""
+        fed = self.shape.fed_prefix(path)
         if fed > 0:  # fed == 0: the live state was not stepped while drafting, nothing to restore
-            level_start = sum(level_sizes(self.widths)[: fed - 1])
-            self.bank.restore(self.live, fed, path[fed - 1] - level_start)
+            self.bank.restore(self.live, fed, self.shape.fed_row(path[fed - 1], fed))
         self.consumed = self.consumed + fed
 
     # ---- node interface (dynamic trees): per-(depth, batch) state buffers, allocated once and reused

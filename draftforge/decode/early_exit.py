@@ -31,6 +31,7 @@ from draftforge.decode.drafter_base import (
 )
 from draftforge.decode.targets import KVCacheTarget, Verification
 from draftforge.decode.tree import DraftTree
+from draftforge.decode.tree_shape import TreeShape
 from draftforge.errors import DraftforgeError
 from draftforge.models.early_exit import (
     ExitHead,
@@ -192,9 +193,10 @@ class EarlyExitDrafter(Drafter):
         return self._exit(row_D[None])
 
     def draft_levels(self, seq, widths, params, generator, stop=None) -> DraftTree:
-        if any(w != 1 for w in widths):
+        if isinstance(widths, TreeShape) or any(w != 1 for w in widths):  # a chain always comes as widths
+            shown = widths.name if isinstance(widths, TreeShape) else tuple(widths)
             raise DraftforgeError(f"the early-exit drafter drafts chains (EESD: one top-1 token per step), not the "
-                                  f"tree {tuple(widths)}; use a chain (--chain-length) or a stop rule")
+                                  f"tree {shown}; use a chain (--chain-length) or a stop rule")
         target = self._target()
         committed = len(seq) - 1  # seq[-1] (y_t) is fed now
         if target.shallow_length != committed or len(target.hidden_N) != committed:

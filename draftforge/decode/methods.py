@@ -13,24 +13,56 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from draftforge.decode.tree import validate_widths
+from draftforge.decode.tree_shape import (
+    OTHER_FORMS,
+    PARENTS_PREFIX,
+    TREE_PRESETS,
+    TreeShape,
+    parse_tree,
+    tree_name,
+    tree_size,
+)
 from draftforge.errors import DraftforgeError, RecipeError
 
 
-def parse_widths(text: str, flag: str = "--tree") -> tuple[int, ...]:
-    """'3,2,2,1' -> (3, 2, 2, 1), checked."""
+def parse_widths(text: str, flag: str = "--tree") -> tuple[int, ...] | TreeShape:
+    """'3,2,2,1' -> (3, 2, 2, 1); 'parents:0,0,0/0,0,1' or a preset ('stree13') -> TreeShape; checked."""
+    text = str(text).strip()
+    if text in TREE_PRESETS or text.startswith(PARENTS_PREFIX):
+        try:
+            return parse_tree(text)
+        except DraftforgeError as e:
+            raise RecipeError(f"{flag} {text!r}: {e}") from None
     try:
-        widths = tuple(int(p) for p in str(text).split(",") if p.strip())
+        widths = tuple(int(p) for p in text.split(",") if p.strip())
     except ValueError:
-        raise RecipeError(f"{flag} expects comma-separated integers like 3,2,2,1, got {text!r}") from None
+        raise RecipeError(f"{flag} expects comma-separated integers like 3,2,2,1, got {text!r} (or give "
+                          f"{OTHER_FORMS})") from None
     return check_widths(widths, flag)
 
 
-def check_widths(widths, where: str = "tree") -> tuple[int, ...]:
+def check_widths(widths, where: str = "tree") -> tuple[int, ...] | TreeShape:
+    """A widths tuple checked, a TreeShape (checked when built) as is, a string parsed as --tree reads it."""
+    if isinstance(widths, TreeShape):
+        return widths
+    if isinstance(widths, str):
+        return parse_widths(widths, where)
     try:
         return validate_widths(widths)
     except DraftforgeError:
         raise RecipeError(f"{where} {tuple(widths)}: every tree width must be >= 1, i.e. a positive integer "
                           "(a tree needs every width >= 1, e.g. 3,2,2,1)") from None
+
+
+def check_tree_context(trees, target, flag: str) -> None:
+    """One verification forward holds the root and every draft token: refuse trees beyond the context."""
+    ctx = getattr(target, "max_context", None)
+    for tree in trees:
+        size = tree_size(tree)
+        if ctx is not None and 1 + size > ctx:
+            raise RecipeError(f"{flag} {tree_name(tree)} has {size} draft tokens; with the root one verification "
+                              f"forward holds {1 + size}, beyond the target's context of {ctx} tokens: use a "
+                              "smaller tree")
 
 
 def _positive_int(value, where: str) -> int:
@@ -127,11 +159,14 @@ def _register_builtins() -> None:
     register_option(Option("chain_length", "--chain-length", int, lambda v: _positive_int(v, "--chain-length"), 5,
                            "draft tokens per round for chain (default 5)"))
     register_option(Option("tree", "--tree", parse_widths, check_widths, (3, 2, 2, 1),
-                           "static tree: children per node at each depth, e.g. 3,2,2,1 (default)"))
+                           "static tree: children per node at each depth, e.g. 3,2,2,1 (default); or parent "
+                           "lists per layer, each node's parent index among the previous layer's nodes, e.g. "
+                           "parents:0,0,0/0,0,1/0,0,1/0,0,0; or a preset: stree13 (STree's 13-token config A, "
+                           "that parent list)"))
     register_option(Option("ucb_trees", "--ucb-trees", lambda t: parse_widths(t, "--ucb-trees"),
                            lambda v: tuple(check_widths(w, "--ucb-trees") for w in v), DEFAULT_UCB_TREES,
-                           "a UCB candidate tree like 4,2,1; repeat for each arm (default: 5 shapes from "
-                           "a chain of 5 to 3,2,2,1)", repeat=True))
+                           "a UCB candidate tree like 4,2,1 (or any --tree form); repeat for each arm (default: "
+                           "5 shapes from a chain of 5 to 3,2,2,1)", repeat=True))
     register_option(Option("ucb_lambda", "--ucb-lambda", float, lambda v: _non_negative(v, "--ucb-lambda"), 0.1,
                            "UCB exploration weight λ_UCB (default 0.1)"))
     register_option(Option("lambda_gamma", "--lambda-gamma", float, lambda v: _non_negative(v, "--lambda-gamma"),
@@ -144,10 +179,17 @@ def _register_builtins() -> None:
                            spec("ar", lambda o: NoDraft())))
     register_method(Method("chain", "a chain of --chain-length drafts per round", True,
                            spec("chain", lambda o: FixedChain(o["chain_length"])), ("chain_length",)))
+    def fixed_tree(target, drafter, o):
+        check_tree_context([o["tree"]], target, "--tree")
+        return SpeculativeDecoder("tree", target, drafter, FixedTree(o["tree"]))
+
+    def ucb(target, drafter, o):
+        check_tree_context(o["ucb_trees"], target, "--ucb-trees")
+        return SpeculativeDecoder("ucb", target, drafter, UCBTree(o["ucb_trees"], o["ucb_lambda"], o["lambda_gamma"]))
+
     register_method(Method("tree", "a static tree (--tree) drafted by batch expansion, verified in one forward",
-                           True, spec("tree", lambda o: FixedTree(o["tree"])), ("tree",)))
-    register_method(Method("ucb", "a UCB bandit over tree shapes (Mamba Drafters §4.2)", True,
-                           spec("ucb", lambda o: UCBTree(o["ucb_trees"], o["ucb_lambda"], o["lambda_gamma"])),
+                           True, fixed_tree, ("tree",)))
+    register_method(Method("ucb", "a UCB bandit over tree shapes (Mamba Drafters §4.2)", True, ucb,
                            ("ucb_trees", "ucb_lambda", "lambda_gamma")))
     register_method(Method("hf_assisted", "transformers' assisted generation (Transformer drafters only)", True,
                            lambda target, drafter, o: HFAssistedDecoder(target, drafter), baseline=True))

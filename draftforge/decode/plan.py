@@ -1,7 +1,8 @@
 """Draft plans: what a controller asks the drafter for in one round.
 
-- `StaticTree(widths)`: the same tree every round, N_i children per node at depth i (Mamba
-  Drafters §4.1); a chain of K drafts is `StaticTree((1,) * K)`.
+- `StaticTree(tree)`: the same tree every round: widths, N_i children per node at depth i (Mamba
+  Drafters §4.1; a chain of K drafts is `StaticTree((1,) * K)`), or a TreeShape of parent lists per
+  layer for trees widths cannot draw (STree's config A, decode/tree_shape.py).
 - `StoppableChain(max_len, stop)`: a chain that a `StopRule` may end after any drafted token
   (Beta-TS / Cali-TS, EESD §3.3; SpecDec++'s threshold rule).
 - `DynamicTree(builder)`: a `TreeBuilder` decides depth by depth which drafted nodes get children
@@ -18,7 +19,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from draftforge.decode.tree import config_name, validate_widths
+from draftforge.decode.tree import validate_widths
+from draftforge.decode.tree_shape import TreeShape, tree_depth, tree_name, validate_tree
 
 
 @dataclass
@@ -72,21 +74,28 @@ class TreeBuilder:
 
 @dataclass(frozen=True)
 class StaticTree:
-    widths: tuple[int, ...]
+    tree: tuple[int, ...] | TreeShape  # widths (N1..Nγ) or parent lists per layer (tree_shape.py)
 
     def __post_init__(self):
-        object.__setattr__(self, "widths", validate_widths(self.widths))
+        object.__setattr__(self, "tree", validate_tree(self.tree))
+
+    @property
+    def widths(self) -> tuple[int, ...] | None:
+        """(N1..Nγ), also for a TreeShape that is one; None for other shapes."""
+        return self.tree.widths if isinstance(self.tree, TreeShape) else self.tree
 
     @property
     def max_depth(self) -> int:
-        return len(self.widths)
+        return tree_depth(self.tree)
 
     def capped(self, depth: int) -> StaticTree | None:
-        return StaticTree(self.widths[:depth]) if depth > 0 else None
+        if depth <= 0:
+            return None
+        return StaticTree(self.tree.capped(depth) if isinstance(self.tree, TreeShape) else self.tree[:depth])
 
     @property
     def name(self) -> str:
-        return config_name(self.widths)
+        return tree_name(self.tree)
 
 
 @dataclass(frozen=True)
@@ -126,8 +135,8 @@ class DynamicTree:
         return f"{type(self.builder).__name__}<={self.max_len}"
 
 
-def as_plan(plan_or_widths) -> StaticTree | StoppableChain | DynamicTree:
-    """A plan as is; a widths tuple as the static tree it names."""
-    if isinstance(plan_or_widths, (StaticTree, StoppableChain, DynamicTree)):
-        return plan_or_widths
-    return StaticTree(tuple(plan_or_widths))
+def as_plan(plan_or_tree) -> StaticTree | StoppableChain | DynamicTree:
+    """A plan as is; a widths tuple or TreeShape as the static tree it names."""
+    if isinstance(plan_or_tree, (StaticTree, StoppableChain, DynamicTree)):
+        return plan_or_tree
+    return StaticTree(plan_or_tree if isinstance(plan_or_tree, TreeShape) else tuple(plan_or_tree))

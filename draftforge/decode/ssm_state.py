@@ -2,9 +2,10 @@
 
 transformers keeps, per layer, a conv state [B, C, K] and an SSM state ([B, D, N] Mamba,
 [B, H, P, N] Mamba2) that its single-token step updates in place. Tree drafting by batch
-expansion (Mamba Drafters §4.1) needs the states of every depth: for a configuration
-(N1..Nγ) we allocate, once, buffers of batch B_i = N1·…·N_i per depth; depth i's buffer is filled
-by gathering its parents' rows from depth i-1 and is then stepped in place (by a StaticStep of
+expansion (Mamba Drafters §4.1) needs the states of every depth: for a tree shape we allocate, once,
+buffers with one row per fed node (a node with children) per depth, B_i = N1·…·N_i for a configuration
+(N1..Nγ); depth i's buffer is filled by gathering its nodes' parents' rows from depth i-1 and is then
+stepped in place (by a StaticStep of
 cuda_graphs.py bound to that buffer, so the buffer addresses never change and the step can be
 a CUDA graph). Chain drafting is the configuration (1,)*K, so "the state at each draft position"
 is depth i's buffer. Data only moves by copies into these buffers, never by rebinding tensors.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from draftforge.decode.tree import level_sizes
+from draftforge.decode.tree_shape import TreeShape
 
 
 def layer_states(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -32,19 +33,18 @@ def copy_states(dst: list[tuple[torch.Tensor, torch.Tensor]], src: list[tuple[to
 
 
 class StateBank:
-    """Per-depth state buffers for one tree configuration, allocated once and reused every round."""
+    """Per-depth state buffers for one tree shape, allocated once and reused every round."""
 
-    def __init__(self, widths: tuple[int, ...], live: list[tuple[torch.Tensor, torch.Tensor]]):
-        self.widths = widths
-        # depth 0 = the root (batch 1); depths 1..γ-1 are the fed draft nodes (depth γ is never fed)
-        sizes = [1] + level_sizes(widths)[:-1]
+    def __init__(self, shape: TreeShape, live: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.shape = shape
+        # depth 0 = the root (batch 1); depths 1..γ-1 hold their fed draft nodes (depth γ is never fed)
+        sizes = [len(nodes) for nodes in shape.fed]
         self.buffers = [
             [(conv.new_zeros((b, *conv.shape[1:])), ssm.new_zeros((b, *ssm.shape[1:]))) for conv, ssm in live]
             for b in sizes
         ]
         self.parent_index = [None] + [
-            torch.arange(sizes[i - 1], device=live[0][0].device).repeat_interleave(widths[i - 1])
-            for i in range(1, len(sizes))
+            torch.tensor(shape.parent_rows(i), device=live[0][0].device) for i in range(1, len(sizes))
         ]
 
     def save_root(self, live) -> None:

@@ -22,7 +22,7 @@ def parse_floats(values: list[str] | None, flag: str) -> tuple[float, ...]:
     return tuple(out)
 
 
-parse_tree = method_registry.parse_widths  # '3,2,2,1' -> (3, 2, 2, 1), checked
+parse_tree = method_registry.parse_widths  # '3,2,2,1' -> (3, 2, 2, 1); 'stree13', 'parents:0,0/0' -> TreeShape
 
 
 def parse_list(values: list[str] | None) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import draftforge.decode as decode_api
 from draftforge.decode import methods as method_registry
 from draftforge.decode.cuda_graphs import use_cuda_graphs
+from draftforge.decode.tree_shape import TreeShape
 from draftforge.errors import DraftforgeError, RecipeError
 from draftforge.eval import metrics
 from draftforge.eval.manifest import ASSISTED_POLICY_KEYS, assisted_policy, build_manifest
@@ -39,8 +40,8 @@ class EvalConfig:
     baselines: tuple[str, ...] | None = None  # None: AR + hf_assisted when the drafter is a Transformer
     # Options of the built-in methods (decode/methods.py documents them; None = the method's default).
     chain_length: int | None = None
-    tree: tuple[int, ...] | None = None
-    ucb_trees: tuple[tuple[int, ...], ...] | None = None
+    tree: tuple[int, ...] | TreeShape | str | None = None  # widths, parent lists, or --tree's text ('stree13')
+    ucb_trees: tuple[tuple[int, ...] | TreeShape | str, ...] | None = None
     ucb_lambda: float | None = None
     lambda_gamma: float | None = None
     method_options: dict = field(default_factory=dict)  # options of methods registered elsewhere
