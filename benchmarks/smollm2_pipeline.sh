@@ -5,7 +5,7 @@
 #   bash benchmarks/smollm2_pipeline.sh
 #
 # Environment (defaults in brackets): CACHE [~/.cache/draftforge] where the target is prepared;
-# GREEDY_PROMPTS [1000] prompts answered greedily and SAMPLED_PROMPTS [300] answered at T=1 (the first
+# GREEDY_PROMPTS [1000] prompts answered greedily and SAMPLED_PROMPTS [200] answered at T=1 (the first
 # ones of the training split); EVAL_PROMPTS [3] per bench; NEW_TOKENS [128]; SKIP_EVAL=1 stops after
 # training. Every phase resumes or is skipped when its output exists (generate resumes row by row; a
 # finished training run is kept: delete runs/smollm2/<run> to retrain it). The two drafters train side by
@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
 CACHE="${CACHE:-$HOME/.cache/draftforge}"; GREEDY_PROMPTS="${GREEDY_PROMPTS:-1000}"
-SAMPLED_PROMPTS="${SAMPLED_PROMPTS:-300}"; EVAL_PROMPTS="${EVAL_PROMPTS:-3}"; NEW_TOKENS="${NEW_TOKENS:-128}"
+SAMPLED_PROMPTS="${SAMPLED_PROMPTS:-200}"; EVAL_PROMPTS="${EVAL_PROMPTS:-3}"; NEW_TOKENS="${NEW_TOKENS:-128}"
 OUT=runs/smollm2
 T0=$SECONDS
 phase() { echo "== [$((SECONDS - T0)) s] $*"; }
