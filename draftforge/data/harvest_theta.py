@@ -119,7 +119,7 @@ def _continue(target, ids: list[int], n: int) -> list[int]:
     """The target's own greedy continuation of `ids` by n tokens (the held-out, target-generated text)."""
     ids_1S = torch.tensor([ids], device=target.device)
     out = target.model.generate(ids_1S, attention_mask=torch.ones_like(ids_1S), max_new_tokens=n, do_sample=False,
-                          pad_token_id=0)
+                                pad_token_id=0)
     return out[0].tolist()
 
 
@@ -231,6 +231,7 @@ EPILOG = """examples:
   draftforge harvest theta --target TARGET --drafter DRAFTER --data heldout.jsonl --out runs/theta-harvest
   draftforge harvest theta ... --generate 128 --max-sequences 200   # label the target's own continuations
   draftforge harvest theta ... --resume                             # continue a killed harvest
+  draftforge harvest theta --target TARGET --drafter runs/eesd/export ...   # an EESD exit head on TARGET
 then train the predictor: draftforge train RECIPE (task: theta, data.sources: [runs/theta-harvest])
 """
 
@@ -238,7 +239,8 @@ then train the predictor: draftforge train RECIPE (task: theta, data.sources: [r
 def configure(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
     p.add_argument("--target", required=True, help="the target model (local path)")
-    p.add_argument("--drafter", required=True, help="the trained drafter (export dir or local path)")
+    p.add_argument("--drafter", required=True, help="the trained drafter (export dir or local path; an EESD "
+                   "export of this target too)")
     p.add_argument("--data", required=True, action="append", help="JSONL rows: input_ids (token rows, "
                    "prompt_len / loss_mask mark the labelled part) or text; repeatable")
     p.add_argument("--out", required=True, help="harvest directory (shards + harvest.json)")
