@@ -147,7 +147,7 @@ def test_task_trains_exports_and_the_harness_loads_only_for_its_pair(pair, tmp_p
     assert meta["task"] == "theta" and meta["max_offset"] == 4 and 0 < meta["mean_label"] <= 1
     target = load_target(str(pair / "target"))
     drafter = load_drafter(str(pair / "drafter"), target)
-    pred = load_predictor(result.export_dir, target.model, drafter.model)
+    pred = load_predictor(result.export_dir, target.model, drafter)
     assert pred.mean_label == meta["mean_label"]
     dec = build_decoder("cali_ts", target, drafter, theta_predictor=str(result.export_dir))
     assert dec.generate([1, 2, 3], max_new_tokens=8).stats.new_tokens == 8

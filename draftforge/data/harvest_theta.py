@@ -2,14 +2,19 @@
 
 Teacher-forced passes of the frozen target and drafter over held-out sequences (token rows, or text
 tokenized with the target's tokenizer; `--generate N` first lets the target continue each greedily, so
-the labelled part is the target's own output). For an anchor c (the last committed token s_c) and a
-draft offset i = 1..max_offset, one feature row holds what Cali-TS reads at decode time
-(models/theta.py says why these positions):
+the labelled part is the target's own output). Both are loaded as the harness loads them, so the drafter
+may be any kind `eval` takes, an EESD export too (its target's layers 1..N, then the exit head; a reduced
+head's argmax mapped to target ids as drafting does). For an anchor c (the last committed token s_c) and
+a draft offset i = 1..max_offset, one feature row holds what Cali-TS reads at decode time (models/theta.py
+says why these positions):
   h_target  the target's hidden state at c-1 (the row that emitted s_c);
-  h_draft   the drafter's hidden state at p = c+i-1 (after s_≤p: the state that chooses draft i);
-  offset    i;   label  χ = 1[drafter argmax at p == target argmax at p].
+  h_draft   the drafter's hidden state at p, the stop rule's hidden_D after draft i: p = c+i-1 (after s_≤p:
+            the state that chooses draft i), or p = c+i for an early-exit drafter (after consuming draft i);
+  offset    i;   label  χ = 1[drafter argmax at p == target argmax at p] (draft i, or for EESD draft i+1,
+            accepted given the earlier drafts were).
 Rows go through `datasets` into shards of `--shard-size` sequences under OUT/shards/; OUT/harvest.json
-records the pair (fingerprints), the settings and the shards done, so a killed run resumes where it stopped.
+records the pair (fingerprints, drafter kind), the settings and the shards done, so a killed run resumes
+where it stopped.
 
 Legend: S sequence length, T target width, D drafter width, R rows.
 """
@@ -28,7 +33,8 @@ from draftforge.fsutil import atomic_write_text, temp_dir_beside
 
 MANIFEST = "harvest.json"
 SETTING_KEYS = ("target_fingerprint", "drafter_fingerprint", "max_offset", "anchor_stride", "max_len", "generate",
-                "shard_size", "sources")
+                "shard_size", "sources", "drafter_kind", "exit_after_layer")
+LATER_KEYS = ("drafter_kind", "exit_after_layer")  # absent from older manifests (their fingerprint still binds them)
 
 
 def read_sequences(sources: list[str], tokenizer, max_sequences: int | None) -> list[tuple[list[int], int]]:
@@ -64,23 +70,21 @@ def _labelled_start(row: dict) -> int:
 
 
 @torch.inference_mode()
-def sequence_rows(target, drafter, ids: list[int], start: int, max_offset: int, stride: int, vocab: int) -> dict:
-    """Feature rows of one sequence as column lists (empty lists if it is too short)."""
-    from draftforge.decode.drafter_base import draft_map
-    from draftforge.decode.sampling import match_vocab
-
+def sequence_rows(target, drafter, ids: list[int], start: int, max_offset: int, stride: int) -> dict:
+    """Feature rows of one sequence as column lists (empty lists if it is too short); `target` and `drafter`
+    are the harness's (load_target / load_drafter), so any drafter kind gives its decode-time rows."""
     ids_1S = torch.tensor([ids], device=target.device)
-    t_out = target(input_ids=ids_1S, output_hidden_states=True)
-    d_out = drafter(input_ids=ids_1S.to(drafter.device), output_hidden_states=True)
-    h_target_ST, h_draft_SD = t_out.hidden_states[-1][0].float(), d_out.hidden_states[-1][0].float()
-    target_tok_S = t_out.logits[0, :, :vocab].argmax(-1)
-    draft_tok_S = match_vocab(d_out.logits[0].float(), vocab, draft_map(drafter, vocab)).argmax(-1).to(target.device)
-    agree_S = (draft_tok_S == target_tok_S).long().tolist()
+    t_out = target.model(input_ids=ids_1S, output_hidden_states=True)
+    h_target_ST = t_out.hidden_states[-1][0].float()
+    target_tok_S = t_out.logits[0, :, : target.vocab_size].argmax(-1)
+    draft_logits_SV, h_draft_SD = drafter.teacher_forced(ids_1S)
+    agree_S = (draft_logits_SV.argmax(-1).to(target.device) == target_tok_S).long().tolist()
+    lag = int(drafter.hidden_after_token)  # an early-exit drafter's hidden_D at offset i sits one position on
     cols = {"h_target": [], "h_draft": [], "offset": [], "label": []}
     n = len(ids)
     for c in range(max(1, start), n, stride):
         for i in range(1, max_offset + 1):
-            p = c + i - 1
+            p = c + i - 1 + lag
             if p >= n:
                 break
             cols["h_target"].append(h_target_ST[c - 1])
@@ -101,19 +105,21 @@ def _to_dataset(cols: dict):
         "offset": cols["offset"], "label": cols["label"]})
 
 
-def _load_models(target_path, drafter_path, device):
-    from draftforge.decode.targets import load_hf_causal_lm
+def _load_models(target_path, drafter_path, device, allow_vocab_mismatch=False):
+    """The harness's target and drafter (any kind: HF causal LM, Mamba, an EESD export on this target)."""
+    from draftforge.decode import load_drafter, load_target
 
-    target, tokenizer = load_hf_causal_lm(target_path, device, None, "target")
-    drafter, _ = load_hf_causal_lm(drafter_path, device, None, "drafter")
-    return target, tokenizer, drafter
+    target = load_target(target_path, device=device)
+    drafter = load_drafter(drafter_path, target, device=device, allow_vocab_mismatch=allow_vocab_mismatch,
+                           cuda_graphs="off")  # never drafts here: one teacher-forced pass per sequence
+    return target, drafter
 
 
 def _continue(target, ids: list[int], n: int) -> list[int]:
     """The target's own greedy continuation of `ids` by n tokens (the held-out, target-generated text)."""
     ids_1S = torch.tensor([ids], device=target.device)
-    out = target.generate(ids_1S, attention_mask=torch.ones_like(ids_1S), max_new_tokens=n, do_sample=False,
-                          pad_token_id=0)
+    out = target.model.generate(ids_1S, attention_mask=torch.ones_like(ids_1S), max_new_tokens=n, do_sample=False,
+                                pad_token_id=0)
     return out[0].tolist()
 
 
@@ -128,7 +134,7 @@ def _check_resume(manifest_path: Path, settings: dict, resume: bool, overwrite: 
     if not resume:
         raise DraftforgeError(f"{manifest_path.parent} already holds a harvest; pass --resume to continue it "
                               "or --overwrite to start again")
-    changed = [k for k in SETTING_KEYS if old.get(k) != settings.get(k)]
+    changed = [k for k in SETTING_KEYS if (k in old or k not in LATER_KEYS) and old.get(k) != settings.get(k)]
     if changed:
         raise DraftforgeError(f"--resume: the harvest in {manifest_path.parent} was made with other settings "
                               f"({', '.join(changed)}); use the same ones, or --overwrite")
@@ -137,11 +143,11 @@ def _check_resume(manifest_path: Path, settings: dict, resume: bool, overwrite: 
 
 def harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, max_offset=16, anchor_stride=8,
                   max_len=512, generate=0, max_sequences=None, shard_size=64, resume=False, overwrite=False,
-                  device="cpu", progress=True) -> dict:
+                  device="cpu", allow_vocab_mismatch=False, progress=True) -> dict:
     """Write the feature rows (resumable); returns the manifest."""
     from tqdm.auto import tqdm
 
-    from draftforge.models.theta import hidden_size, model_fingerprint
+    from draftforge.models.theta import drafter_identity, hidden_size, model_fingerprint
 
     for name, value in (("max_offset", max_offset), ("anchor_stride", anchor_stride), ("shard_size", shard_size),
                         ("max_len", max_len)):
@@ -150,14 +156,13 @@ def harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, max
     if not isinstance(generate, int) or not 0 <= generate < max_len:
         raise DraftforgeError(f"--generate must be in [0, --max-len) = [0, {max_len}), got {generate!r}")
     out_dir = Path(out_dir)
-    target, tokenizer, drafter = _load_models(target_path, drafter_path, device)
-    vocab = target.get_output_embeddings().weight.shape[0]
+    target, drafter = _load_models(target_path, drafter_path, device, allow_vocab_mismatch)
     settings = {"target": str(target_path), "drafter": str(drafter_path), "sources": [str(s) for s in sources],
-                "target_fingerprint": model_fingerprint(target), "drafter_fingerprint": model_fingerprint(drafter),
-                "target_dim": hidden_size(target), "draft_dim": hidden_size(drafter), "max_offset": max_offset,
-                "anchor_stride": anchor_stride, "max_len": max_len, "generate": generate, "shard_size": shard_size}
+                "target_fingerprint": model_fingerprint(target.model), "target_dim": hidden_size(target.model),
+                **drafter_identity(drafter), "max_offset": max_offset, "anchor_stride": anchor_stride,
+                "max_len": max_len, "generate": generate, "shard_size": shard_size}
     manifest = _check_resume(out_dir / MANIFEST, settings, resume, overwrite)
-    seqs = read_sequences(sources, tokenizer, max_sequences)
+    seqs = read_sequences(sources, target.tokenizer, max_sequences)
     if not seqs:
         raise DataError(f"no usable sequences in {', '.join(map(str, sources))} (each needs at least 2 tokens)")
     n_shards = (len(seqs) + shard_size - 1) // shard_size
@@ -173,7 +178,7 @@ def harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, max
                 prompt = ids[: max_len - generate]
                 start, ids = len(prompt), _continue(target, prompt, generate)
             ids = ids[:max_len]
-            for k, v in sequence_rows(target, drafter, ids, start, max_offset, anchor_stride, vocab).items():
+            for k, v in sequence_rows(target, drafter, ids, start, max_offset, anchor_stride).items():
                 cols[k] += v
             bar.update(1)
         manifest["shards"][str(shard)] = _write_shard(out_dir, shard, cols)
@@ -226,6 +231,7 @@ EPILOG = """examples:
   draftforge harvest theta --target TARGET --drafter DRAFTER --data heldout.jsonl --out runs/theta-harvest
   draftforge harvest theta ... --generate 128 --max-sequences 200   # label the target's own continuations
   draftforge harvest theta ... --resume                             # continue a killed harvest
+  draftforge harvest theta --target TARGET --drafter runs/eesd/export ...   # an EESD exit head on TARGET
 then train the predictor: draftforge train RECIPE (task: theta, data.sources: [runs/theta-harvest])
 """
 
@@ -233,7 +239,8 @@ then train the predictor: draftforge train RECIPE (task: theta, data.sources: [r
 def configure(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
     p.add_argument("--target", required=True, help="the target model (local path)")
-    p.add_argument("--drafter", required=True, help="the trained drafter (export dir or local path)")
+    p.add_argument("--drafter", required=True, help="the trained drafter (export dir or local path; an EESD "
+                   "export of this target too)")
     p.add_argument("--data", required=True, action="append", help="JSONL rows: input_ids (token rows, "
                    "prompt_len / loss_mask mark the labelled part) or text; repeatable")
     p.add_argument("--out", required=True, help="harvest directory (shards + harvest.json)")
@@ -246,6 +253,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sequences", type=int, default=None, help="read at most N rows")
     p.add_argument("--shard-size", type=int, default=64, help="sequences per saved shard (default 64)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--allow-vocab-mismatch", action="store_true", help="a drafter whose tokenizer differs from the "
+                   "target's: use token ids as they are (as eval's flag of the same name)")
     p.add_argument("--resume", action="store_true", help="continue a harvest in --out with the same settings")
     p.add_argument("--overwrite", action="store_true", help="replace a harvest in --out")
 
@@ -254,7 +263,7 @@ def run(args) -> int:
     m = harvest_theta(args.target, args.drafter, args.data, args.out, max_offset=args.max_offset,
                       anchor_stride=args.anchor_stride, max_len=args.max_len, generate=args.generate,
                       max_sequences=args.max_sequences, shard_size=args.shard_size, resume=args.resume,
-                      overwrite=args.overwrite, device=args.device)
+                      overwrite=args.overwrite, device=args.device, allow_vocab_mismatch=args.allow_vocab_mismatch)
     mean = f"{m['mean_label']:.3f}" if m["mean_label"] is not None else "n/a"
     print(f"harvested {m['rows']} rows ({len(m['shards'])} shards), mean acceptance χ {mean}, "
           f"target width {m['target_dim']}, drafter width {m['draft_dim']} -> {args.out}")

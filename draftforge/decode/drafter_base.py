@@ -32,6 +32,9 @@ class Drafter(ABC):
     vocab_size: int  # the target's vocabulary width that drafts and q distributions use
     node_map: list[int] | None = None  # after a dynamic draft: tree index -> the drafter's own node id
     d2t = None  # reduced draft vocabulary: target ids of the head's rows (LongTensor on the model's device)
+    # hidden_D a chain's stop rule gets at depth i: False = the state whose logits chose draft i; True = the
+    # state after consuming draft i (the early-exit drafter, spec §3 [R]). The θ harvest reads it the same way.
+    hidden_after_token = False
 
     def bind(self, target) -> None:
         """Serve `target` (load_drafter calls this); a drafter that needs the target's hidden states sets
@@ -84,6 +87,14 @@ class Drafter(ABC):
     @property
     def steps_per_draft(self) -> str:
         return "one drafter forward per depth"
+
+    @torch.inference_mode()
+    def teacher_forced(self, ids_1S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits over the target's vocabulary [S, V], final-normed hidden states [S, D]) at every position of
+        a whole sequence in one pass: what drafting sees when all earlier tokens were accepted (the θ harvest).
+        The default runs `model` as a HF causal LM; a drafter built otherwise overrides it."""
+        out = self.model(input_ids=ids_1S.to(self.model.device), output_hidden_states=True)
+        return match_vocab(out.logits[0].float(), self.vocab_size, self.d2t), out.hidden_states[-1][0].float()
 
 
 def propose_children(logits_BV: torch.Tensor, width: int, params: SamplingParams, vocab: int, generator,

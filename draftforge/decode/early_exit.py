@@ -29,6 +29,7 @@ from draftforge.decode.drafter_base import (
     propose_children,
     stack_q,
 )
+from draftforge.decode.sampling import match_vocab
 from draftforge.decode.targets import KVCacheTarget, Verification
 from draftforge.decode.tree import DraftTree
 from draftforge.decode.tree_shape import TreeShape
@@ -36,6 +37,7 @@ from draftforge.errors import DraftforgeError
 from draftforge.models.early_exit import (
     ExitHead,
     TargetParts,
+    Trunk,
     causal_mask,
     check_exit_after,
     run_layers,
@@ -140,6 +142,7 @@ class EarlyExitDrafter(Drafter):
     """Drafts chains with the target's layers 1..N (shared cache) + the trained exit head (own cache)."""
 
     kind = "early_exit"
+    hidden_after_token = True  # hidden_D after consuming draft i: the state that will choose draft i+1
 
     def __init__(self, exit_head: ExitHead, exit_after: int, vocab_size: int, tokenizer=None, metadata=None):
         self.exit_head, self.n, self.vocab_size = exit_head.eval(), exit_after, vocab_size
@@ -231,6 +234,16 @@ class EarlyExitDrafter(Drafter):
     @property
     def steps_per_draft(self) -> str:
         return f"layers 1..{self.n} of the target + the exit head per drafted token"
+
+    @torch.inference_mode()
+    def teacher_forced(self, ids_1S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits over the target's vocabulary [S, V], post-norm exit states [S, D]) of a whole sequence: the
+        target's layers 1..N, then the exit head, no caches (the θ harvest; decoding gives the same rows)."""
+        ids_1S = ids_1S.to(self.exit_head.device)
+        hidden_1SD, position_ids_1S, rope, mask = Trunk(self._target().parts, self.n)(ids_1S)
+        logits_1SV, normed_1SD = self.exit_head(hidden_1SD.to(self.exit_head.lm_head.weight.dtype), position_ids_1S,
+                                                rope, mask)
+        return match_vocab(logits_1SV[0].float(), self.vocab_size, self.d2t), normed_1SD[0].float()
 
 
 def load_early_exit(path, target, device="cpu", dtype=None) -> EarlyExitDrafter:

@@ -231,7 +231,7 @@ def _predictor(path, target, drafter):
         return None
     from draftforge.models.theta import load_predictor
 
-    return load_predictor(path, target.model, drafter.model, device=target.device)
+    return load_predictor(path, target.model, drafter, device=target.device)
 
 
 def _unit(value, where, open_=False) -> float:

@@ -12,7 +12,9 @@ What the predictor reads at decode time, and what the harvest must write the sam
   label  χ_i = 1[draft i == the target's token there], teacher-forced (earlier drafts accepted).
 The spec suggests the state *after* draft i (predicting draft i+1); we use the state that chose draft i,
 which every drafter has for free (a Mamba drafter never feeds its last draft) and which asks the question
-the stop decision after draft i needs first: was draft i accepted?
+the stop decision after draft i needs first: was draft i accepted? The early-exit drafter feeds every
+draft anyway and gives the spec's state (`Drafter.hidden_after_token`); its harvest pairs that state with
+χ of draft i+1. A predictor is tied to one drafter: kind, width, weights and, for EESD, N (`check_pair`).
 
 Legend: B rows, O offsets, T target width d_T, D drafter width d_D.
 """
@@ -122,27 +124,52 @@ def read_predictor_meta(path) -> dict:
     return meta
 
 
-def check_pair(meta: dict, target_model, drafter_model, where) -> None:
-    """One CompatibilityError naming every way this target/drafter pair differs from the predictor's."""
+EARLY_EXIT = "early_exit"  # decode/early_exit.py EarlyExitDrafter.kind
+
+
+def drafter_identity(drafter) -> dict:
+    """What a θ predictor records of the harness drafter (load_drafter) it was harvested for: its kind, width
+    and weights fingerprint, and an early-exit drafter's N (its exit head alone does not say where it sits)."""
+    return {"drafter_kind": drafter.kind, "draft_dim": hidden_size(drafter.model),
+            "drafter_fingerprint": model_fingerprint(drafter.model),
+            "exit_after_layer": drafter.n if drafter.kind == EARLY_EXIT else None}
+
+
+def _kind_phrase(kind: str, exit_after) -> str:
+    if kind == EARLY_EXIT:
+        return f"an early-exit (EESD export, exit after layer {exit_after})"
+    return f"a {kind}"
+
+
+def check_pair(meta: dict, target_model, drafter, where) -> None:
+    """One CompatibilityError naming every way this target / harness drafter differs from the predictor's
+    (predictors exported before drafter kinds were recorded are matched by width and fingerprint only)."""
     problems = []
-    for role, model, dim_key, fp_key in (("target", target_model, "target_dim", "target_fingerprint"),
-                                         ("drafter", drafter_model, "draft_dim", "drafter_fingerprint")):
-        if hidden_size(model) != meta[dim_key]:
-            problems.append(f"{role} hidden size {hidden_size(model)} != {meta[dim_key]}")
-        elif meta.get(fp_key) and model_fingerprint(model) != meta[fp_key]:
-            problems.append(f"{role} weights differ (fingerprint)")
+    if hidden_size(target_model) != meta["target_dim"]:
+        problems.append(f"target hidden size {hidden_size(target_model)} != {meta['target_dim']}")
+    elif meta.get("target_fingerprint") and model_fingerprint(target_model) != meta["target_fingerprint"]:
+        problems.append("target weights differ (fingerprint)")
+    have = drafter_identity(drafter)
+    kind, exit_after = meta.get("drafter_kind"), meta.get("exit_after_layer")
+    if kind is not None and (kind, exit_after) != (have["drafter_kind"], have["exit_after_layer"]):
+        problems.append(f"it was harvested for {_kind_phrase(kind, exit_after)} drafter, this is "
+                        f"{_kind_phrase(have['drafter_kind'], have['exit_after_layer'])} drafter")
+    elif have["draft_dim"] != meta["draft_dim"]:
+        problems.append(f"drafter hidden size {have['draft_dim']} != {meta['draft_dim']}")
+    elif meta.get("drafter_fingerprint") and have["drafter_fingerprint"] != meta["drafter_fingerprint"]:
+        problems.append("drafter weights differ (fingerprint)")
     if problems:
         raise CompatibilityError(
             f"θ predictor {where} was trained for another target/drafter pair ({'; '.join(problems)}); "
             "harvest and train a θ predictor for this pair (draftforge harvest theta, then task: theta)")
 
 
-def load_predictor(path, target_model, drafter_model, device="cpu") -> ThetaPredictor:
-    """A θ predictor export, refused unless it was trained for exactly this target and drafter."""
+def load_predictor(path, target_model, drafter, device="cpu") -> ThetaPredictor:
+    """A θ predictor export, refused unless it was trained for exactly this target and (harness) drafter."""
     from safetensors.torch import load_file
 
     meta = read_predictor_meta(path)
-    check_pair(meta, target_model, drafter_model, path)
+    check_pair(meta, target_model, drafter, path)
     predictor = ThetaPredictor(meta["target_dim"], meta["draft_dim"], meta["max_offset"], meta["mean_label"])
     predictor.load_state_dict(load_file(str(Path(path) / WEIGHTS_FILE)))
     return predictor.to(device).eval()

@@ -75,7 +75,7 @@ def build_theta_task(recipe, accelerator, with_data: bool = True):
     train = eval_ = None
     if with_data:
         train, eval_ = _split(rows, recipe.data.eval_fraction, recipe.train.seed)
-    pair = {k: manifest[k] for k in ("target", "drafter", "target_fingerprint", "drafter_fingerprint")}
+    pair = pair_metadata(manifest)
 
     def export(trained, out_dir, metadata, overwrite=False):
         return export_predictor(trained, Path(out_dir), {**metadata, **pair, "harvest_rows": manifest["rows"]},
@@ -83,6 +83,12 @@ def build_theta_task(recipe, accelerator, with_data: bool = True):
 
     return TaskSpec(model=model, loss=make_loss(weight), train_data=train, eval_data=eval_, collate=theta_collate,
                     export=export, unit="rows", units=lambda b: len(b["label"]))
+
+
+def pair_metadata(manifest: dict) -> dict:
+    """What the export keeps of the harvest's target/drafter pair, for the harness's check (models/theta.py)."""
+    keys = ("target", "drafter", "target_fingerprint", "drafter_fingerprint", "drafter_kind", "exit_after_layer")
+    return {k: manifest.get(k) for k in keys}
 
 
 def export_predictor(model: ThetaPredictor, out_dir: Path, metadata: dict, overwrite: bool = False) -> Path:
