@@ -5,7 +5,7 @@
 #   1. the exports side by side at fixed K (benchmarks/eesd_bench.py): τ, v_d, r_d, HM, tok/s, speedup;
 #   2. draft-length control on the N = 3 drafter: K in {3, 5, 10}, Beta-TS, Cali-TS (with the θ predictor
 #      harvested for it), SpecDec++ (benchmarks/length_control.py).
-# Needs runs/smollm2/sft_rows.jsonl and corpus_train.jsonl (benchmarks/smollm2_pipeline.sh SKIP_EVAL=1).
+# Needs runs/smollm2/sft_rows.jsonl (its greedy rows) and corpus_train.jsonl (benchmarks/smollm2_pipeline.sh).
 # Environment: STEPS [150] training steps per exit head; EVAL_PROMPTS [3]; NEW_TOKENS [128]. Finished runs
 # are kept (delete runs/smollm2/eesd-* to retrain). Two trainings at a time, 1 thread each.
 set -euo pipefail
@@ -24,6 +24,12 @@ eesd() {  # run name, then --set overrides
 }
 NO_SD=(--set "data.sources=[$OUT/corpus_train.jsonl]" --set data.format=text --set "eesd.open_sources=[]"
        --set model.draft_vocab_from=null)
+
+phase "data: the target's greedy answers (the T=0 rows of sft_rows.jsonl)"
+[ -s "$OUT/eesd_rows.jsonl" ] || python -c "
+import json, sys
+rows = [l for l in open('$OUT/sft_rows.jsonl') if json.loads(l)['temperature'] == 0]
+open('$OUT/eesd_rows.jsonl', 'w').writelines(rows); print(len(rows), 'greedy rows')"
 
 phase "train: five exit heads, two at a time ($STEPS steps each)"
 eesd eesd-n3 & eesd eesd-n2 --set eesd.exit_after_layer=2 & wait
