@@ -6,12 +6,12 @@
 #   2. draft-length control on the N = 3 drafter: K in {3, 5, 10}, Beta-TS, Cali-TS (with the θ predictor
 #      harvested for it), SpecDec++ (benchmarks/length_control.py).
 # Needs runs/smollm2/sft_rows.jsonl (its greedy rows) and corpus_train.jsonl (benchmarks/smollm2_pipeline.sh).
-# Environment: STEPS [150] training steps per exit head; EVAL_PROMPTS [3]; NEW_TOKENS [128]. Finished runs
+# Environment: STEPS [100] training steps per exit head; EVAL_PROMPTS [3]; NEW_TOKENS [128]. Finished runs
 # are kept (delete runs/smollm2/eesd-* to retrain). Two trainings at a time, 1 thread each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
-STEPS="${STEPS:-150}"; EVAL_PROMPTS="${EVAL_PROMPTS:-3}"; NEW_TOKENS="${NEW_TOKENS:-128}"
+STEPS="${STEPS:-100}"; EVAL_PROMPTS="${EVAL_PROMPTS:-3}"; NEW_TOKENS="${NEW_TOKENS:-128}"
 OUT=runs/smollm2; TARGET="$HOME/.cache/draftforge/smollm2"
 T0=$SECONDS
 phase() { echo "== [$((SECONDS - T0)) s] $*"; }
