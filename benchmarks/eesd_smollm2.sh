@@ -56,7 +56,7 @@ python benchmarks/eesd_bench.py --target "$TARGET" --export "N3=$OUT/eesd-n3/exp
   > "$OUT/eesd_bench.log" 2>&1 &
 phase "eval 2: fixed K vs Beta-TS vs Cali-TS vs SpecDec++ on the N = 3 drafter"
 python benchmarks/length_control.py --target "$TARGET" --drafter "$OUT/eesd-n3/export" \
-  --theta-predictor "$OUT/theta-eesd/export" --prompts data/prompts/instructions_heldout.jsonl \
+  --theta-predictor "$OUT/theta-eesd/export" --prompts instructions \
   --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$NEW_TOKENS" --repeats 3 --fixed-k 3 5 10 --max-draft 10 \
   --out "$OUT/eesd_length_control.json" > "$OUT/eesd_length_control.log" 2>&1
 wait

@@ -19,21 +19,14 @@ import time
 from pathlib import Path
 
 
-def load_prompts(path: str, tokenizer, n: int, max_prompt_tokens: int) -> list[list[int]]:
-    out = []
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        if "input_ids" in row:
-            ids = row["input_ids"][: row.get("prompt_len") or max_prompt_tokens]
-        else:
-            text = row.get("prompt") or row.get("text") or row["turns"][0]
-            ids = tokenizer(text)["input_ids"]
-        out.append(ids[:max_prompt_tokens])
-        if len(out) == n:
-            break
-    return out
+def load_prompts(bench: str, target, n: int, max_prompt_tokens: int, max_new_tokens: int) -> list[list[int]]:
+    """The harness's own prompt reader (named benches, chat templates, token rows), each cut to its last
+    max_prompt_tokens tokens (0 = whole)."""
+    from draftforge.eval.prompts import load_prompts as read
+
+    prompts = read(bench, target.tokenizer, num_prompts=n, chat="auto", context_length=target.max_context,
+                   max_new_tokens=max_new_tokens)
+    return [p.input_ids[-max_prompt_tokens:] if max_prompt_tokens else p.input_ids for p in prompts]
 
 
 def methods(args) -> dict[str, tuple[str, dict]]:
@@ -92,10 +85,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", required=True)
-    p.add_argument("--prompts", required=True, help="JSONL: input_ids (+prompt_len), prompt, text or turns")
+    p.add_argument("--prompts", required=True, help="a named bench (instructions, humaneval, testbed) or a JSONL "
+                   "prompt file (messages, prompt, text, turns or input_ids), read as draftforge eval reads it")
     p.add_argument("--theta-predictor", help="θ predictor export for cali_ts (else only the w/o-model variant)")
     p.add_argument("--num-prompts", type=int, default=10)
-    p.add_argument("--max-prompt-tokens", type=int, default=64)
+    p.add_argument("--max-prompt-tokens", type=int, default=0, help="keep only the last N prompt tokens (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fixed-k", type=int, nargs="+", default=[3, 5, 10])
@@ -114,7 +108,7 @@ def main(argv=None) -> int:
 
     target = load_target(args.target)
     drafter = load_drafter(args.drafter, target)
-    prompts = load_prompts(args.prompts, target.tokenizer, args.num_prompts, args.max_prompt_tokens)
+    prompts = load_prompts(args.prompts, target, args.num_prompts, args.max_prompt_tokens, args.max_new_tokens)
     eos = [] if args.ignore_eos else None
     table = methods(args)
     decoders = {name: build_decoder(m, target, drafter, **o) for name, (m, o) in table.items()}
