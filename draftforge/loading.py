@@ -8,6 +8,8 @@ turns a file named `.safetensors` that is not one into a CheckpointError.
 
 from __future__ import annotations
 
+import contextlib
+
 import importlib.util
 import logging
 import os
@@ -104,8 +106,11 @@ def load_causal_lm(source, *, what: str = "model", allow_pickle: bool | None = N
     if local is not None:  # a reduced draft head does not fit config.vocab_size: put back after loading
         kwargs.update(reduced_head_kwargs(local))
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(local or source), use_safetensors=None if allowed else True,
-                                                     **kwargs)
+        # A reduced draft head is expected not to fit config.vocab_size: transformers' load report would call it
+        # a MISMATCH and "reinit"; restore_reduced_head puts the trained head back, so that report is muted.
+        with _quiet_load_report(kwargs.get("ignore_mismatched_sizes", False)):
+            model = AutoModelForCausalLM.from_pretrained(str(local or source),
+                                                         use_safetensors=None if allowed else True, **kwargs)
         if local is not None:
             restore_reduced_head(model, local)
     except (OSError, ValueError, SafetensorError) as err:
@@ -115,6 +120,27 @@ def load_causal_lm(source, *, what: str = "model", allow_pickle: bool | None = N
         raise CheckpointError(f"cannot load the {what} from {where}: {first_line}") from None
     note_cpu_kernels(model)
     return model
+
+
+@contextlib.contextmanager
+def _quiet_load_report(quiet: bool):
+    """Drop transformers' loading report (a warning on the modeling_utils logger) while `quiet`; its other
+    messages pass (a level change would not do: transformers runs extra checks when that level is raised)."""
+    if not quiet:
+        yield
+        return
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    drop = _DropLoadReport()
+    report_logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        report_logger.removeFilter(drop)
+
+
+class _DropLoadReport(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
 
 
 # ---- notices -----------------------------------------------------------------------------------------
