@@ -48,10 +48,10 @@ python -m draftforge generate --target "$TARGET" --prompts "$OUT/theta_prompts.j
   --set "output_dir=$OUT/theta-eesd" --set "model.target=$TARGET" --set "data.sources=[$OUT/theta-harvest-eesd]"
 
 [ "${SKIP_EVAL:-0}" = 1 ] && { phase "done (SKIP_EVAL=1)"; exit 0; }
-phase "eval 1: the exports side by side at K = 3 and 5 (held-out instructions, greedy)"
+phase "eval 1: the exports side by side at K = 3 (held-out instructions, greedy)"
 python benchmarks/eesd_bench.py --target "$TARGET" --export "N3=$OUT/eesd-n3/export" --export "N2=$OUT/eesd-n2/export" \
   --export "N6=$OUT/eesd-n6/export" --export "N3 head-only=$OUT/eesd-n3-headonly/export" \
-  --export "N3 no self-distill=$OUT/eesd-n3-nosd/export" --k 3 --k 5 --bench instructions \
+  --export "N3 no self-distill=$OUT/eesd-n3-nosd/export" --k 3 --bench instructions \
   --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$NEW_TOKENS" --repeats 3 --out "$OUT/eesd_bench.json" \
   > "$OUT/eesd_bench.log" 2>&1 &
 phase "eval 2: fixed K vs Beta-TS vs Cali-TS vs SpecDec++ on the N = 3 drafter"
