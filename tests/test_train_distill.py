@@ -104,3 +104,51 @@ def test_distill_on_two_processes_matches_one(tmp_path, tiny_corpus_dir, tiny_to
         curves[config] = [r["kl"] for r in read_metrics(out) if "kl" in r]
     assert len(curves[None]) == 6
     assert curves["multi_cpu.yaml"] == pytest.approx(curves[None], rel=1e-4)
+
+
+def test_reduced_head_kl_is_against_the_teachers_restricted_renormalised_distribution():
+    """Hand computation: p = softmax(teacher)[d2t] / its sum, KL(p ‖ softmax(student)); top-1 agreement maps the
+    student's argmax back to a target id and compares it with the teacher's argmax over the whole vocabulary."""
+    torch.manual_seed(0)
+    d2t = torch.tensor([1, 4, 5, 9])
+    teacher_logits = torch.randn(1, 3, 12)
+    teacher_logits[0, 0, 7] = 9.0  # position 0: the teacher's favourite is outside the draft vocabulary
+    teacher_logits[0, 1, 4] = 9.0  # position 1: inside (draft id 1)
+    student = torch.randn(1, 3, 4)
+    student[0, 0, 2] = student[0, 1, 1] = 9.0
+
+    class Fixed(torch.nn.Module):
+        def __init__(self, logits):
+            super().__init__()
+            self.out = logits
+
+        def forward(self, input_ids):
+            return type("Out", (), {"logits": self.out})()
+
+    batch = {"input_ids": torch.zeros(1, 3, dtype=torch.long), "labels": torch.tensor([[0, 2, 3]])}
+    loss = distill.make_loss(Fixed(teacher_logits), distill.DistillConfig(), d2t)
+    total, count, metrics = loss(Fixed(student), batch)
+    expected = 0.0
+    for pos in range(2):  # the last position has no next token
+        p = teacher_logits[0, pos].softmax(-1)[d2t]
+        p = p / p.sum()
+        q = student[0, pos].softmax(-1)
+        expected += float((p * (p / q).log()).sum())
+    assert count == 2
+    assert float(total) == pytest.approx(expected, rel=1e-5)
+    assert int(metrics["top1_agree"]) == 1  # position 1 only: draft id 1 is target id 4
+
+
+def test_distill_trains_a_reduced_head_student(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir):
+    """A student with a draft vocabulary (model.draft_vocab) learns the teacher's restricted distribution, and its
+    export loads as a reduced-vocabulary drafter of that target."""
+    from draftforge.decode import load_drafter, load_target
+
+    values = distill_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir)
+    values["model"]["draft_vocab"] = 64
+    result = run(recipe_from_dict(values))
+    kl = [r["kl"] for r in read_metrics(result.run_dir) if "kl" in r]
+    assert sum(kl[-5:]) / 5 < 0.7 * sum(kl[:3]) / 3, kl
+    drafter = load_drafter(str(result.export_dir), load_target(str(teacher_dir)))
+    assert drafter.model.get_output_embeddings().weight.shape[0] == 64
+    assert len(drafter.model.config.draft_vocab) == 64

@@ -7,7 +7,14 @@ computed on the fly in the same step from the same packed blocks; the teacher is
 module, so it has no optimizer state, no gradient sync and no sharding on 1 or N processes. The
 export is a normal drafter checkpoint (`load_drafter` reads it like a pretrain export).
 
-Legend: B batch, T block size, V vocabulary, D hidden size.
+A student with a reduced draft head (`model.draft_vocab`, or one that comes with `model.init_from`)
+predicts only N of the target's V tokens; its KL is taken against the teacher's distribution
+restricted to those N ids and renormalised (the target-side mass it cannot predict is not a loss it
+can lower), and its top-1 agreement compares its argmax, mapped back to a target id, with the
+teacher's argmax over the full vocabulary. Positions whose next token lies outside the draft
+vocabulary carry no label after the draft-id mapping and are left out of KL and CE alike.
+
+Legend: B batch, T block size, V vocabulary, N draft vocabulary, D hidden size.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from draftforge.errors import CompatibilityError, RecipeError
+from draftforge.models.draft_vocab import d2t_of
 from draftforge.recipe import Recipe, doc, require
 
 
@@ -51,8 +59,11 @@ def kl_loss(student_logits_BTV, teacher_logits_BTV, keep_BT, temperature: float)
     return kl_N.sum() * temperature**2
 
 
-def make_loss(teacher, options: DistillConfig):
-    """loss(model, batch) -> (summed loss, counted positions, metrics): KL on the teacher's fresh logits (+CE)."""
+def make_loss(teacher, options: DistillConfig, d2t_N: torch.Tensor | None = None):
+    """loss(model, batch) -> (summed loss, counted positions, metrics): KL on the teacher's fresh logits (+CE).
+
+    d2t_N: the target ids of a reduced draft head's rows (None: the student predicts the whole vocabulary).
+    """
 
     def loss(model, batch):
         ids_BT = batch["input_ids"]
@@ -60,14 +71,20 @@ def make_loss(teacher, options: DistillConfig):
         keep_BT = next_BT != -100
         with torch.no_grad():
             teacher_BTV = teacher(input_ids=ids_BT).logits
-        student_BTV = model(input_ids=ids_BT).logits
-        if student_BTV.shape[-1] != teacher_BTV.shape[-1]:
-            raise CompatibilityError(f"student vocabulary {student_BTV.shape[-1]} != teacher's {teacher_BTV.shape[-1]}: "
+        student_BTN = model(input_ids=ids_BT).logits
+        want = teacher_BTV.shape[-1] if d2t_N is None else len(d2t_N)
+        if student_BTN.shape[-1] != want:
+            raise CompatibilityError(f"student vocabulary {student_BTN.shape[-1]} != teacher's {want}: "
                                      "build the student with the target's vocabulary (model.target)")
-        kl_sum = kl_loss(student_BTV, teacher_BTV, keep_BT, options.temperature)
-        ce_sum = F.cross_entropy(student_BTV.flatten(0, 1).float(), next_BT.flatten(), ignore_index=-100,
+        if d2t_N is None:
+            teacher_BTN, student_top_BT = teacher_BTV, student_BTN.argmax(-1)
+        else:
+            d2t = d2t_N.to(teacher_BTV.device)
+            teacher_BTN, student_top_BT = teacher_BTV[..., d2t], d2t[student_BTN.argmax(-1)]
+        kl_sum = kl_loss(student_BTN, teacher_BTN, keep_BT, options.temperature)
+        ce_sum = F.cross_entropy(student_BTN.flatten(0, 1).float(), next_BT.flatten(), ignore_index=-100,
                                  reduction="sum")
-        agree = (student_BTV.argmax(-1) == teacher_BTV.argmax(-1))[keep_BT].sum()
+        agree = (student_top_BT == teacher_BTV.argmax(-1))[keep_BT].sum()
         total = options.kl_weight * kl_sum + (options.ce_weight * ce_sum if options.ce_weight else 0.0)
         return total, keep_BT.sum(), {"kl": kl_sum.detach(), "ce": ce_sum.detach(), "top1_agree": agree}
 
@@ -119,7 +136,12 @@ def build_distill_task(recipe: Recipe, accelerator, with_data: bool = True):
         freeze_except(spec.model, options.trainable)
         n_train = sum(p.numel() for p in spec.model.parameters() if p.requires_grad)
         accelerator.print(f"[draftforge] distill: training {n_train:,} parameters matching {options.trainable}")
-    spec.loss = make_loss(teacher, options)
+    d2t_N = d2t_of(spec.model)
+    if d2t_N is not None and int(d2t_N.max()) >= teacher.get_output_embeddings().weight.shape[0]:
+        raise CompatibilityError(f"the student's draft vocabulary names target id {int(d2t_N.max())}, beyond the "
+                                 f"teacher's {teacher.get_output_embeddings().weight.shape[0]} tokens: "
+                                 "it was built for another target")
+    spec.loss = make_loss(teacher, options, d2t_N)
     spec.frozen = {**spec.frozen, "teacher": teacher}
     spec.export_metadata["distilled_from"] = recipe.model.target  # the same dict the export hook reads
     return spec
