@@ -97,7 +97,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     target = load_target(args.target)
     trees = {f"chain{n}": chain(n - 1) for n in range(1, args.max_n + 1)}
-    trees.update({f"tree{w}": tree_of(parse_widths(w)) for w in args.tree})
+    trees.update({f"tree {w}": tree_of(parse_widths(w)) for w in args.tree})
     print(f"timing {len(trees)} verification shapes x {args.repeats} repeats on {type(target).__name__}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
     times = time_verifications(target, trees, args.repeats, args.prompt_len)
@@ -110,8 +110,26 @@ def main(argv=None) -> dict:
     if args.report:
         with open(args.report) as f:
             result["prediction"] = predict(json.load(f), model)
+    print_summary(result)
     print(json.dumps(result, indent=1))
     return result
+
+
+def print_summary(result: dict) -> None:
+    """The fit, the trees against it and (given a report) predicted vs measured speedups, on stderr."""
+    fit_ = result["fit"]
+    lines = [f"t(N) = {fit_['a']:.3g}·N² + {fit_['b']:.3g}·N + {fit_['c']:.3g} s "
+             f"(linear: {fit_['linear_k']:.3g}·N + {fit_['linear_C']:.3g}); t(1) = {result['t_seconds']['chain1'] * 1e3:.1f} ms",
+             "| shape | rows | measured ms | t(N) ms |", "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {row['rows']} | {row['measured'] * 1e3:.1f} | {row['model'] * 1e3:.1f} |"
+              for name, row in result["trees_vs_model"].items()]
+    if result.get("prediction"):
+        lines += ["", "| method | T | τ | rows / verify | predicted (verify only) | predicted (+ draft) | measured |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['method']} | {r['temperature']:g} | {r['tau']:.2f} | {r['rows_per_verify']:.1f} | "
+                  f"{r['predicted_speedup_verify_only']:.2f}× | {r['predicted_speedup_with_draft']:.2f}× | "
+                  f"{r['measured_speedup'] or 0:.2f}× |" for r in result["prediction"]]
+    print("\n".join(lines), file=sys.stderr)
 
 
 if __name__ == "__main__":

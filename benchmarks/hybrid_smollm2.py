@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from draftforge.smollm2 import smollm2_dir
+
 TRAIN_FILES = 48  # the first N stdlib .py files (sorted) make the training corpus; the next ones are held out
 
 
@@ -91,7 +93,8 @@ def compare(args) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smollm2", default="/tmp/h1dl/cache/smollm2", help="converted SmolLM2 directory")
+    p.add_argument("--smollm2", default=str(smollm2_dir()),
+                   help="converted SmolLM2 directory (default: draftforge target smollm2's, %(default)s)")
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("convert", help="write the attention-initialised hybrid and the training corpus")
     c.add_argument("--share", type=float, default=0.1, help="share of attention layers replaced by Mamba2")

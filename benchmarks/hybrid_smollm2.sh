@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue #13 on a real-text hybrid, in one command: the SmolLM2 hybrid (3 of 30 attention layers as Mamba2,
+# recipes/hybrid/smollm2_hybrid.yaml), its Mamba2 drafter distilled from it (recipes/hybrid/smollm2_drafter.yaml),
+# then on held-out instructions and HumanEval, T = 0 and 1, medians of 3 rotated repeats:
+#   1. AR vs chain (4 drafts) vs STree (`stree13`, the paper's 13-token tree) vs UCB (benchmarks/hybrid_testbed.py);
+#   2. depth vs width at equal size, 13 tokens: stree13 (depth 4) vs 6,1 (depth 2) vs 12 (depth 1);
+#   3. STree's runtime model t(N) fitted from measured verifications, its predicted speedups next to 1.'s
+#      (benchmarks/hybrid_runtime.py).
+# Needs `draftforge target smollm2` and runs/smollm2/mamba2-sft/export + sft_rows.jsonl
+# (benchmarks/smollm2_pipeline.sh). Environment: NUM_PROMPTS [6] per bench, NEW_TOKENS [64].
+# Finished runs are kept (delete runs/hybrid/smollm2* to redo them). Two timed processes at a time, 1 thread each.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
+NUM_PROMPTS="${NUM_PROMPTS:-6}"; NEW_TOKENS="${NEW_TOKENS:-64}"
+OUT=runs/hybrid; TARGET=$OUT/smollm2/export; DRAFTER=$OUT/smollm2-drafter/export
+T0=$SECONDS
+phase() { echo "== [$((SECONDS - T0)) s] $*"; }
+
+phase "target: the SmolLM2 hybrid (convert, distil the new mixers against SmolLM2)"
+[ -f "$OUT/smollm2-init/config.json" ] || python benchmarks/hybrid_smollm2.py convert --share 0.1 \
+  --out "$OUT/smollm2-init" --corpus "$OUT/corpus"
+[ -f "$TARGET/draftforge.json" ] || python -m draftforge train recipes/hybrid/smollm2_hybrid.yaml --overwrite \
+  > "$OUT/hybrid_distill.log" 2>&1
+[ -s "$OUT/hybrid_compare.json" ] || python benchmarks/hybrid_smollm2.py compare "$OUT/smollm2-init" "$TARGET" \
+  > "$OUT/hybrid_compare.json" 2> "$OUT/hybrid_compare.log"
+
+phase "drafter: the SmolLM2 Mamba2 drafter distilled from the hybrid (KL, τ = 1)"
+[ -f "$DRAFTER/draftforge.json" ] || OMP_NUM_THREADS=2 python -m draftforge train recipes/hybrid/smollm2_drafter.yaml \
+  --overwrite > "$OUT/drafter_distill.log" 2>&1
+grep -h "done:" "$OUT/drafter_distill.log" || true
+
+[ "${SKIP_EVAL:-0}" = 1 ] && { phase "done (SKIP_EVAL=1)"; exit 0; }
+testbed() {  # bench, report dir
+  python benchmarks/hybrid_testbed.py --target "$TARGET" --drafter "$DRAFTER" --bench "$1" --tree stree13 \
+    --num-prompts "$NUM_PROMPTS" --max-new-tokens "$NEW_TOKENS" --eval-out "$2" > "$2.log" 2>&1
+}
+phase "eval 1: AR vs chain vs stree13 vs UCB, instructions and HumanEval side by side"
+testbed instructions "$OUT/eval-instructions" & testbed humaneval "$OUT/eval-humaneval" & wait
+tail -n 14 "$OUT/eval-instructions.log" "$OUT/eval-humaneval.log"
+
+width() {  # tree, report dir
+  python -m draftforge eval --target "$TARGET" --drafter "$DRAFTER" --bench instructions --methods ar,tree \
+    --tree "$1" --temperature 0,1 --num-prompts "$NUM_PROMPTS" --max-new-tokens "$NEW_TOKENS" --repeats 3 \
+    --ignore-eos --no-plots --out "$2" > "$2.log" 2>&1
+}
+phase "eval 2: depth vs width at 13 tokens (instructions): 6,1 and 12, against stree13 of eval 1"
+width 6,1 "$OUT/eval-width-6_1" & width 12 "$OUT/eval-width-12" & wait
+
+phase "runtime model: t(N) of chains 1..16 and the trees, predicted vs measured speedups of eval 1"
+python benchmarks/hybrid_runtime.py --target "$TARGET" --report "$OUT/eval-instructions/report.json" \
+  --tree stree13 --tree 6,1 --tree 12 --repeats 5 > "$OUT/runtime.json" 2> "$OUT/runtime.log"
+tail -n 30 "$OUT/runtime.log"
+phase "done"
