@@ -88,6 +88,7 @@ def measure(args) -> dict:
         temperatures=tuple(float(t) for t in args.temperatures.split(",")), chain_length=args.chain_length,
         tree=tree, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
         ignore_eos=args.ignore_eos, device=args.device, dtype=args.dtype, out_dir=out, command=command_line(),
+        tree_draws=args.tree_draws,
         extra_manifest={"benchmark": "hybrid_testbed", "tree_name": tree_name(tree), "tree_parents": shape.parents}))
     print(markdown_table(report))
     for kind, path in report["files"].items():
@@ -112,6 +113,8 @@ def parse_args(argv=None):
     m.add_argument("--methods", default="ar,chain,tree,ucb", help="comma list (default ar,chain,tree,ucb)")
     m.add_argument("--chain-length", type=int, default=4, help="drafts per chain round (default 4, the paper's)")
     m.add_argument("--temperatures", default="0,1", help="comma list (default 0,1)")
+    m.add_argument("--tree-draws", choices=("distinct", "iid"), default="distinct",
+                   help="sibling drafts at T > 0: without replacement (default, STree's) or i.i.d.")
     m.add_argument("--num-prompts", type=int, default=6, help="first N prompts (default 6)")
     m.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     m.add_argument("--repeats", type=int, default=3, help="timed passes, method order rotated (default 3)")

@@ -10,7 +10,7 @@ import torch
 from test_decode_fixtures import noisy_copy, tiny_llama, tiny_mamba
 
 from draftforge.decode import build_decoder, load_drafter, load_target, verify
-from draftforge.decode.sampling import SamplingParams, probs_from_logits
+from draftforge.decode.sampling import SamplingParams, probs_from_logits, sample
 from draftforge.decode.tree import DraftTree
 
 VOCAB = 8
@@ -65,17 +65,18 @@ def target():
 
 
 @pytest.mark.slow  # ~20 s each on a shared CPU; the fast verifier-level checks below run by default
-@pytest.mark.parametrize("kind,method,options", [
-    ("transformer", "chain", {"chain_length": 2}),
-    ("mamba", "tree", {"tree": (3, 2)}),
+@pytest.mark.parametrize("kind,method,options,draws", [
+    ("transformer", "chain", {"chain_length": 2}, "distinct"),
+    ("mamba", "tree", {"tree": (3, 2)}, "distinct"),
+    ("mamba", "tree", {"tree": (3, 2)}, "iid"),
 ])
-def test_first_two_tokens_follow_target(target, kind, method, options):
+def test_first_two_tokens_follow_target(target, kind, method, options, draws):
     prompt = [1, 2, 3]
     drafter_model = noisy_copy(target.model, 0.3) if kind == "transformer" else tiny_mamba(VOCAB, dtype=torch.float64)
     dec = build_decoder(method, target, load_drafter(drafter_model, target), **options)
     n, counts, accepted = 1000, {}, 0
     for seed in range(n):
-        res = dec.generate(prompt, max_new_tokens=2, seed=seed, **PARAMS)
+        res = dec.generate(prompt, max_new_tokens=2, seed=seed, tree_draws=draws, **PARAMS)
         key = tuple(res.tokens)
         counts[key] = counts.get(key, 0) + 1
         accepted += sum(res.stats.accepted_per_round)
@@ -84,32 +85,67 @@ def test_first_two_tokens_follow_target(target, kind, method, options):
     assert accepted > n // 10  # drafts were really accepted, so the test exercised min(1, p/q)
 
 
-def _verifier_samples(verifier, p_V, q_V, widths, n, seed):
-    """Distribution of the first emitted token when children are i.i.d. draws from q."""
+def _verifier_samples(verifier, p_V, q_V, widths, n, seed, distinct=False):
+    """Distribution of the first emitted token when children are drawn from q: i.i.d., or `distinct` (without
+    replacement, as the drafters draw them for tree_draws="distinct", spare slots repeating the last draw)."""
     gen = torch.Generator().manual_seed(seed)
     counts = torch.zeros(len(p_V))
     for _ in range(n):
-        kids = torch.multinomial(q_V, widths, replacement=True, generator=gen).tolist()
+        kids = sample(q_V[None], gen, widths, distinct=distinct)[0].tolist()
         tree = DraftTree(kids, [-1] * widths, [1] * widths, torch.stack([q_V] + [q_V] * widths), widths == 1)
         p_NV = torch.stack([p_V] + [p_V] * widths)
-        verdict = verifier(tree, p_NV, gen)
+        verdict = verifier(tree, p_NV, gen, distinct=True) if distinct else verifier(tree, p_NV, gen)
         counts[tree.tokens[verdict.path[0]] if verdict.path else verdict.next_token] += 1
     return counts
 
 
-@pytest.mark.parametrize("verifier,widths", [(verify.verify_chain_sps, 1), (verify.verify_tree_mss, 3)])
-def test_verifier_exact_and_wrong_residual_fails(monkeypatch, verifier, widths):
-    """The same check rejects a verifier whose rejection distribution is p instead of norm(max(0, p-q))."""
-    p_V = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05], dtype=torch.float64)
-    q_V = torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3], dtype=torch.float64)
-    n = 4000
+P_V = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05], dtype=torch.float64)
+Q_V = torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3], dtype=torch.float64)
+
+
+def _check(counts, p_V=P_V):
     probs = {i: float(p) for i, p in enumerate(p_V)}
+    return chi_square({i: int(c) for i, c in enumerate(counts)}, probs, int(counts.sum()))
 
-    def check(counts):
-        return chi_square({i: int(c) for i, c in enumerate(counts)}, probs, n)
 
-    stat, df = check(_verifier_samples(verifier, p_V, q_V, widths, n, seed=0))
+@pytest.mark.parametrize("verifier,widths,distinct", [(verify.verify_chain_sps, 1, False),
+                                                      (verify.verify_tree_mss, 3, False),
+                                                      (verify.verify_tree_mss, 3, True)])
+def test_verifier_exact_and_wrong_residual_fails(monkeypatch, verifier, widths, distinct):
+    """The same check rejects a verifier whose rejection distribution is p instead of norm(max(0, p-q))."""
+    n = 4000
+    stat, df = _check(_verifier_samples(verifier, P_V, Q_V, widths, n, seed=0, distinct=distinct))
     assert stat < chi_square_limit(df)
     monkeypatch.setattr(verify, "residual", lambda p, q: p)
-    stat, df = check(_verifier_samples(verifier, p_V, q_V, widths, n, seed=0))
+    stat, df = _check(_verifier_samples(verifier, P_V, Q_V, widths, n, seed=0, distinct=distinct))
     assert stat > chi_square_limit(df)
+
+
+def test_distinct_siblings_need_their_own_rule():
+    """Siblings drawn without replacement but verified as if i.i.d. (q left as it is) do not give p: the check
+    has the power to tell the two rules apart (enumerated, the wrong rule is 0.07 away from p in total variation
+    here; the right one is exact)."""
+    p_V = torch.tensor([0.3, 0.3, 0.2, 0.1, 0.05, 0.05], dtype=torch.float64)
+    q_V = torch.tensor([0.7, 0.1, 0.1, 0.05, 0.03, 0.02], dtype=torch.float64)
+    for rule_matches in (True, False):
+        gen = torch.Generator().manual_seed(0)
+        counts = torch.zeros(len(p_V))
+        for _ in range(4000):
+            kids = sample(q_V[None], gen, 3, distinct=True)[0].tolist()
+            tree = DraftTree(kids, [-1] * 3, [1] * 3, torch.stack([q_V] * 4), False)
+            verdict = verify.verify_tree_mss(tree, torch.stack([p_V] * 4), gen, distinct=rule_matches)
+            counts[tree.tokens[verdict.path[0]] if verdict.path else verdict.next_token] += 1
+        stat, df = _check(counts, p_V)
+        assert (stat < chi_square_limit(df)) == rule_matches, (rule_matches, stat)
+
+
+def test_distinct_draws_with_fewer_tokens_than_children_stay_exact():
+    """q with two tokens of nonzero probability (e.g. after top-k) and three children: the spare slot repeats a
+    draw, is skipped by the verifier, and the emitted token still follows p."""
+    q_V = torch.tensor([0.0, 0.0, 0.7, 0.0, 0.3, 0.0], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    kids = sample(torch.stack([q_V, Q_V]), gen, 3, distinct=True)
+    assert sorted(kids[0].tolist()[:2]) == [2, 4] and kids[0, 2] == kids[0, 1]  # the spare slot repeats
+    assert len(set(kids[1].tolist())) == 3  # a full-support row still gets three distinct tokens
+    stat, df = _check(_verifier_samples(verify.verify_tree_mss, P_V, q_V, 3, 4000, seed=2, distinct=True))
+    assert stat < chi_square_limit(df)

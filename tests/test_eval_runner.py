@@ -37,7 +37,8 @@ class FakeDecoder:
     def __init__(self, method, broken=False, log=None):
         self.method, self.broken, self.calls, self.log = method, broken, 0, log
 
-    def generate(self, input_ids, *, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos_token_id=None):
+    def generate(self, input_ids, *, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos_token_id=None,
+                 tree_draws="distinct"):
         self.calls += 1
         if self.log is not None:
             self.log.append((self.method, "generate"))
@@ -261,6 +262,7 @@ def test_bf16_mismatch_is_reported_with_near_ties(bench, tmp_path, monkeypatch):
     (dict(drafter=None), "need --drafter"),
     (dict(max_new_tokens=0), "max-new-tokens"),
     (dict(dtype="int8"), "--dtype must be one of"),
+    (dict(tree_draws="sorted"), "--tree-draws must be one of distinct, iid"),
 ])
 def test_bad_config_fails_before_loading(bench, tmp_path, monkeypatch, kw, match):
     api = FakeAPI()

@@ -101,15 +101,17 @@ def propose_children(logits_BV: torch.Tensor, width: int, params: SamplingParams
                      d2t=None):
     """Children tokens [B, width] and, at T>0, the distribution q [B, V] they were drawn from.
 
-    Greedy: the `width` most likely distinct tokens. T>0: i.i.d. draws from q, which multi-step
-    speculative sampling needs to stay lossless (SpecInfer §4.2). A reduced draft head's logits are
-    first scattered into the target's vocabulary (q is zero outside the draft vocabulary).
+    Greedy: the `width` most likely distinct tokens. T>0: draws from q, distinct (without replacement,
+    STree's and SpecExec's sampling) or i.i.d. (SpecInfer §4.2) as `params.tree_draws` says; the tree
+    verifier applies the matching rule, so both stay lossless. A reduced draft head's logits are first
+    scattered into the target's vocabulary (q is zero outside the draft vocabulary).
     """
     logits_BV = match_vocab(logits_BV, vocab, d2t)
     if params.greedy:
         return torch.topk(logits_BV, width, dim=-1).indices, None
     q_BV = probs_from_logits(logits_BV, params)
-    return sample(q_BV.to(generator.device), generator, width).to(logits_BV.device), q_BV
+    children_BW = sample(q_BV.to(generator.device), generator, width, distinct=params.tree_draws == "distinct")
+    return children_BW.to(logits_BV.device), q_BV
 
 
 def draft_map(model, target_vocab: int):

@@ -70,8 +70,9 @@ class SpeculativeDecoder:
         """Forget adaptive state between measured runs (e.g. UCB's arm statistics)."""
         self.controller.reset()
 
-    def generate(self, input_ids, *, max_new_tokens: int, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos_token_id=None):
-        params = SamplingParams(float(temperature), float(top_p), int(top_k))
+    def generate(self, input_ids, *, max_new_tokens: int, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos_token_id=None,
+                 tree_draws="distinct"):
+        params = SamplingParams(float(temperature), float(top_p), int(top_k), tree_draws)
         seq = check_prompt(input_ids, self.target, max_new_tokens)
         if self.target.max_context is not None:  # positions past the context are undefined for the target
             max_new_tokens = min(max_new_tokens, self.target.max_context - len(seq))
@@ -165,8 +166,9 @@ class HFAssistedDecoder:
         if self._initial_draft_tokens is not None:
             self.drafter.model.generation_config.num_assistant_tokens = self._initial_draft_tokens
 
-    def generate(self, input_ids, *, max_new_tokens: int, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos_token_id=None):
-        params = SamplingParams(float(temperature), float(top_p), int(top_k))
+    def generate(self, input_ids, *, max_new_tokens: int, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos_token_id=None,
+                 tree_draws="distinct"):
+        params = SamplingParams(float(temperature), float(top_p), int(top_k), tree_draws)
         seq = check_prompt(input_ids, self.target, max_new_tokens)
         eos = sorted(eos_set(eos_token_id, self.target))
         stats, calls, device = DecodeStats(), {"target": [], "drafter": []}, self.target.device

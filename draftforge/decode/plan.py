@@ -58,7 +58,7 @@ class TreeBuilder:
     before verification. Builders that choose children deterministically (top-k) are greedy-only.
     """
 
-    sampling_ok = False  # True only if children are i.i.d. draws from q (then SpecInfer's MSS is exact)
+    sampling_ok = False  # True only if children are drawn from q as propose_children draws them (then MSS is exact)
 
     def expand(self, depth: int, logits_BV: torch.Tensor, joint_B: torch.Tensor) -> list[list[int]]:
         raise NotImplementedError

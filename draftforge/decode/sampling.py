@@ -13,11 +13,15 @@ import torch
 from draftforge.errors import DraftforgeError
 
 
+TREE_DRAWS = ("distinct", "iid")  # how a tree's sibling drafts are drawn at T > 0
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    tree_draws: str = "distinct"  # T>0 siblings: "distinct" (without replacement) or "iid" (with replacement)
 
     def __post_init__(self):
         if not self.temperature >= 0.0:
@@ -26,6 +30,8 @@ class SamplingParams:
             raise DraftforgeError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise DraftforgeError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.tree_draws not in TREE_DRAWS:
+            raise DraftforgeError(f"tree_draws must be one of {', '.join(TREE_DRAWS)}, got {self.tree_draws!r}")
 
     @property
     def greedy(self) -> bool:
@@ -51,9 +57,21 @@ def probs_from_logits(logits_NV: torch.Tensor, params: SamplingParams) -> torch.
     return logits_NV.softmax(-1)
 
 
-def sample(probs_NV: torch.Tensor, generator: torch.Generator, num: int = 1) -> torch.Tensor:
-    """num i.i.d. draws per row (with replacement, as multi-step speculative sampling requires)."""
-    return torch.multinomial(probs_NV, num, replacement=True, generator=generator)
+def sample(probs_NV: torch.Tensor, generator: torch.Generator, num: int = 1, distinct: bool = False) -> torch.Tensor:
+    """num draws per row: i.i.d. (with replacement), or `distinct`: without replacement, in draw order (the k-th
+    is drawn from probs with the first k-1 removed and renormalised). A row with fewer than num tokens of
+    nonzero probability repeats its last draw in the spare slots; the tree verifier skips a token it has
+    already tried among siblings, so those slots are never accepted."""
+    if not distinct or num == 1:  # one draw is the same either way: keep the i.i.d. call (and its RNG use)
+        return torch.multinomial(probs_NV, num, replacement=True, generator=generator)
+    support_N = (probs_NV > 0).sum(-1)
+    if bool((support_N >= num).all()):
+        return torch.multinomial(probs_NV, num, replacement=False, generator=generator)
+    rows = []
+    for probs_V, support in zip(probs_NV, support_N.tolist()):
+        draws_K = torch.multinomial(probs_V, min(num, support), replacement=False, generator=generator)
+        rows.append(torch.cat([draws_K, draws_K[-1:].expand(num - len(draws_K))]))
+    return torch.stack(rows)
 
 
 def match_vocab(logits_NV: torch.Tensor, vocab: int, d2t=None) -> torch.Tensor:

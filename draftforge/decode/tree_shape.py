@@ -4,7 +4,8 @@ Widths cannot draw trees whose nodes at one depth have different numbers of chil
 STree's 13-token config A (Fig. 4a). A `TreeShape` lists, layer by layer (layer i = the nodes at
 depth i+1), the index of each node's parent among the previous layer's nodes; the root layer is
 implicit, so layer 0 lists 0s. A node that is its parent's r-th child (in list order) takes the
-parent's r-th ranked draft token (greedy: r-th most likely; T>0: r-th i.i.d. draw).
+parent's r-th ranked draft token (greedy: r-th most likely; T>0: the r-th draw, distinct or i.i.d. as
+SamplingParams.tree_draws says).
 
 Text forms (`parse_tree`): `3,1,1,1` (widths, kept as a tuple), `parents:0,0,0/0,0,1/0,0,1/0,0,0`
 (parent lists) and the presets in TREE_PRESETS (`stree13`).

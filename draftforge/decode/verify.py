@@ -3,9 +3,13 @@
 - greedy: walk down while the target's argmax is a child (lossless by construction);
 - chain speculative sampling (Leviathan et al. 2023; Chen et al. 2023): accept x with
   min(1, p(x)/q(x)), on rejection draw from norm(max(0, p - q)), bonus token if all accepted;
-- multi-step speculative sampling for trees (SpecInfer §4.2): at each node, try the i.i.d.-drawn
-  children in order against the current residual p, replacing p by norm(max(0, p - q)) after
-  every rejection; when all are rejected, draw from the last residual.
+- multi-step speculative sampling for trees (SpecInfer §4.2): at each node, try the children in
+  order against the current residual p, replacing p by norm(max(0, p - q)) after every rejection;
+  when all are rejected, draw from the last residual. Children drawn i.i.d. keep q as it is;
+  children drawn without replacement (STree, SpecExec; `tree_draws="distinct"`) are tried against
+  q with the tokens already tried removed and renormalised (recursive rejection sampling without
+  replacement), and a token already tried is skipped. Both are exact: given the tokens tried so
+  far, the next child is a draw from the q it is tested against.
 
 Legend: N tree nodes, V vocabulary. Row 0 of logits/probs is the root, row 1+j is node j.
 """
@@ -65,17 +69,26 @@ def verify_chain_sps(tree: DraftTree, p_NV: torch.Tensor, generator) -> Verdict:
     return Verdict(path, _draw(p_NV[len(tree.tokens)], generator))
 
 
-def verify_tree_mss(tree: DraftTree, p_NV: torch.Tensor, generator) -> Verdict:
+def verify_tree_mss(tree: DraftTree, p_NV: torch.Tensor, generator, distinct: bool = False) -> Verdict:
+    """Multi-step speculative sampling; `distinct`: siblings were drawn without replacement (see above)."""
     path, node = [], -1
     while True:
         p_V, q_V = p_NV[node + 1], tree.q_probs[node + 1]
         accepted = None
         for child in tree.children(node):
             x = tree.tokens[child]
+            if distinct and not float(q_V[x]) > 0:
+                continue  # tried already: a spare slot of a row with fewer tokens than children
             if _uniform(generator) < min(1.0, float(p_V[x]) / float(q_V[x])):
                 accepted = child
                 break
             p_V = residual(p_V, q_V)
+            if distinct:
+                q_V = q_V.clone()
+                q_V[x] = 0
+                if not float(q_V.sum()) > 0:
+                    break
+                q_V = q_V / q_V.sum()
         if accepted is None:
             return Verdict(path, _draw(p_V, generator))
         node = accepted
@@ -92,4 +105,4 @@ def verify(tree: DraftTree, logits_NV: torch.Tensor, params: SamplingParams, voc
         return Verdict([], _draw(p_NV[0], generator))
     if tree.is_chain:
         return verify_chain_sps(tree, p_NV, generator)
-    return verify_tree_mss(tree, p_NV, generator)
+    return verify_tree_mss(tree, p_NV, generator, distinct=params.tree_draws == "distinct")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from draftforge.decode import methods as method_registry
+from draftforge.decode.sampling import TREE_DRAWS
 from draftforge.errors import RecipeError
 from draftforge.eval.runner import EvalConfig, run_eval
 
@@ -53,6 +54,10 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "hf_assisted when the drafter is a Transformer)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass for T > 0 (default 1.0)")
     p.add_argument("--top-k", type=int, default=0, help="top-k sampling for T > 0, 0 = off (default)")
+    p.add_argument("--tree-draws", choices=TREE_DRAWS, default="distinct",
+                   help="how a tree's sibling drafts are drawn at T > 0: distinct (without replacement, verified by "
+                        "recursive rejection sampling; STree's, default) or iid (with replacement, SpecInfer's "
+                        "multi-step speculative sampling). Both are exact; distinct siblings are never duplicates")
     p.add_argument("--num-prompts", type=int, help="use only the first N prompts")
     p.add_argument("--repeats", type=int, default=1, help="timed passes; the report gives min/median/max tok/s")
     p.add_argument("--warmup", type=int, default=1, help="prompts run untimed per method before timing (default 1)")
@@ -103,7 +108,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         methods=parse_list(args.methods) or ("ar", "chain", "tree"),
         baselines=parse_list(args.baseline) or None,
         **builtin, method_options={k: v for k, v in options.items() if k not in fields},
-        top_p=args.top_p, top_k=args.top_k,
+        top_p=args.top_p, top_k=args.top_k, tree_draws=args.tree_draws,
         num_prompts=args.num_prompts, repeats=args.repeats, warmup=args.warmup, ignore_eos=args.ignore_eos,
         chat_template=args.chat_template, device=args.device, dtype=args.dtype,
         allow_vocab_mismatch=args.allow_vocab_mismatch, cuda_graphs=args.cuda_graphs, seed=args.seed,

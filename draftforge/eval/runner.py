@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import draftforge.decode as decode_api
 from draftforge.decode import methods as method_registry
 from draftforge.decode.cuda_graphs import use_cuda_graphs
+from draftforge.decode.sampling import TREE_DRAWS
 from draftforge.decode.tree_shape import TreeShape
 from draftforge.errors import DraftforgeError, RecipeError
 from draftforge.eval import metrics
@@ -47,6 +48,7 @@ class EvalConfig:
     method_options: dict = field(default_factory=dict)  # options of methods registered elsewhere
     top_p: float = 1.0
     top_k: int = 0
+    tree_draws: str = "distinct"  # T>0 tree siblings: "distinct" (without replacement, STree) or "iid" (SpecInfer)
     num_prompts: int | None = None  # keep only the first N prompts
     repeats: int = 1  # timed passes over all prompts; the report gives min/median/max
     warmup: int = 1  # prompts run untimed per method and temperature before timing
@@ -80,6 +82,8 @@ def validate(cfg: EvalConfig) -> None:
         raise RecipeError(f"--num-prompts must be >= 1, got {cfg.num_prompts}")
     if not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
         raise RecipeError(f"--top-p must be in (0, 1] and --top-k >= 0, got {cfg.top_p} and {cfg.top_k}")
+    if cfg.tree_draws not in TREE_DRAWS:
+        raise RecipeError(f"--tree-draws must be one of {', '.join(TREE_DRAWS)}, got {cfg.tree_draws!r}")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise RecipeError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
     # "on" without CUDA fails here, before minutes of target loading (resolution needs no GPU).
@@ -147,7 +151,7 @@ def _model_dtype(model):
 def _run_one(dec, prompt, cfg, temperature, prompt_index, eos):
     return dec.generate(
         list(prompt.input_ids), max_new_tokens=cfg.max_new_tokens, temperature=temperature,
-        top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed + prompt_index, eos_token_id=eos,
+        top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed + prompt_index, eos_token_id=eos, tree_draws=cfg.tree_draws,
     )
 
 
