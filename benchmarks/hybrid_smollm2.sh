@@ -2,7 +2,8 @@
 # Issue #13 on a real-text hybrid, in one command: the SmolLM2 hybrid (3 of 30 attention layers as Mamba2,
 # recipes/hybrid/smollm2_hybrid.yaml), its Mamba2 drafter distilled from it (recipes/hybrid/smollm2_drafter.yaml),
 # then on held-out instructions and HumanEval, T = 0 and 1, medians of 3 rotated repeats:
-#   1. AR vs chain (4 drafts) vs STree (`stree13`, the paper's 13-token tree) vs UCB (benchmarks/hybrid_testbed.py);
+#   1. AR vs chain (4 drafts) vs STree (`stree13`, the paper's 13-token tree) vs UCB (benchmarks/hybrid_testbed.py),
+#      tree siblings at T = 1 drawn without replacement (default), then at T = 1 again with i.i.d. siblings;
 #   2. depth vs width at equal size, 13 tokens: stree13 (depth 4) vs 6,1 (depth 2) vs 12 (depth 1);
 #   3. STree's runtime model t(N) fitted from measured verifications, its predicted speedups next to 1.'s
 #      (benchmarks/hybrid_runtime.py).
@@ -31,13 +32,17 @@ phase "drafter: the SmolLM2 Mamba2 drafter distilled from the hybrid (KL, τ = 1
 grep -h "done:" "$OUT/drafter_distill.log" || true
 
 [ "${SKIP_EVAL:-0}" = 1 ] && { phase "done (SKIP_EVAL=1)"; exit 0; }
-testbed() {  # bench, report dir
-  python benchmarks/hybrid_testbed.py --target "$TARGET" --drafter "$DRAFTER" --bench "$1" --tree stree13 \
-    --num-prompts "$NUM_PROMPTS" --max-new-tokens "$NEW_TOKENS" --eval-out "$2" > "$2.log" 2>&1
+testbed() {  # bench, report dir, more hybrid_testbed.py flags
+  local bench=$1 out=$2; shift 2
+  python benchmarks/hybrid_testbed.py --target "$TARGET" --drafter "$DRAFTER" --bench "$bench" --tree stree13 \
+    --num-prompts "$NUM_PROMPTS" --max-new-tokens "$NEW_TOKENS" --eval-out "$out" "$@" > "$out.log" 2>&1
 }
 phase "eval 1: AR vs chain vs stree13 vs UCB, instructions and HumanEval side by side"
 testbed instructions "$OUT/eval-instructions" & testbed humaneval "$OUT/eval-humaneval" & wait
 tail -n 14 "$OUT/eval-instructions.log" "$OUT/eval-humaneval.log"
+phase "eval 1b: the same at T = 1 with i.i.d. sibling drafts (--tree-draws iid, SpecInfer's sampling)"
+testbed instructions "$OUT/eval-instructions-iid" --temperatures 1 --tree-draws iid &
+testbed humaneval "$OUT/eval-humaneval-iid" --temperatures 1 --tree-draws iid & wait
 
 width() {  # tree, report dir
   python -m draftforge eval --target "$TARGET" --drafter "$DRAFTER" --bench instructions --methods ar,tree \
@@ -49,6 +54,6 @@ width 6,1 "$OUT/eval-width-6_1" & width 12 "$OUT/eval-width-12" & wait
 
 phase "runtime model: t(N) of chains 1..16 and the trees, predicted vs measured speedups of eval 1"
 python benchmarks/hybrid_runtime.py --target "$TARGET" --report "$OUT/eval-instructions/report.json" \
-  --tree stree13 --tree 6,1 --tree 12 --repeats 5 > "$OUT/runtime.json" 2> "$OUT/runtime.log"
+  --report "$OUT/eval-instructions-iid/report.json" --tree stree13 --tree 6,1 --tree 12 --repeats 5 > "$OUT/runtime.json" 2> "$OUT/runtime.log"
 tail -n 30 "$OUT/runtime.log"
 phase "done"

@@ -10,7 +10,7 @@ import torch
 from test_decode_fixtures import noisy_copy, tiny_llama, tiny_mamba
 
 from draftforge.decode import build_decoder, load_drafter, load_target, verify
-from draftforge.decode.sampling import SamplingParams, probs_from_logits, sample
+from draftforge.decode.sampling import SamplingParams, draw_one, probs_from_logits, sample
 from draftforge.decode.tree import DraftTree
 
 VOCAB = 8
@@ -149,3 +149,11 @@ def test_distinct_draws_with_fewer_tokens_than_children_stay_exact():
     assert len(set(kids[1].tolist())) == 3  # a full-support row still gets three distinct tokens
     stat, df = _check(_verifier_samples(verify.verify_tree_mss, P_V, q_V, 3, 4000, seed=2, distinct=True))
     assert stat < chi_square_limit(df)
+
+
+def test_draw_one_follows_unnormalised_weights_and_never_draws_a_zero():
+    gen = torch.Generator().manual_seed(3)
+    weights = torch.tensor([[0.0, 2.0, 0.0, 1.0, 0.0]]).repeat(30000, 1)
+    draws = draw_one(weights, gen)[:, 0]
+    assert set(draws.tolist()) == {1, 3}
+    assert float((draws == 1).float().mean()) == pytest.approx(2 / 3, abs=0.015)

@@ -27,6 +27,8 @@ def test_prediction_is_tau_times_t1_over_t_of_rows():
     (row,) = hybrid_runtime.predict(report, model)
     assert row["predicted_speedup_verify_only"] == pytest.approx(2.0 * 0.06 / 0.10)
     assert row["predicted_speedup_with_draft"] == pytest.approx(2.0 * 0.06 / (0.10 + 0.02))
+    (row,) = hybrid_runtime.predict(report, model, t1=0.05)  # a measured one-row time replaces the fit's t(1)
+    assert row["predicted_speedup_verify_only"] == pytest.approx(2.0 * 0.05 / 0.10)
 
 
 def test_runs_on_a_hybrid_target_with_a_parent_list_tree(tmp_path, capsys):
@@ -39,5 +41,8 @@ def test_runs_on_a_hybrid_target_with_a_parent_list_tree(tmp_path, capsys):
                                   "--tree", "stree13", "--tree", "6,1", "--report", str(report)])
     assert sorted(result["t_seconds"]) == ["chain1", "chain2", "chain3", "chain4", "tree 6,1", "tree stree13"]
     assert result["trees_vs_model"]["tree stree13"]["rows"] == result["trees_vs_model"]["tree 6,1"]["rows"] == 13
-    assert result["prediction"][0]["predicted_speedup_verify_only"] == pytest.approx(1.0)
+    assert result["prediction"][0]["predicted_speedup_verify_only"] == pytest.approx(1.0)  # AR: τ 1, one row
+    assert result["prediction"][0]["report"] == str(report)
     assert "| tree stree13 | 13 |" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        hybrid_runtime.main(["--target", str(target), "--max-n", "3"])

@@ -64,14 +64,24 @@ def sample(probs_NV: torch.Tensor, generator: torch.Generator, num: int = 1, dis
     already tried among siblings, so those slots are never accepted."""
     if not distinct or num == 1:  # one draw is the same either way: keep the i.i.d. call (and its RNG use)
         return torch.multinomial(probs_NV, num, replacement=True, generator=generator)
-    support_N = (probs_NV > 0).sum(-1)
-    if bool((support_N >= num).all()):
-        return torch.multinomial(probs_NV, num, replacement=False, generator=generator)
-    rows = []
-    for probs_V, support in zip(probs_NV, support_N.tolist()):
-        draws_K = torch.multinomial(probs_V, min(num, support), replacement=False, generator=generator)
-        rows.append(torch.cat([draws_K, draws_K[-1:].expand(num - len(draws_K))]))
-    return torch.stack(rows)
+    left_NV, draws = probs_NV.clone(), []
+    for k in range(num):
+        if k:
+            spent_N = left_NV.sum(-1) <= 0
+            if bool(spent_N.any()):  # every token of nonzero probability drawn: repeat the last one
+                left_NV[spent_N] = left_NV[spent_N].scatter(-1, draws[-1][spent_N], 1.0)
+        draws.append(draw_one(left_NV, generator))
+        left_NV.scatter_(-1, draws[-1], 0.0)
+    return torch.cat(draws, -1)
+
+
+def draw_one(weights_NV: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row from unnormalised nonnegative weights [N, 1], by inverse CDF. (torch.multinomial with one
+    sample, or without replacement, draws an exponential per vocabulary entry: 2.1 ms for 2 x 49,152 on one
+    thread, against 0.05 ms here.) A token of zero weight is never drawn (searchsorted on the right side)."""
+    cdf_NV = weights_NV.cumsum(-1)
+    u_N1 = torch.rand((cdf_NV.shape[0], 1), generator=generator, dtype=cdf_NV.dtype, device=cdf_NV.device)
+    return torch.searchsorted(cdf_NV, u_N1 * cdf_NV[:, -1:], right=True).clamp_max(cdf_NV.shape[-1] - 1)
 
 
 def match_vocab(logits_NV: torch.Tensor, vocab: int, d2t=None) -> torch.Tensor:
