@@ -67,6 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--chain-length", type=int, default=5)
     p.add_argument("--tree", default="3,2,2,1", help="static tree: widths like 3,2,2,1, parent lists per layer like "
                    "parents:0,0,0/0,0,1/0,0,1/0,0,0, or stree13 (STree's 13-token tree)")
+    p.add_argument("--tree-draws", choices=("distinct", "iid"), default="distinct",
+                   help="sibling drafts at T > 0: without replacement (default) or i.i.d. (before 2026-11-22)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--ignore-eos", action="store_true",
@@ -91,6 +93,7 @@ def run_suite(args, target: str, drafters: dict[str, str | None], bench: str) ->
                          baselines=baselines, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
                          repeats=args.repeats, chain_length=args.chain_length, tree=tree, device=args.device,
                          dtype=args.dtype, ignore_eos=args.ignore_eos, out_dir=str(Path(args.out) / name),
+                         tree_draws=args.tree_draws,
                          command=command_line(), extra_manifest={"benchmark": f"spec_decode/{name}"})
         reports[name] = run_eval(cfg)
         print(f"\n## {name} drafter ({drafter})\n\n{markdown_table(reports[name])}\n")

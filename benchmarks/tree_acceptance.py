@@ -1,0 +1,91 @@
+"""Acceptance of static trees vs a chain, without timing: τ over many prompts, with its standard error.
+
+    python benchmarks/tree_acceptance.py --target DIR --drafter DIR --bench instructions \
+        --tree stree13 --tree 6,1 --tree 12 --num-prompts 16 --out runs/tree_acceptance.json
+
+τ needs no clock, so this runs more prompts than a timed eval can afford, which is what STree's τ claims
+need (a 6-prompt timed eval moves τ by ±0.15 between runs at T = 1): the chain (--chain-length drafts),
+each --tree at T = 0, and at each T > 0 with sibling drafts drawn distinct (without replacement) and i.i.d.
+Every configuration decodes the same prompts with the same seeds (seed = prompt index, as `draftforge
+eval` does). Prints τ (+bonus) ± its standard error over rounds and τ_tree − τ_chain, and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from common import print_table, write_json
+
+
+def configs(trees: list[str], temperatures: list[float], chain_length: int):
+    """(label, method, options, T, tree_draws): the chain per T, each tree at T = 0 and with both draws at T > 0."""
+    from draftforge.decode.methods import parse_widths
+
+    out = []
+    for t in temperatures:
+        out.append((f"chain {chain_length}", "chain", {"chain_length": chain_length}, t, "distinct"))
+        for tree in trees:
+            draws = ["distinct"] if t == 0 else ["distinct", "iid"]
+            out += [(f"tree {tree}", "tree", {"tree": parse_widths(tree)}, t, d) for d in draws]
+    return out
+
+
+def measure(target, drafter, prompts, method, options, temperature, draws, max_new_tokens) -> dict:
+    from draftforge.decode import build_decoder
+
+    dec = build_decoder(method, target, drafter, **options)
+    emitted = []  # tokens emitted per round (accepted drafts + the bonus/correction token)
+    for i, ids in enumerate(prompts):
+        res = dec.generate(list(ids), max_new_tokens=max_new_tokens, temperature=temperature, seed=i,
+                           eos_token_id=[], tree_draws=draws)
+        emitted += [a + 1 for a in res.stats.accepted_per_round]
+    sem = statistics.stdev(emitted) / len(emitted) ** 0.5 if len(emitted) > 1 else float("nan")
+    return {"tau": statistics.fmean(emitted), "sem": sem, "rounds": len(emitted)}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--bench", required=True, help="prompt file or a named bench (instructions, humaneval)")
+    p.add_argument("--tree", action="append", required=True, help="a static tree (widths, parents:..., stree13); repeat")
+    p.add_argument("--chain-length", type=int, default=4)
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--out", default="runs/tree_acceptance.json")
+    a = p.parse_args(argv)
+    from draftforge.decode import load_drafter, load_target
+    from draftforge.eval.prompts import load_prompts
+
+    target = load_target(a.target)
+    drafter = load_drafter(a.drafter, target)
+    prompts = [q.input_ids for q in load_prompts(a.bench, target.tokenizer, num_prompts=a.num_prompts)]
+    temps = [float(t) for t in a.temperatures.split(",")]
+    rows, t0 = [], time.perf_counter()
+    todo = configs(a.tree, temps, a.chain_length)
+    for k, (label, method, options, temp, draws) in enumerate(todo, 1):
+        with torch.inference_mode():
+            r = measure(target, drafter, prompts, method, options, temp, draws, a.max_new_tokens)
+        rows.append({"config": label, "temperature": temp, "tree_draws": draws if method == "tree" else None, **r})
+        print(f"[{k}/{len(todo)} {time.perf_counter() - t0:.0f}s] {label} T={temp:g} {draws}: τ {r['tau']:.3f} "
+              f"± {r['sem']:.3f} ({r['rounds']} rounds)", file=sys.stderr, flush=True)
+    chain_tau = {r["temperature"]: r["tau"] for r in rows if r["config"].startswith("chain")}
+    for r in rows:
+        r["tau_minus_chain"] = r["tau"] - chain_tau[r["temperature"]]
+    print_table(["config", "T", "siblings", "τ (+bonus) ± s.e.", "τ − τ_chain", "rounds"],
+                [[r["config"], f"{r['temperature']:g}", r["tree_draws"] or "–", f"{r['tau']:.2f} ± {r['sem']:.2f}",
+                  f"{r['tau_minus_chain']:+.2f}", r["rounds"]] for r in rows])
+    result = {"target": a.target, "drafter": a.drafter, "bench": a.bench, "num_prompts": len(prompts),
+              "max_new_tokens": a.max_new_tokens, "threads": torch.get_num_threads(), "rows": rows}
+    write_json(a.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
