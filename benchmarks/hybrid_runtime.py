@@ -137,7 +137,7 @@ def print_summary(result: dict) -> None:
     if result.get("prediction"):
         lines += ["", "| report | method | T | τ | rows / verify | predicted (verify only) | predicted (+ draft) | measured |",
                   "|---|---|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {Path(r.get('report', '-')).parent.name} | {r['method']} | {r['temperature']:g} | {r['tau']:.2f} | "
+        lines += [f"| {'/'.join(Path(r.get('report', '-')).parts[-3:-1])} | {r['method']} | {r['temperature']:g} | {r['tau']:.2f} | "
                   f"{r['rows_per_verify']:.1f} | "
                   f"{r['predicted_speedup_verify_only']:.2f}× | {r['predicted_speedup_with_draft']:.2f}× | "
                   f"{r['measured_speedup'] or 0:.2f}× |" for r in result["prediction"]]

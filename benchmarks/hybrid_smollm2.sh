@@ -4,7 +4,9 @@
 # then on held-out instructions and HumanEval, T = 0 and 1, medians of 3 rotated repeats:
 #   1. AR vs chain (4 drafts) vs STree (`stree13`, the paper's 13-token tree) vs UCB (benchmarks/hybrid_testbed.py),
 #      tree siblings at T = 1 drawn without replacement (default), then at T = 1 again with i.i.d. siblings;
-#   2. depth vs width at equal size, 13 tokens: stree13 (depth 4) vs 6,1 (depth 2) vs 12 (depth 1);
+#   2. τ without a clock on 16 prompts per bench (benchmarks/tree_acceptance.py): chain vs stree13 (depth 4) vs
+#      6,1 (depth 2) vs 12 (depth 1), all 13 tokens, distinct and i.i.d. siblings at T = 1; then chain and stree13
+#      with the drafter before distillation (runs/smollm2/mamba2-sft/export), what distilling from the hybrid gave;
 #   3. STree's runtime model t(N) fitted from measured verifications, its predicted speedups next to 1.'s
 #      (benchmarks/hybrid_runtime.py).
 # Needs `draftforge target smollm2` and runs/smollm2/mamba2-sft/export + sft_rows.jsonl
@@ -44,16 +46,23 @@ phase "eval 1b: the same at T = 1 with i.i.d. sibling drafts (--tree-draws iid, 
 testbed instructions "$OUT/eval-instructions-iid" --temperatures 1 --tree-draws iid &
 testbed humaneval "$OUT/eval-humaneval-iid" --temperatures 1 --tree-draws iid & wait
 
-width() {  # tree, report dir
-  python -m draftforge eval --target "$TARGET" --drafter "$DRAFTER" --bench instructions --methods ar,tree \
-    --tree "$1" --temperature 0,1 --num-prompts "$NUM_PROMPTS" --max-new-tokens "$NEW_TOKENS" --repeats 3 \
-    --ignore-eos --no-plots --out "$2" > "$2.log" 2>&1
+acceptance() {  # drafter, bench, output name, trees...
+  local drafter=$1 bench=$2 name=$3; shift 3
+  python benchmarks/tree_acceptance.py --target "$TARGET" --drafter "$drafter" --bench "$bench" "$@" \
+    --num-prompts 16 --max-new-tokens "$NEW_TOKENS" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
 }
-phase "eval 2: depth vs width at 13 tokens (instructions): 6,1 and 12, against stree13 of eval 1"
-width 6,1 "$OUT/eval-width-6_1" & width 12 "$OUT/eval-width-12" & wait
+phase "eval 2: τ on 16 prompts per bench, depth vs width at 13 tokens, distinct vs i.i.d. siblings"
+for bench in instructions humaneval; do
+  acceptance "$DRAFTER" $bench tree_acceptance-$bench --tree stree13 --tree 6,1 --tree 12 &
+done; wait
+for bench in instructions humaneval; do
+  acceptance runs/smollm2/mamba2-sft/export $bench tree_acceptance-undistilled-$bench --tree stree13 &
+done; wait
+tail -n 13 "$OUT"/tree_acceptance-instructions.log "$OUT"/tree_acceptance-humaneval.log
 
 phase "runtime model: t(N) of chains 1..16 and the trees, predicted vs measured speedups of eval 1"
 python benchmarks/hybrid_runtime.py --target "$TARGET" --report "$OUT/eval-instructions/report.json" \
-  --report "$OUT/eval-instructions-iid/report.json" --tree stree13 --tree 6,1 --tree 12 --repeats 5 > "$OUT/runtime.json" 2> "$OUT/runtime.log"
+  --report "$OUT/eval-instructions-iid/report.json" --report "$OUT/eval-humaneval/report.json" \
+  --tree stree13 --tree 6,1 --tree 12 --repeats 5 > "$OUT/runtime.json" 2> "$OUT/runtime.log"
 tail -n 30 "$OUT/runtime.log"
 phase "done"

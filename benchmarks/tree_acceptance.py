@@ -7,7 +7,10 @@
 need (a 6-prompt timed eval moves τ by ±0.15 between runs at T = 1): the chain (--chain-length drafts),
 each --tree at T = 0, and at each T > 0 with sibling drafts drawn distinct (without replacement) and i.i.d.
 Every configuration decodes the same prompts with the same seeds (seed = prompt index, as `draftforge
-eval` does). Prints τ (+bonus) ± its standard error over rounds and τ_tree − τ_chain, and writes JSON.
+eval` does). Prints τ (+bonus) = emitted tokens / rounds over all prompts with its standard error, and
+τ − τ_chain. Rounds of one prompt are not independent (easy and hard prompts), so the standard errors
+are over prompts: the ratio estimator's cluster s.e., and for differences (tree − chain, distinct −
+i.i.d.) the s.e. of the per-prompt τ differences, paired on the same prompts. Writes JSON.
 """
 
 from __future__ import annotations
@@ -38,13 +41,30 @@ def measure(target, drafter, prompts, method, options, temperature, draws, max_n
     from draftforge.decode import build_decoder
 
     dec = build_decoder(method, target, drafter, **options)
-    emitted = []  # tokens emitted per round (accepted drafts + the bonus/correction token)
+    emitted, rounds = [], []  # per prompt: tokens emitted (accepted drafts + bonus/correction) and rounds
     for i, ids in enumerate(prompts):
         res = dec.generate(list(ids), max_new_tokens=max_new_tokens, temperature=temperature, seed=i,
                            eos_token_id=[], tree_draws=draws)
-        emitted += [a + 1 for a in res.stats.accepted_per_round]
-    sem = statistics.stdev(emitted) / len(emitted) ** 0.5 if len(emitted) > 1 else float("nan")
-    return {"tau": statistics.fmean(emitted), "sem": sem, "rounds": len(emitted)}
+        emitted.append(sum(res.stats.accepted_per_round) + len(res.stats.accepted_per_round))
+        rounds.append(len(res.stats.accepted_per_round))
+    return {"tau": sum(emitted) / sum(rounds), "sem": ratio_sem(emitted, rounds), "rounds": sum(rounds),
+            "per_prompt": {"emitted": emitted, "rounds": rounds}}
+
+
+def ratio_sem(num: list[float], den: list[float]) -> float:
+    """Cluster standard error of sum(num) / sum(den) over n clusters (prompts)."""
+    n, r = len(num), sum(num) / sum(den)
+    if n < 2:
+        return float("nan")
+    return (n / (n - 1) * sum((a - r * b) ** 2 for a, b in zip(num, den))) ** 0.5 / sum(den)
+
+
+def paired(a: dict, b: dict) -> tuple[float, float]:
+    """Mean and s.e. of per-prompt τ(a) − τ(b) on the same prompts."""
+    diffs = [ea / ra - eb / rb for ea, ra, eb, rb in zip(a["per_prompt"]["emitted"], a["per_prompt"]["rounds"],
+                                                        b["per_prompt"]["emitted"], b["per_prompt"]["rounds"])]
+    sem = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+    return statistics.fmean(diffs), sem
 
 
 def main(argv=None) -> dict:
@@ -55,7 +75,7 @@ def main(argv=None) -> dict:
     p.add_argument("--bench", required=True, help="prompt file or a named bench (instructions, humaneval)")
     p.add_argument("--tree", action="append", required=True, help="a static tree (widths, parents:..., stree13); repeat")
     p.add_argument("--chain-length", type=int, default=4)
-    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--temperatures", default="0,1", help="comma list (default 0,1)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--out", default="runs/tree_acceptance.json")
@@ -75,12 +95,22 @@ def main(argv=None) -> dict:
         rows.append({"config": label, "temperature": temp, "tree_draws": draws if method == "tree" else None, **r})
         print(f"[{k}/{len(todo)} {time.perf_counter() - t0:.0f}s] {label} T={temp:g} {draws}: τ {r['tau']:.3f} "
               f"± {r['sem']:.3f} ({r['rounds']} rounds)", file=sys.stderr, flush=True)
-    chain_tau = {r["temperature"]: r["tau"] for r in rows if r["config"].startswith("chain")}
+    chain = {r["temperature"]: r for r in rows if r["config"].startswith("chain")}
+    iid = {(r["config"], r["temperature"]): r for r in rows if r["tree_draws"] == "iid"}
     for r in rows:
-        r["tau_minus_chain"] = r["tau"] - chain_tau[r["temperature"]]
-    print_table(["config", "T", "siblings", "τ (+bonus) ± s.e.", "τ − τ_chain", "rounds"],
+        r["tau_minus_chain"] = r["tau"] - chain[r["temperature"]]["tau"]
+        r["paired_minus_chain"] = paired(r, chain[r["temperature"]])
+        twin = iid.get((r["config"], r["temperature"])) if r["tree_draws"] == "distinct" else None
+        r["paired_distinct_minus_iid"] = paired(r, twin) if twin else None
+
+    def pm(row, key):
+        pair = row[key]
+        return "–" if pair is None or row["config"].startswith("chain") else f"{pair[0]:+.2f} ± {pair[1]:.2f}"
+
+    print_table(["config", "T", "siblings", "τ (+bonus) ± s.e.", "τ − τ_chain (paired)", "distinct − iid (paired)",
+                 "rounds"],
                 [[r["config"], f"{r['temperature']:g}", r["tree_draws"] or "–", f"{r['tau']:.2f} ± {r['sem']:.2f}",
-                  f"{r['tau_minus_chain']:+.2f}", r["rounds"]] for r in rows])
+                  pm(r, "paired_minus_chain"), pm(r, "paired_distinct_minus_iid"), r["rounds"]] for r in rows])
     result = {"target": a.target, "drafter": a.drafter, "bench": a.bench, "num_prompts": len(prompts),
               "max_new_tokens": a.max_new_tokens, "threads": torch.get_num_threads(), "rows": rows}
     write_json(a.out, result)

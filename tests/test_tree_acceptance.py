@@ -34,3 +34,10 @@ def test_a_drafter_equal_to_its_target_accepts_everything(tmp_path):
         ("chain 4", 5.0, 4), ("tree stree13", 5.0, 4), ("chain 4", 5.0, 4), ("tree stree13", 5.0, 4),
         ("tree stree13", 5.0, 4)]
     assert all(r["tau_minus_chain"] == pytest.approx(0.0) for r in result["rows"])
+
+
+def test_standard_errors_by_hand():
+    assert tree_acceptance.ratio_sem([10, 20], [5, 5]) == pytest.approx(1.0)  # r = 3, residuals ∓5: √(2·50)/10
+    a = {"per_prompt": {"emitted": [10, 12], "rounds": [5, 6]}}
+    b = {"per_prompt": {"emitted": [8, 9], "rounds": [5, 6]}}
+    assert tree_acceptance.paired(a, b) == pytest.approx((0.45, 0.05))  # differences 0.4 and 0.5
