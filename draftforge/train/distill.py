@@ -74,7 +74,8 @@ def make_loss(teacher, options: DistillConfig, d2t_N: torch.Tensor | None = None
         student_BTN = model(input_ids=ids_BT).logits
         want = teacher_BTV.shape[-1] if d2t_N is None else len(d2t_N)
         if student_BTN.shape[-1] != want:
-            raise CompatibilityError(f"student vocabulary {student_BTN.shape[-1]} != teacher's {want}: "
+            raise CompatibilityError(f"the student predicts {student_BTN.shape[-1]} tokens, the teacher's vocabulary"
+                                     f"{' restricted to its draft vocabulary' if d2t_N is not None else ''} has {want}: "
                                      "build the student with the target's vocabulary (model.target)")
         if d2t_N is None:
             teacher_BTN, student_top_BT = teacher_BTV, student_BTN.argmax(-1)
