@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from draftforge.runtime import DTYPE_CHOICES, announce, resolve_dtype
+
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.description = (
@@ -27,10 +29,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="prompts per left-padded generate() call (default 8)")
     p.add_argument("-n", "--num-prompts", type=int, help="use only the first N prompts of --prompts")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="target dtype (default float32)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="target dtype: auto (default) = bfloat16 where the device computes it natively (CUDA with "
+                        "bf16, CPUs with AVX512-BF16 or AMX), else float32; the rows hold the answers of that dtype")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--threads", type=int, help="torch intra-op threads on CPU")
+    p.add_argument("--threads", type=int, help="torch intra-op threads on CPU (default: torch's own, one per core, "
+                                                "or OMP_NUM_THREADS; use 1 when another job keeps a core busy)")
 
 
 def _context(model) -> int:
@@ -48,7 +52,9 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_causal_lm(args.target, what="target", dtype=getattr(torch, args.dtype)).to(device).eval()
+    dtype = resolve_dtype(args.dtype, device)
+    announce(dtype, "target")
+    model = load_causal_lm(args.target, what="target", dtype=dtype.torch_dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     if args.prompts:
         jobs = chat_jobs(args.prompts, tokenizer, _context(model), args.max_new_tokens, args.num_prompts)
@@ -57,7 +63,8 @@ def run(args) -> int:
         jobs = random_start_jobs(args.random_starts, model.config.vocab_size, args.seed, specials)
     total = len(jobs) * len(args.temperature)
     print(f"generate: {len(jobs)} prompts x temperatures {args.temperature} = {total} rows, "
-          f"up to {args.max_new_tokens} new tokens each, batches of {args.batch_size} on {device}")
+          f"up to {args.max_new_tokens} new tokens each, batches of {args.batch_size} on {device}, {dtype.name}, "
+          f"{torch.get_num_threads()} torch threads")
     bar = tqdm(total=total, unit="row", dynamic_ncols=True)
 
     def progress(n_rows: int, tokens_per_s: float) -> None:

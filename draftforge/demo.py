@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shutil
 import time
 from pathlib import Path
+
+from draftforge.runtime import choose_threads
 
 TESTBED = "~/.cache/draftforge/testbed"
 OUT = "runs/demo"
@@ -153,22 +154,6 @@ def _phase(seconds: dict[str, float], name: str):
         yield
     finally:
         seconds[name] = time.perf_counter() - t0
-
-
-def choose_threads(threads: int | None) -> str:
-    """Pin torch's intra-op threads (1 unless asked or OMP_NUM_THREADS is set); the sentence saying so.
-
-    Measured on a 2-core machine with other work running: the tiny drafter trained at 4,500-4,900 tok/s
-    with 1 thread vs 900-1,200 with 2, and the tiny target decoded at 9-11 vs 32-86 ms/token. Models this
-    small gain little from a second thread even on an idle core, and lose several-fold when one is busy.
-    """
-    import torch
-
-    if threads is None and os.environ.get("OMP_NUM_THREADS"):
-        return f"torch threads: {torch.get_num_threads()} (from OMP_NUM_THREADS)"
-    torch.set_num_threads(threads or 1)
-    why = "as asked" if threads else "tiny models gain little from more, and lose several-fold when a core is busy"
-    return f"torch threads: {threads or 1} ({why}; change with --threads N)"
 
 
 def speedup_spread(report: dict) -> str:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftforge import demo
+from draftforge import demo, runtime
 
 
 def _report(repeats=3):
@@ -41,10 +41,10 @@ def restore_threads():
 
 def test_threads_default_to_one_unless_asked_or_set_by_omp(monkeypatch, restore_threads):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert demo.choose_threads(None).startswith("torch threads: 1 (") and torch.get_num_threads() == 1
-    assert demo.choose_threads(2).startswith("torch threads: 2 (as asked") and torch.get_num_threads() == 2
+    assert runtime.choose_threads(None).startswith("torch threads: 1 (") and torch.get_num_threads() == 1
+    assert runtime.choose_threads(2).startswith("torch threads: 2 (as asked") and torch.get_num_threads() == 2
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert demo.choose_threads(None) == "torch threads: 2 (from OMP_NUM_THREADS)"
+    assert runtime.choose_threads(None) == "torch threads: 2 (from OMP_NUM_THREADS)"
 
 
 def test_run_demo_prints_phase_times_spread_and_threads(tmp_path, monkeypatch, restore_threads):

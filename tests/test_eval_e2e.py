@@ -53,7 +53,7 @@ def test_eval_greedy_matches_target_generate(models, tmp_path):
     bench = write_prompts(tmp_path / "p.jsonl", PROMPTS)
     rep = run_eval(EvalConfig(target=paths["target"], drafter=paths["transformer_drafter"], bench=bench,
                               max_new_tokens=10, methods=("ar", "chain", "tree"), chain_length=3, tree=(2, 2),
-                              out_dir=str(tmp_path / "out"), quiet=True, plots=False))
+                              out_dir=str(tmp_path / "out"), quiet=True, plots=False, dtype="float32"))
     expected = {str(i + 1): hf_greedy(paths["target"], p, 10) for i, p in enumerate(PROMPTS)}
     methods = {r["method"] for r in rep["records"]}
     assert methods == {"ar", "chain", "tree", "hf_assisted"}  # hf_assisted auto-added for a Transformer drafter

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from draftforge.decode.base import DecodeStats
-from draftforge.eval import metrics
+from draftforge.eval import metrics, selfcheck
 from draftforge.eval.metrics import RunRecord
 
 
@@ -118,9 +118,30 @@ def test_eesd_hm_formula():
 
 
 def test_first_divergence():
-    assert metrics.first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert metrics.first_divergence([1, 2, 3], [1, 5, 3]) == 1
-    assert metrics.first_divergence([1, 2], [1, 2, 9]) == 2
+    assert selfcheck.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert selfcheck.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert selfcheck.first_divergence([1, 2], [1, 2, 9]) == 2
+
+
+class FixedLogitsTarget:
+    """Every verification row gets logits_V, plus `jitter` on token 9 when more than one row is verified."""
+
+    device = "cpu"
+
+    def __init__(self, logits_V, jitter=0.0):
+        self.logits_V, self.jitter, self.calls = logits_V, jitter, []
+
+    def prefill(self, seq):
+        self.calls.append(("prefill", list(seq)))
+
+    def verify(self, last, tree):
+        rows = torch.stack([self.logits_V.clone() for _ in range(1 + len(tree))])
+        if len(tree):
+            rows[:, 9] += self.jitter
+        return rows
+
+    def commit(self, path):
+        pass
 
 
 def test_self_check_counts_prompts_identical_in_every_repeat():
@@ -131,25 +152,37 @@ def test_self_check_counts_prompts_identical_in_every_repeat():
         rec("chain", DecodeStats(), 0, "c", [5, 7]), rec("chain", DecodeStats(), 1, "c", [5, 7]),
     ]
     ids = {"a": [0], "b": [0], "c": [0]}
-
-    def logits_fn(ids_):  # token 4 and 9 tie exactly, 6 is far above 7
-        logits = torch.zeros(10)
-        logits[4] = logits[9] = 2.0
-        logits[6] = 5.0
-        return logits
-
-    sc = metrics.self_check(method, ar, ids, logits_fn, torch.float32)
+    logits = torch.zeros(10)  # token 4 and 9 tie exactly, 6 is far above 7
+    logits[4] = logits[9] = 2.0
+    logits[6] = 5.0
+    sc = selfcheck.self_check(method, ar, ids, FixedLogitsTarget(logits))
     assert (sc["identical"], sc["total"]) == (1, 3)
     assert sorted(sc["mismatched_prompts"]) == ["b", "c"]
-    assert sc["near_ties"] == 1  # b: 4 vs 9 tie; c: 6 vs 7 is a real difference
+    assert (sc["near_ties"], sc["defects"]) == (1, 1)  # b: 4 vs 9 tie; c: 6 vs 7 is a real difference
+    by_prompt = {d["prompt_id"]: d for d in sc["divergences"]}
+    assert by_prompt["b"]["position"] == 1 and by_prompt["b"]["repeat"] == 1
+    assert by_prompt["c"]["gap"] == pytest.approx(5.0) and by_prompt["c"]["top2_margin"] == pytest.approx(3.0)
 
 
-def test_near_tie_tolerance_scales_with_dtype():
-    logits = torch.tensor([1.0, 1.0 + 2e-3, 0.0])
-    assert metrics.is_near_tie(logits, 0, 1, torch.bfloat16)
-    assert not metrics.is_near_tie(logits, 0, 1, torch.float32)
-    assert not metrics.is_near_tie(logits, 0, 2, torch.bfloat16)
-    assert not metrics.is_near_tie(logits, 0, None, torch.bfloat16)
+def test_near_tie_is_judged_against_the_measured_row_noise():
+    """A gap of 0.01 is a near-tie when one- and multi-row logits differ by 0.01, a defect when they agree."""
+    logits = torch.zeros(10)
+    logits[4], logits[9] = 2.0, 1.99
+    ar = [rec("ar", DecodeStats(), pid="a", tokens=[4])]
+    spec = [rec("chain", DecodeStats(drafted_per_round=[3]), pid="a", tokens=[9])]
+    noisy = selfcheck.self_check(spec, ar, {"a": [0, 1, 2, 3]}, FixedLogitsTarget(logits, jitter=0.01))
+    exact = selfcheck.self_check(spec, ar, {"a": [0, 1, 2, 3]}, FixedLogitsTarget(logits, jitter=0.0))
+    assert noisy["divergences"][0]["noise"] == pytest.approx(0.01) and noisy["near_ties"] == 1
+    assert exact["divergences"][0]["noise"] == 0.0 and exact["defects"] == 1
+    assert noisy["divergences"][0]["rows_probed"] == [2, 4]  # 2 and the method's own 1 + 3 drafts
+
+
+def test_a_missing_token_is_a_defect_and_no_target_means_unchecked():
+    ar = [rec("ar", DecodeStats(), pid="a", tokens=[1, 2])]
+    short = [rec("chain", DecodeStats(), pid="a", tokens=[1])]
+    assert selfcheck.self_check(short, ar, {"a": [0]}, FixedLogitsTarget(torch.zeros(10)))["defects"] == 1
+    unchecked = selfcheck.self_check(short, ar, {"a": [0]})
+    assert unchecked["divergences"][0]["verdict"] == "unchecked" and not unchecked["near_tie_checked"]
 
 
 def test_peak_memory_on_cpu_is_rss():

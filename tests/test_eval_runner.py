@@ -27,6 +27,26 @@ class FakeModel(torch.nn.Module):
         return SimpleNamespace(logits=torch.zeros(ids.shape[0], ids.shape[1], V))
 
 
+class FakeTarget:
+    """The Target calls the cost model and the self-check make: every verified row has the same logits."""
+
+    device, tokenizer, max_context = "cpu", None, None
+
+    def __init__(self, model, logits_V=None):
+        self.model, self.verified_rows = model, []
+        self.logits_V = torch.zeros(V) if logits_V is None else logits_V
+
+    def prefill(self, seq):
+        pass
+
+    def verify(self, last, tree):
+        self.verified_rows.append(1 + len(tree))
+        return self.logits_V.expand(1 + len(tree), V)
+
+    def commit(self, path):
+        pass
+
+
 def reference_tokens(ids, n):
     return [(sum(ids) + 7 * i) % V for i in range(n)]
 
@@ -67,14 +87,15 @@ class ResettableFakeDecoder(FakeDecoder):
 
 
 class FakeAPI:
-    def __init__(self, dtype=torch.float32, broken=(), hf_ok=False, log=None, assistant=None):
-        self.dtype, self.broken, self.hf_ok = dtype, set(broken), hf_ok
+    def __init__(self, dtype=torch.float32, broken=(), hf_ok=False, log=None, assistant=None, logits_V=None):
+        self.dtype, self.broken, self.hf_ok, self.logits_V = dtype, set(broken), hf_ok, logits_V
         self.decoders, self.loaded = {}, []
         self.log, self.assistant = log, assistant  # log: every decoder's calls in order; assistant: hf model
 
     def load_target(self, path, device="cpu", dtype=None):
         self.loaded.append(path)
-        return SimpleNamespace(model=FakeModel(self.dtype), tokenizer=None, max_context=None)
+        self.target = FakeTarget(FakeModel(self.dtype), self.logits_V)
+        return self.target
 
     def load_drafter(self, path, target, device="cpu", dtype=None, allow_vocab_mismatch=False, cuda_graphs="auto"):
         return SimpleNamespace(path=path)
@@ -255,6 +276,31 @@ def test_bf16_mismatch_is_reported_with_near_ties(bench, tmp_path, monkeypatch):
     assert "0/3 (3 near-tie)" in (tmp_path / "out" / "report.md").read_text()
 
 
+def test_bf16_mismatch_beyond_the_measured_noise_is_a_defect(bench, tmp_path, monkeypatch):
+    """The broken decoder changes the last token; with distinct logits no rounding explains it: a defect fails
+    the run in bf16 too (the exit code of `draftforge eval` is then non-zero)."""
+    monkeypatch.setattr(runner, "decode_api", FakeAPI(dtype=torch.bfloat16, broken={"chain"},
+                                                      logits_V=torch.arange(V, dtype=torch.float32)))
+    with pytest.raises(SelfCheckError, match=r"chain: 0/3 prompts identical, 0 near-tie\(s\), 3 defect\(s\)"):
+        run_eval(cfg_for(bench, tmp_path, plots=False))
+    assert "0/3 (0 near-tie, 3 DEFECT)" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_cost_model_times_every_planned_row_count_and_predicts_by_hand(bench, tmp_path, monkeypatch):
+    api = FakeAPI()
+    monkeypatch.setattr(runner, "decode_api", api)
+    rep = run_eval(cfg_for(bench, tmp_path, plots=False, chain_length=7, tree=(2, 2), cost_repeats=2))
+    curve = {int(n) for n in rep["cost_model"]["curve_s"]}
+    assert {1, 8, 7} <= curve and set(api.target.verified_rows) == curve  # chain 7 → 8 rows, tree 2,2 → 7 rows
+    chain = next(r for r in rep["results"] if r["method"] == "chain" and r["temperature"] == 0)
+    c = chain["cost_model"]
+    t = {int(n): s for n, s in rep["cost_model"]["curve_s"].items()}
+    draft_per_round = 0.002 * 6 / 2  # fake chain: 6 tokens in 2 rounds of 3 drafts each, 0.002 s per token drafting
+    assert c["rows_per_round"] == 4 and c["draft_steps_per_round"] == 3
+    assert c["predicted_speedup"] == pytest.approx(3.0 * t[1] / (t[4] + draft_per_round))
+    assert "| method | T | τ | rows / round |" in (tmp_path / "out" / "report.md").read_text()
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(temperatures=(0.0, -0.5)), "temperature must be >= 0"),
     (dict(tree=(3, 0, 1)), "every width >= 1"),
@@ -262,6 +308,8 @@ def test_bf16_mismatch_is_reported_with_near_ties(bench, tmp_path, monkeypatch):
     (dict(drafter=None), "need --drafter"),
     (dict(max_new_tokens=0), "max-new-tokens"),
     (dict(dtype="int8"), "--dtype must be one of"),
+    (dict(drafter_dtype="fp8"), "--drafter-dtype must be one of"),
+    (dict(threads=0), "--threads must be >= 1"),
     (dict(tree_draws="sorted"), "--tree-draws must be one of distinct, iid"),
 ])
 def test_bad_config_fails_before_loading(bench, tmp_path, monkeypatch, kw, match):

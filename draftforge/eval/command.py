@@ -7,7 +7,9 @@ import argparse
 from draftforge.decode import methods as method_registry
 from draftforge.decode.sampling import TREE_DRAWS
 from draftforge.errors import RecipeError
+from draftforge.eval.prompts import BENCHES
 from draftforge.eval.runner import EvalConfig, run_eval
+from draftforge.runtime import DTYPE_CHOICES
 
 
 def parse_floats(values: list[str] | None, flag: str) -> tuple[float, ...]:
@@ -36,8 +38,8 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help="target model: HF id or local path (the model being sped up)")
     p.add_argument("--drafter", help="drafter: exported draftforge checkpoint, HF Mamba or small causal LM")
     p.add_argument("--bench", required=True,
-                   help="prompt file: Spec-Bench/MT-bench question.jsonl ('turns'), or JSONL with "
-                        "'prompt'/'text'/'messages'/'input_ids'; 'testbed' = the testbed's held-out prompts")
+                   help=f"a named prompt set ({', '.join(BENCHES)}) or a prompt file: Spec-Bench/MT-bench "
+                        "question.jsonl ('turns'), or JSONL with 'prompt'/'text'/'messages'/'input_ids'")
     p.add_argument("--temperature", action="append", metavar="T",
                    help="sampling temperature; repeat or give a comma list to run several (default 0 = greedy)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
@@ -66,8 +68,16 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="auto: chat prompts ('turns'/'messages') use the target's chat template if it has one")
     p.add_argument("--out", default="eval_out", help="directory for report.json, report.md and PNG plots")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="model dtype (default: the checkpoint's); greedy self-check must be exact in float32")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="model dtype: auto (default) = bfloat16 where the device computes it natively (CUDA with "
+                        "bf16, CPUs with AVX512-BF16 or AMX), else float32. The T=0 self-check is bitwise in "
+                        "float32; in reduced precision a difference must be a measured near-tie")
+    p.add_argument("--drafter-dtype", choices=DTYPE_CHOICES, help="the drafter's dtype (default: as --dtype)")
+    p.add_argument("--threads", type=int,
+                   help="torch intra-op threads on CPU (default 1, or OMP_NUM_THREADS when set: batch-1 decoding "
+                        "gains little from more and loses several-fold when another process keeps a core busy)")
+    p.add_argument("--cost-repeats", type=int, default=5,
+                   help="timed passes per verification size for the report's cost model (default 5; 0 = skip)")
     p.add_argument("--allow-vocab-mismatch", action="store_true",
                    help="run a drafter whose tokenizer differs from the target's (see draftforge.decode docs)")
     p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
@@ -110,7 +120,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         **builtin, method_options={k: v for k, v in options.items() if k not in fields},
         top_p=args.top_p, top_k=args.top_k, tree_draws=args.tree_draws,
         num_prompts=args.num_prompts, repeats=args.repeats, warmup=args.warmup, ignore_eos=args.ignore_eos,
-        chat_template=args.chat_template, device=args.device, dtype=args.dtype,
+        chat_template=args.chat_template, device=args.device, dtype=args.dtype, drafter_dtype=args.drafter_dtype,
+        threads=args.threads, cost_repeats=args.cost_repeats,
         allow_vocab_mismatch=args.allow_vocab_mismatch, cuda_graphs=args.cuda_graphs, seed=args.seed,
         out_dir=args.out, plots=not args.no_plots, strict_selfcheck=not args.no_strict_selfcheck,
     )

@@ -190,62 +190,6 @@ def _against_ar(records: list[RunRecord], ar_records: list[RunRecord], draft_s: 
     return out
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token, len(shorter) if one is a strict prefix, None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def near_tie_tolerance(dtype) -> float:
-    """Logit gap below which a flipped argmax is blamed on rounding: a few ulps at logit scale ~1."""
-    import torch
-
-    eps = torch.finfo(dtype).eps if dtype is not None and dtype.is_floating_point else torch.finfo(torch.float32).eps
-    return 8 * eps
-
-
-def is_near_tie(logits_V, tok_a: int, tok_b: int | None, dtype) -> bool:
-    """True when the target scores tok_a and tok_b within rounding noise (scaled by the logit size)."""
-    if tok_b is None:
-        return False
-    la, lb = float(logits_V[tok_a]), float(logits_V[tok_b])
-    return abs(la - lb) <= near_tie_tolerance(dtype) * max(1.0, abs(la), abs(lb))
-
-
-def self_check(
-    records: list[RunRecord], ar_records: list[RunRecord], prompt_ids_map: dict[str, list[int]] | None = None,
-    logits_fn=None, dtype=None,
-) -> dict:
-    """Compare each prompt's output with the AR baseline of the same run (temperature 0 only).
-
-    A prompt counts as identical only if every repeat matches. logits_fn(ids) -> last-position logits
-    lets mismatches be classified as near-ties (the two tokens' target logits within rounding noise).
-    """
-    ar_by_prompt = {}
-    for r in ar_records:
-        ar_by_prompt.setdefault(r.prompt_id, r.tokens)
-    identical: dict[str, bool] = {}
-    near_ties, mismatched = 0, []
-    for r in records:
-        ref = ar_by_prompt.get(r.prompt_id)
-        if ref is None:
-            continue
-        same = r.tokens == ref
-        if not same and identical.get(r.prompt_id, True):
-            mismatched.append(r.prompt_id)
-            i = first_divergence(ref, r.tokens)
-            if logits_fn is not None and prompt_ids_map is not None and i < len(ref):
-                logits_V = logits_fn(prompt_ids_map[r.prompt_id] + ref[:i])
-                other = r.tokens[i] if i < len(r.tokens) else None
-                near_ties += is_near_tie(logits_V, ref[i], other, dtype)
-        identical[r.prompt_id] = identical.get(r.prompt_id, True) and same
-    n_same = sum(identical.values())
-    return {"identical": n_same, "total": len(identical), "near_ties": near_ties, "mismatched_prompts": mismatched,
-            "near_tie_checked": logits_fn is not None}
-
-
 def reset_peak_memory(device: str) -> None:
     import torch
 

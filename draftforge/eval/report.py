@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from draftforge.eval.cost import curve_markdown, prediction_markdown
 from draftforge.eval.metrics import fmt_num
 from draftforge.fsutil import atomic_write_text  # noqa: F401  (report writers use it)
 
@@ -27,7 +28,12 @@ CONVENTIONS = {
                               "d1 = the first draft token in report.md and the plot)",
     "memory": "peak memory: CUDA max_memory_allocated per method on GPU, process peak RSS on CPU "
               "(monotone over the run, so on CPU later methods show the peak of everything before them too)",
-    "self_check": "temperature 0: prompts whose output equals the AR baseline of the same run (all repeats)",
+    "self_check": "temperature 0: prompts whose output equals the AR baseline of the same run (all repeats); "
+                  "a differing prompt is a near-tie when, at its first differing position, the two tokens' "
+                  "logits are within twice the measured one-row vs multi-row logit difference of that prefix, "
+                  "else a defect (the run fails on a defect, and in float32 on any difference)",
+    "cost_model": "t(N): one verification forward of N rows timed before the runs; predicted speedup = "
+                  "τ·t(1) / (t(N) averaged over the method's rounds + its draft seconds per round)",
     "timing": "The method order rotates across repeats (repeat r starts at method r mod M, AR is method 0); "
               "before each timed pass the decoder's adaptive state is reset (its reset(), e.g. the UCB "
               "controller) and the same warm-up prompts run again untimed, so every repeat starts from an "
@@ -41,7 +47,7 @@ MD_NAMES = {
     "tau": "τ (+bonus)", "tau_no_bonus": "τ (no bonus)", "tokens_per_s": "tok/s", "speedup": "speedup vs AR",
     "acceptance_rate": "accept rate", "v_d": "v_d", "r_d": "r_d", "hm": "HM %", "mean_draft_length": "draft len",
     "gamma_total": "γ total", "alpha": "α (report.json)", "memory": "peak mem MiB", "self_check": "= AR (T=0)",
-    "acceptance_by_position": "acceptance by position", "timing": "timing", "hf_assisted_policy": "hf_assisted",
+    "acceptance_by_position": "acceptance by position", "timing": "timing", "hf_assisted_policy": "hf_assisted", "cost_model": "cost model",
 }
 
 
@@ -50,7 +56,9 @@ def _self_check_cell(sc: dict | None) -> str:
         return "–"
     cell = f"{sc['identical']}/{sc['total']}"
     if sc["identical"] < sc["total"]:
-        cell += f" ({sc['near_ties']} near-tie)" if sc.get("near_tie_checked") else " (!)"
+        if not sc.get("near_tie_checked"):
+            return cell + " (!)"
+        cell += f" ({sc['near_ties']} near-tie" + (f", {sc['defects']} DEFECT" if sc.get("defects") else "") + ")"
     return cell
 
 
@@ -127,9 +135,21 @@ def markdown_table(report: dict) -> str:
     if checks:
         lines.append(f"self-check (T=0, prompts identical to AR in this run, every repeat): {', '.join(checks)}.")
     lines += _verify_cost_lines(report)
+    cost = report.get("cost_model") or {}
+    if cost.get("curve_s"):
+        lines += ["", *curve_markdown(cost), "", *prediction_markdown(report["results"])]
     for s in report.get("skipped", []):
         lines.append(f"skipped {s['method']}: {s['reason']}")
     return "\n".join(lines)
+
+
+def heading_markdown(report: dict) -> str:
+    """What was measured, in one line a reader sees first: target, drafter, prompts, dtype, threads."""
+    cfg, m = report["config"], report["manifest"]
+    choice = m.get("dtype_choice", {})
+    dtypes = "; ".join(f"{who} {c['dtype']} ({c['reason']})" for who, c in choice.items()) or f"dtype {m['dtype']}"
+    return (f"target `{cfg['target']}` · drafter `{cfg.get('drafter') or '–'}` · prompts `{cfg['bench']}` "
+            f"({len(report['prompts'])}) · {dtypes} · {m.get('threads') or 'torch threads ' + str(m['hardware'].get('torch_threads'))}")
 
 
 def acceptance_markdown(report: dict) -> str:
@@ -206,7 +226,7 @@ def write_reports(report: dict, out_dir: str | Path, *, plots: bool = True) -> d
         from draftforge.eval.plots import write_plots
 
         plot_paths = write_plots(report, out)
-    md = ["# draftforge eval", "", markdown_table(report), "", acceptance_markdown(report), "",
+    md = ["# draftforge eval", "", heading_markdown(report), "", markdown_table(report), "", acceptance_markdown(report), "",
           plots_markdown(plot_paths), protocol_markdown(report), "", definitions_markdown(), "",
           "Command: `" + report["manifest"]["command"] + "`", ""]
     atomic_write_text(out / "report.md", "\n".join(md))

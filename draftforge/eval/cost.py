@@ -1,0 +1,133 @@
+"""The cost model of every eval: the target's measured verification curve t(N) and the speedup it predicts.
+
+Before the timed runs, one verification forward of N rows (the last committed token + N-1 drafts, as a
+chain, on top of a real prompt's cache) is timed for every row count the methods will verify, N = 1
+included, after a warm-up pass, shapes interleaved, median of `repeats`. For each method the report then
+puts the predicted speedup next to the measured one:
+
+    predicted = τ · t(1) / (mean over rounds of t(N_r) + draft seconds per round)
+
+τ, N_r (1 + the drafts verified in round r) and the draft seconds come from the method's own rounds; t
+from the curve (linear between measured points; a row count the grid missed is timed after the runs).
+AR predicts 1 by construction. What the model leaves out (prefill, sampling and bookkeeping: the report's
+"other" share) is why measured can fall short of predicted. (STree, arXiv:2505.14969 §4, models a
+hybrid's t(N) the same way.)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from draftforge.eval.selfcheck import chain_tree
+
+GRID = (1, 2, 3, 4, 5, 6, 8, 10, 13, 16)
+
+
+def _clock(device) -> float:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@torch.inference_mode()
+def verify_curve(target, prompt_ids: list[int], rows: list[int], repeats: int = 5) -> dict[int, float]:
+    """Median seconds of one verification of N rows, for each N in `rows` (first pass untimed)."""
+    rows = sorted(set(rows))
+    times: dict[int, list[float]] = {n: [] for n in rows}
+    device = target.device
+    for rep in range(repeats + 1):
+        order = rows[rep % len(rows):] + rows[: rep % len(rows)]  # no row count always first
+        for n in order:
+            target.prefill(prompt_ids)
+            t0 = _clock(device)
+            target.verify(prompt_ids[-1], chain_tree([prompt_ids[-1]] * (n - 1)))
+            dt = _clock(device) - t0
+            target.commit([])
+            if rep:
+                times[n].append(dt)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def t_of(curve: dict[int, float], n: int) -> float:
+    """t(n) from the measured curve: exact where measured, linear between neighbours, else the nearest end."""
+    if n in curve:
+        return curve[n]
+    xs = sorted(curve)
+    lo = max((x for x in xs if x < n), default=None)
+    hi = min((x for x in xs if x > n), default=None)
+    if lo is None or hi is None:
+        return curve[lo if hi is None else hi]
+    w = (n - lo) / (hi - lo)
+    return (1 - w) * curve[lo] + w * curve[hi]
+
+
+def rows_per_round(records) -> list[int]:
+    """1 + the drafts verified, for every round of every record."""
+    out = []
+    for r in records:
+        drafted = r.stats.drafted_per_round or [0] * r.stats.target_forwards
+        out += [d + 1 for d in drafted]
+    return out
+
+
+def missing_rows(curve: dict[int, float], records) -> list[int]:
+    """Row counts the methods verified beyond the measured grid (timed after the runs)."""
+    return sorted({n for n in rows_per_round(records) if n > max(curve)})
+
+
+def predict(summary: dict, records, curve: dict[int, float]) -> dict:
+    """Predicted vs measured speedup of one method at one temperature (records: its rounds)."""
+    rows = rows_per_round(records)
+    rounds = len(rows)
+    if not rounds or 1 not in curve:
+        return {}
+    t1 = curve[1]
+    verify_s = statistics.fmean(t_of(curve, n) for n in rows)
+    draft_s = summary["time"]["draft_s"] / rounds
+    steps = sum(sum(r.stats.proposed_by_position) for r in records) / rounds
+    tau = summary["tau"] or 0.0
+    predicted = tau * t1 / (verify_s + draft_s)
+    measured = summary.get("speedup")
+    return {
+        "tau": tau, "rows_per_round": statistics.fmean(rows), "verify_s_per_round": verify_s,
+        "verify_over_t1": verify_s / t1, "draft_steps_per_round": steps, "draft_s_per_round": draft_s,
+        "draft_step_s": draft_s / steps if steps else None, "predicted_speedup": predicted,
+        "measured_speedup": measured,
+        "measured_over_predicted": measured / predicted if measured and predicted else None,
+    }
+
+
+def curve_markdown(cost: dict) -> list[str]:
+    """The verification curve as a table row pair: N, ms, t(N)/t(1)."""
+    curve = {int(k): v for k, v in cost["curve_s"].items()}
+    if not curve:
+        return []
+    t1 = curve.get(1)
+    ns = sorted(curve)
+    head = "| N rows | " + " | ".join(str(n) for n in ns) + " |"
+    ms = "| ms | " + " | ".join(f"{curve[n] * 1e3:.1f}" for n in ns) + " |"
+    rel = "| t(N)/t(1) | " + " | ".join(f"{curve[n] / t1:.2f}" if t1 else "–" for n in ns) + " |"
+    return [f"Target verification cost, measured before the runs ({cost['what']}):", "", head,
+            "|" + "---|" * (len(ns) + 1), ms, rel]
+
+
+def prediction_markdown(results: list[dict]) -> list[str]:
+    rows = [r for r in results if r.get("cost_model")]
+    if not rows:
+        return []
+    lines = ["Cost model: predicted = τ·t(1) / (t(N) averaged over rounds + draft s per round); measured includes "
+             "prefill, sampling and bookkeeping, which the prediction leaves out.", "",
+             "| method | T | τ | rows / round | t(N)/t(1) | draft steps / round | draft ms / step | predicted | "
+             "measured | measured / predicted |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["cost_model"]
+        step = f"{c['draft_step_s'] * 1e3:.2f}" if c.get("draft_step_s") else "–"
+        meas = f"{c['measured_speedup']:.2f}×" if c.get("measured_speedup") else "–"
+        ratio = f"{c['measured_over_predicted']:.2f}" if c.get("measured_over_predicted") else "–"
+        lines.append(f"| {r['method']} | {r['temperature']:g} | {c['tau']:.2f} | {c['rows_per_round']:.1f} | "
+                     f"{c['verify_over_t1']:.2f} | {c['draft_steps_per_round']:.1f} | {step} | "
+                     f"{c['predicted_speedup']:.2f}× | {meas} | {ratio} |")
+    return lines
