@@ -12,6 +12,7 @@ import sys
 
 from draftforge import __version__
 from draftforge.errors import DraftforgeError
+from draftforge.loading import quiet_known_notices
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -24,6 +25,14 @@ COMMANDS = {
                                          "for Cali-TS)"),
     "generate": ("draftforge.cli_generate", "a target's own answers (greedy and sampled) as token rows for SFT, resumable"),
     "target": ("draftforge.cli_target", "prepare a real target offline (smollm2) or its instruction prompts (prompts)"),
+}
+# What Ctrl-C leaves behind differs per command, so each says how to go on; others print "interrupted".
+INTERRUPTED = {
+    "train": "the last saved checkpoint is kept (one every train.save_every steps); rerun with --resume to "
+             "continue from it",
+    "eval": "no report was written for this run (eval writes its report only after every run has finished)",
+    "generate": "the rows already appended to --out are kept; rerun the same command to continue",
+    "harvest": "the finished shards in --out are kept; rerun the same command with --resume to continue",
 }
 
 
@@ -51,8 +60,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def interrupted_message(command: str | None) -> str:
+    what = INTERRUPTED.get(command)
+    return f"interrupted: {what}" if what else "interrupted"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # Before any command can import deepspeed: it logs its CPU-accelerator notice while being imported.
+    quiet_known_notices()
     only = next((a for a in argv if a in COMMANDS), None)
     parser = build_parser(only)
     args = parser.parse_args(argv)
@@ -65,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: the last checkpoint is kept; continue with --resume", file=sys.stderr)
-        return 130
+        print(interrupted_message(args.command), file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
 if __name__ == "__main__":

@@ -25,21 +25,24 @@ def configure(p: argparse.ArgumentParser) -> None:
     t.add_argument("--bench", required=True, help="prompt file or named set (testbed, humaneval, instructions); "
                                                   "use training prompts, disjoint from the ones you evaluate on")
     t.add_argument("--out", required=True, help="harvest directory (harvest.json + parquet shards)")
-    t.add_argument("--num-prompts", type=int, help="use only the first N prompts")
+    t.add_argument("--num-prompts", type=int, help="use only the first N prompts (default: all)")
     t.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens per prompt (default 128)")
     t.add_argument("--top-k", type=int, default=10, help="EAGLE-2 k: children per node and frontier width (default 10)")
     t.add_argument("--depth", type=int, default=10,
                    help="EAGLE-2 code depth: draft layers = depth + 1 (default 10, the paper's dmax 11)")
     t.add_argument("--top-m", type=int, default=1000, help="entropy over the parent's top-M tokens (default 1000)")
     t.add_argument("--chat-template", choices=("auto", "always", "never"), default="auto",
-                   help="auto: chat prompts use the target's chat template if it has one")
-    t.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+                   help="auto: chat prompts use the target's chat template if it has one; always / never "
+                        "force it on or off (default auto)")
+    t.add_argument("--ignore-eos", action="store_true",
+                   help="always generate --max-new-tokens tokens (default: stop at the target's eos)")
     t.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    t.add_argument("--resume", action="store_true", help="continue a harvest in --out (same target, drafter, settings)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue a harvest in --out (same target, drafter, settings); finished prompts are skipped")
     from draftforge.data import harvest_theta
 
     th = sub.add_parser("theta", help="χ labels + hidden states for the Cali-TS θ predictor (task theta)",
-                        description=harvest_theta.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                        formatter_class=argparse.RawDescriptionHelpFormatter)  # configure sets the user's text
     harvest_theta.configure(th)
 
 

@@ -136,8 +136,11 @@ def open_harvest(out_dir: Path, meta: dict, resume: bool) -> None:
 def write_shard(rows: dict[str, list], path: Path) -> None:
     import datasets
 
+    from draftforge.data.sources import no_datasets_bars
+
     tmp = path.with_name(f".{path.name}.tmp")
-    datasets.Dataset.from_dict(rows).to_parquet(str(tmp))
+    with no_datasets_bars():  # one "Creating parquet" bar per prompt would break the harvest's own bar
+        datasets.Dataset.from_dict(rows).to_parquet(str(tmp))
     tmp.replace(path)
 
 
@@ -161,7 +164,10 @@ def load_harvest(sources, target_fingerprint: str | None = None):
         if not found:
             raise DataError(f"harvest source {src} holds no parquet shards; run `draftforge harvest trees` first")
         files += found
-    data = datasets.Dataset.from_parquet([str(f) for f in files])
+    from draftforge.data.sources import no_datasets_bars
+
+    with no_datasets_bars():  # our own shards: a "Generating train split" bar says nothing to the user
+        data = datasets.Dataset.from_parquet([str(f) for f in files])
     missing = [c for c in COLUMNS if c not in data.column_names]
     if missing:
         raise DataError(f"harvest {', '.join(map(str, sources))} lacks column(s) {missing}; expected {list(COLUMNS)} "

@@ -227,6 +227,20 @@ def load_harvest(path) -> tuple:
 
 # ---------------------------------------------------------------- command line
 
+# `--help` text for users; the module docstring above is for readers of the code (positions, legend).
+DESCRIPTION = """\
+Label, for the Cali-TS θ predictor, which drafts the target would accept. The target and the drafter each
+read every held-out sequence once (teacher-forced). At one anchor every --anchor-stride tokens and for each
+draft offset i = 1..--max-offset, one row holds the target's hidden state, the drafter's hidden state, i,
+and the label χ: 1 when the drafter's top token equals the target's there, else 0.
+
+--data gives token rows (their prompt_len / loss_mask part is labelled) or text rows (tokenized with the
+target's tokenizer); --generate N labels the target's own greedy continuation of each row instead. The
+drafter may be any kind `draftforge eval` takes, an EESD export of this target too.
+
+Rows are saved in shards of --shard-size sequences under OUT/shards/, with OUT/harvest.json recording the
+models and settings; an interrupted harvest continues with --resume."""
+
 EPILOG = """examples:
   draftforge harvest theta --target TARGET --drafter DRAFTER --data heldout.jsonl --out runs/theta-harvest
   draftforge harvest theta ... --generate 128 --max-sequences 200   # label the target's own continuations
@@ -237,7 +251,7 @@ then train the predictor: draftforge train RECIPE (task: theta, data.sources: [r
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.epilog = EPILOG
+    p.description, p.epilog = DESCRIPTION, EPILOG
     p.add_argument("--target", required=True, help="the target model (local path)")
     p.add_argument("--drafter", required=True, help="the trained drafter (export dir or local path; an EESD "
                    "export of this target too)")
@@ -250,9 +264,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=512, help="cut sequences to N tokens (default 512)")
     p.add_argument("--generate", type=int, default=0, help="first continue each row greedily by N target tokens "
                    "and label only those (default 0: the rows as they are)")
-    p.add_argument("--max-sequences", type=int, default=None, help="read at most N rows")
+    p.add_argument("--max-sequences", type=int, default=None, help="read at most N rows (default: all)")
     p.add_argument("--shard-size", type=int, default=64, help="sequences per saved shard (default 64)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="where both models run: cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--allow-vocab-mismatch", action="store_true", help="a drafter whose tokenizer differs from the "
                    "target's: use token ids as they are (as eval's flag of the same name)")
     p.add_argument("--resume", action="store_true", help="continue a harvest in --out with the same settings")

@@ -188,7 +188,15 @@ def _tokenize(docs, cfg, tokenizer, block_size: int, eos_id: int):
         fn, kwargs = _tokenize_chat, {"tokenizer": tokenizer, "block_size": block_size}
     return docs.map(fn, batched=True, fn_kwargs=kwargs, remove_columns=docs.column_names,
                     num_proc=cfg.num_proc if cfg.num_proc > 1 and len(docs) > 1 else None,
-                    desc=f"tokenizing {cfg.format} ({len(docs):,} documents)")
+                    desc=_tokenize_desc(cfg.format, len(docs), block_size))
+
+
+def _tokenize_desc(fmt: str, n_docs: int, block_size: int) -> str:
+    """The bar's label: token rows are only cut to the block, so they are not called "tokenizing"."""
+    if fmt == "tokens":
+        return f"cutting {n_docs:,} token rows to {block_size} tokens"
+    what = "conversations" if fmt == "chat" else "documents"
+    return f"tokenizing {n_docs:,} {what}"
 
 
 def _to_blocks(docs, cfg, tokenizer, block_size: int, eos_id: int, pad_id: int):

@@ -15,6 +15,7 @@ its producer, so it raises DataError naming file:line instead of being skipped.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import gzip
 import json
@@ -224,6 +225,20 @@ def _count_rows(path: Path, fmt: str) -> int:
     return 1
 
 
+@contextlib.contextmanager
+def no_datasets_bars():
+    """datasets' own bars off for a step of draftforge's (e.g. "Generating train split" over the user's few
+    local rows on every new file), then as they were, so the tokenizing bar a user waits on still shows."""
+    if datasets.utils.are_progress_bars_disabled():
+        yield
+        return
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.enable_progress_bars()
+
+
 def load_local(files: list[Path], fmt: str, text_field: str) -> datasets.Dataset:
     """Local files -> a normalized Dataset, cached by datasets (keyed on paths, sizes, mtimes)."""
     names = [str(f.resolve()) for f in files]
@@ -232,11 +247,11 @@ def load_local(files: list[Path], fmt: str, text_field: str) -> datasets.Dataset
     if sum(_count_rows(f, fmt) for f in files) == 0:
         raise DataError(f"data files {[str(f) for f in files][:3]} have no rows; check the paths or the files")
     signature = [(os.path.getsize(n), os.stat(n).st_mtime_ns) for n in names]
-    ds = datasets.Dataset.from_generator(
-        _generate_rows, features=features_for(fmt),
-        gen_kwargs={"files": names, "fmt": fmt, "text_field": text_field, "signature": signature},
-    )
-    return ds
+    with no_datasets_bars():
+        return datasets.Dataset.from_generator(
+            _generate_rows, features=features_for(fmt),
+            gen_kwargs={"files": names, "fmt": fmt, "text_field": text_field, "signature": signature},
+        )
 
 
 def load_hf(spec: str, cfg, fmt: str, text_field: str):
