@@ -1,6 +1,7 @@
 """draftforge.decode: the lossless speculative decoding harness (batch size 1).
 
     target = load_target(path_or_model); drafter = load_drafter(path_or_model, target)   # cuda_graphs="auto"
+    drafter = load_drafter("prompt-lookup", target)   # or "prompt-lookup:ngram=3,tokens=10": n-gram lookup, no model
     dec = build_decoder("tree", target, drafter, tree=(3, 2, 2, 1))     # methods: decode/methods.py
     dec = build_decoder("tree", target, drafter, tree=parse_tree("stree13"))   # or any TreeShape
     res = dec.generate(ids, max_new_tokens=128, temperature=0.0)   # -> DecodeResult
@@ -11,8 +12,8 @@ A Mamba drafter's decode steps are CUDA graphs when load_drafter(..., cuda_graph
 
 from draftforge.decode.base import DecodeResult, DecodeStats
 from draftforge.decode.control import DEFAULT_UCB_TREES, Controller, FixedChain, FixedTree, NoDraft, UCBTree
-from draftforge.decode.drafters import Drafter, load_drafter
-from draftforge.decode.engine import HFAssistedDecoder, SpeculativeDecoder, build_decoder
+from draftforge.decode.drafters import Drafter, PromptLookupDrafter, load_drafter
+from draftforge.decode.engine import HFAssistedDecoder, HFPromptLookupDecoder, SpeculativeDecoder, build_decoder
 from draftforge.decode.methods import Method, Option, method_names, register_method, register_option
 from draftforge.decode.plan import DraftStep, DynamicTree, StaticTree, StopRule, StoppableChain, TreeBuilder
 from draftforge.decode.sampling import SamplingParams
@@ -24,8 +25,8 @@ METHODS = method_names()  # the built-in methods; register_method adds more
 
 __all__ = [
     "METHODS", "DEFAULT_UCB_TREES", "Controller", "DecodeResult", "DecodeStats", "DraftStep", "DraftTree", "Drafter",
-    "DynamicTree", "FixedChain", "FixedTree", "HFAssistedDecoder", "KVCacheTarget", "Method", "NoDraft", "Option",
-    "SamplingParams", "SpeculativeDecoder", "StaticTree", "StopRule", "StoppableChain", "TREE_PRESETS", "Target",
-    "TreeBuilder", "TreeShape", "UCBTree", "Verification", "build_decoder", "load_drafter", "load_target",
-    "method_names", "parse_tree", "register_method", "register_option",
+    "DynamicTree", "FixedChain", "FixedTree", "HFAssistedDecoder", "HFPromptLookupDecoder", "KVCacheTarget", "Method",
+    "NoDraft", "Option", "PromptLookupDrafter", "SamplingParams", "SpeculativeDecoder", "StaticTree", "StopRule",
+    "StoppableChain", "TREE_PRESETS", "Target", "TreeBuilder", "TreeShape", "UCBTree", "Verification", "build_decoder",
+    "load_drafter", "load_target", "method_names", "parse_tree", "register_method", "register_option",
 ]

@@ -8,9 +8,16 @@ from __future__ import annotations
 from draftforge.decode.cuda_graphs import use_cuda_graphs
 from draftforge.decode.drafter_base import Drafter, propose_children  # noqa: F401  (public names)
 from draftforge.decode.drafter_hf import TransformerDrafter
+from draftforge.decode.drafter_lookup import DEFAULT_MAX_NGRAM, PromptLookupDrafter
 from draftforge.decode.drafter_mamba import MambaDrafter
 from draftforge.decode.targets import SSM_MODEL_TYPES, Target, is_recurrent_model, load_hf_causal_lm
-from draftforge.errors import CompatibilityError
+from draftforge.errors import CompatibilityError, RecipeError
+
+LOOKUP_NAMES = ("prompt-lookup", "prompt_lookup")  # drafter specs that name the model-free n-gram drafter
+LOOKUP_KEYS = {"ngram": "max_ngram", "min_ngram": "min_ngram", "tokens": "max_tokens"}  # spec key -> keyword
+LOOKUP_FORM = ("prompt-lookup, or prompt-lookup:KEY=N,... with keys ngram (longest n-gram matched, "
+               f"default {DEFAULT_MAX_NGRAM}), min_ngram (shortest, default 1), tokens (most drafts per round, "
+               "default: the plan's depth), e.g. prompt-lookup:ngram=3,tokens=10")
 
 
 def check_vocab(target: Target, model, tokenizer, allow_vocab_mismatch: bool) -> None:
@@ -37,16 +44,46 @@ def check_vocab(target: Target, model, tokenizer, allow_vocab_mismatch: bool) ->
         )
 
 
+def lookup_options(spec) -> dict | None:
+    """PromptLookupDrafter keywords from a drafter spec like 'prompt-lookup:ngram=3,tokens=10'; None when the
+    spec is not a prompt-lookup one (a checkpoint). RecipeError for a prompt-lookup spec that cannot be read."""
+    if not isinstance(spec, str):
+        return None
+    name, _, text = spec.partition(":")
+    if name.strip() not in LOOKUP_NAMES:
+        return None
+    options = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, value = (x.strip() for x in part.partition("="))
+        if not eq or key not in LOOKUP_KEYS or LOOKUP_KEYS[key] in options:
+            what = "repeats" if key in LOOKUP_KEYS and eq else "has an unknown or malformed option"
+            raise RecipeError(f"drafter spec {spec!r} {what} {part!r}; give {LOOKUP_FORM}")
+        if not value.isdigit() or int(value) < 1:
+            raise RecipeError(f"drafter spec {spec!r}: {key} must be an integer >= 1, got {value!r}")
+        options[LOOKUP_KEYS[key]] = int(value)
+    max_ngram = options.setdefault("max_ngram", DEFAULT_MAX_NGRAM)
+    if options.get("min_ngram", 1) > max_ngram:
+        raise RecipeError(f"drafter spec {spec!r}: min_ngram {options['min_ngram']} is above ngram {max_ngram} "
+                          "(give ngram too)")
+    return options
+
+
 def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_vocab_mismatch=False, tokenizer=None,
                  cuda_graphs="auto"):
-    """A MambaDrafter for Mamba/Mamba2 checkpoints (HF or draftforge export), an EarlyExitDrafter for an EESD
-    export (task eesd), else a TransformerDrafter.
+    """A PromptLookupDrafter for the spec 'prompt-lookup[:options]' (no model; see lookup_options; a folder of
+    that name is ./prompt-lookup), a MambaDrafter for Mamba/Mamba2 checkpoints (HF or draftforge export), an
+    EarlyExitDrafter for an EESD export (task eesd), else a TransformerDrafter.
 
     cuda_graphs ("auto" | "on" | "off") applies to Mamba drafters: their per-batch-size decode steps
     are CUDA graphs when on (auto: exactly when the drafter is on CUDA); Transformer drafters ignore it.
     """
     from draftforge.models.early_exit_export import is_eesd_export
 
+    lookup = lookup_options(model_or_path)
+    if lookup is not None:  # reads only token ids: no model, dtype, device or tokenizer of its own
+        drafter = PromptLookupDrafter(target.vocab_size, **lookup)
+        drafter.bind(target)
+        return drafter
     if is_eesd_export(model_or_path):  # an EESD exit head: attached to (and checked against) this target
         from draftforge.decode.early_exit import load_early_exit
 

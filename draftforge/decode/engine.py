@@ -16,7 +16,7 @@ from draftforge.decode.base import DecodeResult, DecodeStats
 from draftforge.decode.control import Controller, Round
 from draftforge.decode.drafter_base import Drafter
 from draftforge.decode.sampling import SamplingParams
-from draftforge.decode.targets import Target
+from draftforge.decode.targets import Target, is_recurrent_model
 from draftforge.decode.tree import DraftTree
 from draftforge.decode.verify import verify
 from draftforge.errors import DraftforgeError
@@ -169,30 +169,66 @@ class HFAssistedDecoder:
     def generate(self, input_ids, *, max_new_tokens: int, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos_token_id=None,
                  tree_draws="distinct"):
         params = SamplingParams(float(temperature), float(top_p), int(top_k), tree_draws)
-        seq = check_prompt(input_ids, self.target, max_new_tokens)
-        eos = sorted(eos_set(eos_token_id, self.target))
-        stats, calls, device = DecodeStats(), {"target": [], "drafter": []}, self.target.device
-        hooks = [_timing_hooks(self.target.model, calls["target"]), _timing_hooks(self.drafter.model, calls["drafter"]),
-                 _draft_vocab_hook(self.drafter)]
-        torch.manual_seed(seed)  # transformers samples from the global generator
-        sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
-        t_start = _clock(device)
-        try:
-            with torch.inference_mode():
-                ids = torch.tensor([seq], device=device)
-                out = self.target.model.generate(  # explicit mask: else prompt tokens equal to pad get masked
-                    ids, attention_mask=torch.ones_like(ids), assistant_model=self.drafter.model,
-                    max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,
-                    **(dict(do_sample=False) if params.greedy else sampling),
-                )
-        finally:
-            for pair in hooks:
-                for h in pair:
-                    h.remove()
-        stats.total_time_s = _clock(device) - t_start
-        tokens = out[0, len(seq) :].tolist()
-        _fill_assisted_stats(stats, calls, len(seq), len(tokens))
-        return DecodeResult(tokens=tokens, stats=stats)
+        return hf_generate(self.target, input_ids, max_new_tokens, params, seed, eos_token_id,
+                           dict(assistant_model=self.drafter.model), self.drafter)
+
+
+class HFPromptLookupDecoder:
+    """Baseline: transformers' prompt lookup decoding (`generate(prompt_lookup_num_tokens=K)`): drafts copied
+    from the prompt + output by n-gram match (transformers' default max_matching_ngram_size, 2), no drafter.
+
+    Statistics as for hf_assisted; the lookup runs inside generate with no module to hook, so its time is
+    in total_time_s only (draft_time_s stays 0)."""
+
+    name = "hf_prompt_lookup"
+
+    def __init__(self, target: Target, lookup_tokens: int = 10):
+        if is_recurrent_model(target.model.config) or getattr(target.model, "_is_stateful", False):
+            raise DraftforgeError(
+                f"hf_prompt_lookup needs a Transformer target with a KV cache; transformers' assisted generation "
+                f"cannot roll back {target.model.config.model_type!r}'s recurrent state: use --drafter prompt-lookup "
+                "with --methods chain,tree instead")
+        self.target, self.lookup_tokens = target, int(lookup_tokens)
+
+    def reset(self) -> None:
+        """Nothing adapts across calls (prompt lookup keeps no draft-length schedule)."""
+
+    def generate(self, input_ids, *, max_new_tokens: int, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos_token_id=None,
+                 tree_draws="distinct"):
+        params = SamplingParams(float(temperature), float(top_p), int(top_k), tree_draws)
+        return hf_generate(self.target, input_ids, max_new_tokens, params, seed, eos_token_id,
+                           dict(prompt_lookup_num_tokens=self.lookup_tokens))
+
+
+def hf_generate(target: Target, input_ids, max_new_tokens: int, params: SamplingParams, seed: int, eos_token_id,
+                generate_kwargs: dict, drafter: Drafter | None = None) -> DecodeResult:
+    """One timed `target.model.generate(**generate_kwargs)` call (an assisted-generation mode) with its rounds
+    read back from forward hooks on the target (and on the drafter's model, whose forwards are draft time)."""
+    seq = check_prompt(input_ids, target, max_new_tokens)
+    eos = sorted(eos_set(eos_token_id, target))
+    stats, calls, device = DecodeStats(), {"target": [], "drafter": []}, target.device
+    hooks = [_timing_hooks(target.model, calls["target"])]
+    if drafter is not None:
+        hooks += [_timing_hooks(drafter.model, calls["drafter"]), _draft_vocab_hook(drafter)]
+    torch.manual_seed(seed)  # transformers samples from the global generator
+    sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    t_start = _clock(device)
+    try:
+        with torch.inference_mode():
+            ids = torch.tensor([seq], device=device)
+            out = target.model.generate(  # explicit mask: else prompt tokens equal to pad get masked
+                ids, attention_mask=torch.ones_like(ids), **generate_kwargs,
+                max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,
+                **(dict(do_sample=False) if params.greedy else sampling),
+            )
+    finally:
+        for pair in hooks:
+            for h in pair:
+                h.remove()
+    stats.total_time_s = _clock(device) - t_start
+    tokens = out[0, len(seq) :].tolist()
+    _fill_assisted_stats(stats, calls, len(seq), len(tokens))
+    return DecodeResult(tokens=tokens, stats=stats)
 
 
 def _draft_vocab_hook(drafter) -> tuple:

@@ -154,7 +154,7 @@ def build(method: str, target, drafter=None, **options):
 
 def _register_builtins() -> None:
     from draftforge.decode.control import DEFAULT_UCB_TREES, FixedChain, FixedTree, NoDraft, UCBTree
-    from draftforge.decode.engine import HFAssistedDecoder, SpeculativeDecoder
+    from draftforge.decode.engine import HFAssistedDecoder, HFPromptLookupDecoder, SpeculativeDecoder
 
     register_option(Option("chain_length", "--chain-length", int, lambda v: _positive_int(v, "--chain-length"), 5,
                            "draft tokens per round for chain (default 5)"))
@@ -171,6 +171,8 @@ def _register_builtins() -> None:
                            "UCB exploration weight λ_UCB (default 0.1)"))
     register_option(Option("lambda_gamma", "--lambda-gamma", float, lambda v: _non_negative(v, "--lambda-gamma"),
                            None, "draft-cost weight λ_γ in the UCB reward (default: T_draft/T_target measured online)"))
+    register_option(Option("lookup_tokens", "--lookup-tokens", int, lambda v: _positive_int(v, "--lookup-tokens"),
+                           10, "drafts per round of transformers' prompt lookup (prompt_lookup_num_tokens; default 10)"))
 
     def spec(name, controller):
         return lambda target, drafter, o: SpeculativeDecoder(name, target, drafter, controller(o))
@@ -193,6 +195,12 @@ def _register_builtins() -> None:
                            ("ucb_trees", "ucb_lambda", "lambda_gamma")))
     register_method(Method("hf_assisted", "transformers' assisted generation (Transformer drafters only)", True,
                            lambda target, drafter, o: HFAssistedDecoder(target, drafter), baseline=True))
+    # Not baseline=True: eval adds every baseline whenever a drafter is given; this one runs only when named
+    # (--methods or --baseline), and needs no drafter.
+    register_method(Method("hf_prompt_lookup", "transformers' prompt lookup decoding (--lookup-tokens drafts copied "
+                           "from the prompt by n-gram match; KV-cache targets only)", False,
+                           lambda target, drafter, o: HFPromptLookupDecoder(target, o["lookup_tokens"]),
+                           ("lookup_tokens",)))
     from draftforge.decode.length_control import register_length_methods
 
     register_length_methods()  # beta_ts, cali_ts, specdec_pp (EESD §3.3; SpecDec++)

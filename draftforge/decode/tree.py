@@ -52,6 +52,9 @@ class DraftTree:
     depths: list[int]
     q_probs: torch.Tensor | None = None  # [1+N, V]; rows of leaves are unused
     is_chain: bool = False
+    # Every node is a fixed proposal, not a draw (prompt lookup): its q is the point mass on itself, so at T>0
+    # siblings are tried one by one against p with each rejected token removed (verify.py)
+    fixed_drafts: bool = False
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -10,6 +10,10 @@
   q with the tokens already tried removed and renormalised (recursive rejection sampling without
   replacement), and a token already tried is skipped. Both are exact: given the tokens tried so
   far, the next child is a draw from the q it is tested against.
+- fixed drafts (`DraftTree.fixed_drafts`: prompt lookup's copied n-gram continuations, not draws):
+  each child's q is the point mass on itself, so it is accepted with probability p(x) and a rejection
+  leaves p with x removed and renormalised (Lookahead decoding's sampling verification, arXiv:2402.02057);
+  exact whatever `tree_draws` says, since no sibling was drawn from a shared q.
 
 Legend: N tree nodes, V vocabulary. Row 0 of logits/probs is the root, row 1+j is node j.
 """
@@ -73,26 +77,44 @@ def verify_tree_mss(tree: DraftTree, p_NV: torch.Tensor, generator, distinct: bo
     """Multi-step speculative sampling; `distinct`: siblings were drawn without replacement (see above)."""
     path, node = [], -1
     while True:
-        p_V, q_V = p_NV[node + 1], tree.q_probs[node + 1]
-        accepted = None
-        for child in tree.children(node):
-            x = tree.tokens[child]
-            if distinct and not float(q_V[x]) > 0:
-                continue  # tried already: a spare slot of a row with fewer tokens than children
-            if _uniform(generator) < min(1.0, float(p_V[x]) / float(q_V[x])):
-                accepted = child
-                break
-            p_V = residual(p_V, q_V)
-            if distinct:
-                q_V = q_V.clone()
-                q_V[x] = 0
-                if not float(q_V.sum()) > 0:
-                    break
-                q_V = q_V / q_V.sum()
+        if tree.fixed_drafts:
+            accepted, p_V = _try_fixed(tree, node, p_NV[node + 1], generator)
+        else:
+            accepted, p_V = _try_drawn(tree, node, p_NV[node + 1], tree.q_probs[node + 1], generator, distinct)
         if accepted is None:
             return Verdict(path, _draw(p_V, generator))
         node = accepted
         path.append(node)
+
+
+def _try_drawn(tree: DraftTree, node: int, p_V, q_V, generator, distinct: bool):
+    """(accepted child or None, the residual p left) for children drawn from q_V."""
+    for child in tree.children(node):
+        x = tree.tokens[child]
+        if distinct and not float(q_V[x]) > 0:
+            continue  # tried already: a spare slot of a row with fewer tokens than children
+        if _uniform(generator) < min(1.0, float(p_V[x]) / float(q_V[x])):
+            return child, p_V
+        p_V = residual(p_V, q_V)
+        if distinct:
+            q_V = q_V.clone()
+            q_V[x] = 0
+            if not float(q_V.sum()) > 0:
+                break
+            q_V = q_V / q_V.sum()
+    return None, p_V
+
+
+def _try_fixed(tree: DraftTree, node: int, p_V, generator):
+    """(accepted child or None, the residual p left) for fixed children: q = point mass on each in turn."""
+    for child in tree.children(node):
+        x = tree.tokens[child]
+        if _uniform(generator) < float(p_V[x]):  # min(1, p(x) / 1)
+            return child, p_V
+        point_V = torch.zeros_like(p_V)
+        point_V[x] = 1.0
+        p_V = residual(p_V, point_V)  # p without x, renormalised (p itself if p was the point mass)
+    return None, p_V
 
 
 def verify(tree: DraftTree, logits_NV: torch.Tensor, params: SamplingParams, vocab: int, generator) -> Verdict:
