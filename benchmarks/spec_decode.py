@@ -70,7 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--tree-draws", choices=("distinct", "iid"), default="distinct",
                    help="sibling drafts at T > 0: without replacement (default) or i.i.d. (before 2026-11-22)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="auto (default): bfloat16 where the device computes it natively, else float32")
+    p.add_argument("--threads", type=int, help="torch threads (default 1, or OMP_NUM_THREADS)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="fixed-length outputs: every method, hf_assisted included, runs past EOS")
     p.add_argument("--out", default="bench_out/spec_decode")
@@ -92,7 +94,7 @@ def run_suite(args, target: str, drafters: dict[str, str | None], bench: str) ->
         cfg = EvalConfig(target=target, drafter=drafter, bench=bench, temperatures=temps, methods=methods,
                          baselines=baselines, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
                          repeats=args.repeats, chain_length=args.chain_length, tree=tree, device=args.device,
-                         dtype=args.dtype, ignore_eos=args.ignore_eos, out_dir=str(Path(args.out) / name),
+                         dtype=args.dtype, threads=args.threads, ignore_eos=args.ignore_eos, out_dir=str(Path(args.out) / name),
                          tree_draws=args.tree_draws,
                          command=command_line(), extra_manifest={"benchmark": f"spec_decode/{name}"})
         reports[name] = run_eval(cfg)

@@ -174,7 +174,7 @@ def test_near_tie_is_judged_against_the_measured_row_noise():
     exact = selfcheck.self_check(spec, ar, {"a": [0, 1, 2, 3]}, FixedLogitsTarget(logits, jitter=0.0))
     assert noisy["divergences"][0]["noise"] == pytest.approx(0.01) and noisy["near_ties"] == 1
     assert exact["divergences"][0]["noise"] == 0.0 and exact["defects"] == 1
-    assert noisy["divergences"][0]["rows_probed"] == [2, 4]  # 2 and the method's own 1 + 3 drafts
+    assert noisy["divergences"][0]["rows_probed"] == [1, 2, 4]  # bulk prefill + 1 row, 2, the method's 1 + 3 drafts
 
 
 def test_a_missing_token_is_a_defect_and_no_target_means_unchecked():

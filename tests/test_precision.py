@@ -159,3 +159,25 @@ def test_a_wrong_verifier_is_a_defect_and_eval_exits_non_zero(models, tmp_path, 
     assert "DEFECT" in (out / "report.md").read_text() and "defect(s)" in capsys.readouterr().err
     chain = next(r for r in json.loads((out / "report.json").read_text())["results"] if r["method"] == "chain")
     assert chain["self_check"]["defects"] >= 1
+
+
+def test_bf16_eesd_decoding_has_no_defect():
+    """The early-exit drafter shares the target's first N layers and KV cache; in bf16 its output is AR's or a
+    measured near-tie."""
+    from test_decode_fixtures import tiny_llama
+
+    from draftforge.decode.early_exit import EarlyExitDrafter
+    from draftforge.models.early_exit import ExitHead, split_target
+
+    target = load_target(tiny_llama(vocab=64, layers=4, hidden=64, dtype=torch.bfloat16))
+    drafter = EarlyExitDrafter(ExitHead.from_target(split_target(target.model), 3, True), 3, target.vocab_size)
+    prompts = {str(i): [(7 * i + 3 * j + 2) % 64 for j in range(5 + 3 * i)] for i in range(4)}
+    ar, eesd = build_decoder("ar", target), build_decoder("eesd", target, drafter, chain_length=4)
+    records = {"ar": [], "eesd": []}
+    for name, dec in (("ar", ar), ("eesd", eesd)):
+        for pid, ids in prompts.items():
+            res = dec.generate(ids, max_new_tokens=24)
+            records[name].append(RunRecord(name, 0.0, 0, pid, len(ids), res.tokens, res.stats))
+    assert sum(sum(r.stats.accepted_per_round) for r in records["eesd"]) > 0  # the exit really drafts
+    sc = selfcheck.self_check(records["eesd"], records["ar"], prompts, target)
+    assert sc["defects"] == 0 and sc["identical"] + sc["near_ties"] == sc["total"] == 4, sc

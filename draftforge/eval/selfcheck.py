@@ -1,15 +1,16 @@
 """The T=0 self-check: each prompt's speculative output against AR's in the same run, and, where they differ,
 whether the difference is rounding (a near-tie) or a defect.
 
-A multi-row forward (a verification) sums in another order than a one-row forward (an AR step), so in
-reduced precision the same position gets slightly different logits, and where two tokens are within that
-difference of each other the two decodes may legitimately part. At the first differing position we
-measure that difference on the very prefix: the logits after it computed with one row and with the row
-counts the method verified (target.prefill + target.verify of a chain), noise = max |Δlogit| over the
-vocabulary. AR chose a where a's logit beat b's in its computation, the method chose b in its own; each
-computation is within `noise` of the one-row logits, so a flip needs |l(a) − l(b)| ≤ 2·noise: inside that
-it is a **near-tie**, outside it a **defect** (the harness changed the output). fp32 stays bitwise:
-there any difference fails the run.
+A multi-row forward (a verification) sums in another order than a one-row forward (an AR step), and the
+KV entries it leaves differ in the same way, so in reduced precision the same position gets slightly
+different logits, and where two tokens are within that difference of each other the two decodes may
+legitimately part. At the first differing position we measure that difference on the very prefix: AR's
+own logits there (prompt prefill, then one row per generated token, exactly as AR ran) against the same
+logits computed in chunks (the prefix prefilled at once, then a verification of each row count the method
+used), noise = max |Δlogit| over the vocabulary and those computations. AR chose a, the method b in a
+computation within `noise` of AR's, so a flip needs l(a) − l(b) ≤ 2·noise; logits are rounded to the
+model's dtype, so one rounding step (2 eps · |logit|) is the least tolerance. Inside it is a **near-tie**,
+outside a **defect** (the harness changed the output). fp32 stays bitwise: any difference fails the run.
 
 Legend: V vocabulary.
 """
@@ -47,6 +48,28 @@ def logits_after(target, prefix: list[int], rows: int) -> torch.Tensor:
     return logits_NV[-1].float().cpu()
 
 
+@torch.inference_mode()
+def ar_logits(target, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """Logits [V] after prompt + generated, computed as AR computes them: one row per generated token."""
+    target.prefill(prompt)
+    last = prompt[-1]
+    for tok in generated:
+        target.verify(last, chain_tree([]))
+        target.commit([])
+        last = tok
+    logits_NV = target.verify(last, chain_tree([]))
+    target.commit([])
+    return logits_NV[0].float().cpu()
+
+
+def rounding_step(target, logit: float) -> float:
+    """Twice the spacing of the model dtype's numbers at |logit| (logits come out rounded to it)."""
+    model = getattr(target, "model", None)
+    dtype = next(model.parameters()).dtype if model is not None else torch.float32
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
+    return 2 * eps * max(1.0, abs(logit))
+
+
 def rows_to_probe(records) -> list[int]:
     """Row counts a method verified: 2, its median and its largest (root included)."""
     rows = [d + 1 for r in records for d in r.stats.drafted_per_round if d > 0]
@@ -55,17 +78,21 @@ def rows_to_probe(records) -> list[int]:
     return sorted({2, int(statistics.median(rows)), max(rows)})
 
 
-def classify(target, prefix: list[int], ar_token: int, other: int | None, rows: list[int]) -> dict:
+def classify(target, prompt: list[int], generated: list[int], ar_token: int, other: int | None,
+             rows: list[int]) -> dict:
     """The evidence at one divergence: logit gap of the two tokens, top-2 margin, measured noise, verdict."""
-    one_V = logits_after(target, prefix, 1)
-    noise = max((float((one_V - logits_after(target, prefix, n)).abs().max()) for n in rows if n > 1), default=0.0)
-    top2 = torch.topk(one_V, 2).values
-    out = {"ar_token": ar_token, "other_token": other, "noise": noise, "rows_probed": rows,
+    prefix = prompt + generated
+    ar_V = ar_logits(target, prompt, generated)
+    probes = sorted({1, *rows, len(prefix)})
+    noise = max(float((ar_V - logits_after(target, prefix, n)).abs().max()) for n in probes)
+    top2 = torch.topk(ar_V, 2).values
+    out = {"ar_token": ar_token, "other_token": other, "noise": noise, "rows_probed": probes,
            "top2_margin": float(top2[0] - top2[1])}
     if other is None:  # one output stopped early: no rounding explains a missing token
-        return {**out, "gap": None, "verdict": "defect"}
-    gap = float(one_V[ar_token] - one_V[other])
-    return {**out, "gap": gap, "verdict": "near_tie" if abs(gap) <= 2 * noise else "defect"}
+        return {**out, "gap": None, "tolerance": None, "verdict": "defect"}
+    gap = float(ar_V[ar_token] - ar_V[other])
+    tolerance = max(2 * noise, rounding_step(target, float(ar_V[ar_token])))
+    return {**out, "gap": gap, "tolerance": tolerance, "verdict": "near_tie" if abs(gap) <= tolerance else "defect"}
 
 
 def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=None) -> dict:
@@ -88,7 +115,7 @@ def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=Non
             found = {"prompt_id": r.prompt_id, "repeat": r.repeat, "position": i}
             if target is not None and i < len(ref):
                 other = r.tokens[i] if i < len(r.tokens) else None
-                found.update(classify(target, prompt_ids[r.prompt_id] + ref[:i], ref[i], other, rows))
+                found.update(classify(target, prompt_ids[r.prompt_id], ref[:i], ref[i], other, rows))
             else:
                 found["verdict"] = "unchecked" if target is None else "defect"
             divergences.append(found)
