@@ -61,6 +61,8 @@ TRAIN = [
       want="text_field", quick=True),
     C("train: token rows with a string id", f"{R} {NEW} --set data.sources=[{{in}}/bad_tokens.jsonl] "
       "--set data.format=tokens", quick=True),
+    C("train: token rows of another tokenizer", f"{R} {NEW} --set data.sources=[{{in}}/foreign_rows.jsonl] "
+      "--set data.format=tokens", want="regenerate the rows", quick=True),
     C("train: model.target missing dir", f"{R} {NEW} --set model.target={{in}}/no-target", issue="7",
       want="does not exist", forbid="Repo id", quick=True),
     C("train: model.tokenizer missing dir", f"{R} {NEW} --set model.tokenizer={{in}}/no-tok", issue="7",
@@ -124,6 +126,10 @@ OTHER = [
       quick=True),
     C("target: prompts -n 0", "target prompts --out {runs}/p.jsonl -n 0", quick=True),
     C("target: prompts --out under a file", "target prompts --out {in}/a_file/p.jsonl", quick=True),
+    C("generate: resume into rows of another tokenizer", "generate --target {target} --prompts {in}/prompts.jsonl "
+      "--out {in}/foreign_rows.jsonl --max-new-tokens 4", want="another", quick=True),
+    C("generate: --max-new-tokens 0", "generate --target {target} --prompts {in}/prompts.jsonl "
+      "--out {runs}/rows.jsonl --max-new-tokens 0", want="--max-new-tokens", quick=True),
     C("demo: --threads 0", "demo --threads 0 --out {runs}/demo --testbed {runs}/tb", quick=True),
     C("demo: --num-prompts 0", "demo --num-prompts 0 --out {runs}/demo --testbed {runs}/tb", quick=True),
     C("demo: --max-new-tokens 0", "demo --max-new-tokens 0 --out {runs}/demo --testbed {runs}/tb",

@@ -85,6 +85,12 @@ def _data_files(d: Path, corpus: Path) -> None:
     (d / "chat.jsonl").write_text((json.dumps({"messages": chat}) + "\n") * 8)
     (d / "no_assistant.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     (d / "bad_tokens.jsonl").write_text('{"input_ids": [1, 2, "x"]}\n')
+    # `draftforge generate` rows whose sidecar names another tokenizer and target (ids valid in ours)
+    (d / "foreign_rows.jsonl").write_text(json.dumps({"input_ids": [5, 6, 7, 8], "prompt_len": 1, "prompt_id": "p0",
+                                                      "temperature": 0.0}) + "\n")
+    (d / "foreign_rows.jsonl.meta.json").write_text(json.dumps({
+        "tokenizer": "other-org/other-tokenizer", "tokenizer_fingerprint": "0" * 64, "target": "other-org/other-target",
+        "target_fingerprint": "0" * 64, "written_by": "draftforge generate", "version": 1}))
     (d / "not_yaml.yaml").write_text("task: pretrain\nmodel: [unclosed\n")
     (d / "a_file").write_text("not a directory\n")
     rows = [json.loads(line) for line in corpus.read_text().splitlines()[:3]]

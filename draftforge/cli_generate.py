@@ -46,9 +46,10 @@ def run(args) -> int:
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
-    from draftforge.data.generate import chat_jobs, generate_rows, random_start_jobs, summary_lines
+    from draftforge.data.generate import check_settings, chat_jobs, generate_rows, random_start_jobs, summary_lines
     from draftforge.loading import load_causal_lm
 
+    check_settings(args.temperature, args.max_new_tokens, args.batch_size)  # seconds before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -65,15 +66,18 @@ def run(args) -> int:
     print(f"generate: {len(jobs)} prompts x temperatures {args.temperature} = {total} rows, "
           f"up to {args.max_new_tokens} new tokens each, batches of {args.batch_size} on {device}, {dtype.name}, "
           f"{torch.get_num_threads()} torch threads")
-    bar = tqdm(total=total, unit="row", dynamic_ncols=True)
+    bars = []  # opened at the first finished batch, so an error before it is a line of its own
 
     def progress(n_rows: int, tokens_per_s: float) -> None:
-        bar.update(n_rows)
-        bar.set_postfix_str(f"{tokens_per_s:.1f} tok/s")
+        if not bars:
+            bars.append(tqdm(total=total, unit="row", dynamic_ncols=True))
+        bars[0].update(n_rows)
+        bars[0].set_postfix_str(f"{tokens_per_s:.1f} tok/s")
 
     stats = generate_rows(model, tokenizer, jobs, args.out, temperatures=args.temperature,
                           max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
-                          progress=progress)
-    bar.close()
+                          progress=progress, target=args.target)
+    for bar in bars:
+        bar.close()
     print("\n".join(summary_lines(stats, args.out, total)))
     return 0

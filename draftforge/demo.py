@@ -19,7 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
-from draftforge.runtime import choose_threads
+from draftforge.runtime import choose_threads, resolve_dtype
 
 TESTBED = "~/.cache/draftforge/testbed"
 OUT = "runs/demo"
@@ -113,7 +113,7 @@ def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens:
     from draftforge.testbed import prompt_candidates
 
     tok = AutoTokenizer.from_pretrained(testbed / "tokenizer")
-    model = load_causal_lm(testbed / "target", what="target").eval()
+    model = load_causal_lm(testbed / "target", what="target", dtype=resolve_dtype("auto").torch_dtype).eval()
     prompts = []
     with open(testbed / "corpus_train.jsonl") as f:
         for line in f:
@@ -141,7 +141,11 @@ def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens:
 
         raise DataError("the target produced no text for any snippet; is the target trained? (rebuild it by "
                         f"deleting {testbed / 'target'})")
+    from draftforge.data.provenance import rows_record, write_sidecar
+
     path = out / "sft_distill.jsonl"
+    # the sidecar first: rows never exist without the record of the tokenizer that made them
+    write_sidecar(path, rows_record(tok, model, testbed / "target", "draftforge demo"))
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 

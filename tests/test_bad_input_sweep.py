@@ -29,7 +29,7 @@ def test_every_case_formats_and_has_a_unique_name():
     for case in CASES:
         used = {f for arg in case.argv for _, f, _, _ in string.Formatter().parse(arg) if f}
         assert used <= PATH_KEYS, (case.name, used - PATH_KEYS)
-        assert case.argv[0] in ("train", "export", "eval", "target", "demo")
+        assert case.argv[0] in ("train", "export", "eval", "target", "demo", "generate")
 
 
 def test_snapshot_sees_added_removed_changed_and_mode_changes_but_not_the_datasets_cache(tmp_path):

@@ -8,7 +8,9 @@ once per temperature (0 = greedy), so one file mixes greedy and sampled answers.
 Rows {"input_ids", "prompt_len", "prompt_id", "temperature"} are appended to a JSONL file one batch at
 a time. A killed run resumes: the rows already written are kept (a torn last line is dropped) and only
 the missing ones are generated. A batch is always the same prompts with the same seed, so a resumed
-file equals an uninterrupted one.
+file equals an uninterrupted one. Before the first row, `ROWS.meta.json` records the tokenizer's and the
+target's fingerprints (data/provenance.py): readers refuse the rows for another tokenizer, and a resume
+with another target or tokenizer is refused before anything is appended.
 Legend: B = batch, P = padded prompt length, N = new tokens.
 """
 
@@ -169,9 +171,8 @@ def plan_batches(jobs: list[Job], batch_size: int) -> list[list[Job]]:
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def generate_rows(model, tokenizer, jobs: list[Job], out: Path, *, temperatures=(0.0, 1.0), max_new_tokens=256,
-                  batch_size=8, seed=0, progress=None) -> GenStats:
-    """Answer every job at every temperature and append the rows to `out`, skipping rows already there."""
+def check_settings(temperatures, max_new_tokens: int, batch_size: int) -> list[float]:
+    """The temperatures as floats; DataError for settings no run can use (checked before a model loads)."""
     if max_new_tokens <= 0:
         raise DataError(f"--max-new-tokens must be positive, got {max_new_tokens}")
     if batch_size <= 0:
@@ -179,8 +180,20 @@ def generate_rows(model, tokenizer, jobs: list[Job], out: Path, *, temperatures=
     temps = [float(t) for t in temperatures]
     if not temps or any(t < 0 or math.isnan(t) for t in temps):
         raise DataError(f"--temperature takes values >= 0 (0 = greedy), got {list(temperatures)}")
+    return temps
+
+
+def generate_rows(model, tokenizer, jobs: list[Job], out: Path, *, temperatures=(0.0, 1.0), max_new_tokens=256,
+                  batch_size=8, seed=0, progress=None, target=None) -> GenStats:
+    """Answer every job at every temperature and append the rows to `out`, skipping rows already there.
+    `target` (path or id) is what the sidecar names as the rows' maker (default: the model's name_or_path)."""
+    from draftforge.data.provenance import open_rows_file, rows_record
+
+    temps = check_settings(temperatures, max_new_tokens, batch_size)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    target = target or getattr(model.config, "name_or_path", None)
+    open_rows_file(out, rows_record(tokenizer, model, target, "draftforge generate"))  # before read_done trims
     done = read_done(out)
     eos = eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else (eos or [0])[0]

@@ -122,7 +122,9 @@ def open_harvest(out_dir: Path, meta: dict, resume: bool) -> None:
         old = json.loads(meta_file.read_text())
         if not resume:
             raise DataError(f"{out_dir} already holds a harvest; pass --resume to continue it or choose another --out")
-        for key in ("target", "drafter", "settings"):
+        # a harvest from before tokenizer fingerprints lacks one: the target's weights bind it still
+        later = ("tokenizer_fingerprint",) if "tokenizer_fingerprint" in old else ()
+        for key in ("target", "drafter", "settings", *later):
             if old.get(key) != meta.get(key):
                 raise CompatibilityError(f"{out_dir} was harvested with another {key} ({old.get(key)} vs "
                                          f"{meta.get(key)}); harvest into a new --out")
@@ -149,14 +151,45 @@ def shard_path(out_dir: Path, index: int) -> Path:
 
 
 def harvest_meta(target, drafter, settings: HarvestSettings, source: str) -> dict:
+    from draftforge.data.provenance import tokenizer_identity
+
     return {"kind": "c2t-harvest", "target": model_fingerprint(target.model), "drafter": model_fingerprint(drafter.model),
-            "settings": asdict(settings), "depth_origin": DEPTH_ORIGIN, "source": source, "columns": list(COLUMNS)}
+            "settings": asdict(settings), "depth_origin": DEPTH_ORIGIN, "source": source, "columns": list(COLUMNS),
+            **tokenizer_identity(target.tokenizer)}
 
 
-def load_harvest(sources, target_fingerprint: str | None = None):
-    """All shards of harvest dirs / parquet files as one `datasets.Dataset`, checked: columns, one target."""
+def _read_meta(meta_file: Path) -> dict:
+    try:
+        return json.loads(meta_file.read_text())
+    except ValueError as e:
+        raise DataError(f"{meta_file}: not readable JSON ({e}); harvest again into a new --out") from None
+
+
+def check_tokenizer(sources, tokenizer) -> None:
+    """Each harvest's recorded tokenizer (its harvest.json) must be `tokenizer`; one notice for those that
+    record none (harvested before fingerprints, by a target without tokenizer files, or loose shards)."""
+    from draftforge.data.provenance import check_record, notice, tokenizer_identity
+
+    if tokenizer is None:
+        return
+    ours, unchecked = tokenizer_identity(tokenizer), []
+    for src in map(Path, sources):
+        meta_file = (src if src.is_dir() else src.parent) / META_FILE
+        meta = _read_meta(meta_file) if meta_file.is_file() else {}
+        record = {k: meta.get(k) for k in ("tokenizer", "tokenizer_fingerprint")}  # its "target" is a fingerprint
+        if not check_record(record, ours, str(src), "harvest again with the recipe's target, or point "
+                                                    "model.target / model.tokenizer at {theirs}"):
+            unchecked.append(str(src))
+    if unchecked:
+        notice(unchecked, "the harvest records no tokenizer fingerprint: its tokenizer cannot be checked")
+
+
+def load_harvest(sources, target_fingerprint: str | None = None, tokenizer=None):
+    """All shards of harvest dirs / parquet files as one `datasets.Dataset`, checked: columns, one target
+    (the recipe's, when its fingerprint is given), and the tokenizer recorded in harvest.json."""
     import datasets
 
+    check_tokenizer(sources, tokenizer)
     files = []
     for src in sources:
         src = Path(src)

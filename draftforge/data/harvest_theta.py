@@ -33,20 +33,29 @@ from draftforge.fsutil import atomic_write_text, temp_dir_beside
 
 MANIFEST = "harvest.json"
 SETTING_KEYS = ("target_fingerprint", "drafter_fingerprint", "max_offset", "anchor_stride", "max_len", "generate",
-                "shard_size", "sources", "drafter_kind", "exit_after_layer")
-LATER_KEYS = ("drafter_kind", "exit_after_layer")  # absent from older manifests (their fingerprint still binds them)
+                "shard_size", "sources", "drafter_kind", "exit_after_layer", "tokenizer_fingerprint")
+# absent from older manifests (their fingerprints still bind them)
+LATER_KEYS = ("drafter_kind", "exit_after_layer", "tokenizer_fingerprint")
+ROWS_FIX = "regenerate the rows with this target, or pass --target {theirs}"
+TRAIN_FIX = "harvest again with the target you train for, or point model.target / model.tokenizer at {theirs}"
 
 
 def read_sequences(sources: list[str], tokenizer, max_sequences: int | None) -> list[tuple[list[int], int]]:
-    """(ids, first labelled position) per row: token rows use their prompt_len / loss_mask, text starts at 1."""
+    """(ids, first labelled position) per row: token rows use their prompt_len / loss_mask, text starts at 1.
+    A file of token rows is checked against the target's tokenizer (its sidecar) at its first token row."""
+    from draftforge.data.provenance import check_row_files
     from draftforge.data.sources import iter_jsonl, normalize_tokens
 
     out = []
     for src in sources:
         if not Path(src).is_file():
             raise DataError(f"harvest source {src} does not exist (give JSONL token rows or text rows)")
+        checked = False  # text rows need no check: the target's own tokenizer reads them
         for line_no, row in iter_jsonl(src):
             if "input_ids" in row:
+                if not checked:
+                    check_row_files([src], tokenizer, ROWS_FIX)
+                    checked = True
                 normalize_tokens(row, f"{src}:{line_no}")  # DataError for a malformed row
                 ids, start = row["input_ids"], _labelled_start(row)
             elif isinstance(row.get("text"), str) and tokenizer is not None:
@@ -147,6 +156,7 @@ def harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, max
     """Write the feature rows (resumable); returns the manifest."""
     from tqdm.auto import tqdm
 
+    from draftforge.data.provenance import tokenizer_identity
     from draftforge.models.theta import drafter_identity, hidden_size, model_fingerprint
 
     for name, value in (("max_offset", max_offset), ("anchor_stride", anchor_stride), ("shard_size", shard_size),
@@ -160,11 +170,12 @@ def harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, max
     settings = {"target": str(target_path), "drafter": str(drafter_path), "sources": [str(s) for s in sources],
                 "target_fingerprint": model_fingerprint(target.model), "target_dim": hidden_size(target.model),
                 **drafter_identity(drafter), "max_offset": max_offset, "anchor_stride": anchor_stride,
-                "max_len": max_len, "generate": generate, "shard_size": shard_size}
-    manifest = _check_resume(out_dir / MANIFEST, settings, resume, overwrite)
-    seqs = read_sequences(sources, target.tokenizer, max_sequences)
+                "max_len": max_len, "generate": generate, "shard_size": shard_size,
+                **tokenizer_identity(target.tokenizer)}
+    seqs = read_sequences(sources, target.tokenizer, max_sequences)  # first: --overwrite deletes shards
     if not seqs:
         raise DataError(f"no usable sequences in {', '.join(map(str, sources))} (each needs at least 2 tokens)")
+    manifest = _check_resume(out_dir / MANIFEST, settings, resume, overwrite)
     n_shards = (len(seqs) + shard_size - 1) // shard_size
     bar = tqdm(total=len(seqs), desc="harvest θ rows", unit="seq", disable=not progress)
     for shard in range(n_shards):
@@ -209,14 +220,20 @@ def finish_manifest(out_dir: Path, manifest: dict) -> dict:
     return manifest
 
 
-def load_harvest(path) -> tuple:
-    """(dataset of all rows, manifest); DataError for a missing or empty harvest."""
+def load_harvest(path, tokenizer=None) -> tuple:
+    """(dataset of all rows, manifest); DataError for a missing or empty harvest, or one harvested with
+    another tokenizer than `tokenizer` (the recipe's, when it names one)."""
     import datasets
+
+    from draftforge.data.provenance import check_record, notice, tokenizer_identity
 
     path = Path(path)
     if not (path / MANIFEST).is_file():
         raise DataError(f"{path} is not a θ harvest (no {MANIFEST}); make one with `draftforge harvest theta`")
     manifest = json.loads((path / MANIFEST).read_text())
+    if tokenizer is not None and not check_record(manifest, tokenizer_identity(tokenizer), str(path), TRAIN_FIX):
+        notice([str(path)], "the θ harvest records no tokenizer fingerprint (an older harvest, or a target without "
+                            "tokenizer files): its tokenizer cannot be checked")
     shards = [path / "shards" / f"shard-{int(k):05d}" for k, v in sorted(manifest["shards"].items(), key=lambda kv:
                                                                             int(kv[0])) if v["rows"]]
     if not shards:

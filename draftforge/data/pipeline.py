@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 
 from draftforge.data.chat import tokenize_conversation
 from draftforge.data.packing import StreamPacker, blocks_table, flatten_lists, pack_greedy, pack_stream
+from draftforge.data.provenance import check_token_sources
 from draftforge.data.sources import load_sources
 from draftforge.errors import DataError
 
@@ -49,6 +50,8 @@ def build_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: int
     eos_id, pad_id = _special_ids(tokenizer)
     _check_config(cfg, block_size)
     vocab_size = vocab_size or len(tokenizer)
+    if cfg.format == "tokens":  # ids of another tokenizer would train silently: refuse before reading a row
+        check_token_sources(cfg, tokenizer)
     docs = load_sources(cfg)
     if cfg.streaming:
         return _build_streaming(docs, cfg, tokenizer, block_size, seed, eos_id, pad_id, vocab_size)

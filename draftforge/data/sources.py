@@ -10,7 +10,9 @@ format=tokens rows are ids a program wrote (e.g. a target's own continuations, w
 not be decoded and re-tokenized: BPE would merge or split them differently). A raw row is
 {"input_ids": [...]} plus at most one of "prompt_len" (no loss on the first N tokens) or
 "loss_mask" (0/1 per token); with neither, every token has loss. A malformed row is a bug in
-its producer, so it raises DataError naming file:line instead of being skipped.
+its producer, so it raises DataError naming file:line instead of being skipped. The tokenizer that made
+them is checked from their sidecar before they are read (data/provenance.py); a folder or glob source
+skips those sidecars.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import datasets
 
 from draftforge.data.chat import IGNORE_INDEX
+from draftforge.data.provenance import is_sidecar
 from draftforge.errors import DataError
 
 FORMATS = ("text", "chat", "tokens")
@@ -129,7 +132,7 @@ def resolve_local_files(spec: str, file_glob: str) -> list[Path]:
     path = Path(os.path.expanduser(spec))
     if _GLOB_CHARS & set(spec):
         files = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True))
-        files = [f for f in files if f.is_file()]
+        files = [f for f in files if f.is_file() and not is_sidecar(f)]
         if not files:
             raise DataError(f"data source glob {spec!r} matches no files; check the pattern")
         return files
@@ -138,7 +141,7 @@ def resolve_local_files(spec: str, file_glob: str) -> list[Path]:
                         "(or a Hugging Face dataset name, optionally prefixed 'hf:')")
     if path.is_file():
         return [path]
-    files = sorted(p for p in path.glob(file_glob) if p.is_file() and not p.name.startswith("."))
+    files = sorted(p for p in path.glob(file_glob) if p.is_file() and not p.name.startswith(".") and not is_sidecar(p))
     if not files:
         raise DataError(f"data folder {spec!r} has no files matching file_glob {file_glob!r}")
     return files

@@ -120,8 +120,9 @@ def build(recipe, accelerator, with_data: bool = True):
 
 def load_rows(recipe, cfg: C2TConfig):
     from draftforge.data.harvest import load_harvest, summarize
+    from draftforge.train.parts import local_tokenizer
 
-    data = load_harvest(recipe.data.sources, target_fingerprint(recipe.model.target))
+    data = load_harvest(recipe.data.sources, target_fingerprint(recipe.model.target), local_tokenizer(recipe))
     train, heldout = split_rows(data, cfg, recipe.train.seed)
     if len(train) == 0 or len(heldout) == 0:
         from draftforge.errors import DataError

@@ -97,7 +97,7 @@ def choose_draft_vocab(recipe: Recipe, model, data, tokenizer) -> list[int] | No
         return json.loads(saved.read_text())
     vocab = model.get_input_embeddings().weight.shape[0]
     if recipe.model.draft_vocab_from:
-        labels = row_labels(recipe.model.draft_vocab_from)
+        labels = row_labels(recipe.model.draft_vocab_from, tokenizer)
     elif not hasattr(data.train, "data"):
         raise RecipeError("recipe key 'model.draft_vocab': counting token frequencies needs map-style data "
                           "(streaming: false), or model.draft_vocab_from")
@@ -106,13 +106,15 @@ def choose_draft_vocab(recipe: Recipe, model, data, tokenizer) -> list[int] | No
     return frequent_tokens(labels, vocab, want, always=(tokenizer.eos_token_id,))
 
 
-def row_labels(source: str):
-    """The loss-carrying ids of every token row in `source` (a file, folder or glob), row by row."""
+def row_labels(source: str, tokenizer=None):
+    """The loss-carrying ids of every token row in `source` (a file, folder or glob), row by row; the files'
+    recorded tokenizer is checked against `tokenizer` at once (counts of another tokenizer's ids are noise)."""
+    from draftforge.data.provenance import check_row_files
     from draftforge.data.sources import iter_located_rows, normalize_tokens, resolve_local_files
 
-    for path in resolve_local_files(source, "**/*"):
-        for where, row in iter_located_rows(path):
-            yield normalize_tokens(row, where)["labels"]
+    files = resolve_local_files(source, "**/*")
+    check_row_files(files, tokenizer)
+    return (normalize_tokens(row, where)["labels"] for path in files for where, row in iter_located_rows(path))
 
 
 def labels_to_draft_ids(t2d_V: torch.Tensor):

@@ -52,6 +52,21 @@ def load_tokenizer(recipe):
         raise RecipeError(f"recipe key '{key}': cannot load a tokenizer from {source!r} ({e})") from None
 
 
+def local_tokenizer(recipe):
+    """The recipe's tokenizer when model.tokenizer / model.target is a local directory that holds one, else
+    None: tasks on harvested rows (c2t, theta) check the harvest's tokenizer with it, and a bare target
+    checkpoint without tokenizer files (usable with token ids alone) leaves nothing to check."""
+    from transformers import AutoTokenizer
+
+    source = recipe.model.tokenizer or recipe.model.target
+    if not source or not Path(source).is_dir():
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, TypeError):  # the same "no tokenizer here" as decode.targets.load_hf_causal_lm
+        return None
+
+
 def load_config(path: str, key: str):
     """A transformers config from `path`, or RecipeError naming the recipe key that points there."""
     from transformers import AutoConfig

@@ -61,12 +61,13 @@ def _split(rows, fraction: float, seed: int):
 def build_theta_task(recipe, accelerator, with_data: bool = True):
     from draftforge.data.harvest_theta import load_harvest
     from draftforge.errors import RecipeError
+    from draftforge.train.parts import local_tokenizer
     from draftforge.train.spec import TaskSpec
 
     cfg = recipe.task_options or ThetaConfig()
     if len(recipe.data.sources) != 1:
         raise RecipeError("data.sources: task theta reads exactly one harvest directory (draftforge harvest theta)")
-    rows, manifest = load_harvest(recipe.data.sources[0])
+    rows, manifest = load_harvest(recipe.data.sources[0], tokenizer=local_tokenizer(recipe))
     mean = manifest["mean_label"]
     model = ThetaPredictor(manifest["target_dim"], manifest["draft_dim"], cfg.max_offset, mean)
     weight = None
