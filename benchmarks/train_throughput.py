@@ -1,10 +1,15 @@
-"""Tokens/s of draftforge's training loop vs a plain `transformers.Trainer`, side by side.
+"""Tokens/s of draftforge's training loop vs a plain `transformers.Trainer`, or bf16 vs fp32, side by side.
 
 Same model config and init, same packed blocks, same micro-batch / accumulation / steps, same
 optimizer and schedule. Each run is its own subprocess (so peak RSS is per run); the two are
 interleaved within every repeat, and tokens/s counts optimizer steps after the first (warm-up).
 
     python benchmarks/train_throughput.py --steps 20 --repeats 3 --arch mamba2
+    python benchmarks/train_throughput.py --compare precision --steps 200 --repeats 1 --arch llama
+
+`--compare precision` runs draftforge's loop with train.precision fp32 and bf16 (autocast; on a CPU with
+AVX512-BF16 or AMX the matrix products run in hardware) and reports the tokens/s ratio and how far the bf16
+loss curve is from the fp32 one (final loss, and the largest gap of a 10-step moving average).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ def run_draftforge(values: dict) -> dict:
     from draftforge.train import run
 
     result = run(recipe_from_dict(values), overwrite=True)
-    return {"tokens_per_s": result.tokens_per_s, "final_loss": result.final_loss}
+    return {"tokens_per_s": result.tokens_per_s, "final_loss": result.final_loss, "losses": result.losses}
 
 
 def run_trainer(values: dict) -> dict:
@@ -97,12 +102,17 @@ def run_trainer(values: dict) -> dict:
 
 def worker(kind: str, values_path: str) -> None:
     values = json.loads(Path(values_path).read_text())
-    result = (run_draftforge if kind == "draftforge" else run_trainer)(values)
+    result = (run_trainer if kind == "trainer" else run_draftforge)(values)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result), flush=True)
 
 
+PRECISION_KINDS = {"fp32": "fp32", "bf16": "bf16"}  # --compare precision: run name -> train.precision
+
+
 def spawn(kind: str, values: dict, work: Path) -> dict:
+    if kind in PRECISION_KINDS:
+        values = {**values, "train": {**values["train"], "precision": PRECISION_KINDS[kind]}}
     vpath = work / f"{kind}.json"
     vpath.write_text(json.dumps(values))
     proc = subprocess.run([sys.executable, __file__, "--worker", kind, str(vpath)], capture_output=True, text=True,
@@ -122,6 +132,9 @@ def main() -> None:
     p.add_argument("--block", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--files", type=int, default=60, help="stdlib files in the corpus")
+    p.add_argument("--compare", choices=["trainer", "precision"], default="trainer",
+                   help="trainer: draftforge vs transformers.Trainer (fp32); precision: draftforge fp32 vs bf16")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of every run (default 1)")
     p.add_argument("--out", default="runs/bench/train_throughput.json")
     p.add_argument("--worker", nargs=2, metavar=("KIND", "VALUES"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -139,16 +152,19 @@ def main() -> None:
         values = recipe_values(args, tok_dir, corpus, work / "run")
         stats = build_block_data(recipe_from_dict(values).data, AutoTokenizer.from_pretrained(tok_dir),
                                  args.block, 0).stats
-        runs = {"draftforge": [], "trainer": []}
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the workers' torch thread count
+        runs = {"draftforge": [], "trainer": []} if args.compare == "trainer" else {k: [] for k in PRECISION_KINDS}
         for r in range(args.repeats):
             for kind in runs:  # interleaved so drift on a shared machine hits both alike
                 runs[kind].append(spawn(kind, values, work))
                 print(f"repeat {r + 1}/{args.repeats} {kind}: {runs[kind][-1]['tokens_per_s']:,.0f} tokens/s",
                       flush=True)
     med = {k: statistics.median(x["tokens_per_s"] for x in v) for k, v in runs.items()}
+    first, second = list(runs)
     table = {"config": vars(args) | {"worker": None}, "padding_fraction": stats.get("padding_fraction"),
-             "runs": runs, "median_tokens_per_s": med,
-             "ratio_draftforge_over_trainer": med["draftforge"] / med["trainer"]}
+             "runs": runs, "median_tokens_per_s": med, f"ratio_{first}_over_{second}": med[first] / med[second]}
+    if args.compare == "precision":
+        table.update(curve_gap(runs["fp32"][-1]["losses"], runs["bf16"][-1]["losses"]))
     print(f"\n{args.arch}, {args.steps} steps x {args.batch}x{args.accum} x {args.block} tokens, "
           f"padding {stats.get('padding_fraction', 0):.2%}, median of {args.repeats}")
     cells = []
@@ -157,8 +173,24 @@ def main() -> None:
         cells.append([k, f"{med[k]:,.0f}", f"{min(tps):,.0f}-{max(tps):,.0f}",
                       f"{statistics.median(x['peak_rss_mib'] for x in v):,.0f}", f"{v[-1]['final_loss']:.4f}"])
     print_table(["loop", "tokens/s (median)", "min-max", "peak RSS MiB", "final loss"], cells)
-    print(f"\ndraftforge / Trainer = {table['ratio_draftforge_over_trainer']:.3f}x")
+    if args.compare == "trainer":
+        print(f"\ndraftforge / Trainer = {table['ratio_draftforge_over_trainer']:.3f}x")
+    else:
+        print(f"\nbf16 / fp32 tokens/s = {med['bf16'] / med['fp32']:.3f}x; final loss bf16 vs fp32 "
+              f"{table['final_loss_rel_diff']:+.2%}; largest gap of the 10-step moving averages "
+              f"{table['max_smoothed_rel_gap']:.2%}")
     write_json(args.out, table)
+
+
+def curve_gap(fp32: list[float], bf16: list[float], window: int = 10) -> dict:
+    """How far the bf16 loss curve runs from the fp32 one: final loss and 10-step moving averages, relative."""
+    def smooth(xs):
+        return [statistics.fmean(xs[max(0, i - window + 1): i + 1]) for i in range(len(xs))]
+
+    a, b = smooth(fp32), smooth(bf16)
+    return {"final_loss_rel_diff": (bf16[-1] - fp32[-1]) / fp32[-1],
+            "final_smoothed_rel_diff": (b[-1] - a[-1]) / a[-1],
+            "max_smoothed_rel_gap": max(abs(y - x) / x for x, y in zip(a, b))}
 
 
 if __name__ == "__main__":

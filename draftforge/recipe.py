@@ -123,7 +123,8 @@ class TrainConfig:
     global_batch_size: int = doc(32, "sequences per optimizer step = micro_batch_size x accumulation x processes")
     micro_batch_size: int = doc(8, "sequences per forward on one process")
     block_size: int = doc(512, "tokens per training sequence")
-    precision: str = doc("auto", "'auto' (bf16 on CUDA, fp32 on CPU), 'fp32', 'bf16' or 'fp16'")
+    precision: str = doc("auto", "'auto' (bf16 autocast where bf16 is native: CUDA with bf16, CPUs with "
+                                 "AVX512-BF16 or AMX; else fp32), 'fp32', 'bf16' or 'fp16'")
     eval_every: int = doc(200, "eval loss every N steps (0: only at the end)")
     eval_batches: int = doc(8, "micro-batches of held-out data per eval")
     save_every: int = doc(500, "checkpoint every N steps (a final one is always written)")

