@@ -12,6 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from draftforge.runtime import DTYPE_CHOICES, announce, resolve_dtype
+
 
 def configure(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="what", metavar="WHAT", required=True)
@@ -37,6 +39,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     t.add_argument("--ignore-eos", action="store_true",
                    help="always generate --max-new-tokens tokens (default: stop at the target's eos)")
     t.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    t.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="model dtype: auto (default) = bfloat16 where the device computes it natively, else "
+                        "float32; recorded in harvest.json, and a resume must use the same")
     t.add_argument("--resume", action="store_true",
                    help="continue a harvest in --out (same target, drafter, settings); finished prompts are skipped")
     from draftforge.data import harvest_theta
@@ -74,14 +79,16 @@ def harvest_trees(args) -> dict:
     from draftforge.decode.eagle2 import check_eagle2
     from draftforge.eval.prompts import load_prompts
 
-    target = load_target(args.target, device=args.device)
-    drafter = load_drafter(args.drafter, target, device=args.device)
+    dtype = resolve_dtype(args.dtype, args.device)
+    announce(dtype, "target and drafter")
+    target = load_target(args.target, device=args.device, dtype=dtype.torch_dtype)
+    drafter = load_drafter(args.drafter, target, device=args.device, dtype=dtype.torch_dtype)
     check_eagle2(args.top_k, args.depth, 2, target, drafter)
     settings = hv.HarvestSettings(args.top_k, args.depth, args.top_m, args.max_new_tokens)
     prompts = load_prompts(args.bench, target.tokenizer, num_prompts=args.num_prompts, chat=args.chat_template,
                            context_length=target.max_context, max_new_tokens=args.max_new_tokens)
     out = Path(args.out)
-    meta = hv.harvest_meta(target, drafter, settings, str(args.bench))
+    meta = {**hv.harvest_meta(target, drafter, settings, str(args.bench)), "dtype": dtype.name}
     hv.open_harvest(out, meta, args.resume)
     fingerprints, eos = (meta["target"], meta["drafter"]), ([] if args.ignore_eos else None)
     done = sum(hv.shard_path(out, i).is_file() for i in range(len(prompts)))

@@ -76,7 +76,7 @@ def pair(tmp_path_factory):
 
 
 def harvest(pair, out, **kw):
-    kw = {"max_offset": 4, "anchor_stride": 5, "shard_size": 2, "progress": False, **kw}
+    kw = {"max_offset": 4, "anchor_stride": 5, "shard_size": 2, "progress": False, "dtype": "float32", **kw}
     return harvest_theta(pair / "target", pair / "drafter", [str(pair / "rows.jsonl")], out, **kw)
 
 

@@ -53,7 +53,7 @@ def files(tmp_path_factory):
 
 def harvest(files, drafter, out, **kw):
     return harvest_theta(files / "target", files / drafter, [str(files / "rows.jsonl")], out, max_offset=K,
-                         anchor_stride=STRIDE, generate=NEW, shard_size=2, progress=False, **kw)
+                         anchor_stride=STRIDE, generate=NEW, shard_size=2, progress=False, **{"dtype": "float32", **kw})
 
 
 class Recorder(StopRule):

@@ -1,10 +1,10 @@
-"""Harvest full EAGLE-2 trees with acceptance labels, the training rows of C2T (C2T App. B.1; spec c2t.md §3, §7).
+"""Harvest full EAGLE-2 trees with acceptance labels, the training rows of C2T (C2T App. B.1; docs/methods/c2t.md §6).
 
 For each prompt the target's greedy continuation is decoded once; then, from the true prefix at
 every step, the drafter grows the whole EAGLE-2 pool T1 (no rerank) and every node becomes a row:
 P (joint probability), H (entropy of the parent's softmax over its top-M tokens), d (draft layer,
 0 first), label (1 on the accepted root path). Under greedy decoding the accepted path is exactly
-the deepest chain of nodes matching the continuation (spec §7), so no tree-attention verification
+the deepest chain of nodes matching the continuation (docs/methods/c2t.md §6), so no tree-attention verification
 runs; the prefix then advances by the accepted drafts + 1, as the decoder would (the depth is
 capped by the tokens left, like the engine's plan). Rows are grouped by `tree_id`; every row also
 names its prompt and the target's and drafter's weight fingerprints.
@@ -15,7 +15,6 @@ prompt (written through `datasets`, atomically), so a killed harvest resumes whe
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,14 +31,11 @@ META_FILE = "harvest.json"
 
 
 def model_fingerprint(model) -> str:
-    """16 hex digits from every parameter's name, shape and a strided sample of its values."""
-    h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().flatten()
-        sample = flat[:: max(1, flat.numel() // 256)][:256].float().cpu().numpy()
-        h.update(f"{name}:{tuple(tensor.shape)}".encode())
-        h.update(sample.tobytes())
-    return h.hexdigest()[:16]
+    """16 hex digits of models.theta's fingerprint: weights rounded to bf16, so a target harvested in bf16 (dtype
+    auto) matches the same checkpoint loaded in fp32 for training."""
+    from draftforge.models.theta import model_fingerprint as full_fingerprint
+
+    return full_fingerprint(model)[:16]
 
 
 @dataclass
@@ -123,7 +119,7 @@ def open_harvest(out_dir: Path, meta: dict, resume: bool) -> None:
         if not resume:
             raise DataError(f"{out_dir} already holds a harvest; pass --resume to continue it or choose another --out")
         # a harvest from before tokenizer fingerprints lacks one: the target's weights bind it still
-        later = ("tokenizer_fingerprint",) if "tokenizer_fingerprint" in old else ()
+        later = tuple(k for k in ("tokenizer_fingerprint", "dtype") if k in old)
         for key in ("target", "drafter", "settings", *later):
             if old.get(key) != meta.get(key):
                 raise CompatibilityError(f"{out_dir} was harvested with another {key} ({old.get(key)} vs "

@@ -1,4 +1,4 @@
-"""`draftforge harvest theta`: χ labels and hidden states for the Cali-TS θ predictor (EESD §3.3, spec §3 [R]).
+"""`draftforge harvest theta`: χ labels and hidden states for the Cali-TS θ predictor (EESD §3.3; docs/methods/cali-ts.md §5).
 
 Teacher-forced passes of the frozen target and drafter over held-out sequences (token rows, or text
 tokenized with the target's tokenizer; `--generate N` first lets the target continue each greedily, so
@@ -30,6 +30,7 @@ import torch
 
 from draftforge.errors import DataError, DraftforgeError
 from draftforge.fsutil import atomic_write_text, temp_dir_beside
+from draftforge.runtime import DTYPE_CHOICES, announce, resolve_dtype
 
 MANIFEST = "harvest.json"
 SETTING_KEYS = ("target_fingerprint", "drafter_fingerprint", "max_offset", "anchor_stride", "max_len", "generate",
@@ -110,17 +111,18 @@ def _to_dataset(cols: dict):
     if not cols["label"]:
         return None
     return datasets.Dataset.from_dict({
-        "h_target": torch.stack(cols["h_target"]).cpu().numpy(), "h_draft": torch.stack(cols["h_draft"]).cpu().numpy(),
+        "h_target": torch.stack(cols["h_target"]).float().cpu().numpy(),  # numpy has no bf16
+        "h_draft": torch.stack(cols["h_draft"]).float().cpu().numpy(),
         "offset": cols["offset"], "label": cols["label"]})
 
 
-def _load_models(target_path, drafter_path, device, allow_vocab_mismatch=False):
+def _load_models(target_path, drafter_path, device, allow_vocab_mismatch=False, dtype=None):
     """The harness's target and drafter (any kind: HF causal LM, Mamba, an EESD export on this target)."""
     from draftforge.decode import load_drafter, load_target
 
-    target = load_target(target_path, device=device)
+    target = load_target(target_path, device=device, dtype=dtype)
     drafter = load_drafter(drafter_path, target, device=device, allow_vocab_mismatch=allow_vocab_mismatch,
-                           cuda_graphs="off")  # never drafts here: one teacher-forced pass per sequence
+                           cuda_graphs="off", dtype=dtype)  # never drafts here: one teacher-forced pass per sequence
     return target, drafter
 
 
@@ -152,8 +154,8 @@ def _check_resume(manifest_path: Path, settings: dict, resume: bool, overwrite: 
 
 def harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, max_offset=16, anchor_stride=8,
                   max_len=512, generate=0, max_sequences=None, shard_size=64, resume=False, overwrite=False,
-                  device="cpu", allow_vocab_mismatch=False, progress=True) -> dict:
-    """Write the feature rows (resumable); returns the manifest."""
+                  device="cpu", allow_vocab_mismatch=False, progress=True, dtype="auto") -> dict:
+    """Write the feature rows (resumable); returns the manifest. `dtype`: as `draftforge eval --dtype`."""
     from tqdm.auto import tqdm
 
     from draftforge.data.provenance import tokenizer_identity
@@ -166,8 +168,10 @@ def harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, max
     if not isinstance(generate, int) or not 0 <= generate < max_len:
         raise DraftforgeError(f"--generate must be in [0, --max-len) = [0, {max_len}), got {generate!r}")
     out_dir = Path(out_dir)
-    target, drafter = _load_models(target_path, drafter_path, device, allow_vocab_mismatch)
-    settings = {"target": str(target_path), "drafter": str(drafter_path), "sources": [str(s) for s in sources],
+    choice = resolve_dtype(dtype, device)
+    announce(choice, "target and drafter")
+    target, drafter = _load_models(target_path, drafter_path, device, allow_vocab_mismatch, choice.torch_dtype)
+    settings = {"dtype": choice.name, "target": str(target_path), "drafter": str(drafter_path), "sources": [str(s) for s in sources],
                 "target_fingerprint": model_fingerprint(target.model), "target_dim": hidden_size(target.model),
                 **drafter_identity(drafter), "max_offset": max_offset, "anchor_stride": anchor_stride,
                 "max_len": max_len, "generate": generate, "shard_size": shard_size,
@@ -288,13 +292,17 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "target's: use token ids as they are (as eval's flag of the same name)")
     p.add_argument("--resume", action="store_true", help="continue a harvest in --out with the same settings")
     p.add_argument("--overwrite", action="store_true", help="replace a harvest in --out")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="model dtype: auto (default) = bfloat16 where the device computes it natively, else "
+                        "float32; recorded, and a resume must use the same")
 
 
 def run(args) -> int:
     m = harvest_theta(args.target, args.drafter, args.data, args.out, max_offset=args.max_offset,
                       anchor_stride=args.anchor_stride, max_len=args.max_len, generate=args.generate,
                       max_sequences=args.max_sequences, shard_size=args.shard_size, resume=args.resume,
-                      overwrite=args.overwrite, device=args.device, allow_vocab_mismatch=args.allow_vocab_mismatch)
+                      overwrite=args.overwrite, device=args.device, allow_vocab_mismatch=args.allow_vocab_mismatch,
+                      dtype=args.dtype)
     mean = f"{m['mean_label']:.3f}" if m["mean_label"] is not None else "n/a"
     print(f"harvested {m['rows']} rows ({len(m['shards'])} shards), mean acceptance χ {mean}, "
           f"target width {m['target_dim']}, drafter width {m['draft_dim']} -> {args.out}")
