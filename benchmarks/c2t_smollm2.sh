@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# EAGLE-2 vs C2T on SmolLM2-135M-Instruct with the SmolLM2 Mamba2 drafter (README "Dynamic trees"):
+# EAGLE-2 vs C2T on SmolLM2-135M-Instruct with the SmolLM2 Mamba2 drafter (docs/results/c2t.md):
 # harvest EAGLE-2 trees on training prompts, train the C2T head and its feature ablation (PH, Pd, Hd),
 # then one τ–γ sweep on held-out instructions: EAGLE-2's N, C2T's β, the ablation heads, and the
 # transfer of the Mamba-trained head to the Llama drafter.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# EESD on SmolLM2-135M-Instruct, the paper's ablation in one command (README "EESD", issue table):
+# EESD on SmolLM2-135M-Instruct, the paper's ablation in one command (docs/results/eesd.md):
 # exit heads at N = 3 (main), N = 2 and N = 6, a head-only exit (N = 3, no exit layer) and an exit layer
 # trained without self-distilled data (N = 3, stdlib text only); then
 #   1. the exports side by side at fixed K (benchmarks/eesd_bench.py): τ, v_d, r_d, HM, tok/s, speedup;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #13 on a real-text hybrid, in one command: the SmolLM2 hybrid (3 of 30 attention layers as Mamba2,
+# STree on a real-text hybrid, in one command (docs/results/hybrid-stree.md): the SmolLM2 hybrid (3 of 30 attention layers as Mamba2,
 # recipes/hybrid/smollm2_hybrid.yaml), its Mamba2 drafter distilled from it (recipes/hybrid/smollm2_drafter.yaml),
 # then on held-out instructions and HumanEval, T = 0 and 1, medians of 3 rotated repeats:
 #   1. AR vs chain (4 drafts) vs STree (`stree13`, the paper's 13-token tree) vs UCB (benchmarks/hybrid_testbed.py),

@@ -10,9 +10,10 @@ hybrid target and Mamba drafter.
         --drafter runs/hybrid-testbed/drafter/export --bench runs/hybrid-testbed/prompts.jsonl \
         --tree stree13 --eval-out runs/hybrid-testbed/eval-stree13
 
-The measurement is `draftforge eval` with the README's settings (methods ar,chain,tree,ucb, a chain of 4
-drafts, T = 0 and 1, 6 prompts x 64 tokens past EOS, 3 rotated repeats); --tree takes widths (3,1,1,1),
-parent lists per layer (parents:0,0,0/0,0,1/0,0,1/0,0,0) or stree13, STree's 13-token config A (Fig. 4a).
+The measurement is `draftforge eval` with the settings of docs/results/hybrid-stree.md §1 (methods
+ar,chain,tree,ucb, a chain of 4 drafts, T = 0 and 1, 6 prompts x 64 tokens past EOS, 3 rotated repeats);
+--tree takes widths (3,1,1,1), parent lists per layer (parents:0,0,0/0,0,1/0,0,1/0,0,0) or stree13,
+STree's 13-token config A (Fig. 4a).
 
 No hub weights are reachable, so the target is tiny and under-trained: its text is repetitive and
 easy to draft. Numbers measured on it say how the harness behaves, not how a real hybrid would.

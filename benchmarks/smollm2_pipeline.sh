@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The real-target pipeline in one command: SmolLM2-135M-Instruct, its own answers as SFT data, a Mamba2
-# and a Llama drafter of equal size (pretrain -> sft), then the speedup tables (README "Drafters for SmolLM2").
+# and a Llama drafter of equal size (pretrain -> sft), then the speedup tables (docs/results/smollm2-drafters.md).
 #
 #   bash benchmarks/smollm2_pipeline.sh
 #
@@ -9,7 +9,7 @@
 # ones of the training split); EVAL_PROMPTS [3] per bench; NEW_TOKENS [128]; SKIP_EVAL=1 stops after
 # training. Every phase resumes or is skipped when its output exists (generate resumes row by row; a
 # finished training run is kept: delete runs/smollm2/<run> to retrain it). The two drafters train side by
-# side (1 thread each); the eval suites run two at a time (1 thread each). Wall times: README.
+# side (1 thread each); the eval suites run two at a time (1 thread each). Wall times: docs/results/smollm2-drafters.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1

@@ -1,4 +1,4 @@
-"""τ–γ sweep of tree budgets in one run: EAGLE-2's N and C2T's β (C2T §4, Fig. 3; spec c2t.md §4).
+"""τ–γ sweep of tree budgets in one run: EAGLE-2's N and C2T's β (C2T §5, Fig. 4; docs/methods/c2t.md §1).
 
 Every point is one decoder (eagle2 at N = --total-tokens, c2t at β, per classifier head) run over the
 same prompts, greedy, next to plain decoding (AR) in the same process; methods run in a rotating

@@ -1,4 +1,4 @@
-"""Recipes: YAML files validated into dataclasses (DESIGN.md principle 2).
+"""Recipes: YAML files validated into dataclasses (docs/design.md §6, principle 2).
 
 Every field has a default and a one-line doc (`field_docs`, printed by
 `draftforge train --help-recipe TASK`). An unknown key, a wrong type or an impossible value

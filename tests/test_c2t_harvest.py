@@ -1,6 +1,6 @@
 """`draftforge harvest trees` and task `c2t`: labels equal an actual decode, resumable shards, bad input, training.
 
-The harvest labels come from the target's greedy continuation (spec §7); the check decodes the same
+The harvest labels come from the target's greedy continuation (docs/methods/c2t.md §6); the check decodes the same
 prompt with the engine, verifying the same full EAGLE-2 trees in tree-attention forwards, and
 compares the accepted path of every round with the harvest's label-1 nodes of the same tree.
 """

@@ -55,7 +55,7 @@ def chain_round(a: int, k: int) -> Round:
 # ---------------------------------------------------------------- posteriors, by hand
 
 def test_beta_posterior_resolved_update_by_hand():
-    """α += a, β += 1[a<k] (spec §3 [R]): α = 1+2+5+0+1 = 9, β = 1+1+0+1+1 = 4."""
+    """α += a, β += 1[a<k] (docs/methods/cali-ts.md §2): α = 1+2+5+0+1 = 9, β = 1+1+0+1+1 = 4."""
     ctl = BetaTS()
     for a, k in SCRIPT:
         ctl.feedback(chain_round(a, k))

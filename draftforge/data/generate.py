@@ -1,7 +1,7 @@
 """`draftforge generate`: a target's own responses as token rows (format: tokens) for SFT / self-distillation.
 
 Chat targets answer prompts (a JSONL of `messages` / `prompt`, encoded exactly as `draftforge eval`
-encodes them); base targets follow the EESD / LLM-QAT recipe (EESD §3.2, specs/eesd.md §2): start
+encodes them); base targets follow the EESD / LLM-QAT recipe (EESD §3.2, docs/methods/eesd.md §3): start
 from one random token, decode greedily for the first 3-5 tokens, then sample. Each prompt is answered
 once per temperature (0 = greedy), so one file mixes greedy and sampled answers.
 

@@ -1,4 +1,6 @@
-"""`draftforge harvest theta`: χ labels and hidden states for the Cali-TS θ predictor (EESD §3.3; docs/methods/cali-ts.md §5).
+"""`draftforge harvest theta`: χ labels and hidden states for the Cali-TS θ predictor (EESD §3.3).
+
+Why these rows and positions: docs/methods/cali-ts.md §4-§5.
 
 Teacher-forced passes of the frozen target and drafter over held-out sequences (token rows, or text
 tokenized with the target's tokenizer; `--generate N` first lets the target continue each greedily, so

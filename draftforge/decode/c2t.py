@@ -1,8 +1,8 @@
-"""C2T: classifier-pruned dynamic draft trees (C2T §3.3, Alg. 1; spec c2t.md §2.3).
+"""C2T: classifier-pruned dynamic draft trees (C2T §4.2, Alg. 1; docs/methods/c2t.md §5).
 
 Layer by layer up to dmax: every kept frontier node proposes its top-K children; each child gets
 C = F(P, H, d) from the trained classifier (models/c2t.py) and survives when C >= β (C = β is kept,
-spec §5.7); optionally a second, global top-K by C over the layer's survivors (spec §5.8); only
+docs/methods/c2t.md §5); optionally a second, global top-K by C over the layer's survivors (same section); only
 survivors are expanded, and the whole tree is verified (no N, no rerank). K = 1 is the chain mode,
 an early-exit rule: drafting stops at the first token with C < β. Greedy only, like EAGLE-2.
 
@@ -18,7 +18,7 @@ from draftforge.decode.plan import DynamicTree, TreeBuilder
 from draftforge.errors import RecipeError
 from draftforge.models.c2t import DEPTH_ORIGIN, C2TClassifier, feature_matrix, load_head
 
-DEFAULT_TOP_K, DEFAULT_DEPTH, DEFAULT_BETA = 15, 10, 0.5  # the paper's K, dmax, β (spec §2.3)
+DEFAULT_TOP_K, DEFAULT_DEPTH, DEFAULT_BETA = 15, 10, 0.5  # the paper's K, dmax, β (C2T §4.2; docs/methods/c2t.md §5)
 
 
 def parent_entropy(probs_BV: torch.Tensor, top_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

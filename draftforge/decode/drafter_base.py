@@ -33,7 +33,8 @@ class Drafter(ABC):
     node_map: list[int] | None = None  # after a dynamic draft: tree index -> the drafter's own node id
     d2t = None  # reduced draft vocabulary: target ids of the head's rows (LongTensor on the model's device)
     # hidden_D a chain's stop rule gets at depth i: False = the state whose logits chose draft i; True = the
-    # state after consuming draft i (the early-exit drafter, spec §3 [R]). The θ harvest reads it the same way.
+    # state after consuming draft i (the early-exit drafter; docs/methods/cali-ts.md §4). The θ harvest reads it
+    # the same way.
     hidden_after_token = False
 
     def bind(self, target) -> None:

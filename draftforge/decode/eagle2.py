@@ -1,4 +1,4 @@
-"""EAGLE-2 dynamic draft trees for any drafter with the node interface (C2T paper §2.2; spec c2t.md §1).
+"""EAGLE-2 dynamic draft trees for any drafter with the node interface (C2T paper §2.2; docs/methods/c2t.md §2).
 
 Expand: at every draft layer each frontier node proposes its top-k children by drafter probability;
 the global top-k of all new children by joint probability P (product of p along the root path)

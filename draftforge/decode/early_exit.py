@@ -1,6 +1,6 @@
 """EESD's early-exit drafter and the target it is paired with (EESD §3.1; Kangaroo/LayerSkip KV sharing).
 
-Three caches (spec §1 [R]): the target's own DynamicCache holds layers 1..N (written while drafting,
+Three caches (docs/methods/eesd.md §2): the target's own DynamicCache holds layers 1..N (written while drafting,
 shared with the drafter: the same tensors) and layers N+1..L (written while verifying); the exit
 layer keeps a one-layer cache of its own. Drafting feeds y_t, x_1, x_2, ... one at a time through
 layers 1..N, then the exit layer, norm and head; the layer-N states H^N are kept. Verification runs
@@ -10,7 +10,7 @@ last one of a fixed-K chain, goes through layers 1..N first, as LayerSkip's forw
 accepted states it never saw (all drafts accepted) at the next round's start.
 
 Chains only (EESD footnote 3: one top-1 candidate per step), fixed K or ended by any StopRule; a
-stop rule gets `hidden_D` = the post-norm exit output after consuming the token (spec §3 [R]).
+stop rule gets `hidden_D` = the post-norm exit output after consuming the token (docs/methods/cali-ts.md §4).
 A reduced exit head (model.draft_vocab) proposes through its d2t map like every other drafter
 (propose_children: argmax over the draft ids mapped to target ids; at T > 0, q is zero elsewhere).
 

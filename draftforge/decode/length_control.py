@@ -6,7 +6,7 @@ TS controllers draw θ, then χ ~ Bernoulli(θ), and stop on χ = 0 (the first t
 `max_draft` caps a round, the paper has no cap). Posteriors restart per prompt (`start_prompt`), the
 random generator per `reset` (seeded, so runs repeat exactly).
 
-Two of the paper's update rules are broken as printed; we use the spec's resolutions (specs/eesd.md §3):
+Two of the paper's update rules are broken as printed; we use the resolutions in docs/methods/cali-ts.md §2-§3:
   - Beta-TS Eqs. (3)-(4) are off by one (r = -1 when nothing is accepted, or two failures per rejection).
     With a = accepted drafts and k = drafted: α += a, β += 1[a < k] (`beta_update="resolved"`);
     the literal reading α += a, β += min(2, k - a) is kept as `beta_update="literal"` (ablation).
@@ -34,7 +34,7 @@ from draftforge.decode.control import Controller, Round
 from draftforge.decode.plan import DraftStep, StoppableChain, StopRule
 from draftforge.errors import DraftforgeError, RecipeError
 
-DEFAULT_MAX_DRAFT = 16  # spec §3 [R]: K_max for safety
+DEFAULT_MAX_DRAFT = 16  # docs/methods/cali-ts.md §1: K_max for safety (the paper has no cap)
 
 
 def _check_cap(max_draft) -> int:
@@ -89,7 +89,7 @@ class GaussianCalibration:
 
     @property
     def theta_hat(self) -> float:
-        """Accepted over validated drafts, with θ̂₀ as one pseudo-draft (the spec's fix of Eq. 8)."""
+        """Accepted over validated drafts, θ̂₀ as one pseudo-draft (Eq. 8's fix, docs/methods/cali-ts.md §3)."""
         return (self.theta0 + self.accepted) / (1 + self.validated)
 
     def update(self, a: int, k: int) -> None:

@@ -1,6 +1,6 @@
-"""The C2T classifier F: (P, H, d) -> confidence C that the target accepts a draft node (C2T §3.2, App. E).
+"""The C2T classifier F: (P, H, d) -> confidence C that the target accepts a draft node (C2T §4.1, App. E).
 
-Features (spec c2t.md §2.1), raw values, no normalisation:
+Features (docs/methods/c2t.md §3), raw values, no normalisation:
   P  joint probability of the node, exp(sum of log p along its root path), in [0, 1];
   H  entropy (natural log) of the parent's full-vocabulary softmax over its top-M tokens, not renormalised;
   d  draft layer of the node, DEPTH_ORIGIN for the first draft layer (Alg. 1).

@@ -1,19 +1,19 @@
-"""The Cali-TS θ predictor (EESD §3.3 Eq. 5, spec §3 [R]): θ_M = softmax(W_p [W^{min(i,10)} H_t^T ; H^D_i])[1].
+"""The Cali-TS θ predictor (EESD §3.3 Eq. 5): θ_M = softmax(W_p [W^{min(i,10)} H_t^T ; H^D_i])[1].
 
 W^1..W^O (O = 10) are per-offset d_T x d_T maps of the target's hidden state; W_p maps the concatenation to
-two logits; no biases (spec §3's concrete version). The paper's drafter shares the target's width; here the
-drafter may be any model, so W_p takes d_T + d_D inputs. Since W_p is linear, W_p [W^i h_T ; h_D] =
-(W_p,T W^i) h_T + W_p,D h_D: per round `target_terms` computes the (O, 2) first part once, and each
-drafted token costs one 2 x d_D product (`theta_from_terms`).
+two logits; no biases (the concrete reading in docs/methods/cali-ts.md §4). The paper's drafter shares the
+target's width; here the drafter may be any model, so W_p takes d_T + d_D inputs. Since W_p is linear,
+W_p [W^i h_T ; h_D] = (W_p,T W^i) h_T + W_p,D h_D: per round `target_terms` computes the (O, 2) first part
+once, and each drafted token costs one 2 x d_D product (`theta_from_terms`).
 
 What the predictor reads at decode time, and what the harvest must write the same way:
   H_t^T  the target's final-normed hidden state at the row that emitted the last committed token;
   H^D_i  the drafter's final-normed hidden state whose logits chose draft i (after drafts 1..i-1);
   label  χ_i = 1[draft i == the target's token there], teacher-forced (earlier drafts accepted).
-The spec suggests the state *after* draft i (predicting draft i+1); we use the state that chose draft i,
+The paper's index also reads as the state *after* draft i (predicting draft i+1); we use the state that chose draft i,
 which every drafter has for free (a Mamba drafter never feeds its last draft) and which asks the question
 the stop decision after draft i needs first: was draft i accepted? The early-exit drafter feeds every
-draft anyway and gives the spec's state (`Drafter.hidden_after_token`); its harvest pairs that state with
+draft anyway and gives that state (`Drafter.hidden_after_token`); its harvest pairs that state with
 χ of draft i+1. A predictor is tied to one drafter: kind, width, weights and, for EESD, N (`check_pair`).
 
 Legend: B rows, O offsets, T target width d_T, D drafter width d_D.

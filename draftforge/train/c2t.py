@@ -1,4 +1,4 @@
-"""Task `c2t`: the C2T classifier on harvested EAGLE-2 trees (C2T §4, App. B; spec c2t.md §2.2, §3).
+"""Task `c2t`: the C2T classifier on harvested EAGLE-2 trees (C2T §4.1, App. B; docs/methods/c2t.md §4, §7).
 
 Rows come from `draftforge harvest trees` (data.sources: harvest dirs). Trees are split by a hash
 of their id (no tree is on both sides); the training split keeps every accepted node and

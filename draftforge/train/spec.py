@@ -1,4 +1,4 @@
-"""What a task's builder hands the one loop (DESIGN.md "Where a method plugs in").
+"""What a task's builder hands the one loop (docs/design.md §2).
 
 A builder `build(recipe, accelerator, with_data=True) -> TaskSpec` returns:
   model       the trainable module (parts of it that must not train have requires_grad=False);

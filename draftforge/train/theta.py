@@ -1,10 +1,10 @@
-"""Task `theta`: the Cali-TS θ predictor (EESD §3.3 Eq. 5, App. B; spec §3 [R]) on harvested feature rows.
+"""Task `theta`: the Cali-TS θ predictor (EESD §3.3 Eq. 5, App. B; docs/methods/cali-ts.md §4-§5) on harvested rows.
 
 The rows come from `draftforge harvest theta` (data.sources: [HARVEST_DIR]); target and drafter were run
 there, so training touches neither (they are frozen by construction: only their hidden states are read).
-Loss: cross-entropy of the two logits against χ, optionally class-balanced (spec: when acceptance is far
-from 0.5). The export is the predictor alone plus the harvest's target/drafter fingerprints and widths,
-so the harness refuses it for another pair (models/theta.py `load_predictor`).
+Loss: cross-entropy of the two logits against χ, optionally class-balanced when acceptance is far from
+0.5 (docs/methods/cali-ts.md §5). The export is the predictor alone plus the harvest's target/drafter
+fingerprints and widths, so the harness refuses it for another pair (models/theta.py `load_predictor`).
 
 Legend: B rows, T target width, D drafter width.
 """
