@@ -105,3 +105,21 @@ def print_table(headers: list[str], rows: list[list], right: set[int] | frozense
     print("|" + "|".join("---:" if i in right else "---" for i in range(len(headers))) + "|")
     for row in rows:
         print("| " + " | ".join(str(c) for c in row) + " |")
+
+
+def add_dtype_flag(parser) -> None:
+    """--dtype as `draftforge eval` has it: auto (default) is bf16 where the device computes it natively."""
+    from draftforge.runtime import DTYPE_CHOICES
+
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="model dtype: auto (default) = bfloat16 where the device computes it natively, else "
+                             "float32")
+
+
+def chosen_dtype(args, device: str = "cpu"):
+    """The torch dtype --dtype resolves to, said once on stderr with the reason."""
+    from draftforge.runtime import announce, resolve_dtype
+
+    choice = resolve_dtype(args.dtype, getattr(args, "device", None) or device)
+    announce(choice, "models")
+    return choice.torch_dtype

@@ -16,6 +16,7 @@ import statistics
 import time
 
 import torch
+from common import add_dtype_flag, chosen_dtype
 
 
 def run_all(decoders: dict, prompts, max_new: int, repeats: int) -> dict:
@@ -74,9 +75,10 @@ def main(argv=None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
+    add_dtype_flag(p)
     args = p.parse_args(argv)
 
-    target = load_target(args.target, dtype=torch.float32)
+    target = load_target(args.target, dtype=chosen_dtype(args))
     prompts = [pr.input_ids for pr in load_prompts(args.bench, target.tokenizer, num_prompts=args.num_prompts,
                                                     chat="auto", context_length=target.max_context,
                                                     max_new_tokens=args.max_new_tokens)]

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from common import add_dtype_flag, chosen_dtype
 
 def chain(n_nodes: int):
     from draftforge.decode.tree import DraftTree
@@ -101,10 +102,11 @@ def main(argv=None) -> dict:
                         "stree13 (repeatable)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prompt-len", type=int, default=64)
+    add_dtype_flag(p)
     args = p.parse_args(argv)
     if args.max_n < 4:
         p.error("--max-n must be >= 4: the quadratic is fitted over N = 2..max-n")
-    target = load_target(args.target)
+    target = load_target(args.target, dtype=chosen_dtype(args))
     trees = {f"chain{n}": chain(n - 1) for n in range(1, args.max_n + 1)}
     trees.update({f"tree {w}": tree_of(parse_widths(w)) for w in args.tree})
     print(f"timing {len(trees)} verification shapes x {args.repeats} repeats on {type(target).__name__}, "

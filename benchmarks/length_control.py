@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from common import add_dtype_flag, chosen_dtype
 
 def load_prompts(bench: str, target, n: int, max_prompt_tokens: int, max_new_tokens: int) -> list[list[int]]:
     """The harness's own prompt reader (named benches, chat templates, token rows), each cut to its last
@@ -100,14 +101,16 @@ def main(argv=None) -> int:
     p.add_argument("--specpp-threshold", type=float, default=0.3)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
     p.add_argument("--out", help="write the results as JSON here")
+    add_dtype_flag(p)
     args = p.parse_args(argv)
 
     import torch
 
     from draftforge.decode import build_decoder, load_drafter, load_target
 
-    target = load_target(args.target)
-    drafter = load_drafter(args.drafter, target)
+    dtype = chosen_dtype(args)
+    target = load_target(args.target, dtype=dtype)
+    drafter = load_drafter(args.drafter, target, dtype=dtype)
     prompts = load_prompts(args.prompts, target, args.num_prompts, args.max_prompt_tokens, args.max_new_tokens)
     eos = [] if args.ignore_eos else None
     table = methods(args)

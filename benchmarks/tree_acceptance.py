@@ -21,7 +21,7 @@ import sys
 import time
 
 import torch
-from common import print_table, write_json
+from common import add_dtype_flag, chosen_dtype, print_table, write_json
 
 
 def configs(trees: list[str], temperatures: list[float], chain_length: int):
@@ -79,12 +79,14 @@ def main(argv=None) -> dict:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--out", default="runs/tree_acceptance.json")
+    add_dtype_flag(p)
     a = p.parse_args(argv)
     from draftforge.decode import load_drafter, load_target
     from draftforge.eval.prompts import load_prompts
 
-    target = load_target(a.target)
-    drafter = load_drafter(a.drafter, target)
+    dtype = chosen_dtype(a)
+    target = load_target(a.target, dtype=dtype)
+    drafter = load_drafter(a.drafter, target, dtype=dtype)
     prompts = [q.input_ids for q in load_prompts(a.bench, target.tokenizer, num_prompts=a.num_prompts)]
     temps = [float(t) for t in a.temperatures.split(",")]
     rows, t0 = [], time.perf_counter()

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
+from common import add_dtype_flag, chosen_dtype, print_table, write_json  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -49,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--chat-template", default="auto")
     p.add_argument("--out", default="tree_budget_out")
+    add_dtype_flag(p)
     return p.parse_args(argv)
 
 
@@ -191,8 +192,9 @@ def _main(argv=None) -> int:
     from draftforge.eval.prompts import load_prompts
 
     args = parse_args(argv)
-    target = load_target(args.target)
-    drafter = load_drafter(args.drafter, target)
+    dtype = chosen_dtype(args)
+    target = load_target(args.target, dtype=dtype)
+    drafter = load_drafter(args.drafter, target, dtype=dtype)
     prompts = load_prompts(args.bench, target.tokenizer, num_prompts=args.num_prompts, chat=args.chat_template,
                            context_length=target.max_context, max_new_tokens=args.max_new_tokens)
     points = build_points(args, target, drafter)
