@@ -2,15 +2,17 @@
 
 The recipe is the single source of batch sizes: DeepSpeed's micro-batch, accumulation and global
 batch are written into its config from the recipe (Accelerate on CPU cannot infer them without a
-DataLoader), FSDP's wrap policy is narrowed to the block classes the model actually has, the
-final export gathers sharded weights (FSDP, ZeRO-3) into one state dict, and a resume on another
-number of processes is allowed only where the saved state can be resharded.
+DataLoader), FSDP's wrap policy is narrowed to the block classes the model actually has, FSDP2
+runs on CPU processes too (gloo; see `adopt_cpu_fsdp`), the final export gathers sharded weights
+(FSDP, ZeRO-3) into one state dict, and a resume on another number of processes is allowed only
+where the saved state can be resharded.
 Legend: G = global batch, B = micro-batch, W = processes, A = accumulation steps (G = B*A*W).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 
 import torch
@@ -37,7 +39,13 @@ def accelerator_kwargs(env=os.environ) -> dict:
     launch/multi_cpu.yaml uses the torchrun launcher and each process asks here for CPU + gloo.
     DeepSpeed needs gloo named explicitly: otherwise Accelerate finds no device backend, lets
     DeepSpeed start its process group but records a world of 1, and DeepSpeed rejects the batch.
-    FSDP without CUDA is refused: each process would silently train alone.
+    FSDP2 starts as CPU + gloo too and becomes FSDP in `adopt_cpu_fsdp`. FSDP1 cannot run on CPU
+    and is refused here, before Accelerate raises a traceback about it: with sync_module_states
+    (forced on by cpu_ram_efficient_loading) Accelerate's plugin asks for an accelerator device
+    ("There are currently no available devices found", accelerate 1.15 utils/dataclasses.py,
+    FullyShardedDataParallelPlugin.__post_init__), and without it torch's FullyShardedDataParallel
+    rejects the CPU device Accelerate passes ("Inconsistent compute device and `device_id` on rank 0:
+    cpu vs cpu:0", torch 2.13 distributed/fsdp/_init_utils.py, _get_compute_device).
     """
     several = int(env.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in env
     if not several or torch.cuda.is_available():
@@ -46,10 +54,40 @@ def accelerator_kwargs(env=os.environ) -> dict:
         from accelerate.utils import InitProcessGroupKwargs
 
         return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
-    if _flag(env, "ACCELERATE_USE_FSDP"):
-        raise DraftforgeError("launch/fsdp.yaml needs CUDA GPUs and none is visible; on CPU launch with "
-                              "launch/multi_cpu.yaml (DDP) or launch/deepspeed_zero3.yaml (sharded)")
+    if _flag(env, "ACCELERATE_USE_FSDP") and fsdp_version(env) != 2:
+        raise DraftforgeError(f"this launch asks for FSDP{fsdp_version(env)} (fsdp_version: {fsdp_version(env)}), "
+                              "which needs CUDA GPUs, and none is visible; on CPU processes set fsdp_version: 2 in "
+                              "the launch config (launch/fsdp.yaml does), or launch with launch/multi_cpu.yaml")
     return {"cpu": True}
+
+
+def fsdp_version(env=os.environ) -> int:
+    """The FSDP version an FSDP launch asks for (Accelerate's own default when the config names none: 1)."""
+    return int(env.get("FSDP_VERSION", "1"))
+
+
+def adopt_cpu_fsdp(acc, env=os.environ) -> None:
+    """Under an FSDP launch on CPU processes, turn the Accelerator into the FSDP2 one it was launched as.
+
+    Accelerate builds the FSDP plugin from the launch's environment but keeps it only for accelerator
+    process types: the switch to `DistributedType.FSDP` sits in the MULTI_GPU / MULTI_NPU / ... branch
+    of AcceleratorState.__init__ (accelerate 1.15 state.py), never MULTI_CPU, so on CPU the plugin is
+    dropped and `prepare` would wrap the model in DDP under an FSDP config. Everything past that switch
+    runs on CPU as it does on GPUs: `fully_shard` over a gloo mesh, sharded checkpoints
+    (torch.distributed.checkpoint) and the gathered state dict of the export.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = acc.state
+    if not _flag(env, "ACCELERATE_USE_FSDP") or state.distributed_type != DistributedType.MULTI_CPU:
+        return
+    plugin = FullyShardedDataParallelPlugin()  # from the launch's FSDP_* variables, as Accelerator builds it
+    if state.mixed_precision != "no":  # what AcceleratorState does for the plugins it keeps
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # read by accelerate's collectives
 
 
 def _flag(env, name: str) -> bool:
@@ -144,24 +182,33 @@ def _family(name: str) -> str:
     return "fsdp" if name == "fsdp" else "ddp"  # single and DDP checkpoints are the same files
 
 
-def gathered_model(acc, model) -> torch.nn.Module | None:
+def gathered_model(acc, model, rebuild=None) -> torch.nn.Module | None:
     """Under FSDP / ZeRO-3: a full CPU copy of the trained model on the main process (None elsewhere).
 
     `get_state_dict` is collective (every rank must call it); the copy is rebuilt from the config
-    and loaded with the gathered weights, so the sharded model itself is left untouched.
+    (or by `rebuild`, see `model_from_state`) and loaded with the gathered weights, so the sharded
+    model itself is left untouched.
     """
     state = acc.get_state_dict(model)  # ZeRO-3 needs stage3_gather_16bit_weights_on_model_save
     if not acc.is_main_process:
         return None
-    return model_from_state(acc.unwrap_model(model), state)
+    return model_from_state(acc.unwrap_model(model), state, rebuild)
 
 
-def model_from_state(like: torch.nn.Module, state: dict) -> torch.nn.Module:
-    """A fresh CPU model of `like`'s class and config holding `state` (strict: every key must fit)."""
-    config = like.config
-    # The plain constructor, not `_from_config`: under ZeRO-3 that opens deepspeed.zero.Init, a
-    # collective the other ranks never join (the copy is built on the main process only).
-    copy = type(like)(config).to(next(iter(state.values())).dtype)
+def model_from_state(like: torch.nn.Module, state: dict, rebuild=None) -> torch.nn.Module:
+    """A fresh CPU model of `like`'s class and config holding `state` (strict: every key must fit).
+
+    A module that is not a transformers model (eesd's ExitHead, built from a target's layers) cannot
+    be constructed from its config; `rebuild()` then builds an empty one of the same structure."""
+    from transformers import PreTrainedModel
+
+    if rebuild is not None and not isinstance(like, PreTrainedModel):
+        copy = rebuild().cpu()
+    else:
+        # The plain constructor, not `_from_config`: under ZeRO-3 that opens deepspeed.zero.Init, a
+        # collective the other ranks never join (the copy is built on the main process only).
+        copy = type(like)(like.config)
+    copy = copy.to(next(iter(state.values())).dtype)
     load_fitting_state(copy, {k: v.cpu() for k, v in state.items()}, "the gathered state")
     return copy.eval()
 
@@ -176,6 +223,25 @@ def load_fitting_state(model: torch.nn.Module, state: dict, what: str) -> None:
                               f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
     if tied:
         model.tie_weights()
+
+
+def share_frozen(acc, frozen: dict) -> None:
+    """Under FSDP, give every process rank 0's copy of each frozen module (on its device already).
+
+    transformers' FSDP loading (FSDP_CPU_RAM_EFFICIENT_LOADING, set by launch/fsdp.yaml) takes rank 0 as
+    the source of a model's weights: on the other ranks it leaves missing keys uninitialised and
+    non-persistent buffers as placeholders for the FSDP wrapper to overwrite from rank 0
+    (modeling_utils: `is_fsdp_enabled() and not is_local_dist_rank_0()`). A frozen module is never
+    wrapped, so nothing would; one broadcast per tensor at start-up makes every rank's teacher the same.
+    """
+    if not frozen or backend(acc) != "fsdp":
+        return
+    for module in frozen.values():
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            data = tensor.data if tensor.is_contiguous() else tensor.data.contiguous()  # collectives need dense
+            torch.distributed.broadcast(data, src=0)
+            if data is not tensor.data:  # e.g. an expanded position-ids buffer: rank 0's values, stored densely
+                tensor.data = data
 
 
 def check_frozen_placement(acc, frozen: dict) -> None:

@@ -1,4 +1,4 @@
-"""The one training loop (DESIGN.md principle 1). Tasks plug in through a `TaskSpec` (spec.py).
+"""The one training loop (docs/design.md §2, §6 principle 1). Tasks plug in through a `TaskSpec` (spec.py).
 
 Legend: B = micro-batch, T = block size, V = vocab, G = global batch (rows per step),
 W = processes, A = gradient-accumulation micro-steps (G = B * A * W).
@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from draftforge.errors import DataError, DraftforgeError
 from draftforge.recipe import Recipe
+from draftforge.runtime import resolve_precision
 from draftforge.train import checkpoint as ckpt
 from draftforge.train import distributed as dist
 from draftforge.train.batches import BatchPlan, DataExhausted
@@ -51,9 +52,7 @@ class TrainResult:
 
 def make_accelerator(recipe: Recipe) -> Accelerator:
     t = recipe.train
-    precision = t.precision
-    if precision == "auto":
-        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    precision = resolve_precision(t.precision)
     trackers = [x for x in t.trackers if x != "auto"]
     if "auto" in t.trackers:
         try:
@@ -65,6 +64,7 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
     acc = Accelerator(mixed_precision="no" if precision == "fp32" else precision,
                       log_with=trackers or None, project_dir=str(Path(recipe.output_dir) / "logs"),
                       **dist.accelerator_kwargs())
+    dist.adopt_cpu_fsdp(acc)  # an FSDP launch on CPU processes: Accelerate drops the FSDP plugin there
     per_step = t.micro_batch_size * acc.num_processes
     if t.global_batch_size % per_step:
         lo = max(per_step, t.global_batch_size // per_step * per_step)
@@ -83,7 +83,7 @@ def train(recipe: Recipe, build_task, *, resume: bool = False, overwrite: bool =
     run_dir = RunDir(recipe, acc, resume=resume, overwrite=overwrite)  # checks only: nothing written yet
     set_seed(recipe.train.seed)
     try:
-        trainer = Trainer(recipe, acc, build_task(recipe, acc), run_dir)
+        trainer = Trainer(recipe, acc, build_task(recipe, acc), run_dir, build_task)
         return trainer.fit(stop_after)
     except BaseException:
         if not run_dir.checkpointed:
@@ -94,13 +94,15 @@ def train(recipe: Recipe, build_task, *, resume: bool = False, overwrite: bool =
 class Trainer:
     """Owns the accelerator, the prepared model and optimizer, the schedule, the data plan and the counters."""
 
-    def __init__(self, recipe: Recipe, acc: Accelerator, spec: TaskSpec, run_dir: RunDir):
+    def __init__(self, recipe: Recipe, acc: Accelerator, spec: TaskSpec, run_dir: RunDir, build_task=None):
         self.recipe, self.acc, self.spec, self.run_dir, self.t = recipe, acc, spec, run_dir, recipe.train
+        self.build_task = build_task
         self.say = acc.print
         self._announce()
         dist.check_frozen_placement(acc, spec.frozen)
         for module in spec.frozen.values():  # never prepared: no optimizer state, no grad sync, no sharding
             module.to(acc.device).eval().requires_grad_(False)
+        dist.share_frozen(acc, spec.frozen)  # under FSDP, transformers may load them whole on rank 0 only
         opt, self.sched = build_optimizer(spec.model, recipe)
         dist.fit_fsdp_wrap_policy(acc, spec.model)
         if dist.batch_note(acc):
@@ -257,7 +259,8 @@ class Trainer:
         acc.wait_for_everyone()
         # FSDP / ZeRO-3: no process holds the full weights; gather them (collective) into a CPU copy.
         model = self.model
-        unwrapped = dist.gathered_model(acc, model) if dist.shards_weights(acc) else acc.unwrap_model(model)
+        unwrapped = (dist.gathered_model(acc, model, self._empty_model if self.build_task else None)
+                     if dist.shards_weights(acc) else acc.unwrap_model(model))
         out = None
         if acc.is_main_process:
             meta = {"task": self.recipe.task, "target": self.recipe.model.target, "recipe": self.recipe.to_dict(),
@@ -265,6 +268,17 @@ class Trainer:
             out = self.spec.export(unwrapped, self.run_dir.path / "export", meta, overwrite=True)
         acc.wait_for_everyone()
         return out
+
+    def _empty_model(self) -> torch.nn.Module:
+        """The task's model built again without data, as `draftforge export` builds it (its weights are then
+        replaced by the gathered ones): for a model that cannot be rebuilt from its config alone."""
+        from draftforge.train.export_run import _NoAccelerator
+
+        class Quiet(_NoAccelerator):  # the builder's banner was printed when the run started
+            def print(self, *args, **kwargs):
+                pass
+
+        return self.build_task(self.recipe, Quiet(), with_data=False).model
 
     def _summary(self, step: int, export_dir: Path | None) -> TrainResult:
         rate = self.timed_units / self.train_time if self.train_time else 0.0
