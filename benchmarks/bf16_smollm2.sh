@@ -42,11 +42,9 @@ suite() {  # name, drafter, methods (comma list), bench
 
 phase "eval suites: Mamba2, Llama, prompt lookup on instructions and HumanEval, T = 0 and 1 ($PARALLEL at a time)"
 jobs=()
-for bench in instructions humaneval; do
-  jobs+=("mamba2 $RUNS/mamba2-sft/export ar,chain,tree,ucb $bench")
-  jobs+=("llama $RUNS/llama-sft/export ar,chain,tree,hf_assisted $bench")
-  jobs+=("lookup prompt-lookup ar,chain,tree,hf_prompt_lookup $bench")
-done
+for bench in instructions humaneval; do jobs+=("lookup prompt-lookup ar,chain,tree,hf_prompt_lookup $bench"); done
+for bench in instructions humaneval; do jobs+=("llama $RUNS/llama-sft/export ar,chain,tree,hf_assisted $bench"); done
+for bench in instructions humaneval; do jobs+=("mamba2 $RUNS/mamba2-sft/export ar,chain,tree,ucb $bench"); done
 running=0
 for j in "${jobs[@]}"; do
   # shellcheck disable=SC2086
