@@ -48,7 +48,8 @@ def measure_harness(path: str, ctx: int, steps: int, repeats: int, full_head: bo
     """
     from draftforge.decode.drafter_hf import TransformerDrafter
     from draftforge.decode.drafter_mamba import MambaDrafter
-    from draftforge.decode.targets import SSM_MODEL_TYPES, load_hf_causal_lm
+    from draftforge.decode.loading import load_hf_causal_lm
+    from draftforge.decode.targets import SSM_MODEL_TYPES
 
     model, _ = load_hf_causal_lm(path, "cpu", None, "drafter")
     vocab = model.get_input_embeddings().weight.shape[0]

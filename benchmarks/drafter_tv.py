@@ -66,8 +66,7 @@ def position_stats(p_TV, logits_TV, temperature: float) -> dict:
 
 
 def run(target_dir, drafter_dirs, bench, num_prompts, max_new_tokens, temperature, gamma, seed=0) -> dict:
-    from draftforge.decode.drafters import load_drafter
-    from draftforge.decode.targets import load_target
+    from draftforge.decode.loading import load_drafter, load_target
     from draftforge.eval.prompts import load_prompts
 
     target = load_target(target_dir)

@@ -3,7 +3,8 @@
 `load_causal_lm` checks a local path before transformers sees it (a missing directory says so,
 instead of the Hub's "Repo id must be in the form ..."), loads safetensors only (pickle weights
 can run code when unpickled; opt in with `allow_pickle=True` or DRAFTFORGE_ALLOW_PICKLE=1), and
-turns a file named `.safetensors` that is not one into a CheckpointError.
+turns a file named `.safetensors` that is not one into a CheckpointError. A reduced-vocabulary draft head
+(models/draft_vocab.py), which does not fit config.vocab_size, is put back after transformers loads the rest.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 # "name" or "org/name": what the Hub accepts; anything else that does not exist is a missing local path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 _MAX_HEADER = 100 * 2**20  # safetensors caps its JSON header at 100 MB
+DRAFT_VOCAB_KEY = "draft_vocab"  # config key of a reduced head's draft -> target id map (models/draft_vocab.py)
 
 
 def pickle_allowed(allow_pickle: bool | None = None) -> bool:
@@ -101,8 +103,6 @@ def load_causal_lm(source, *, what: str = "model", allow_pickle: bool | None = N
     if local is not None:
         check_local_weights(local, allowed, what)
     quiet_known_notices()
-    from draftforge.models.draft_vocab import reduced_head_kwargs, restore_reduced_head
-
     if local is not None:  # a reduced draft head does not fit config.vocab_size: put back after loading
         kwargs.update(reduced_head_kwargs(local))
     try:
@@ -120,6 +120,46 @@ def load_causal_lm(source, *, what: str = "model", allow_pickle: bool | None = N
         raise CheckpointError(f"cannot load the {what} from {where}: {first_line}") from None
     note_cpu_kernels(model)
     return model
+
+
+def reduced_head_kwargs(path) -> dict:
+    """Extra from_pretrained arguments for a reduced-vocabulary checkpoint (its head does not fit the
+    config's vocab_size; restore_reduced_head puts it back afterwards)."""
+    config = Path(str(path)) / "config.json"
+    if config.is_file() and DRAFT_VOCAB_KEY in config.read_text():
+        import json
+
+        if json.loads(config.read_text()).get(DRAFT_VOCAB_KEY) is not None:
+            return {"ignore_mismatched_sizes": True}
+    return {}
+
+
+def restore_reduced_head(model, path) -> None:
+    """After `from_pretrained(..., ignore_mismatched_sizes=True)` of a reduced-vocabulary checkpoint: put
+    back its trained N-row head (from_pretrained re-initialised a full one)."""
+    d2t = getattr(model.config, DRAFT_VOCAB_KEY, None)
+    if d2t is None:
+        return
+    import torch
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            name = next((k for k in st.keys() if k.endswith("lm_head.weight")), None)
+            if name is not None:
+                weight = st.get_tensor(name)
+                break
+    else:
+        raise CheckpointError(f"{path}: a reduced-vocabulary drafter ({len(d2t)} draft ids) but no lm_head.weight "
+                              "in its safetensors files")
+    if weight.shape[0] != len(d2t):
+        raise CheckpointError(f"{path}: lm_head has {weight.shape[0]} rows but config.draft_vocab lists {len(d2t)}")
+    dtype = model.get_input_embeddings().weight.dtype
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=dtype)
+    with torch.no_grad():
+        head.weight.copy_(weight.to(dtype))
+    model.set_output_embeddings(head.to(model.get_input_embeddings().weight.device))
 
 
 @contextlib.contextmanager

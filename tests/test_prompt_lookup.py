@@ -11,7 +11,7 @@ from test_decode_sampling import chi_square, chi_square_limit
 
 from draftforge.decode import build_decoder, load_drafter, load_target, parse_tree, verify
 from draftforge.decode.drafter_lookup import NgramIndex, PromptLookupDrafter
-from draftforge.decode.drafters import lookup_options
+from draftforge.decode.loading import lookup_options
 from draftforge.decode.methods import METHODS
 from draftforge.decode.sampling import SamplingParams, probs_from_logits
 from draftforge.decode.tree import DraftTree

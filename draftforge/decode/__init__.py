@@ -2,7 +2,7 @@
 
     target = load_target(path_or_model); drafter = load_drafter(path_or_model, target)   # cuda_graphs="auto"
     drafter = load_drafter("prompt-lookup", target)   # or "prompt-lookup:ngram=3,tokens=10": n-gram lookup, no model
-    dec = build_decoder("tree", target, drafter, tree=(3, 2, 2, 1))     # methods: decode/methods.py
+    dec = build_decoder("tree", target, drafter, tree=(3, 2, 2, 1))     # the registry: decode/methods.py
     dec = build_decoder("tree", target, drafter, tree=parse_tree("stree13"))   # or any TreeShape
     res = dec.generate(ids, max_new_tokens=128, temperature=0.0)   # -> DecodeResult
 
@@ -12,14 +12,20 @@ A Mamba drafter's decode steps are CUDA graphs when load_drafter(..., cuda_graph
 
 from draftforge.decode.base import DecodeResult, DecodeStats
 from draftforge.decode.control import DEFAULT_UCB_TREES, Controller, FixedChain, FixedTree, NoDraft, UCBTree
-from draftforge.decode.drafters import Drafter, PromptLookupDrafter, load_drafter
-from draftforge.decode.engine import HFAssistedDecoder, HFPromptLookupDecoder, SpeculativeDecoder, build_decoder
+from draftforge.decode.engine import SpeculativeDecoder
+from draftforge.decode.loading import Drafter, PromptLookupDrafter, load_drafter, load_target
 from draftforge.decode.methods import Method, Option, method_names, register_method, register_option
+from draftforge.decode.methods import build as build_decoder
 from draftforge.decode.plan import DraftStep, DynamicTree, StaticTree, StopRule, StoppableChain, TreeBuilder
 from draftforge.decode.sampling import SamplingParams
-from draftforge.decode.targets import KVCacheTarget, Target, Verification, load_target
+from draftforge.decode.targets import KVCacheTarget, Target, Verification
 from draftforge.decode.tree import DraftTree
 from draftforge.decode.tree_shape import TREE_PRESETS, TreeShape, parse_tree
+
+# Each method's module registers its methods and options on import, in this order: the order of METHODS
+# and of eval's flags. No module above imports one of them.
+from draftforge.decode import core_methods, hf_baselines, length_control, eagle2, c2t, early_exit  # noqa: F401,I001
+from draftforge.decode.hf_baselines import HFAssistedDecoder, HFPromptLookupDecoder
 
 METHODS = method_names()  # the built-in methods; register_method adds more
 

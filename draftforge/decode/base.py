@@ -23,6 +23,20 @@ class DecodeStats:
     total_time_s: float = 0.0  # wall time of the whole generate() call, prefill included
     chosen_configs: list[str] = field(default_factory=list)  # controller's choice per round (e.g. UCB arm)
 
+    def add_round(self, accepted: int, drafted: int, depth: int, config: str) -> None:
+        """One verification round: `drafted` candidates down to `depth`, of which the first `accepted` along
+        the root path were kept; `config` names the round's choice. Keeps the per-round lists in step."""
+        self.target_forwards += 1
+        self.accepted_per_round.append(accepted)
+        self.drafted_per_round.append(drafted)
+        for lst in (self.accept_by_position, self.proposed_by_position):
+            lst.extend([0] * (depth - len(lst)))
+        for d in range(depth):
+            self.proposed_by_position[d] += 1
+        for d in range(accepted):
+            self.accept_by_position[d] += 1
+        self.chosen_configs.append(config)
+
     @property
     def tau(self) -> float:
         """Tokens emitted per target forward (bonus token counted)."""

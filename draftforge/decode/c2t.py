@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from draftforge.decode.eagle2 import BuilderController, check_context, draft_vocab_size
+from draftforge.decode.checks import check_context, draft_vocab_size, non_negative_int, positive_int
+from draftforge.decode.control import BuilderController
+from draftforge.decode.engine import SpeculativeDecoder
+from draftforge.decode.methods import Method, Option, register_method, register_option
 from draftforge.decode.plan import DynamicTree, TreeBuilder
 from draftforge.errors import RecipeError
 from draftforge.models.c2t import DEPTH_ORIGIN, C2TClassifier, feature_matrix, load_head
@@ -70,8 +73,6 @@ def check_beta(beta) -> float:
 
 
 def make_c2t(target, drafter, options: dict):
-    from draftforge.decode.engine import SpeculativeDecoder
-
     if options["c2t"] is None:
         raise RecipeError("method c2t needs a trained classifier: --c2t PATH (an export of task c2t)")
     classifier, meta = load_head(options["c2t"])
@@ -85,27 +86,19 @@ def make_c2t(target, drafter, options: dict):
     return SpeculativeDecoder("c2t", target, drafter, BuilderController(builder.plan()))
 
 
-def _non_negative_int(value, flag):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise RecipeError(f"{flag} must be an integer >= 0, got {value!r}")
-    return value
+# ---------------------------------------------------------------- the method and its options
 
-
-def register() -> None:
-    """The `c2t` method and its options (called once from decode/methods.py)."""
-    from draftforge.decode.methods import Method, Option, _positive_int, register_method, register_option
-
-    register_option(Option("c2t", "--c2t", str, str, None, "C2T: the exported classifier (task c2t) to prune with"))
-    register_option(Option("beta", "--beta", float, check_beta, DEFAULT_BETA,
-                           f"C2T: keep a node when its confidence C >= β, β in (0, 1) (default {DEFAULT_BETA})"))
-    register_option(Option("c2t_top_k", "--c2t-top-k", int, lambda v: _positive_int(v, "--c2t-top-k"),
-                           DEFAULT_TOP_K, f"C2T: children scored per kept node, K; 1 = chain mode (default "
-                           f"{DEFAULT_TOP_K})"))
-    register_option(Option("c2t_depth", "--c2t-depth", int, lambda v: _positive_int(v, "--c2t-depth"),
-                           DEFAULT_DEPTH, f"C2T: draft layers dmax (default {DEFAULT_DEPTH})"))
-    register_option(Option("c2t_second_top_k", "--c2t-second-top-k", int,
-                           lambda v: _non_negative_int(v, "--c2t-second-top-k"), None,
-                           "C2T: keep at most this many survivors per layer by C, 0 = off (default: K)"))
-    register_method(Method("c2t", "C2T: dynamic tree pruned by a classifier on (P, H, d) (--c2t PATH --beta; "
-                           "greedy only)", True, make_c2t, ("c2t", "beta", "c2t_top_k", "c2t_depth",
-                                                             "c2t_second_top_k")))
+register_option(Option("c2t", "--c2t", str, str, None, "C2T: the exported classifier (task c2t) to prune with"))
+register_option(Option("beta", "--beta", float, check_beta, DEFAULT_BETA,
+                       f"C2T: keep a node when its confidence C >= β, β in (0, 1) (default {DEFAULT_BETA})"))
+register_option(Option("c2t_top_k", "--c2t-top-k", int, lambda v: positive_int(v, "--c2t-top-k"),
+                       DEFAULT_TOP_K, f"C2T: children scored per kept node, K; 1 = chain mode (default "
+                       f"{DEFAULT_TOP_K})"))
+register_option(Option("c2t_depth", "--c2t-depth", int, lambda v: positive_int(v, "--c2t-depth"),
+                       DEFAULT_DEPTH, f"C2T: draft layers dmax (default {DEFAULT_DEPTH})"))
+register_option(Option("c2t_second_top_k", "--c2t-second-top-k", int,
+                       lambda v: non_negative_int(v, "--c2t-second-top-k"), None,
+                       "C2T: keep at most this many survivors per layer by C, 0 = off (default: K)"))
+register_method(Method("c2t", "C2T: dynamic tree pruned by a classifier on (P, H, d) (--c2t PATH --beta; "
+                       "greedy only)", True, make_c2t, ("c2t", "beta", "c2t_top_k", "c2t_depth",
+                                                         "c2t_second_top_k")))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from draftforge.decode.plan import StaticTree
+from draftforge.decode.plan import DynamicTree, StaticTree
 from draftforge.decode.tree import DraftTree, validate_widths
 from draftforge.decode.tree_shape import TreeShape, tree_depth, tree_name, validate_tree
 from draftforge.errors import DraftforgeError
@@ -149,3 +149,13 @@ class UCBTree(Controller):
 
     def arm_name(self) -> str:
         return tree_name(self.arms[self.last_arm])
+
+
+class BuilderController(Controller):
+    """Hands the drafter the same dynamic plan every round (EAGLE-2, C2T)."""
+
+    def __init__(self, plan: DynamicTree):
+        self.plan = plan
+
+    def next_plan(self):
+        return self.plan

@@ -24,13 +24,12 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from transformers import DynamicCache, Mamba2ForCausalLM
+from transformers import Mamba2ForCausalLM
 
 from draftforge.errors import DraftforgeError
-from draftforge.models.mamba2_step import Mamba2Step
+from draftforge.models.mamba2_step import Mamba2Step, States, cache_over
 
 MODES = ("auto", "on", "off")
-States = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (conv state, ssm state)
 
 
 def use_cuda_graphs(mode: str, device: torch.device) -> bool:
@@ -68,18 +67,6 @@ class CudaGraph:
 
     def replay(self) -> None:
         self.graph.replay()
-
-
-def cache_over(config, states: States) -> DynamicCache:
-    """A cache whose layers read and step exactly these tensors (in place)."""
-    cache = DynamicCache(config=config)
-    for i, (conv, ssm) in enumerate(states):
-        # the public update calls initialise the layer (and mark it as holding a previous state) ...
-        cache.update_conv_state(conv, i)
-        cache.update_recurrent_state(ssm, i)
-    for layer, (conv, ssm) in zip(cache.layers, states):
-        layer.conv_states[0], layer.recurrent_states[0] = conv, ssm  # ... then we swap in our tensors
-    return cache
 
 
 def lean_step_for(model) -> Mamba2Step | None:

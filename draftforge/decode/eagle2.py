@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from draftforge.decode.control import Controller
+from draftforge.decode.checks import check_context, draft_vocab_size, positive_int
+from draftforge.decode.control import BuilderController
+from draftforge.decode.engine import SpeculativeDecoder
+from draftforge.decode.methods import Method, Option, register_method, register_option
 from draftforge.decode.plan import DynamicTree, TreeBuilder
 from draftforge.errors import RecipeError
 
@@ -66,16 +69,6 @@ class Eagle2Builder(TreeBuilder):
         return DynamicTree(self, self.layers)
 
 
-class BuilderController(Controller):
-    """Hands the drafter the same dynamic plan every round (EAGLE-2, C2T)."""
-
-    def __init__(self, plan: DynamicTree):
-        self.plan = plan
-
-    def next_plan(self):
-        return self.plan
-
-
 def check_eagle2(top_k: int, depth: int, total_tokens: int, target, drafter) -> None:
     """Refuse settings this target/drafter cannot run: k beyond the (draft) vocabulary, a budget beyond the context."""
     vocab = draft_vocab_size(drafter, target)
@@ -87,39 +80,22 @@ def check_eagle2(top_k: int, depth: int, total_tokens: int, target, drafter) -> 
     check_context(total_tokens, target, "--total-tokens")
 
 
-def check_context(tokens: int, target, flag: str) -> None:
-    ctx = getattr(target, "max_context", None)
-    if ctx is not None and tokens > ctx:
-        raise RecipeError(f"{flag} {tokens} is beyond the target's context of {ctx} tokens; one verification "
-                          f"forward must fit in it, use at most {ctx}")
-
-
-def draft_vocab_size(drafter, target) -> int:
-    """Tokens the drafter can propose: its reduced draft vocabulary, else the target's vocabulary."""
-    d2t = getattr(drafter, "d2t", None)
-    return int(d2t.numel()) if d2t is not None else int(target.vocab_size)
-
-
 def make_eagle2(target, drafter, options: dict):
-    from draftforge.decode.engine import SpeculativeDecoder
-
     k, depth, total = options["eagle_top_k"], options["eagle_depth"], options["total_tokens"]
     check_eagle2(k, depth, total, target, drafter)
     return SpeculativeDecoder("eagle2", target, drafter, BuilderController(Eagle2Builder(k, depth, total).plan()))
 
 
-def register() -> None:
-    """The `eagle2` method and its options (called once from decode/methods.py)."""
-    from draftforge.decode.methods import Method, Option, _positive_int, register_method, register_option
+# ---------------------------------------------------------------- the method and its options
 
-    register_option(Option("eagle_top_k", "--eagle-top-k", int, lambda v: _positive_int(v, "--eagle-top-k"),
-                           DEFAULT_TOP_K, f"EAGLE-2: children per frontier node and frontier width k "
-                           f"(default {DEFAULT_TOP_K})"))
-    register_option(Option("eagle_depth", "--eagle-depth", int, lambda v: _positive_int(v, "--eagle-depth"),
-                           DEFAULT_DEPTH, f"EAGLE-2: expansion rounds after the first layer, EAGLE's `depth` "
-                           f"(draft layers = depth + 1; default {DEFAULT_DEPTH})"))
-    register_option(Option("total_tokens", "--total-tokens", int, lambda v: _positive_int(v, "--total-tokens"),
-                           DEFAULT_TOTAL_TOKENS, "EAGLE-2 rerank budget N: tokens per verification, root included "
-                           f"(EAGLE's total_token; default {DEFAULT_TOTAL_TOKENS})"))
-    register_method(Method("eagle2", "EAGLE-2 dynamic tree: top-k expand + rerank to --total-tokens (greedy only)",
-                           True, make_eagle2, ("eagle_top_k", "eagle_depth", "total_tokens")))
+register_option(Option("eagle_top_k", "--eagle-top-k", int, lambda v: positive_int(v, "--eagle-top-k"),
+                       DEFAULT_TOP_K, f"EAGLE-2: children per frontier node and frontier width k "
+                       f"(default {DEFAULT_TOP_K})"))
+register_option(Option("eagle_depth", "--eagle-depth", int, lambda v: positive_int(v, "--eagle-depth"),
+                       DEFAULT_DEPTH, f"EAGLE-2: expansion rounds after the first layer, EAGLE's `depth` "
+                       f"(draft layers = depth + 1; default {DEFAULT_DEPTH})"))
+register_option(Option("total_tokens", "--total-tokens", int, lambda v: positive_int(v, "--total-tokens"),
+                       DEFAULT_TOTAL_TOKENS, "EAGLE-2 rerank budget N: tokens per verification, root included "
+                       f"(EAGLE's total_token; default {DEFAULT_TOTAL_TOKENS})"))
+register_method(Method("eagle2", "EAGLE-2 dynamic tree: top-k expand + rerank to --total-tokens (greedy only)",
+                       True, make_eagle2, ("eagle_top_k", "eagle_depth", "total_tokens")))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from draftforge.decode.control import FixedChain
 from draftforge.decode.drafter_base import (
     Drafter,
     chain_stops,
@@ -29,6 +30,8 @@ from draftforge.decode.drafter_base import (
     propose_children,
     stack_q,
 )
+from draftforge.decode.engine import SpeculativeDecoder
+from draftforge.decode.methods import Method, register_method
 from draftforge.decode.sampling import match_vocab
 from draftforge.decode.targets import KVCacheTarget, Verification
 from draftforge.decode.tree import DraftTree
@@ -259,9 +262,15 @@ def load_early_exit(path, target, device="cpu", dtype=None) -> EarlyExitDrafter:
 
 def make_eesd_decoder(target, drafter, controller, name: str = "eesd"):
     """A SpeculativeDecoder of the early-exit drafter over its paired target (refuses other drafters)."""
-    from draftforge.decode.engine import SpeculativeDecoder
-
     if not isinstance(drafter, EarlyExitDrafter):
         raise DraftforgeError(f"method {name!r} needs an EESD exit head as drafter (an export of task eesd), got a "
                               f"{getattr(drafter, 'kind', type(drafter).__name__)!r} drafter; use method chain for it")
     return SpeculativeDecoder(name, drafter.paired_target(target), drafter, controller)
+
+
+# ---------------------------------------------------------------- the method (chain_length: core_methods.py's option)
+
+register_method(Method("eesd", "EESD early-exit drafter (an eesd export): a chain of --chain-length drafts from the "
+                       "target's first N layers + exit head, verified by layers N+1..L", True,
+                       lambda target, drafter, o: make_eesd_decoder(target, drafter, FixedChain(o["chain_length"])),
+                       ("chain_length",)))

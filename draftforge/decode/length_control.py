@@ -30,9 +30,12 @@ import random
 
 import torch
 
+from draftforge.decode.checks import non_negative, one_of, positive, positive_int, unit_interval
 from draftforge.decode.control import Controller, Round
+from draftforge.decode.engine import SpeculativeDecoder
+from draftforge.decode.methods import Method, Option, register_method, register_option
 from draftforge.decode.plan import DraftStep, StoppableChain, StopRule
-from draftforge.errors import DraftforgeError, RecipeError
+from draftforge.errors import DraftforgeError
 
 DEFAULT_MAX_DRAFT = 16  # docs/methods/cali-ts.md §1: K_max for safety (the paper has no cap)
 
@@ -224,7 +227,7 @@ class SpecDecPP(LengthController):
         return 1.0 - self.all_accepted > self.threshold
 
 
-# ---------------------------------------------------------------- methods and options (decode/methods.py)
+# ---------------------------------------------------------------- the methods and their options
 
 def _predictor(path, target, drafter):
     if path is None:
@@ -234,75 +237,46 @@ def _predictor(path, target, drafter):
     return load_predictor(path, target.model, drafter, device=target.device)
 
 
-def _unit(value, where, open_=False) -> float:
-    ok = value is not None and (0.0 < float(value) < 1.0 if open_ else 0.0 <= float(value) <= 1.0)
-    if not ok:
-        raise RecipeError(f"{where} must be in {'(0, 1)' if open_ else '[0, 1]'}, got {value!r}")
-    return float(value)
+def _make(name, controller):
+    return lambda target, drafter, o: SpeculativeDecoder(name, target, drafter, controller(target, drafter, o))
 
 
-def _positive(value, where) -> float:
-    if value is None or float(value) <= 0:
-        raise RecipeError(f"{where} must be > 0, got {value!r}")
-    return float(value)
+register_option(Option("max_draft", "--max-draft", int, lambda v: positive_int(v, "--max-draft"), DEFAULT_MAX_DRAFT,
+                       "cap on drafts per round for beta_ts / cali_ts / specdec_pp (default 16)"))
+register_option(Option("ts_seed", "--ts-seed", int, lambda v: int(non_negative(v, "--ts-seed")), 0,
+                       "seed of the Thompson-sampling draws (default 0)"))
+register_option(Option("beta_alpha0", "--beta-alpha0", float, lambda v: positive(v, "--beta-alpha0"), 1.0,
+                       "Beta-TS prior α₀ (default 1)"))
+register_option(Option("beta_beta0", "--beta-beta0", float, lambda v: positive(v, "--beta-beta0"), 1.0,
+                       "Beta-TS prior β₀ (default 1)"))
+register_option(Option("beta_update", "--beta-update", str,
+                       lambda v: one_of(v, "--beta-update", ("resolved", "literal")), "resolved",
+                       "Beta-TS update: resolved (α+=a, β+=1[a<k], the spec's fix) or literal (Eqs. 3-4)"))
+register_option(Option("theta_predictor", "--theta-predictor", str, str, None,
+                       "a θ predictor export (task theta) for this target/drafter pair (cali_ts: θ_M; specdec_pp: "
+                       "head)"))
+register_option(Option("sigma_m", "--sigma-m", float, lambda v: positive(v, "--sigma-m"), 0.2,
+                       "Cali-TS σ_M, the θ predictor's error (default 0.2)"))
+register_option(Option("sigma_s", "--sigma-s", float, lambda v: positive(v, "--sigma-s"), 0.3,
+                       "Cali-TS σ_S, spread of a round's acceptance mean (default 0.3)"))
+register_option(Option("theta0", "--theta0", float, lambda v: unit_interval(v, "--theta0"), None,
+                       "Cali-TS θ̂₀ (default: the predictor's mean training acceptance, else 0.5)"))
+register_option(Option("specpp_threshold", "--specpp-threshold", float,
+                       lambda v: unit_interval(v, "--specpp-threshold", True), 0.3,
+                       "SpecDec++: stop once P(some draft rejected) exceeds this (default 0.3)"))
 
-
-def _choice(value, where, choices):
-    if value not in choices:
-        raise RecipeError(f"{where} must be one of {', '.join(choices)}, got {value!r}")
-    return value
-
-
-def _length_options():
-    from draftforge.decode.methods import Option, _non_negative, _positive_int
-
-    return (
-        Option("max_draft", "--max-draft", int, lambda v: _positive_int(v, "--max-draft"), DEFAULT_MAX_DRAFT,
-               "cap on drafts per round for beta_ts / cali_ts / specdec_pp (default 16)"),
-        Option("ts_seed", "--ts-seed", int, lambda v: int(_non_negative(v, "--ts-seed")), 0,
-               "seed of the Thompson-sampling draws (default 0)"),
-        Option("beta_alpha0", "--beta-alpha0", float, lambda v: _positive(v, "--beta-alpha0"), 1.0,
-               "Beta-TS prior α₀ (default 1)"),
-        Option("beta_beta0", "--beta-beta0", float, lambda v: _positive(v, "--beta-beta0"), 1.0,
-               "Beta-TS prior β₀ (default 1)"),
-        Option("beta_update", "--beta-update", str, lambda v: _choice(v, "--beta-update", ("resolved", "literal")),
-               "resolved", "Beta-TS update: resolved (α+=a, β+=1[a<k], the spec's fix) or literal (Eqs. 3-4)"),
-        Option("theta_predictor", "--theta-predictor", str, str, None,
-               "a θ predictor export (task theta) for this target/drafter pair (cali_ts: θ_M; specdec_pp: head)"),
-        Option("sigma_m", "--sigma-m", float, lambda v: _positive(v, "--sigma-m"), 0.2,
-               "Cali-TS σ_M, the θ predictor's error (default 0.2)"),
-        Option("sigma_s", "--sigma-s", float, lambda v: _positive(v, "--sigma-s"), 0.3,
-               "Cali-TS σ_S, spread of a round's acceptance mean (default 0.3)"),
-        Option("theta0", "--theta0", float, lambda v: _unit(v, "--theta0"), None,
-               "Cali-TS θ̂₀ (default: the predictor's mean training acceptance, else 0.5)"),
-        Option("specpp_threshold", "--specpp-threshold", float, lambda v: _unit(v, "--specpp-threshold", True), 0.3,
-               "SpecDec++: stop once P(some draft rejected) exceeds this (default 0.3)"),
-    )
-
-
-def register_length_methods() -> None:
-    """beta_ts, cali_ts and specdec_pp with their options (called once by methods._register_builtins)."""
-    from draftforge.decode.engine import SpeculativeDecoder
-    from draftforge.decode.methods import Method, register_method, register_option
-
-    for option in _length_options():
-        register_option(option)
-
-    def make(name, controller):
-        return lambda target, drafter, o: SpeculativeDecoder(name, target, drafter, controller(target, drafter, o))
-
-    register_method(Method(
-        "beta_ts", "chains ended by Beta-TS (EESD App. A): θ ~ Beta per draft, stop on Bernoulli(θ) = 0", True,
-        make("beta_ts", lambda t, d, o: BetaTS(o["max_draft"], o["ts_seed"], o["beta_alpha0"], o["beta_beta0"],
-                                               o["beta_update"])),
-        ("max_draft", "ts_seed", "beta_alpha0", "beta_beta0", "beta_update")))
-    register_method(Method(
-        "cali_ts", "chains ended by Cali-TS (EESD §3.3, App. B): θ predictor blended with the running mean", True,
-        make("cali_ts", lambda t, d, o: CaliTS(t, _predictor(o["theta_predictor"], t, d), o["max_draft"],
-                                               o["ts_seed"], o["sigma_m"], o["sigma_s"], o["theta0"])),
-        ("max_draft", "ts_seed", "theta_predictor", "sigma_m", "sigma_s", "theta0")))
-    register_method(Method(
-        "specdec_pp", "chains ended by SpecDec++'s threshold on P(some draft rejected) (drafter prob as p_acc)",
-        True, make("specdec_pp", lambda t, d, o: SpecDecPP(o["specpp_threshold"], o["max_draft"], t,
-                                                           _predictor(o["theta_predictor"], t, d))),
-        ("max_draft", "specpp_threshold", "theta_predictor")))
+register_method(Method(
+    "beta_ts", "chains ended by Beta-TS (EESD App. A): θ ~ Beta per draft, stop on Bernoulli(θ) = 0", True,
+    _make("beta_ts", lambda t, d, o: BetaTS(o["max_draft"], o["ts_seed"], o["beta_alpha0"], o["beta_beta0"],
+                                            o["beta_update"])),
+    ("max_draft", "ts_seed", "beta_alpha0", "beta_beta0", "beta_update")))
+register_method(Method(
+    "cali_ts", "chains ended by Cali-TS (EESD §3.3, App. B): θ predictor blended with the running mean", True,
+    _make("cali_ts", lambda t, d, o: CaliTS(t, _predictor(o["theta_predictor"], t, d), o["max_draft"],
+                                            o["ts_seed"], o["sigma_m"], o["sigma_s"], o["theta0"])),
+    ("max_draft", "ts_seed", "theta_predictor", "sigma_m", "sigma_s", "theta0")))
+register_method(Method(
+    "specdec_pp", "chains ended by SpecDec++'s threshold on P(some draft rejected) (drafter prob as p_acc)",
+    True, _make("specdec_pp", lambda t, d, o: SpecDecPP(o["specpp_threshold"], o["max_draft"], t,
+                                                        _predictor(o["theta_predictor"], t, d))),
+    ("max_draft", "specpp_threshold", "theta_predictor")))

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
 from draftforge.errors import CompatibilityError
@@ -19,24 +19,6 @@ from draftforge.errors import CompatibilityError
 SSM_MODEL_TYPES = ("mamba", "mamba2")
 HYBRID_MODEL_TYPES = ("bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba", "zamba2", "jamba",
                       "lfm2", "qwen3_next", "plamo2")
-
-
-def load_hf_causal_lm(model_or_path, device, dtype, what: str):
-    """(model, tokenizer or None) from a loaded model or a local/Hub path, in eval mode."""
-    tokenizer = None
-    if isinstance(model_or_path, PreTrainedModel):
-        model = model_or_path
-    else:
-        from draftforge.loading import load_causal_lm
-
-        model = load_causal_lm(model_or_path, what=what, dtype=dtype)  # safetensors only; missing dir named
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(model_or_path))
-        except (OSError, ValueError, TypeError):
-            tokenizer = None  # a bare checkpoint without tokenizer files is still usable with token ids
-    if dtype is not None:
-        model = model.to(dtype)
-    return model.to(device).eval(), tokenizer
 
 
 def max_context(config) -> int | None:
@@ -195,18 +177,3 @@ def check_target_model(model) -> None:
             f"target {config.model_type!r} keeps recurrent (SSM) state, which a KV cache cannot roll back; "
             "load it with load_target (it picks the tree-scan HybridTarget, draftforge.decode.hybrid_target)"
         )
-
-
-def load_target(model_or_path, device="cpu", dtype=None, tokenizer=None, scan_impl: str = "auto") -> Target:
-    """A Target from a HF decoder-only Transformer, or an SSM / hybrid model (model object or path).
-
-    Transformers get the KV-cache target; Mamba2 and Mamba2+attention hybrids get `HybridTarget`
-    (STree tree scan + replay; `scan_impl` = "auto" | "ref" | "triton"); other recurrent models
-    are refused with one message listing what is supported."""
-    model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "target")
-    tokenizer = tokenizer if tokenizer is not None else found_tokenizer
-    if is_recurrent_model(model.config) and not getattr(model.config, "is_encoder_decoder", False):
-        from draftforge.decode.hybrid_target import HybridTarget
-
-        return HybridTarget(model, tokenizer, impl=scan_impl)
-    return KVCacheTarget(model, tokenizer)

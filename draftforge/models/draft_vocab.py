@@ -8,20 +8,18 @@ ids of the head's rows, ascending), so a checkpoint explains itself; the head is
 
 Verification stays lossless because the target checks every token; at T > 0 the drafter's q is a
 proper distribution over the full vocabulary that is zero outside the draft vocabulary
-(`to_target_logits` puts -inf there), so speculative sampling stays exact.
+(`to_target_logits` puts -inf there), so speculative sampling stays exact. Loading such a checkpoint
+(its head does not fit config.vocab_size) is draftforge.loading's `load_causal_lm`.
 Legend: B rows, T tokens, V target vocabulary, N draft vocabulary, D hidden size.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 
-from draftforge.errors import CheckpointError, CompatibilityError, RecipeError
-
-CONFIG_KEY = "draft_vocab"
+from draftforge.errors import CompatibilityError, RecipeError
+from draftforge.loading import DRAFT_VOCAB_KEY as CONFIG_KEY
 
 
 def frequent_tokens(labels_column, vocab_size: int, size: int, always=()) -> list[int]:
@@ -59,45 +57,6 @@ def attach_reduced_head(model, d2t: list[int]):
     model.set_output_embeddings(head)
     setattr(model.config, CONFIG_KEY, [int(t) for t in d2t])
     return model
-
-
-def reduced_head_kwargs(path) -> dict:
-    """Extra from_pretrained arguments for a reduced-vocabulary checkpoint (its head does not fit the
-    config's vocab_size; restore_reduced_head puts it back afterwards)."""
-    config = Path(str(path)) / "config.json"
-    if config.is_file() and CONFIG_KEY in config.read_text():
-        import json
-
-        if json.loads(config.read_text()).get(CONFIG_KEY) is not None:
-            return {"ignore_mismatched_sizes": True}
-    return {}
-
-
-def restore_reduced_head(model, path) -> None:
-    """After `from_pretrained(..., ignore_mismatched_sizes=True)` of a reduced-vocabulary checkpoint: put
-    back its trained N-row head (from_pretrained re-initialised a full one)."""
-    d2t = getattr(model.config, CONFIG_KEY, None)
-    if d2t is None:
-        return
-    from safetensors import safe_open
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            name = next((k for k in st.keys() if k.endswith("lm_head.weight")), None)
-            if name is not None:
-                weight = st.get_tensor(name)
-                break
-    else:
-        raise CheckpointError(f"{path}: a reduced-vocabulary drafter ({len(d2t)} draft ids) but no lm_head.weight "
-                              "in its safetensors files")
-    if weight.shape[0] != len(d2t):
-        raise CheckpointError(f"{path}: lm_head has {weight.shape[0]} rows but config.draft_vocab lists {len(d2t)}")
-    dtype = model.get_input_embeddings().weight.dtype
-    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=dtype)
-    with torch.no_grad():
-        head.weight.copy_(weight.to(dtype))
-    model.set_output_embeddings(head.to(model.get_input_embeddings().weight.device))
 
 
 def check_map(d2t, target_vocab: int, what: str = "the target") -> None:

@@ -10,7 +10,8 @@ group RMSNorm, out_proj, residual) -> final RMSNorm -> lm_head, updating the cal
 The step mirrors transformers' numerics where they matter: A and exp(dt·A) in float32, norms
 computed in float32 (also for a float64 model), logits returned as float32. Unlike transformers'
 single-token path (and mamba_ssm's `step`), dt is clamped to `time_step_limit` as its chunked
-prefill and training do. `mamba2_step_ref` is the oracle the tests use: transformers' own forward.
+prefill and training do. `mamba2_step_ref` is the oracle the tests use: transformers' own forward, over
+`cache_over(config, states)`, a transformers cache that steps the very same state tensors in place.
 
 Legend: B batch, D model width, E inner width (expand·D), G groups, H heads, h heads per group (H/G),
 P head dim, N state size, L = h·P, K conv kernel, C conv channels (E + 2·G·N), J in_proj rows
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from draftforge.errors import DraftforgeError
 
@@ -165,13 +167,23 @@ class Mamba2Step:
         return y_BGL.view(batch, self.heads, self.head_dim)
 
 
+def cache_over(config, states: States) -> DynamicCache:
+    """A cache whose layers read and step exactly these tensors (in place)."""
+    cache = DynamicCache(config=config)
+    for i, (conv, ssm) in enumerate(states):
+        # the public update calls initialise the layer (and mark it as holding a previous state) ...
+        cache.update_conv_state(conv, i)
+        cache.update_recurrent_state(ssm, i)
+    for layer, (conv, ssm) in zip(cache.layers, states):
+        layer.conv_states[0], layer.recurrent_states[0] = conv, ssm  # ... then we swap in our tensors
+    return cache
+
+
 def mamba2_step_ref(model, ids_B1: torch.Tensor, states: States, return_hidden: bool = False):
     """The oracle, with Mamba2Step's call signature: transformers' own forward over a cache on `states`.
 
     Note: transformers' single-token path does not clamp dt to `time_step_limit` (Mamba2Step does).
     """
-    from draftforge.decode.cuda_graphs import cache_over  # decode imports this module
-
     out = model(input_ids=ids_B1.reshape(-1, 1), cache_params=cache_over(model.config, states), use_cache=True,
                 output_hidden_states=return_hidden)
     logits_BV = out.logits[:, -1]

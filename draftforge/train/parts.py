@@ -63,7 +63,7 @@ def local_tokenizer(recipe):
         return None
     try:
         return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError, TypeError):  # the same "no tokenizer here" as decode.targets.load_hf_causal_lm
+    except (OSError, ValueError, TypeError):  # the same "no tokenizer here" as decode.loading.load_hf_causal_lm
         return None
 
 

@@ -1,16 +1,19 @@
-"""`load_drafter`: a drafter for a checkpoint, checked against and bound to its target.
+"""Loading: `load_target` (a Target for a model or checkpoint) and `load_drafter` (a drafter for a checkpoint,
+checked against and bound to its target), each picking the implementation the model needs.
 
-The interface every drafter implements lives in drafter_base.py (re-exported here).
+The interfaces live in targets.py and drafter_base.py (Drafter re-exported here).
 """
 
 from __future__ import annotations
+
+from transformers import AutoTokenizer, PreTrainedModel
 
 from draftforge.decode.cuda_graphs import use_cuda_graphs
 from draftforge.decode.drafter_base import Drafter, propose_children  # noqa: F401  (public names)
 from draftforge.decode.drafter_hf import TransformerDrafter
 from draftforge.decode.drafter_lookup import DEFAULT_MAX_NGRAM, PromptLookupDrafter
 from draftforge.decode.drafter_mamba import MambaDrafter
-from draftforge.decode.targets import SSM_MODEL_TYPES, Target, is_recurrent_model, load_hf_causal_lm
+from draftforge.decode.targets import SSM_MODEL_TYPES, KVCacheTarget, Target, is_recurrent_model
 from draftforge.errors import CompatibilityError, RecipeError
 
 LOOKUP_NAMES = ("prompt-lookup", "prompt_lookup")  # drafter specs that name the model-free n-gram drafter
@@ -18,6 +21,39 @@ LOOKUP_KEYS = {"ngram": "max_ngram", "min_ngram": "min_ngram", "tokens": "max_to
 LOOKUP_FORM = ("prompt-lookup, or prompt-lookup:KEY=N,... with keys ngram (longest n-gram matched, "
                f"default {DEFAULT_MAX_NGRAM}), min_ngram (shortest, default 1), tokens (most drafts per round, "
                "default: the plan's depth), e.g. prompt-lookup:ngram=3,tokens=10")
+
+
+def load_hf_causal_lm(model_or_path, device, dtype, what: str):
+    """(model, tokenizer or None) from a loaded model or a local/Hub path, in eval mode."""
+    tokenizer = None
+    if isinstance(model_or_path, PreTrainedModel):
+        model = model_or_path
+    else:
+        from draftforge.loading import load_causal_lm
+
+        model = load_causal_lm(model_or_path, what=what, dtype=dtype)  # safetensors only; missing dir named
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_or_path))
+        except (OSError, ValueError, TypeError):
+            tokenizer = None  # a bare checkpoint without tokenizer files is still usable with token ids
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.to(device).eval(), tokenizer
+
+
+def load_target(model_or_path, device="cpu", dtype=None, tokenizer=None, scan_impl: str = "auto") -> Target:
+    """A Target from a HF decoder-only Transformer, or an SSM / hybrid model (model object or path).
+
+    Transformers get the KV-cache target; Mamba2 and Mamba2+attention hybrids get `HybridTarget`
+    (STree tree scan + replay; `scan_impl` = "auto" | "ref" | "triton"); other recurrent models
+    are refused with one message listing what is supported."""
+    model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "target")
+    tokenizer = tokenizer if tokenizer is not None else found_tokenizer
+    if is_recurrent_model(model.config) and not getattr(model.config, "is_encoder_decoder", False):
+        from draftforge.decode.hybrid_target import HybridTarget  # here: it loads the tree-scan kernels
+
+        return HybridTarget(model, tokenizer, impl=scan_impl)
+    return KVCacheTarget(model, tokenizer)
 
 
 def check_vocab(target: Target, model, tokenizer, allow_vocab_mismatch: bool) -> None:

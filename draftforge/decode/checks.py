@@ -1,0 +1,118 @@
+"""Checks that every decoding method's options share: value validators, tree widths, and the limits a
+target or drafter sets. Each raises a RecipeError naming the flag; none knows any method.
+
+    Option("chain_length", "--chain-length", int, lambda v: positive_int(v, "--chain-length"), 5, "...")
+"""
+
+from __future__ import annotations
+
+from draftforge.decode.tree import validate_widths
+from draftforge.decode.tree_shape import (
+    OTHER_FORMS,
+    PARENTS_PREFIX,
+    TREE_PRESETS,
+    TreeShape,
+    parse_tree,
+    tree_name,
+    tree_size,
+)
+from draftforge.errors import DraftforgeError, RecipeError
+
+# ---------------------------------------------------------------- values
+
+
+def positive_int(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RecipeError(f"{where} must be >= 1, got {value!r}")
+    return value
+
+
+def non_negative_int(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RecipeError(f"{where} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def non_negative(value, where: str) -> float:
+    if value is None or value < 0:
+        raise RecipeError(f"{where} must be >= 0, got {value!r}")
+    return float(value)
+
+
+def positive(value, where: str) -> float:
+    if value is None or float(value) <= 0:
+        raise RecipeError(f"{where} must be > 0, got {value!r}")
+    return float(value)
+
+
+def unit_interval(value, where: str, open_: bool = False) -> float:
+    """A value in [0, 1], or in (0, 1) with `open_`."""
+    ok = value is not None and (0.0 < float(value) < 1.0 if open_ else 0.0 <= float(value) <= 1.0)
+    if not ok:
+        raise RecipeError(f"{where} must be in {'(0, 1)' if open_ else '[0, 1]'}, got {value!r}")
+    return float(value)
+
+
+def one_of(value, where: str, choices):
+    if value not in choices:
+        raise RecipeError(f"{where} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------- tree widths (--tree and its kin)
+
+
+def parse_widths(text: str, flag: str = "--tree") -> tuple[int, ...] | TreeShape:
+    """'3,2,2,1' -> (3, 2, 2, 1); 'parents:0,0,0/0,0,1' or a preset ('stree13') -> TreeShape; checked."""
+    text = str(text).strip()
+    if text in TREE_PRESETS or text.startswith(PARENTS_PREFIX):
+        try:
+            return parse_tree(text)
+        except DraftforgeError as e:
+            raise RecipeError(f"{flag} {text!r}: {e}") from None
+    try:
+        widths = tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise RecipeError(f"{flag} expects comma-separated integers like 3,2,2,1, got {text!r} (or give "
+                          f"{OTHER_FORMS})") from None
+    return check_widths(widths, flag)
+
+
+def check_widths(widths, where: str = "tree") -> tuple[int, ...] | TreeShape:
+    """A widths tuple checked, a TreeShape (checked when built) as is, a string parsed as --tree reads it."""
+    if isinstance(widths, TreeShape):
+        return widths
+    if isinstance(widths, str):
+        return parse_widths(widths, where)
+    try:
+        return validate_widths(widths)
+    except DraftforgeError:
+        raise RecipeError(f"{where} {tuple(widths)}: every tree width must be >= 1, i.e. a positive integer "
+                          "(a tree needs every width >= 1, e.g. 3,2,2,1)") from None
+
+
+# ---------------------------------------------------------------- what the target and drafter allow
+
+
+def check_tree_context(trees, target, flag: str) -> None:
+    """One verification forward holds the root and every draft token: refuse trees beyond the context."""
+    ctx = getattr(target, "max_context", None)
+    for tree in trees:
+        size = tree_size(tree)
+        if ctx is not None and 1 + size > ctx:
+            raise RecipeError(f"{flag} {tree_name(tree)} has {size} draft tokens; with the root one verification "
+                              f"forward holds {1 + size}, beyond the target's context of {ctx} tokens: use a "
+                              "smaller tree")
+
+
+def check_context(tokens: int, target, flag: str) -> None:
+    ctx = getattr(target, "max_context", None)
+    if ctx is not None and tokens > ctx:
+        raise RecipeError(f"{flag} {tokens} is beyond the target's context of {ctx} tokens; one verification "
+                          f"forward must fit in it, use at most {ctx}")
+
+
+def draft_vocab_size(drafter, target) -> int:
+    """Tokens the drafter can propose: its reduced draft vocabulary, else the target's vocabulary."""
+    d2t = getattr(drafter, "d2t", None)
+    return int(d2t.numel()) if d2t is not None else int(target.vocab_size)

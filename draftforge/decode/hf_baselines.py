@@ -1,0 +1,164 @@
+"""Baselines from transformers: assisted generation (`hf_assisted`) and prompt lookup decoding
+(`hf_prompt_lookup`), run through `target.model.generate` with their rounds read back from forward hooks.
+Registers both methods and the `lookup_tokens` option.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftforge.decode.base import DecodeResult, DecodeStats
+from draftforge.decode.checks import positive_int
+from draftforge.decode.drafter_base import Drafter
+from draftforge.decode.engine import Decoder, check_prompt, clock, eos_set
+from draftforge.decode.methods import Method, Option, register_method, register_option
+from draftforge.decode.sampling import SamplingParams
+from draftforge.decode.targets import Target, is_recurrent_model
+from draftforge.errors import DraftforgeError
+
+
+class HFAssistedDecoder(Decoder):
+    """Baseline: transformers' assisted generation (`generate(assistant_model=...)`).
+
+    Transformer drafters only: transformers cannot roll back an SSM drafter's state. Round
+    statistics are read with forward hooks (one target call = one round; the first call also
+    prefills the prompt, so prefill_time_s stays 0 and its time counts as verify time).
+    """
+
+    name = "hf_assisted"
+
+    def __init__(self, target: Target, drafter: Drafter):
+        if drafter is None or getattr(drafter, "kind", None) != "transformer":
+            kind = getattr(drafter, "kind", None)
+            raise DraftforgeError(
+                f"hf_assisted needs a Transformer drafter (transformers cannot roll back {kind!r} state); "
+                "use method 'chain' or 'tree' for Mamba drafters"
+            )
+        self.target, self.drafter = target, drafter
+        config = drafter.model.generation_config
+        self._initial_draft_tokens = getattr(config, "num_assistant_tokens", None)
+
+    def reset(self) -> None:
+        """transformers adapts the assistant's draft length in its generation_config across calls
+        ("heuristic" schedule): put the starting value back, like UCB's reset."""
+        if self._initial_draft_tokens is not None:
+            self.drafter.model.generation_config.num_assistant_tokens = self._initial_draft_tokens
+
+    def decode(self, input_ids, max_new_tokens, params, seed, eos_token_id) -> DecodeResult:
+        return hf_generate(self.target, input_ids, max_new_tokens, params, seed, eos_token_id,
+                           dict(assistant_model=self.drafter.model), self.drafter)
+
+
+class HFPromptLookupDecoder(Decoder):
+    """Baseline: transformers' prompt lookup decoding (`generate(prompt_lookup_num_tokens=K)`): drafts copied
+    from the prompt + output by n-gram match (transformers' default max_matching_ngram_size, 2), no drafter.
+
+    Statistics as for hf_assisted; the lookup runs inside generate with no module to hook, so its time is
+    in total_time_s only (draft_time_s stays 0)."""
+
+    name = "hf_prompt_lookup"
+
+    def __init__(self, target: Target, lookup_tokens: int = 10):
+        if is_recurrent_model(target.model.config) or getattr(target.model, "_is_stateful", False):
+            raise DraftforgeError(
+                f"hf_prompt_lookup needs a Transformer target with a KV cache; transformers' assisted generation "
+                f"cannot roll back {target.model.config.model_type!r}'s recurrent state: use --drafter prompt-lookup "
+                "with --methods chain,tree instead")
+        self.target, self.lookup_tokens = target, int(lookup_tokens)
+
+    def reset(self) -> None:
+        """Nothing adapts across calls (prompt lookup keeps no draft-length schedule)."""
+
+    def decode(self, input_ids, max_new_tokens, params, seed, eos_token_id) -> DecodeResult:
+        return hf_generate(self.target, input_ids, max_new_tokens, params, seed, eos_token_id,
+                           dict(prompt_lookup_num_tokens=self.lookup_tokens))
+
+
+def hf_generate(target: Target, input_ids, max_new_tokens: int, params: SamplingParams, seed: int, eos_token_id,
+                generate_kwargs: dict, drafter: Drafter | None = None) -> DecodeResult:
+    """One timed `target.model.generate(**generate_kwargs)` call (an assisted-generation mode) with its rounds
+    read back from forward hooks on the target (and on the drafter's model, whose forwards are draft time)."""
+    seq = check_prompt(input_ids, target, max_new_tokens)
+    eos = sorted(eos_set(eos_token_id, target))
+    stats, calls, device = DecodeStats(), {"target": [], "drafter": []}, target.device
+    hooks = [_timing_hooks(target.model, calls["target"])]
+    if drafter is not None:
+        hooks += [_timing_hooks(drafter.model, calls["drafter"]), _draft_vocab_hook(drafter)]
+    torch.manual_seed(seed)  # transformers samples from the global generator
+    sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    t_start = clock(device)
+    try:
+        with torch.inference_mode():
+            ids = torch.tensor([seq], device=device)
+            out = target.model.generate(  # explicit mask: else prompt tokens equal to pad get masked
+                ids, attention_mask=torch.ones_like(ids), **generate_kwargs,
+                max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,
+                **(dict(do_sample=False) if params.greedy else sampling),
+            )
+    finally:
+        for pair in hooks:
+            for h in pair:
+                h.remove()
+    stats.total_time_s = clock(device) - t_start
+    tokens = out[0, len(seq) :].tolist()
+    _fill_assisted_stats(stats, calls, len(seq), len(tokens))
+    return DecodeResult(tokens=tokens, stats=stats)
+
+
+def _draft_vocab_hook(drafter) -> tuple:
+    """A reduced-vocabulary drafter's head predicts draft ids: map its logits into the target's vocabulary
+    (-inf elsewhere) so transformers drafts target ids (greedy) and gets a full-width q (sampling)."""
+    if drafter.d2t is None:
+        return ()
+    from draftforge.models.draft_vocab import to_target_logits
+
+    def post(module, args, kwargs, output):
+        output.logits = to_target_logits(output.logits, drafter.d2t, drafter.vocab_size)
+        return output
+
+    return (drafter.model.register_forward_hook(post, with_kwargs=True),)
+
+
+def _timing_hooks(model, log: list):
+    """Record (cached length, query length, seconds) of every forward of `model`."""
+    state = {}
+
+    def pre(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache = kwargs.get("past_key_values")
+        state["start"] = (cache.get_seq_length() if cache is not None else 0, ids.shape[1], clock(model.device))
+
+    def post(module, args, kwargs, output):
+        past, q, t0 = state["start"]
+        log.append((past, q, clock(model.device) - t0))
+
+    return (model.register_forward_pre_hook(pre, with_kwargs=True), model.register_forward_hook(post, with_kwargs=True))
+
+
+def _fill_assisted_stats(stats: DecodeStats, calls, prompt_len: int, n_new: int) -> None:
+    """Rounds from the target's forwards: one call = one round (a chain of `drafted` drafts)."""
+    target_calls = calls["target"]
+    stats.new_tokens = n_new
+    stats.verify_time_s = sum(c[2] for c in target_calls)
+    stats.draft_time_s = sum(c[2] for c in calls["drafter"])
+    committed = prompt_len  # committed tokens when round r starts; the next round starts one past the cache
+    for r, (past, q, _) in enumerate(target_calls):
+        drafted = max(past + q - committed, 0)
+        nxt = target_calls[r + 1][0] + 1 if r + 1 < len(target_calls) else prompt_len + n_new
+        emitted = max(nxt - committed, 1)
+        stats.add_round(min(emitted - 1, drafted), drafted, drafted, f"hf{drafted}")
+        committed = nxt
+
+
+# ---------------------------------------------------------------- methods and options
+
+register_option(Option("lookup_tokens", "--lookup-tokens", int, lambda v: positive_int(v, "--lookup-tokens"),
+                       10, "drafts per round of transformers' prompt lookup (prompt_lookup_num_tokens; default 10)"))
+register_method(Method("hf_assisted", "transformers' assisted generation (Transformer drafters only)", True,
+                       lambda target, drafter, o: HFAssistedDecoder(target, drafter), baseline=True))
+# Not baseline=True: eval adds every baseline whenever a drafter is given; this one runs only when named
+# (--methods or --baseline), and needs no drafter.
+register_method(Method("hf_prompt_lookup", "transformers' prompt lookup decoding (--lookup-tokens drafts copied "
+                       "from the prompt by n-gram match; KV-cache targets only)", False,
+                       lambda target, drafter, o: HFPromptLookupDecoder(target, o["lookup_tokens"]),
+                       ("lookup_tokens",)))

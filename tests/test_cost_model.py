@@ -1,0 +1,40 @@
+"""The eval's cost model by hand: t(N) read off a known curve, and the speedup it predicts from τ, rows and
+draft time per round."""
+
+import pytest
+
+from draftforge.decode.base import DecodeStats
+from draftforge.eval import cost
+from draftforge.eval.metrics import RunRecord
+
+CURVE = {1: 0.030, 2: 0.031, 4: 0.032, 8: 0.040}  # seconds: flat to 4 rows, then rising (a bf16 CPU's shape)
+
+
+def test_t_of_is_exact_where_measured_linear_between_and_flat_past_the_ends():
+    assert cost.t_of(CURVE, 4) == 0.032
+    assert cost.t_of(CURVE, 6) == pytest.approx(0.036)  # halfway from 4 to 8
+    assert cost.t_of(CURVE, 3) == pytest.approx(0.0315)
+    assert cost.t_of(CURVE, 20) == 0.040 and cost.t_of({2: 0.5, 3: 0.6}, 1) == 0.5
+
+
+def record(drafted, accepted, draft_s):
+    stats = DecodeStats(new_tokens=sum(accepted) + len(accepted), target_forwards=len(accepted),
+                        accepted_per_round=accepted, drafted_per_round=drafted,
+                        proposed_by_position=[len(drafted)] * max(drafted), draft_time_s=draft_s)
+    return RunRecord("chain", 0.0, 0, "p", 4, [0] * stats.new_tokens, stats)
+
+
+def test_prediction_by_hand():
+    recs = [record([3, 3], [3, 1], 0.004), record([7], [2], 0.003)]  # rows 4, 4, 8; draft 7 ms over 3 rounds
+    summary = {"tau": 9 / 3, "time": {"draft_s": 0.007}, "speedup": 2.1}
+    got = cost.predict(summary, recs, CURVE)
+    verify = (0.032 + 0.032 + 0.040) / 3
+    assert got["rows_per_round"] == pytest.approx(16 / 3) and got["verify_s_per_round"] == pytest.approx(verify)
+    assert got["predicted_speedup"] == pytest.approx(3.0 * 0.030 / (verify + 0.007 / 3))
+    assert got["measured_over_predicted"] == pytest.approx(2.1 / got["predicted_speedup"])
+    assert got["draft_steps_per_round"] == pytest.approx((3 + 3 + 7) / 3)  # every round drafted its max depth
+
+
+def test_rows_beyond_the_grid_are_named_for_timing():
+    assert cost.missing_rows(CURVE, [record([12, 3], [1, 1], 0.0)]) == [13]
+    assert cost.missing_rows(CURVE, [record([3], [1], 0.0)]) == []
