@@ -22,7 +22,7 @@ COMMANDS = {
     "demo": ("draftforge.demo", "the embedded default: build the tiny testbed, train + export a tiny Mamba drafter, "
                                 "measure its speedup"),
     "harvest": ("draftforge.cli_harvest", "harvest training data from a target + drafter (trees: EAGLE-2 trees for C2T; theta: χ labels "
-                                         "for Cali-TS)"),
+                                         "for Cali-TS; logits: a target's top-k distributions for distill)"),
     "generate": ("draftforge.cli_generate", "a target's own answers (greedy and sampled) as token rows for SFT, resumable"),
     "target": ("draftforge.cli_target", "prepare a real target offline (smollm2) or its instruction prompts (prompts)"),
 }

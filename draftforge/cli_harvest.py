@@ -1,7 +1,8 @@
-"""`draftforge harvest trees|theta`: training data harvested from a target + drafter pair.
+"""`draftforge harvest trees|theta|logits`: training data harvested from a target (+ drafter).
 
   draftforge harvest trees --target T --drafter D --bench PROMPTS --out DIR [--resume]   # C2T: EAGLE-2 trees
   draftforge harvest theta --target T --drafter D --data ROWS --out DIR [--resume]      # Cali-TS: χ labels
+  draftforge harvest logits --target T --data ROWS --out DIR [--resume]                 # distill: top-k teacher
 
 One parquet shard per prompt in DIR (see draftforge.data.harvest); train on it with task `c2t`.
 """
@@ -49,6 +50,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     th = sub.add_parser("theta", help="χ labels + hidden states for the Cali-TS θ predictor (task theta)",
                         formatter_class=argparse.RawDescriptionHelpFormatter)  # configure sets the user's text
     harvest_theta.configure(th)
+    from draftforge.data import harvest_logits
+
+    lg = sub.add_parser("logits", help="a target's top-k log-probabilities over token rows, so distill needs no "
+                                       "teacher forward (distill.logits_cache)",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)  # configure sets the user's text
+    harvest_logits.configure(lg)
 
 
 def run(args) -> int:
@@ -58,6 +65,10 @@ def run(args) -> int:
         from draftforge.data import harvest_theta
 
         return harvest_theta.run(args)
+    if args.what == "logits":
+        from draftforge.data import harvest_logits
+
+        return harvest_logits.run(args)
 
     for flag in ("top_k", "depth", "top_m", "max_new_tokens"):
         if getattr(args, flag) < 1:

@@ -91,7 +91,8 @@ def test_distill_on_two_processes_matches_one(tmp_path, tiny_corpus_dir, tiny_to
     from test_distributed import _command, _env
 
     values = distill_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir)
-    values["train"].update(max_steps=6, save_every=6, log_every=1)
+    # fp32: under bf16 autocast (precision auto on CPUs with native bf16) half a batch rounds differently
+    values["train"].update(max_steps=6, save_every=6, log_every=1, precision="fp32")
     recipe = tmp_path / "distill.yaml"
     recipe.write_text(yaml.safe_dump(values))
     curves = {}

@@ -1,25 +1,49 @@
 """Task `distill`: a small SSM drafter trained on a frozen target's distributions (STree §5.2).
 
 The student (by default a few Mamba2 layers, `model.arch: mamba2`, with the target's vocabulary and
-optionally its input embeddings) minimises the forward KL(p_target ‖ p_student) at temperature τ,
-scaled by τ² (Hinton et al.), plus an optional next-token CE on the data. The teacher's logits are
-computed on the fly in the same step from the same packed blocks; the teacher is a `TaskSpec.frozen`
-module, so it has no optimizer state, no gradient sync and no sharding on 1 or N processes. The
-export is a normal drafter checkpoint (`load_drafter` reads it like a pretrain export).
+optionally its input embeddings) minimises a divergence from the target's next-token distribution plus an
+optional next-token CE on the data. `distill.loss` picks the divergence (forms, and their error bounds on a
+cached top-k: train/divergences.py): 'kl', the forward KL(p_target ‖ p_student) at temperature τ scaled by
+τ² (Hinton et al.; the default), 'tvd', 1 − Σ_v min(p_v, q_v), which at T=1 is one minus the per-token
+acceptance α of speculative sampling (arXiv:2211.17192 §3.2), 'mix', a weighted sum of the two, or 'ce', the
+CE on the target's own top-1 token (the greedy acceptance event). The teacher's logits are computed on the
+fly in the same step from the same packed blocks; the teacher is a `TaskSpec.frozen` module, so it has no
+optimizer state, no gradient sync and no sharding on 1 or N processes. The export is a normal drafter
+checkpoint (`load_drafter` reads it like a pretrain export).
+
+With `distill.logits_cache` (a `draftforge harvest logits` directory) the loss reads the target's stored
+top-k distribution instead, and the teacher is never loaded: an epoch costs no teacher forward. The cache
+must come from this target (its stored weight files, else its weights' fingerprint) and tokenizer, and from
+the rows file the recipe trains on (size + mtime, else sha256; the same row count and loss positions). A
+cached row is the target's distribution on that row alone, as the target serves it; on the fly the teacher
+reads the packed block, so for a row that does not start its block the two see different context.
 
 A student with a reduced draft head (`model.draft_vocab`, or one that comes with `model.init_from`)
-predicts only N of the target's V tokens; its KL is taken against the teacher's distribution
+predicts only N of the target's V tokens; every loss is taken against the teacher's distribution
 restricted to those N ids and renormalised (the target-side mass it cannot predict is not a loss it
 can lower), and its top-1 agreement compares its argmax, mapped back to a target id, with the
-teacher's argmax over the full vocabulary. Positions whose next token lies outside the draft
-vocabulary carry no label after the draft-id mapping and are left out of KL and CE alike.
+teacher's argmax over the full vocabulary. Its α takes the target's unrestricted p (the mass outside the
+draft ids is never accepted). Positions whose next token lies outside the draft vocabulary carry no label
+after the draft-id mapping and are left out of every term. On a cache, a reduced head needs one harvested
+for its draft ids (--draft-vocab): a top-k over the whole vocabulary does not tell how much of the tail lies
+inside them, and a top-k larger than the draft vocabulary is refused with that reason.
 
-Legend: B batch, T block size, V vocabulary, N draft vocabulary, D hidden size.
+Acceptance is logged every step: alpha (Σ min(p, q) at T=1) and top1_agree (T=0), per counted position.
+Eval batches also sum the chain products that give α per draft depth and the chain's τ; `derive_metrics`
+turns the sums into τ for γ = 5 (arXiv:2211.17192 §3.1, Eq. 1), per-depth α and the measured chain τ. The
+loop logs only the eval loss, so these held-out numbers are computed once on the eval rows when the run
+exports and kept in its draftforge.json (metrics.acceptance).
+
+Legend: B batch, T block size, V vocabulary, N draft vocabulary, S student vocabulary (V or N), K top-k,
+P kept positions, D hidden size.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -27,70 +51,243 @@ import torch.nn.functional as F
 from draftforge.errors import CompatibilityError, RecipeError
 from draftforge.models.draft_vocab import d2t_of
 from draftforge.recipe import Recipe, doc, require
+from draftforge.train.divergences import TopK, chain_sums, derive_acceptance, full_terms, kl_full, topk_terms
+
+LOSSES = ("kl", "tvd", "mix", "ce")
 
 
 @dataclass
 class DistillConfig:
-    temperature: float = doc(1.0, "softmax temperature τ of teacher and student in the KL (the KL is scaled by τ²)")
-    kl_weight: float = doc(1.0, "weight of KL(p_target ‖ p_student) (STree's recipe: 1.0)")
-    ce_weight: float = doc(0.0, "weight of the next-token CE on the data (STree's recipe: 0.0)")
+    loss: str = doc("kl", "the divergence: 'kl' (kl_weight·KL at τ), 'tvd' (tvd_weight·(1 − Σ min(p, q)) at T=1, "
+                          "one minus speculative sampling's acceptance), 'mix' (kl_weight·KL + tvd_weight·TVD) or "
+                          "'ce' (CE on the target's own top-1 token, weight 1); ce_weight adds the data's CE to any")
+    temperature: float = doc(1.0, "softmax temperature τ of teacher and student in the KL (the KL is scaled by τ²); "
+                                  "TVD, CE and the acceptance metrics are at T=1")
+    kl_weight: float = doc(1.0, "weight of KL(p_target ‖ p_student) with loss kl or mix (STree's recipe: 1.0)")
+    tvd_weight: float = doc(1.0, "weight of TVD = 1 − Σ min(p_target, p_student) with loss tvd or mix")
+    ce_weight: float = doc(0.0, "weight of the next-token CE on the data, added to any loss (STree's recipe: 0.0)")
+    logits_cache: str | None = doc(None, "a `draftforge harvest logits` directory: the loss reads the target's "
+                                         "stored top-k distribution and the teacher is never loaded; needs "
+                                         "data.format: tokens with the harvested rows file as the one source")
     embeddings_from_target: bool = doc(False, "start the student's input embeddings (and a tied head) from the "
                                               "target's; needs the same hidden size")
     trainable: list[str] = doc([], "train only parameters whose name contains one of these strings (e.g. [mamba] "
                                    "for a converted hybrid's new mixers); []: all")
 
+    def weights(self) -> dict[str, float]:
+        """The loss's terms and their weights (names as the metrics: kl, tvd, ce_target, ce)."""
+        terms = {"kl": {"kl": self.kl_weight}, "tvd": {"tvd": self.tvd_weight},
+                 "mix": {"kl": self.kl_weight, "tvd": self.tvd_weight}, "ce": {"ce_target": 1.0}}[self.loss]
+        return {**terms, "ce": self.ce_weight} if self.ce_weight else terms
+
     def check(self, at: str) -> None:
+        require(self.loss in LOSSES, f"{at}.loss", f"must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         require(self.temperature > 0, f"{at}.temperature", "must be > 0")
         require(self.kl_weight >= 0 and self.ce_weight >= 0, f"{at}.kl_weight", "weights must be >= 0")
-        require(self.kl_weight + self.ce_weight > 0, f"{at}.kl_weight", "kl_weight + ce_weight must be > 0")
+        require(self.tvd_weight >= 0, f"{at}.tvd_weight", "must be >= 0")
+        names = {"kl": "kl_weight + ce_weight", "tvd": "tvd_weight + ce_weight",
+                 "mix": "kl_weight + tvd_weight + ce_weight"}
+        require(sum(self.weights().values()) > 0, f"{at}.{'tvd' if self.loss == 'tvd' else 'kl'}_weight",
+                f"{names.get(self.loss, 'the weights')} must be > 0")
+        require(not self.logits_cache or self.temperature == 1.0 or "kl" not in self.weights(), f"{at}.temperature",
+                "a logits cache holds the target's distribution at T=1 and its tail mass cannot be re-tempered: set "
+                "temperature: 1 (or loss: tvd / ce)")
+        require(not (self.logits_cache and self.embeddings_from_target), f"{at}.embeddings_from_target",
+                "copies the teacher's embeddings, but a run on a logits cache never loads the teacher: use "
+                "model.embed_from_target instead")
 
 
 def check_distill(recipe: Recipe) -> None:
     require(bool(recipe.model.target), "model.target",
             "distill needs the teacher: point model.target at the target model (a local directory)")
+    options, data = recipe.task_options, recipe.data
+    if options is None or not options.logits_cache:
+        return
+    require(data.format == "tokens", "data.format",
+            "distill.logits_cache holds a target's distributions over token rows: set data.format: tokens")
+    require(len(data.sources) == 1 and Path(data.sources[0]).is_file(), "data.sources",
+            "with distill.logits_cache, give exactly the rows file the cache was harvested from")
+    require(not data.streaming, "data.streaming", "a logits cache is read row by row: set data.streaming: false")
 
 
 def kl_loss(student_logits_BTV, teacher_logits_BTV, keep_BT, temperature: float):
     """Summed τ²·KL(softmax(t/τ) ‖ softmax(s/τ)) over the kept positions (fp32)."""
-    s_NV = student_logits_BTV[keep_BT].float() / temperature
-    t_NV = teacher_logits_BTV[keep_BT].float() / temperature
-    t_logp_NV = t_NV.log_softmax(-1)
-    kl_N = (t_logp_NV.exp() * (t_logp_NV - s_NV.log_softmax(-1))).sum(-1)
-    return kl_N.sum() * temperature**2
+    return kl_full(student_logits_BTV[keep_BT], teacher_logits_BTV[keep_BT], temperature).sum()
+
+
+def next_tokens(batch) -> torch.Tensor:
+    """next_BT: the label of the token after each position (-100: none). The labels are shifted, not the logits:
+    slicing logits would copy the B x T x V tensor forward and backward."""
+    return F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+
+
+def _result(model, weights: dict, terms_P: dict, agree_P, ce_sum, keep_BT, link_BT):
+    """(weighted total, counted positions, metric sums); eval batches add the chain sums (divergences.chain_sums)."""
+    total = sum(w * (ce_sum if name == "ce" else terms_P[name].sum()) for name, w in weights.items())
+    metrics = {name: v.detach().sum() for name, v in terms_P.items()}
+    metrics.update(ce=ce_sum.detach(), top1_agree=agree_P.sum())
+    if not model.training:
+        alpha_BT = torch.zeros(keep_BT.shape, device=keep_BT.device)
+        agree_BT = torch.zeros(keep_BT.shape, device=keep_BT.device)
+        alpha_BT[keep_BT], agree_BT[keep_BT] = terms_P["alpha"].detach(), agree_P.float()
+        metrics.update(chain_sums(alpha_BT, agree_BT, keep_BT, link_BT))
+    return total, keep_BT.sum(), metrics
+
+
+def _link(keep_BT, entry_BT=None):
+    """link_BT[t]: positions t and t+1 are both kept and consecutive in one row (cache entries follow on)."""
+    link_BT = keep_BT[:, :-1] & keep_BT[:, 1:]
+    if entry_BT is not None:
+        link_BT = link_BT & (entry_BT[:, 1:] == entry_BT[:, :-1] + 1)
+    return F.pad(link_BT, (0, 1), value=False)
 
 
 def make_loss(teacher, options: DistillConfig, d2t_N: torch.Tensor | None = None):
-    """loss(model, batch) -> (summed loss, counted positions, metrics): KL on the teacher's fresh logits (+CE).
+    """loss(model, batch) -> (summed loss, counted positions, metrics): the loss on the teacher's fresh logits.
 
     d2t_N: the target ids of a reduced draft head's rows (None: the student predicts the whole vocabulary).
     """
+    weights = options.weights()
 
     def loss(model, batch):
-        ids_BT = batch["input_ids"]
-        next_BT = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+        ids_BT, next_BT = batch["input_ids"], next_tokens(batch)
         keep_BT = next_BT != -100
         with torch.no_grad():
             teacher_BTV = teacher(input_ids=ids_BT).logits
-        student_BTN = model(input_ids=ids_BT).logits
+        student_BTS = model(input_ids=ids_BT).logits
         want = teacher_BTV.shape[-1] if d2t_N is None else len(d2t_N)
-        if student_BTN.shape[-1] != want:
-            raise CompatibilityError(f"the student predicts {student_BTN.shape[-1]} tokens, the teacher's vocabulary"
+        if student_BTS.shape[-1] != want:
+            raise CompatibilityError(f"the student predicts {student_BTS.shape[-1]} tokens, the teacher's vocabulary"
                                      f"{' restricted to its draft vocabulary' if d2t_N is not None else ''} has {want}: "
                                      "build the student with the target's vocabulary (model.target)")
-        if d2t_N is None:
-            teacher_BTN, student_top_BT = teacher_BTV, student_BTN.argmax(-1)
+        s_PS, t_PV = student_BTS[keep_BT].float(), teacher_BTV[keep_BT].float()
+        d2t = None if d2t_N is None else d2t_N.to(t_PV.device)
+        if d2t is None:
+            terms = full_terms(s_PS, t_PV, options.temperature)
+            top_P = s_PS.argmax(-1)
         else:
-            d2t = d2t_N.to(teacher_BTV.device)
-            teacher_BTN, student_top_BT = teacher_BTV[..., d2t], d2t[student_BTN.argmax(-1)]
-        kl_sum = kl_loss(student_BTN, teacher_BTN, keep_BT, options.temperature)
-        ce_sum = F.cross_entropy(student_BTN.flatten(0, 1).float(), next_BT.flatten(), ignore_index=-100,
-                                 reduction="sum")
-        agree = (student_top_BT == teacher_BTV.argmax(-1))[keep_BT].sum()
-        total = options.kl_weight * kl_sum + (options.ce_weight * ce_sum if options.ce_weight else 0.0)
-        return total, keep_BT.sum(), {"kl": kl_sum.detach(), "ce": ce_sum.detach(), "top1_agree": agree}
+            terms = full_terms(s_PS, t_PV[:, d2t], options.temperature, t_PV.logsumexp(-1))
+            top_P = d2t[s_PS.argmax(-1)]
+        ce_sum = F.cross_entropy(s_PS, next_BT[keep_BT], reduction="sum")
+        agree_P = top_P == t_PV.argmax(-1)
+        return _result(model, weights, terms, agree_P, ce_sum, keep_BT, _link(keep_BT))
 
     return loss
 
+
+# ---------------------------------------------------------------- a logits cache instead of a teacher
+
+def cached_keep(batch) -> torch.Tensor:
+    """keep_BT: positions with a cache entry whose next token carries a label (for a reduced head: a draft id)."""
+    return (batch["cache"] >= 0) & (next_tokens(batch) != -100)
+
+
+def cached_count(batch) -> torch.Tensor:
+    return cached_keep(batch).sum()
+
+
+def cached_collate(base_collate, cache, t2d_V: torch.Tensor | None = None):
+    """base_collate, then the cache entries of every position: t_ids (student columns), t_logp, t_rest, t_top1."""
+
+    def collate(columns, device):
+        batch = base_collate(columns, device)
+        entry_BT = batch["cache"].cpu()
+        have_BT = entry_BT >= 0
+        got = cache.gather(entry_BT[have_BT].numpy())
+        ids_BTK = torch.zeros((*entry_BT.shape, cache.k), dtype=torch.long)
+        logp_BTK = torch.full((*entry_BT.shape, cache.k), float("-inf"))
+        rest_BT, top1_BT = torch.full(entry_BT.shape, float("-inf")), torch.full(entry_BT.shape, -1)
+        ids_BTK[have_BT] = torch.from_numpy(got["ids"]).long()
+        if t2d_V is not None:  # target ids -> the reduced head's columns (the harvest kept only draft ids)
+            ids_BTK = t2d_V[ids_BTK].clamp_min(0)
+        logp_BTK[have_BT] = torch.from_numpy(got["logp"])
+        rest_BT[have_BT], top1_BT[have_BT] = torch.from_numpy(got["rest_logp"]), torch.from_numpy(got["top1"]).long()
+        batch.update(t_ids=ids_BTK.to(device), t_logp=logp_BTK.to(device), t_rest=rest_BT.to(device),
+                     t_top1=top1_BT.to(device))
+        return batch
+
+    return collate
+
+
+def make_cached_loss(options: DistillConfig, d2t_N: torch.Tensor | None = None):
+    """loss(model, batch) -> (summed loss, counted positions, metrics) on the cached top-K teacher (no forward)."""
+    weights = options.weights()
+
+    def loss(model, batch):
+        keep_BT = cached_keep(batch)
+        student_BTS = model(input_ids=batch["input_ids"]).logits
+        s_PS = student_BTS[keep_BT].float()
+        top = TopK(batch["t_ids"][keep_BT], batch["t_logp"][keep_BT], batch["t_rest"][keep_BT])
+        terms = topk_terms(s_PS, top)
+        top_P = s_PS.argmax(-1) if d2t_N is None else d2t_N.to(s_PS.device)[s_PS.argmax(-1)]
+        agree_P = top_P == batch["t_top1"][keep_BT]
+        ce_sum = F.cross_entropy(s_PS, next_tokens(batch)[keep_BT], reduction="sum")
+        return _result(model, weights, terms, agree_P, ce_sum, keep_BT, _link(keep_BT, batch["cache"]))
+
+    return loss
+
+
+def check_cache_vocab(cache, model, d2t_N: torch.Tensor | None):
+    """The cache must be over the student's vocabulary: t2d_V for a reduced head, None for a full one."""
+    from draftforge.models.draft_vocab import target_to_draft
+
+    width, cached = model.get_output_embeddings().weight.shape[0], cache.draft_vocab
+    where = f"logits cache {cache.dir}"
+    if d2t_N is not None and cache.k > len(d2t_N):
+        raise CompatibilityError(f"{where} keeps the target's top-{cache.k} per position, more ids than the student's "
+                                 f"draft vocabulary of {len(d2t_N)}: a reduced head learns the teacher restricted to "
+                                 "its ids, so harvest with --draft-vocab (this run's N or dir) and --top-k <= "
+                                 f"{len(d2t_N)}")
+    if d2t_N is None and cached is not None:
+        raise CompatibilityError(f"{where} holds the target's top-{cache.k} over a draft vocabulary of {len(cached)} "
+                                 "ids, but the student predicts the whole vocabulary; harvest without --draft-vocab, "
+                                 f"or give the student that vocabulary (model.draft_vocab: {len(cached)})")
+    if d2t_N is None:
+        if width != cache.vocab_size:
+            raise CompatibilityError(f"the student predicts {width} tokens, {where} the target's {cache.vocab_size}: "
+                                     "build the student with the target's vocabulary (model.target)")
+        return None
+    if cached is None:
+        raise CompatibilityError(f"the student has a reduced head of {len(d2t_N)} ids, but {where} holds the target's "
+                                 f"top-{cache.k} over its whole vocabulary, which does not tell how much of the rest "
+                                 "lies inside the draft ids; harvest with --draft-vocab (this run's N or dir)")
+    if cached != d2t_N.tolist():
+        raise CompatibilityError(f"{where} was harvested for another draft vocabulary ({len(cached)} ids) than the "
+                                 f"student's ({len(d2t_N)}); set model.draft_vocab: {len(cached)} and "
+                                 "model.draft_vocab_from: the rows file (as --draft-vocab N counts them), or harvest "
+                                 "with --draft-vocab pointing at this run")
+    return target_to_draft(cache.vocab_size, cached)
+
+
+def build_cached_task(recipe: Recipe, accelerator, options: DistillConfig):
+    """The student on cached blocks: the cache is checked (target, tokenizer, rows, vocabulary) before training."""
+    from draftforge.data.logits_cache import cached_block_data, open_cache
+    from draftforge.train.lm import build_lm_task
+    from draftforge.train.parts import load_tokenizer
+
+    cache = open_cache(options.logits_cache)
+    cache.check_tokenizer(load_tokenizer(recipe))
+    how = cache.check_target(recipe.model.target)
+
+    def build_data(cfg, tokenizer, block_size, seed, vocab_size=None):
+        return cached_block_data(cfg, tokenizer, block_size, seed, vocab_size or len(tokenizer), cache)
+
+    spec = build_lm_task(recipe, accelerator, build_data=build_data)
+    d2t_N = d2t_of(spec.model)
+    t2d_V = check_cache_vocab(cache, spec.model, d2t_N)
+    _freeze(spec, options, accelerator)
+    accelerator.print(f"[draftforge] distill: teacher = logits cache {cache.dir} (top-{cache.k}, "
+                      f"{cache.manifest['rows']['positions']:,} positions; target {recipe.model.target}: {how}; "
+                      f"never loaded), loss {options.loss}: {_weights_text(options)}")
+    spec.loss, spec.count = make_cached_loss(options, d2t_N), cached_count
+    spec.collate = cached_collate(spec.collate, cache, t2d_V)
+    spec.derive_metrics = derive_acceptance
+    spec.export_metadata.update(distilled_from=recipe.model.target, logits_cache=str(cache.dir))
+    _report_at_export(spec, recipe, accelerator)
+    return spec
+
+
+# ---------------------------------------------------------------- the teacher on the fly
 
 def load_teacher(recipe: Recipe):
     from draftforge.loading import load_causal_lm
@@ -119,24 +316,35 @@ def freeze_except(model, patterns: list[str]) -> None:
         param.requires_grad_(any(pat in name for pat in patterns))
 
 
+def _freeze(spec, options: DistillConfig, accelerator) -> None:
+    if options.trainable:
+        freeze_except(spec.model, options.trainable)
+        n_train = sum(p.numel() for p in spec.model.parameters() if p.requires_grad)
+        accelerator.print(f"[draftforge] distill: training {n_train:,} parameters matching {options.trainable}")
+
+
+def _weights_text(options: DistillConfig) -> str:
+    names = {"kl": f"KL(τ={options.temperature})", "tvd": "TVD", "ce_target": "CE(target top-1)", "ce": "CE(data)"}
+    return " + ".join(f"{names[k]}×{w}" for k, w in options.weights().items())
+
+
 def build_distill_task(recipe: Recipe, accelerator, with_data: bool = True):
-    """The student (a pretrain-style drafter), packed text blocks, and the frozen teacher."""
+    """The student (a pretrain-style drafter), packed text blocks, and the frozen teacher (or its logits cache)."""
     from draftforge.train.lm import build_lm_task
 
-    spec = build_lm_task(recipe, accelerator, with_data=with_data)
     options = recipe.task_options or DistillConfig()
+    if options.logits_cache and with_data:
+        return build_cached_task(recipe, accelerator, options)
+    spec = build_lm_task(recipe, accelerator, with_data=with_data)
     if not with_data:  # `draftforge export`: only the student and its export hook are used
         return spec
     teacher = load_teacher(recipe)
     if options.embeddings_from_target and not recipe.model.init_from:
         copy_target_embeddings(spec.model, teacher)
     accelerator.print(f"[draftforge] distill: teacher {type(teacher).__name__} "
-                      f"({sum(p.numel() for p in teacher.parameters()):,} params, frozen), τ={options.temperature}, "
-                      f"KL×{options.kl_weight} + CE×{options.ce_weight}")
-    if options.trainable:
-        freeze_except(spec.model, options.trainable)
-        n_train = sum(p.numel() for p in spec.model.parameters() if p.requires_grad)
-        accelerator.print(f"[draftforge] distill: training {n_train:,} parameters matching {options.trainable}")
+                      f"({sum(p.numel() for p in teacher.parameters()):,} params, frozen), loss {options.loss}: "
+                      f"{_weights_text(options)}")
+    _freeze(spec, options, accelerator)
     d2t_N = d2t_of(spec.model)
     if d2t_N is not None and int(d2t_N.max()) >= teacher.get_output_embeddings().weight.shape[0]:
         raise CompatibilityError(f"the student's draft vocabulary names target id {int(d2t_N.max())}, beyond the "
@@ -144,5 +352,59 @@ def build_distill_task(recipe: Recipe, accelerator, with_data: bool = True):
                                  "it was built for another target")
     spec.loss = make_loss(teacher, options, d2t_N)
     spec.frozen = {**spec.frozen, "teacher": teacher}
+    spec.derive_metrics = derive_acceptance
     spec.export_metadata["distilled_from"] = recipe.model.target  # the same dict the export hook reads
+    _report_at_export(spec, recipe, accelerator, teacher)
     return spec
+
+
+# ---------------------------------------------------------------- held-out acceptance, once, at export
+
+def _report_at_export(spec, recipe: Recipe, accelerator, teacher=None) -> None:
+    """Wrap spec.export: the held-out acceptance goes into the export's metrics (metrics.acceptance)."""
+    base, processes = spec.export, accelerator.num_processes
+
+    def export(trained, out_dir, metadata, overwrite=False):
+        report = held_out_acceptance(trained, spec, recipe.train, processes, teacher)
+        if report is not None:
+            metadata = {**metadata, "metrics": {**metadata.get("metrics", {}), "acceptance": report}}
+            depth = "/".join(f"{report.get(f'alpha_depth{d}', float('nan')):.2f}" for d in range(1, 6))
+            print(f"[draftforge] distill: held-out acceptance α {report['alpha']:.3f} (τ at γ=5: "
+                  f"{report['tau_g5']:.2f}), top-1 {report['top1_agree']:.3f} (τ {report['tau_g5_greedy']:.2f}), "
+                  f"α by depth {depth}, over {report['positions']:,} positions", flush=True)
+        return base(trained, out_dir, metadata, overwrite=overwrite)
+
+    spec.export = export
+
+
+@torch.no_grad()
+def held_out_acceptance(model, spec, train_cfg, processes: int = 1, teacher=None) -> dict | None:
+    """Acceptance metrics on the rows the loop evaluates on (the first eval_batches x micro_batch x processes),
+    from one process; None without eval rows, or when the model and the teacher sit on different devices."""
+    data, device = spec.eval_data, next(model.parameters()).device
+    if data is None or (teacher is not None and next(teacher.parameters()).device != device):
+        return None
+    n = train_cfg.eval_batches * train_cfg.micro_batch_size * processes
+    rows = data[: min(len(data), n)] if hasattr(data, "__len__") else _head(data, n)
+    n_rows = len(rows["input_ids"]) if rows else 0
+    sums, count, was_training = {}, 0.0, model.training
+    model.eval()
+    try:
+        for i in range(0, n_rows, train_cfg.micro_batch_size):
+            batch = spec.collate({k: v[i: i + train_cfg.micro_batch_size] for k, v in rows.items()}, device)
+            _, c, metrics = spec.loss(model, batch)
+            count += float(c)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+    finally:
+        model.train(was_training)
+    if count == 0:
+        return None
+    means = {k: v / count for k, v in sums.items() if not k.startswith("chain_")}
+    derived = derive_acceptance({k: v / count for k, v in sums.items()})
+    return {**means, **derived, "positions": int(count)} if all(map(math.isfinite, means.values())) else None
+
+
+def _head(data, n: int) -> dict | None:
+    head = list(itertools.islice(iter(data), n))
+    return {k: [r[k] for r in head] for k in head[0]} if head else None

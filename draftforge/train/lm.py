@@ -160,8 +160,11 @@ def check_context(recipe: Recipe, vocab_size: int) -> None:
                           f"({ctx} positions)")
 
 
-def build_lm_task(recipe: Recipe, accelerator, with_data: bool = True):
-    """pretrain / sft: the drafter (or LoRA-wrapped drafter) and packed blocks of input_ids + labels."""
+def build_lm_task(recipe: Recipe, accelerator, with_data: bool = True, build_data=None):
+    """pretrain / sft: the drafter (or LoRA-wrapped drafter) and packed blocks of input_ids + labels.
+
+    build_data(cfg, tokenizer, block_size, seed, vocab_size=...) -> BlockData replaces the usual blocks (distill
+    on a logits cache: the same rows with a column naming each position's cache entry)."""
     from draftforge.data import build_block_data, describe
     from draftforge.export import export_model, tokenizer_fingerprint
     from draftforge.train.spec import TaskSpec, tensor_collate
@@ -172,8 +175,8 @@ def build_lm_task(recipe: Recipe, accelerator, with_data: bool = True):
         vocab_size = model_vocab_size(recipe, tokenizer)
         check_context(recipe, vocab_size)
         with accelerator.main_process_first():  # rank 0 tokenizes and fills the datasets cache first
-            data = build_block_data(recipe.data, tokenizer, recipe.train.block_size, recipe.train.seed,
-                                    vocab_size=vocab_size)
+            data = (build_data or build_block_data)(recipe.data, tokenizer, recipe.train.block_size,
+                                                    recipe.train.seed, vocab_size=vocab_size)
         accelerator.print(f"[draftforge] {describe(data)}")
         meta["data_stats"] = data.stats
     model = build_model(recipe, tokenizer, data)

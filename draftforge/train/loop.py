@@ -181,9 +181,10 @@ class Trainer:
         bar.update(1)
         record = {"step": step, "loss": self.last_loss, "lr": lr, self.spec.unit: self.units_seen, **metrics}
         if self.t.eval_every and step % self.t.eval_every == 0 or step == self.t.max_steps:
-            self.eval_loss = evaluate(self.model, self.spec, self.acc, self.t)
+            eval_metrics = {}
+            self.eval_loss = evaluate(self.model, self.spec, self.acc, self.t, eval_metrics)
             if self.eval_loss is not None:
-                record["eval_loss"] = self.eval_loss
+                record.update(eval_loss=self.eval_loss, **{f"eval_{k}": v for k, v in eval_metrics.items()})
         if step % self.t.log_every == 0 or "eval_loss" in record or step == self.t.max_steps:
             self.metrics_log.write(record)
             self.acc.log({k: v for k, v in record.items() if k != "step"}, step=step)
@@ -223,7 +224,8 @@ class Trainer:
         if not metric_sums:
             return self.acc.reduce(loss_sum, "sum").item() / global_count, {}
         values = self.acc.reduce(torch.stack([loss_sum, *metric_sums.values()]), "sum").tolist()
-        return values[0] / global_count, {k: v / global_count for k, v in zip(metric_sums, values[1:])}
+        return values[0] / global_count, with_derived(self.spec, {k: v / global_count for k, v in
+                                                                   zip(metric_sums, values[1:])})
 
     def _finish_early(self, step: int, why: str) -> None:
         """A streaming source ran out before max_steps: final eval + checkpoint, then the normal export."""
@@ -303,8 +305,14 @@ def _next_batches(plan: BatchPlan, step: int, acc: Accelerator):
 
 
 @torch.no_grad()
-def evaluate(model, spec: TaskSpec, acc: Accelerator, t) -> float | None:
-    """Held-out loss per counted unit; every process runs the same number of forwards."""
+def with_derived(spec: TaskSpec, means: dict) -> dict:
+    """The task's per-unit means plus what it derives from them (e.g. the chain τ an acceptance α implies)."""
+    return {**means, **spec.derive_metrics(means)} if spec.derive_metrics is not None else means
+
+
+def evaluate(model, spec: TaskSpec, acc: Accelerator, t, metrics_out: dict | None = None) -> float | None:
+    """Held-out loss per counted unit (and, into `metrics_out`, the task's metrics per unit); every process runs
+    the same number of forwards."""
     data = spec.eval_data
     if data is None:
         return None
@@ -321,15 +329,21 @@ def evaluate(model, spec: TaskSpec, acc: Accelerator, t) -> float | None:
     # Under FSDP / ZeRO-3 each forward gathers parameters from all ranks, so a rank with one row
     # fewer would leave the others waiting.
     n_forwards = math.ceil(math.ceil(n_rows / acc.num_processes) / t.micro_batch_size)
-    total, count = torch.zeros((), device=acc.device), torch.zeros((), device=acc.device)
+    total, count, sums = torch.zeros((), device=acc.device), torch.zeros((), device=acc.device), {}
     for i in range(n_forwards):
         idx = mine[i * t.micro_batch_size:(i + 1) * t.micro_batch_size]
         batch = spec.collate(take(idx or [0]), acc.device)
-        s, c, _ = spec.loss(model, batch)
+        s, c, metrics = spec.loss(model, batch)
         if idx:  # a rank whose rows ran out still runs the forward, but counts nothing
             total += s.float()
             count += c
-    total, count = acc.reduce(total, "sum"), acc.reduce(count.float(), "sum")
+        for k, v in metrics.items():  # every rank has the same keys, so the stacked reduce lines up
+            sums[k] = sums.get(k, 0) + torch.as_tensor(v, device=acc.device).float() * bool(idx)
+    names = list(sums)
+    reduced = acc.reduce(torch.stack([total.float(), count.float(), *[sums[k] for k in names]]), "sum")
+    total, count = reduced[0], reduced[1]
+    if metrics_out is not None and count > 0:
+        metrics_out.update(with_derived(spec, {k: (v / count).item() for k, v in zip(names, reduced[2:])}))
     return (total / count).item() if count > 0 else None
 
 

@@ -15,7 +15,10 @@ A builder `build(recipe, accelerator, with_data=True) -> TaskSpec` returns:
               lists into tensors (default: torch.tensor per column);
   export      export(model, out_dir, metadata, overwrite=False) -> Path, given the unwrapped trained model;
   unit        what throughput counts ("tokens", "nodes", "rows"); units(batch) counts them;
-  run_files   {name: text} the run dir must hold (e.g. a draft vocabulary a later `draftforge export` needs).
+  run_files   {name: text} the run dir must hold (e.g. a draft vocabulary a later `draftforge export` needs);
+  derive_metrics   derive(means) -> {name: value}: numbers that are not a mean per unit (a ratio of two
+              metrics, a τ implied by a mean acceptance), computed from the reduced means; distill uses it
+              for its held-out acceptance report (a loop that logs eval metrics applies it too).
 With with_data=False (`draftforge export`) the builder may skip the data: only model and export are used.
 """
 
@@ -60,3 +63,4 @@ class TaskSpec:
     export_metadata: dict = field(default_factory=dict)
     data_stats: dict = field(default_factory=dict)
     run_files: dict[str, str] = field(default_factory=dict)  # written into the run dir when it is claimed
+    derive_metrics: Callable[[dict], dict] | None = None  # (metric means) -> derived numbers

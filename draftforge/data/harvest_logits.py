@@ -1,0 +1,419 @@
+"""`draftforge harvest logits`: a target's top-k next-token distributions over token rows, for `distill`.
+
+The target reads each row once (teacher-forced, rows right-padded into batches of --batch-size, so padding
+never reaches a position that is kept); for every position a loss uses, the K largest log-probabilities
+(T=1, computed in float32 from the logits whatever --dtype the model runs in), the log of the remaining
+mass and the argmax are written (the format: data/logits_cache.py). With --draft-vocab the top-K and the
+remaining mass are taken over the draft ids only, which is what a reduced head's loss needs
+(train/divergences.py); K may then not exceed the draft vocabulary.
+
+Shards of --shard-rows rows are written atomically, each with a small record (its bytes and sha256) beside
+it; harvest.json is the index, merged by process 0 at the end. A killed run continues with --resume: shards
+whose file matches its record are kept, and a missing, truncated or corrupt one is harvested again, to the
+same bytes (the same rows in the same batches). Under `accelerate launch` process r harvests shards r, r+W,
+... (W processes; on GPUs each takes cuda:LOCAL_RANK) and the result is the same as one process's.
+Legend: B rows of a batch, L their padded length, V vocabulary, S the vocabulary the top-k is taken over
+(V or the draft ids), K top-k, P kept positions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from draftforge.data.logits_cache import (DRAFT_VOCAB_FILE, FORMAT_VERSION, KIND, MANIFEST, check_ids_below,
+                                          loss_positions, read_manifest, read_token_rows, rows_identity,
+                                          shard_name, shard_problem, stored_weights_fingerprint, write_shard)
+from draftforge.errors import CompatibilityError, DataError, RecipeError
+from draftforge.fsutil import atomic_write_text
+from draftforge.runtime import DTYPE_CHOICES, announce, resolve_dtype
+
+ROWS_FIX = "regenerate the rows with this target, or pass --target {theirs}"
+# what a resume must share with the harvest it continues (the target's weights are compared once loaded)
+SETTING_KEYS = ("top_k", "max_len", "batch_size", "shard_rows", "dtype", "vocab_size", "draft_vocab",
+                "tokenizer_fingerprint", "temperature")
+POSITION_CHUNK = 256  # positions whose fp32 logits are processed at once (bounds the extra memory)
+
+
+@dataclass
+class Plan:
+    """Everything decided before the model loads: the rows, their positions, the draft ids, the manifest."""
+
+    rows: list[dict]
+    positions: list[list[int]]
+    draft_ids: list[int] | None
+    manifest: dict
+    device: str
+    choice: object = None
+    stop_after: int | None = None
+
+
+def harvest_logits(target, rows, out, *, top_k=32, draft_vocab=None, max_len=2048, batch_size=8, shard_rows=256,
+                   device="cpu", dtype="auto", resume=False, overwrite=False, progress=True,
+                   stop_after=None) -> dict:
+    """Write (or continue) a logits cache in `out`; returns its manifest. stop_after=n stops after this process
+    wrote n shards, as a kill would (tests)."""
+    for name, value in (("top_k", top_k), ("max_len", max_len), ("batch_size", batch_size),
+                        ("shard_rows", shard_rows)):
+        if not isinstance(value, int) or value < (2 if name == "max_len" else 1):
+            raise RecipeError(f"--{name.replace('_', '-')} must be an integer >= {2 if name == 'max_len' else 1}, "
+                              f"got {value!r}")
+    if resume and overwrite:
+        raise RecipeError("--resume continues a harvest and --overwrite replaces it: pass one of them")
+    rank, world, local_rank = _process_group()
+    out = Path(out)
+    plan = _plan(target, rows, top_k, draft_vocab, max_len, batch_size, shard_rows, device, dtype, local_rank, world)
+    old = _existing(out, plan.manifest, resume, overwrite)  # read only: every process runs the same checks
+    if rank == 0:
+        announce(plan.choice, "target")
+    model = _load_target(target, plan)
+    _same_target(out, old, plan.manifest)
+    _barrier(world)
+    if rank == 0:
+        _start(out, plan, overwrite)
+    _barrier(world)
+    done = {} if overwrite else _records(out)
+    plan.stop_after = stop_after
+    _harvest_shards(model, plan, out, [i for i in range(plan.manifest["num_shards"]) if i % world == rank], done,
+                    progress and rank == 0)
+    _barrier(world)
+    if rank == 0:
+        _merge(out, plan.manifest)
+    _barrier(world)
+    return read_manifest(out)
+
+
+def _process_group() -> tuple[int, int, int]:
+    """(rank, world size, local rank): one process, or `accelerate launch` / torchrun's (a gloo group for barriers)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, 0
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.get_rank(), world, int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _plan(target, rows_path, top_k, draft_vocab, max_len, batch_size, shard_rows, device, dtype, local_rank,
+          world) -> Plan:
+    """Read and check the rows, the draft vocabulary and the settings; nothing is written or loaded yet."""
+    from draftforge.data.provenance import tokenizer_identity
+    from draftforge.train.parts import load_config
+
+    config = load_config(str(target), "--target")
+    vocab = int(config.vocab_size)
+    tokenizer = _target_tokenizer(target)
+    rows = read_token_rows(rows_path, tokenizer, ROWS_FIX)
+    check_ids_below(rows, vocab)
+    draft_ids, source = resolve_draft_vocab(draft_vocab, rows, vocab, tokenizer)
+    scope = len(draft_ids) if draft_ids is not None else vocab
+    if top_k > scope:
+        what = f"the draft vocabulary's {scope} ids" if draft_ids is not None else f"the target's {scope} tokens"
+        raise CompatibilityError(f"--top-k {top_k} exceeds {what}; use --top-k {scope} or less (--top-k {scope} "
+                                 "stores that distribution whole, with no tail)")
+    positions = [loss_positions(row["labels"], max_len) for row in rows]
+    longest = max((p[-1] + 1 for p in positions if p), default=0)
+    context = getattr(config, "max_position_embeddings", None)
+    if context is not None and longest > context:
+        raise RecipeError(f"rows of {rows_path} reach {longest} tokens, beyond the target's context of {context} "
+                          f"positions; pass --max-len {context} (train with train.block_size <= {context})")
+    if world > 1 and str(device).startswith("cuda"):
+        device = f"cuda:{local_rank}"
+    choice = resolve_dtype(dtype, device)
+    manifest = {
+        "kind": KIND, "format_version": FORMAT_VERSION, "target": str(target), "target_fingerprint": None,
+        "target_files": stored_weights_fingerprint(target), **tokenizer_identity(tokenizer), "vocab_size": vocab,
+        "rows": {**rows_identity(rows_path), "count": len(rows), "positions": sum(map(len, positions))},
+        "top_k": top_k, "max_len": max_len, "batch_size": batch_size, "shard_rows": shard_rows,
+        "num_shards": -(-len(rows) // shard_rows), "dtype": choice.name, "dtype_reason": choice.reason,
+        "temperature": 1.0, "store": {"ids": "int32", "logp": "float32", "rest_logp": "float32", "top1": "int32"},
+        "draft_vocab": _draft_record(draft_ids, source), "complete": False, "shards": []}
+    return Plan(rows, positions, draft_ids, manifest, device, choice)
+
+
+def _target_tokenizer(target):
+    """The target's tokenizer, None when its directory holds none (ids are then used unchecked)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(target))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def resolve_draft_vocab(spec, rows: list[dict], vocab: int, tokenizer) -> tuple[list[int] | None, str | None]:
+    """The draft ids --draft-vocab names: N (the N most frequent labels of these rows, as a recipe with
+    model.draft_vocab: N and model.draft_vocab_from: ROWS counts them), a run or export dir, or a JSON list."""
+    from draftforge.models.draft_vocab import check_map, frequent_tokens
+
+    if spec is None:
+        return None, None
+    spec = str(spec)
+    if spec.isdigit():
+        n = int(spec)
+        if not 0 < n <= vocab:
+            raise RecipeError(f"--draft-vocab {n}: must be in 1..{vocab} (the target's vocabulary)")
+        eos = getattr(tokenizer, "eos_token_id", None)
+        return frequent_tokens((row["labels"] for row in rows), vocab, n, always=(eos,)), f"{n} most frequent"
+    ids = _draft_ids_from(Path(os.path.expanduser(spec)))
+    check_map(ids, vocab)
+    return sorted(int(t) for t in ids), spec
+
+
+def _draft_ids_from(path: Path) -> list[int]:
+    candidates = [path] if path.is_file() else [path / DRAFT_VOCAB_FILE, path / "config.json",
+                                                path / "export" / "config.json"]
+    for file in candidates:
+        if not file.is_file():
+            continue
+        try:
+            value = json.loads(file.read_text())
+        except ValueError as e:
+            raise DataError(f"--draft-vocab: {file} is not readable JSON ({e})") from None
+        value = value.get("draft_vocab") if isinstance(value, dict) else value
+        if isinstance(value, list) and value and all(isinstance(t, int) for t in value):
+            return value
+    raise DataError(f"--draft-vocab {path}: no draft vocabulary there (give N, a run dir with {DRAFT_VOCAB_FILE}, an "
+                    "export whose config.json lists draft_vocab, or a JSON list of target ids)")
+
+
+def _draft_record(ids, source) -> dict | None:
+    if ids is None:
+        return None
+    import hashlib
+
+    return {"size": len(ids), "source": source, "sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest()}
+
+
+def _existing(out: Path, manifest: dict, resume: bool, overwrite: bool) -> dict | None:
+    """The harvest already in `out` that a --resume continues (checked to share the settings), else None."""
+    if not (out / MANIFEST).is_file():
+        if resume:
+            print(f"[draftforge] --resume: {out} holds no harvest yet; starting one", file=sys.stderr, flush=True)
+        return None
+    old = read_manifest(out)
+    if overwrite:
+        return None
+    if not resume:
+        raise DataError(f"{out} already holds a logits harvest; pass --resume to continue it, --overwrite to replace "
+                        "it, or choose another --out")
+    changed = [k for k in SETTING_KEYS if old.get(k) != manifest.get(k)]
+    if old["rows"].get("sha256") != manifest["rows"]["sha256"]:
+        changed.append("rows file (sha256)")
+    if changed:
+        raise CompatibilityError(f"--resume: the harvest in {out} was made with other settings ({', '.join(changed)}); "
+                                 "use the same ones, or --overwrite")
+    return old
+
+
+def _load_target(target, plan: Plan):
+    from draftforge.loading import load_causal_lm
+    from draftforge.models.theta import model_fingerprint
+
+    model = load_causal_lm(str(target), what="target", dtype=plan.choice.torch_dtype)
+    model = model.to(plan.device).eval().requires_grad_(False)
+    plan.manifest["target_fingerprint"] = model_fingerprint(model)
+    return model
+
+
+def _same_target(out: Path, old: dict | None, manifest: dict) -> None:
+    if old is not None and old.get("target_fingerprint") != manifest["target_fingerprint"]:
+        raise CompatibilityError(f"--resume: the harvest in {out} was made with target {old.get('target')} (weights "
+                                 f"fingerprint {str(old.get('target_fingerprint'))[:12]}), not with this --target "
+                                 f"({manifest['target_fingerprint'][:12]}); use that target, or --overwrite")
+
+
+def _start(out: Path, plan: Plan, overwrite: bool) -> None:
+    """Process 0: clear a replaced harvest (only the files a harvest writes), then write the manifest."""
+    out.mkdir(parents=True, exist_ok=True)
+    if overwrite:
+        for path in [*out.glob("shard-*.safetensors"), *out.glob("shard-*.json"), out / DRAFT_VOCAB_FILE]:
+            path.unlink(missing_ok=True)
+    if plan.draft_ids is not None:
+        atomic_write_text(out / DRAFT_VOCAB_FILE, json.dumps(plan.draft_ids) + "\n")
+    old = read_manifest(out) if (out / MANIFEST).is_file() and not overwrite else {}
+    atomic_write_text(out / MANIFEST, json.dumps({**plan.manifest, "shards": old.get("shards", [])}, indent=2) + "\n")
+
+
+def _record_path(out: Path, index: int) -> Path:
+    return out / shard_name(index).replace(".safetensors", ".json")
+
+
+def _records(out: Path) -> dict[int, dict]:
+    """Shard records of earlier runs: the manifest's, then the per-shard ones written since."""
+    found = {}
+    if (out / MANIFEST).is_file():
+        found.update({e["index"]: e for e in read_manifest(out).get("shards", [])})
+    for path in sorted(out.glob("shard-*.json")):
+        try:
+            entry = json.loads(path.read_text())
+        except ValueError:
+            continue  # an unreadable record: its shard is harvested again
+        found[entry["index"]] = entry
+    return found
+
+
+def _harvest_shards(model, plan: Plan, out: Path, mine: list[int], done: dict, progress: bool) -> None:
+    from tqdm.auto import tqdm
+
+    m, say = plan.manifest, (lambda line: print(f"[draftforge] harvest logits: {line}", file=sys.stderr, flush=True))
+    bar = tqdm(total=len(mine), desc="harvest logits (shards)", disable=not progress, dynamic_ncols=True)
+    written = 0
+    for index in mine:
+        entry = done.get(index)
+        problem = shard_problem(out, entry) if entry else None
+        if entry and not problem:
+            bar.update(1)
+            continue
+        if problem:
+            say(f"{problem}: harvesting it again")
+        a, b = index * m["shard_rows"], min((index + 1) * m["shard_rows"], m["rows"]["count"])
+        tensors = shard_tensors(model, plan, a, b)
+        meta = {"kind": KIND, "shard": index, "rows": f"{a}:{b}", "top_k": m["top_k"]}
+        entry = {"index": index, "rows": [a, b], "positions": int(tensors["position"].numel()),
+                 **write_shard(out / shard_name(index), tensors, meta)}
+        atomic_write_text(_record_path(out, index), json.dumps(entry) + "\n")
+        bar.update(1)
+        written += 1
+        if plan.stop_after is not None and written >= plan.stop_after:
+            bar.close()
+            raise KeyboardInterrupt(f"stopped after {written} shard(s) (stop_after)")
+    bar.close()
+
+
+def _merge(out: Path, manifest: dict) -> None:
+    """Process 0, after every process finished: the manifest lists every shard, checked, and is complete."""
+    records = _records(out)
+    missing = [i for i in range(manifest["num_shards"]) if i not in records]
+    if missing:
+        raise DataError(f"harvest in {out}: shards {missing[:5]} were not written; rerun with --resume")
+    shards = [records[i] for i in range(manifest["num_shards"])]
+    for entry in shards:
+        problem = shard_problem(out, entry)
+        if problem:
+            raise DataError(f"harvest in {out}: {problem}; rerun with --resume")
+    atomic_write_text(out / MANIFEST, json.dumps({**manifest, "shards": shards, "complete": True}, indent=2) + "\n")
+    for index in range(manifest["num_shards"]):
+        _record_path(out, index).unlink(missing_ok=True)  # the manifest holds them now
+
+
+@torch.inference_mode()
+def shard_tensors(model, plan: Plan, a: int, b: int) -> dict[str, torch.Tensor]:
+    """The cache tensors of rows [a, b): batches of --batch-size rows, in order."""
+    m = plan.manifest
+    d2t_S = torch.tensor(plan.draft_ids, device=plan.device) if plan.draft_ids is not None else None
+    parts, counts = [], []
+    for c in range(a, b, m["batch_size"]):
+        end = min(c + m["batch_size"], b)
+        parts.append(batch_entries(model, plan.rows[c:end], plan.positions[c:end], m["top_k"], d2t_S, plan.device))
+        counts += [len(p) for p in plan.positions[c:end]]
+    out = {name: torch.cat([p[name] for p in parts]) for name in ("ids", "logp", "rest_logp", "top1")}
+    out["position"] = torch.tensor([t for p in plan.positions[a:b] for t in p], dtype=torch.int32)
+    out["row_ptr"] = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
+    return out
+
+
+def batch_entries(model, rows: list[dict], positions: list[list[int]], k: int, d2t_S, device) -> dict:
+    """One teacher forward over right-padded rows; the entries of their kept positions, row by row."""
+    L = max((p[-1] + 1 for p in positions if p), default=0)
+    empty = {"ids": torch.zeros(0, k, dtype=torch.int32), "logp": torch.zeros(0, k), "rest_logp": torch.zeros(0),
+             "top1": torch.zeros(0, dtype=torch.int32)}
+    if L == 0:
+        return empty
+    ids_BL = torch.zeros(len(rows), L, dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids = row["input_ids"][:L]
+        ids_BL[r, : len(ids)] = torch.tensor(ids)
+    logits_BLV = model(input_ids=ids_BL.to(device), use_cache=False).logits
+    parts = []
+    for r, pos in enumerate(positions):
+        for c in range(0, len(pos), POSITION_CHUNK):
+            at = torch.tensor(pos[c: c + POSITION_CHUNK], device=logits_BLV.device)
+            parts.append(topk_entries(logits_BLV[r, at].float(), k, d2t_S))
+    if not parts:
+        return empty
+    return {name: torch.cat([p[name] for p in parts]).cpu() for name in empty}
+
+
+def topk_entries(logits_PV: torch.Tensor, k: int, d2t_S=None) -> dict[str, torch.Tensor]:
+    """Top-k ids and log-probs over S, the log of the rest of S's mass, the argmax over V (all from fp32 logits)."""
+    lZ_P = logits_PV.logsumexp(-1)
+    scope_PS = logits_PV if d2t_S is None else logits_PV.index_select(-1, d2t_S)
+    val_PK, idx_PK = scope_PS.topk(k, -1)
+    rest_P = scope_PS.scatter(-1, idx_PK, float("-inf")).logsumexp(-1) - lZ_P
+    ids_PK = idx_PK if d2t_S is None else d2t_S[idx_PK]
+    return {"ids": ids_PK.to(torch.int32), "logp": val_PK - lZ_P[:, None], "rest_logp": rest_P,
+            "top1": logits_PV.argmax(-1).to(torch.int32)}
+
+
+# ---------------------------------------------------------------- command line
+
+DESCRIPTION = """\
+Store a target's next-token distributions over token rows, so `distill` trains without a teacher forward
+(recipe key distill.logits_cache: OUT; the teacher is then never loaded). The target reads every row of
+--data (format: tokens JSONL/JSON/parquet rows {input_ids, prompt_len or loss_mask}) once; at each position
+a loss uses it keeps the --top-k largest log-probabilities (T=1), the log of the remaining mass and its
+argmax. Log-probs are stored as float32 whatever --dtype the model ran in (bf16 would cost them up to 3%
+of a probability). With --draft-vocab the top-k and the remaining mass are over the draft ids, as a reduced
+head's loss needs them.
+
+OUT holds safetensors shards of --shard-rows rows and harvest.json (the target's and tokenizer's
+fingerprints, the rows file's path, size, mtime and sha256, k, dtype, shards). An interrupted harvest
+continues with --resume; a missing, truncated or corrupt shard is harvested again. Under
+`accelerate launch` each process harvests its own shards and process 0 writes the index."""
+
+EPILOG = """examples:
+  draftforge harvest logits --target TARGET --data rows.jsonl --out runs/logits
+  draftforge harvest logits ... --resume                              # continue a killed harvest
+  draftforge harvest logits ... --draft-vocab 8192                    # a reduced head of 8192 ids
+  accelerate launch -m draftforge harvest logits --device cuda ...    # one shard subset per GPU
+then: draftforge train RECIPE (task: distill, distill.logits_cache: runs/logits, data.sources: [rows.jsonl],
+data.format: tokens)
+"""
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.description, p.epilog = DESCRIPTION, EPILOG
+    p.add_argument("--target", required=True, help="the target model (local directory)")
+    p.add_argument("--data", required=True, help="one file of token rows (format: tokens), the one distill trains on")
+    p.add_argument("--out", required=True, help="cache directory (harvest.json + shards)")
+    p.add_argument("--top-k", type=int, default=32, help="log-probabilities kept per position (default 32)")
+    p.add_argument("--draft-vocab", default=None, help="take the top-k over a reduced head's ids: N (the N most "
+                   "frequent labels of --data, as model.draft_vocab: N with model.draft_vocab_from: DATA), a run "
+                   "or export dir, or a JSON list of target ids (default: the whole vocabulary)")
+    p.add_argument("--max-len", type=int, default=2048, help="read at most N tokens of a row (default 2048; at "
+                   "least the train.block_size that will read the cache)")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per teacher forward (default 8)")
+    p.add_argument("--shard-rows", type=int, default=256, help="rows per shard (default 256)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="the target's dtype: auto (default) = bfloat16 where the device computes it natively, else "
+                        "float32; recorded, and a resume must use the same")
+    p.add_argument("--resume", action="store_true", help="continue the harvest in --out (same settings)")
+    p.add_argument("--overwrite", action="store_true", help="replace the harvest in --out")
+
+
+def run(args) -> int:
+    m = harvest_logits(args.target, args.data, args.out, top_k=args.top_k, draft_vocab=args.draft_vocab,
+                       max_len=args.max_len, batch_size=args.batch_size, shard_rows=args.shard_rows,
+                       device=args.device, dtype=args.dtype, resume=args.resume, overwrite=args.overwrite)
+    if int(os.environ.get("RANK", "0")) == 0:
+        size = sum(e["bytes"] for e in m["shards"])
+        print(f"harvest logits: {m['rows']['count']:,} rows, {m['rows']['positions']:,} positions, top-{m['top_k']}"
+              f"{' over ' + str(m['draft_vocab']['size']) + ' draft ids' if m['draft_vocab'] else ''}, "
+              f"{len(m['shards'])} shards ({size / 2**20:,.1f} MiB), {m['dtype']}; in {args.out}")
+    return 0

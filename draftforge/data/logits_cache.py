@@ -1,0 +1,398 @@
+"""A target's top-k next-token distributions over token rows, stored once (`draftforge harvest logits`).
+
+With a cache, `distill` trains without a teacher forward (distill.logits_cache; the loss forms and their
+truncation bounds: train/divergences.py). A cache directory holds:
+  harvest.json              the manifest: the target (path, weights fingerprint, stored-files fingerprint), its
+                            tokenizer (fingerprint), the rows file (path, bytes, mtime, sha256, rows,
+                            positions), k, max_len, the draft vocabulary if any, the dtype, and the shards
+                            (rows, positions, bytes, sha256); "complete" once every shard is written
+  draft_vocab.json          with --draft-vocab: the target ids of the draft vocabulary
+  shard-NNNNN.safetensors   rows [a, b) of the rows file:
+      row_ptr   [R+1] int64    row a+i owns entries row_ptr[i]:row_ptr[i+1]
+      position  [E]   int32    t: the entry is the target's distribution of the token after input_ids[t]
+      ids       [E,K] int32    the K most probable target ids, descending (over the draft ids with --draft-vocab)
+      logp      [E,K] float32  their log-probabilities under the target at T=1, over the whole vocabulary V
+      rest_logp [E]   float32  log of the target's remaining mass on the same vocabulary (V or the draft ids)
+      top1      [E]   int32    the target's argmax over all of V (top-1 agreement compares with it)
+Entries exist for exactly the positions a loss uses: t with labels[t+1] != -100 and t + 1 < min(len, max_len).
+Log-probs are stored as float32 whatever --dtype computed them: bfloat16 keeps 8 bits of mantissa, so a
+log-prob near -8 would be off by up to 0.03 (3% of the probability) and the K probabilities and the tail
+would stop summing to 1 at the precision the losses and their bounds are compared at; float32 costs 2 bytes
+more per entry than bfloat16 would (the int32 ids cost 4 either way).
+Legend: E entries (positions) of a shard, K top-k, R rows, B blocks, S block size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from draftforge.errors import CompatibilityError, DataError
+
+MANIFEST = "harvest.json"
+KIND = "logits-cache"
+FORMAT_VERSION = 1
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+TENSORS = {"ids": "<i4", "logp": "<f4", "rest_logp": "<f4", "top1": "<i4"}  # per entry, gathered per batch
+_NUMPY = {"I32": "<i4", "I64": "<i8", "F32": "<f4"}
+RESUME_FIX = "rerun `draftforge harvest logits` with the same arguments and --resume to harvest it again"
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+# ---------------------------------------------------------------- rows
+
+def read_token_rows(path, tokenizer=None, fix: str | None = None) -> list[dict]:
+    """The rows of one format=tokens file as {input_ids, labels, where}; its sidecar's tokenizer is checked first."""
+    from draftforge.data.provenance import TRAIN_FIX, check_row_files
+    from draftforge.data.sources import ROW_FILE_SUFFIXES, iter_located_rows, normalize_tokens
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"token rows file {path} does not exist")
+    if path.suffix.lower() not in ROW_FILE_SUFFIXES:
+        raise DataError(f"{path}: token rows are .jsonl/.json/.parquet rows of input_ids (format: tokens)")
+    check_row_files([path], tokenizer, fix or TRAIN_FIX)
+    rows = [normalize_tokens(row if isinstance(row, dict) else {}, where) for where, row in iter_located_rows(path)]
+    if not rows:
+        raise DataError(f"token rows file {path} has no rows")
+    return rows
+
+
+def loss_positions(labels: list[int], limit: int) -> list[int]:
+    """Positions t whose next token carries a loss, within the first `limit` tokens."""
+    n = min(len(labels), limit)
+    return [t for t in range(n - 1) if labels[t + 1] != -100]
+
+
+def check_ids_below(rows: list[dict], vocab_size: int) -> None:
+    for row in rows:
+        top = max(row["input_ids"])
+        if top >= vocab_size:
+            raise DataError(f"{row['where']}: token id {top} is outside the target's vocabulary (size {vocab_size}); "
+                            "were these ids made with another tokenizer?")
+
+
+def sha256_file(path) -> str:
+    from draftforge.fsutil import sha256_file as digest
+
+    return digest(Path(path))
+
+
+def rows_identity(path) -> dict:
+    """What names a rows file: where it was, its size and mtime (a quick check) and its sha256 (the real one)."""
+    path = Path(path).resolve()
+    st = path.stat()
+    return {"path": str(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path)}
+
+
+# ---------------------------------------------------------------- the target, without loading it
+
+def stored_weights_fingerprint(model_dir) -> str | None:
+    """sha256 over each stored tensor's name, dtype, shape and 16 evenly spaced 16-byte samples of its bytes,
+    read from the *.safetensors files without building the model (None: no local safetensors). Another copy
+    of the same files matches; the same weights saved in another dtype do not (models.theta's fingerprint,
+    which needs the model loaded, decides then)."""
+    path = Path(str(model_dir))
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for file in files:
+        header, base = _safetensors_header(file)
+        with open(file, "rb") as f:
+            for name in sorted(k for k in header if k != "__metadata__"):
+                info = header[name]
+                begin, end = info["data_offsets"]
+                h.update(f"{name}:{info['dtype']}:{info['shape']}:".encode())
+                for offset in _sample_offsets(begin, end):
+                    f.seek(base + offset)
+                    h.update(f.read(16))
+    return h.hexdigest()
+
+
+def _sample_offsets(begin: int, end: int, n: int = 16, width: int = 16) -> list[int]:
+    span = end - begin
+    if span <= n * width:
+        return list(range(begin, end, width))
+    return [begin + i * (span - width) // (n - 1) for i in range(n)]
+
+
+def _safetensors_header(path: Path) -> tuple[dict, int]:
+    """(header, byte offset of the data) of a safetensors file; DataError when the header is unreadable."""
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > os.path.getsize(path) - 8:
+                raise ValueError("header runs past the end of the file")
+            header = json.loads(f.read(length))
+    except (OSError, ValueError, struct.error) as e:
+        raise DataError(f"{path}: not a readable safetensors file ({e})") from None
+    return header, 8 + length
+
+
+# ---------------------------------------------------------------- shards
+
+def write_shard(path: Path, tensors: dict, metadata: dict) -> dict:
+    """Save tensors atomically (temp file + rename); the manifest entry: file, bytes, sha256."""
+    from safetensors.torch import save_file
+
+    from draftforge.fsutil import usual_permissions
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    # one metadata key: safetensors stores the metadata map in hash order, and a resumed harvest must
+    # write the same bytes as an uninterrupted one
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+              metadata={"draftforge": json.dumps(metadata, sort_keys=True)})
+    usual_permissions(tmp)
+    os.replace(tmp, path)
+    return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def shard_problem(cache_dir: Path, entry: dict) -> str | None:
+    """Why the shard an entry names cannot be used (missing, truncated, corrupt), or None."""
+    path = Path(cache_dir) / entry["file"]
+    if not path.is_file():
+        return f"{path} is missing"
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        what = "truncated" if size < entry["bytes"] else "longer than written"
+        return f"{path} is {what} ({size:,} of {entry['bytes']:,} bytes)"
+    if sha256_file(path) != entry["sha256"]:
+        return f"{path} is corrupt (its sha256 differs from the one recorded when it was written)"
+    return None
+
+
+def _memmaps(path: Path) -> dict[str, np.ndarray]:
+    """Each tensor of a shard as a read-only view of the file (pages are read when indexed)."""
+    header, base = _safetensors_header(path)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        dtype, shape = np.dtype(_NUMPY[info["dtype"]]), tuple(info["shape"])
+        out[name] = (np.memmap(path, dtype=dtype, mode="r", offset=base + begin, shape=shape) if end > begin
+                     else np.zeros(shape, dtype=dtype))
+    return out
+
+
+# ---------------------------------------------------------------- reading a cache
+
+def read_manifest(cache_dir: Path) -> dict:
+    path = Path(cache_dir) / MANIFEST
+    if not path.is_file():
+        raise DataError(f"{cache_dir} is not a logits cache (no {MANIFEST}); make one with `draftforge harvest logits`")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not readable JSON ({e}); harvest again into a new --out") from None
+    kind = manifest.get("kind") if isinstance(manifest, dict) else None
+    if kind != KIND:
+        raise DataError(f"{path} is not a logits cache manifest (kind {kind!r}); give a `draftforge harvest logits` "
+                        "directory")
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise DataError(f"{path} has format_version {manifest['format_version']}, newer than this draftforge reads "
+                        f"({FORMAT_VERSION}); upgrade draftforge")
+    return manifest
+
+
+class LogitsCache:
+    """A complete, verified cache: per-row positions and per-entry gathers, read through memory maps."""
+
+    def __init__(self, cache_dir):
+        self.dir = Path(cache_dir)
+        self.manifest = m = read_manifest(self.dir)
+        if not m.get("complete"):
+            raise DataError(f"the logits cache in {self.dir} is incomplete ({len(m.get('shards', []))} of "
+                            f"{m.get('num_shards', '?')} shards): {RESUME_FIX}")
+        for entry in m["shards"]:  # sizes and hashes: a damaged shard is named before training starts
+            problem = shard_problem(self.dir, entry)
+            if problem:
+                raise DataError(f"logits cache shard {problem}; {RESUME_FIX}")
+        self.k, self.max_len, self.vocab_size = m["top_k"], m["max_len"], m["vocab_size"]
+        self.num_rows = m["rows"]["count"]
+        self.maps = [_memmaps(self.dir / e["file"]) for e in m["shards"]]
+        self.row_starts = np.array([e["rows"][0] for e in m["shards"]] + [self.num_rows], dtype=np.int64)
+        sizes = [len(mm["position"]) for mm in self.maps]
+        self.entry_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        m = self.manifest
+        for entry, mm in zip(m["shards"], self.maps):
+            a, b = entry["rows"]
+            ok = len(mm["row_ptr"]) == b - a + 1 and int(mm["row_ptr"][-1]) == len(mm["position"])
+            ok = ok and mm["ids"].shape == (len(mm["position"]), self.k)
+            if not ok:
+                raise DataError(f"logits cache shard {self.dir / entry['file']} does not hold rows {a}..{b} with "
+                                f"top-{self.k} entries as its manifest says; {RESUME_FIX}")
+        if int(self.row_starts[0]) != 0 or np.any(np.diff(self.row_starts) <= 0):
+            raise DataError(f"the shards of {self.dir} do not cover rows 0..{self.num_rows} in order; harvest again")
+
+    @property
+    def draft_vocab(self) -> list[int] | None:
+        if not self.manifest.get("draft_vocab"):
+            return None
+        return json.loads((self.dir / DRAFT_VOCAB_FILE).read_text())
+
+    def row_positions(self, row: int) -> tuple[np.ndarray, int]:
+        """(positions t of `row`, global index of its first entry)."""
+        s = int(np.searchsorted(self.row_starts, row, side="right") - 1)
+        local = row - int(self.row_starts[s])
+        ptr = self.maps[s]["row_ptr"]
+        a, b = int(ptr[local]), int(ptr[local + 1])
+        return np.asarray(self.maps[s]["position"][a:b]), int(self.entry_starts[s]) + a
+
+    def gather(self, index_E: np.ndarray) -> dict[str, np.ndarray]:
+        """The TENSORS entries at global indices index_E (any order)."""
+        index_E = np.asarray(index_E, dtype=np.int64)
+        shard_E = np.searchsorted(self.entry_starts, index_E, side="right") - 1
+        out = {name: np.empty((len(index_E), self.k) if name in ("ids", "logp") else (len(index_E),), dtype=dt)
+               for name, dt in TENSORS.items()}
+        for s in np.unique(shard_E):
+            sel_E = shard_E == s
+            local_E = index_E[sel_E] - self.entry_starts[s]
+            for name in TENSORS:
+                out[name][sel_E] = self.maps[s][name][local_E]
+        return out
+
+    # ---------------------------------------------------------------- what it must match
+
+    def check_tokenizer(self, tokenizer) -> None:
+        """CompatibilityError when the cache was harvested with another tokenizer than the run's."""
+        from draftforge.data.provenance import describe, notice, tokenizer_identity
+
+        ours, theirs = tokenizer_identity(tokenizer), self.manifest.get("tokenizer_fingerprint")
+        if not theirs or not ours["tokenizer_fingerprint"]:
+            notice([str(self.dir)], "the logits cache or this run has no tokenizer fingerprint: not checked")
+            return
+        if theirs != ours["tokenizer_fingerprint"]:
+            raise CompatibilityError(f"logits cache {self.dir} was harvested with {describe(self.manifest)}, but this "
+                                     f"run uses {describe(ours)}; harvest again with this run's target, or point "
+                                     f"model.target / model.tokenizer at {self.manifest.get('target')}")
+
+    def check_target(self, target) -> str:
+        """How the recipe's target was matched with the harvest's; CompatibilityError for another target."""
+        recorded = self.manifest.get("target_files")
+        if recorded is not None and stored_weights_fingerprint(target) == recorded:
+            return "its stored weight files match"
+        from draftforge.loading import load_causal_lm
+        from draftforge.models.theta import model_fingerprint
+
+        theirs = self.manifest.get("target_fingerprint")
+        ours = model_fingerprint(load_causal_lm(target, what="target (to compare with the logits cache)"))
+        if ours != theirs:
+            raise CompatibilityError(f"logits cache {self.dir} was harvested from target {self.manifest.get('target')} "
+                                     f"(weights fingerprint {str(theirs)[:12]}), not from model.target {target} "
+                                     f"(weights fingerprint {ours[:12]}); harvest again with --target {target}, or "
+                                     f"train against {self.manifest.get('target')}")
+        return "its files differ, but its weights match (loaded once to compare)"
+
+    def check_rows_file(self, path) -> None:
+        """DataError unless `path` holds the bytes the cache was harvested from (size + mtime, else sha256)."""
+        want, path = self.manifest["rows"], Path(path).resolve()
+        st = path.stat()
+        if st.st_size == want["bytes"] and st.st_mtime_ns == want["mtime_ns"] and str(path) == want["path"]:
+            return
+        if st.st_size != want["bytes"] or sha256_file(path) != want["sha256"]:
+            raise DataError(f"data source {path} is not the rows file logits cache {self.dir} was harvested from "
+                            f"({want['path']}, {want['bytes']:,} bytes, sha256 {want['sha256'][:12]}; this one has "
+                            f"{st.st_size:,} bytes): train on those rows, or harvest again on these")
+
+
+def open_cache(path) -> LogitsCache:
+    return LogitsCache(Path(os.path.expanduser(str(path))))
+
+
+# ---------------------------------------------------------------- blocks for distill
+
+def cached_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: int, cache: LogitsCache):
+    """Like pipeline.build_block_data for format=tokens (same usable rows, same seeded split, cut to the block,
+    packed greedily), plus a `cache` column: the global cache entry of each position (-100: none)."""
+    import datasets
+
+    from draftforge.data.pipeline import BlockData, _special_ids, split_documents
+
+    cache.check_rows_file(cfg.sources[0])
+    rows = read_token_rows(cfg.sources[0], tokenizer)
+    check_ids_below(rows, vocab_size)
+    check_rows_match(cache, rows, block_size)
+    usable = [i for i, row in enumerate(rows) if not row["bad"]]
+    if not usable:
+        raise DataError(f"no usable rows in {cfg.sources[0]}: give each row at least one token with loss")
+    if cfg.max_documents is not None:
+        usable = usable[: cfg.max_documents]
+    train_idx, eval_idx = split_documents(datasets.Dataset.from_dict({"row": usable}), cfg.eval_fraction, seed)
+    _, pad_id = _special_ids(tokenizer)
+    train, stats = _cached_blocks(rows, train_idx["row"], cache, block_size, pad_id)
+    stats.update(format="tokens", block_size=block_size, rows_read=len(rows), rows_skipped=len(rows) - len(usable),
+                 skip_reasons={"no loss tokens": len(rows) - len(usable)} if len(rows) > len(usable) else {},
+                 eval_documents=0, eval_blocks=0)
+    eval_ds = None
+    if eval_idx is not None:
+        eval_ds, eval_stats = _cached_blocks(rows, eval_idx["row"], cache, block_size, pad_id)
+        stats.update(eval_documents=eval_stats["documents"], eval_blocks=eval_stats["blocks"])
+        eval_ds = eval_ds if len(eval_ds) else None
+    if len(train) == 0:
+        raise DataError(f"no training blocks from {cfg.sources[0]}: every row lost its loss tokens to the block size")
+    return BlockData(train=train, eval=eval_ds, stats=stats, block_size=block_size)
+
+
+def check_rows_match(cache: LogitsCache, rows: list[dict], block_size: int) -> None:
+    """The same rows, the same loss positions, and a cache long enough for the block (else DataError)."""
+    if len(rows) != cache.num_rows:
+        raise DataError(f"the rows file has {len(rows):,} rows but logits cache {cache.dir} holds {cache.num_rows:,}; "
+                        "train on the rows it was harvested from")
+    for i, row in enumerate(rows):
+        have, _ = cache.row_positions(i)
+        want = loss_positions(row["labels"], cache.max_len)
+        if len(have) != len(want) or not np.array_equal(have, want):
+            raise DataError(f"{row['where']}: its loss positions are not those logits cache {cache.dir} holds for row "
+                            f"{i} ({len(want)} vs {len(have)}); the rows changed since the harvest: harvest again")
+        if block_size > cache.max_len and len(loss_positions(row["labels"], block_size)) > len(want):
+            raise DataError(f"logits cache {cache.dir} was harvested with --max-len {cache.max_len}, but "
+                            f"train.block_size is {block_size} and {row['where']} has loss positions past "
+                            f"{cache.max_len - 1}; harvest with --max-len {block_size} or lower train.block_size")
+
+
+def _cached_blocks(rows: list[dict], idx: list[int], cache: LogitsCache, block_size: int, pad_id: int):
+    """Rows `idx` cut to the block and packed greedily, with their cache entries; (Dataset, stats)."""
+    import datasets
+    import pyarrow as pa
+
+    from draftforge.data.packing import pack_greedy
+
+    ids, labels, entries = [], [], []
+    for i in idx:
+        row_ids = rows[i]["input_ids"][:block_size]
+        positions, start = cache.row_positions(i)
+        entry = [-100] * len(row_ids)
+        for j, t in enumerate(positions.tolist()):
+            if t + 1 < len(row_ids):
+                entry[t] = start + j
+        if max(entry) < 0:  # every loss token lies past the block
+            continue
+        ids.append(row_ids)
+        labels.append(rows[i]["labels"][:block_size])
+        entries.append(entry)
+    ids_BS, labels_BS = pack_greedy(ids, labels, block_size, pad_id)
+    _, entries_BS = pack_greedy(ids, entries, block_size, pad_id)
+
+    def column(a_BS, dtype):
+        return pa.FixedSizeListArray.from_arrays(pa.array(a_BS.reshape(-1).astype(dtype)), block_size)
+
+    table = pa.table({"input_ids": column(ids_BS, np.int32), "labels": column(labels_BS, np.int32),
+                      "cache": column(entries_BS, np.int64)})
+    n_tokens = int(sum(len(x) for x in ids))
+    n_slots = ids_BS.size
+    stats = {"documents": len(ids), "tokens": n_tokens, "loss_tokens": int((entries_BS >= 0).sum()),
+             "blocks": int(ids_BS.shape[0]), "padding_fraction": (n_slots - n_tokens) / n_slots if n_slots else 0.0}
+    return datasets.Dataset(table), stats

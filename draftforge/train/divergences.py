@@ -1,0 +1,192 @@
+"""Distillation losses aimed at acceptance, on a teacher's full distribution or on its cached top-K.
+
+Notation, per kept position: p is the teacher's next-token distribution over the student's vocabulary S
+(for a reduced draft head, the target's distribution restricted to the N draft ids and renormalised, as
+distill has always done), q the student's softmax over S.
+  KL         Σ_v p_v log(p_v / q_v): forward KL (distill's default, at a temperature τ, scaled by τ²).
+  TVD        1 − Σ_v min(p_v, q_v) = ½ Σ_v |p_v − q_v|: at T=1 one minus the per-token acceptance of
+             speculative sampling, α = Σ_v min(p_v, q_v) (arXiv:2211.17192 §3.2, Lemma 3.3, Corollary 3.6).
+  CE_target  −log q(argmax_v p_v): hard distillation on the target's own top-1 token; "the student's argmax
+             is the target's" is the greedy (T=0) acceptance event.
+The acceptance metric α takes the target's unrestricted p: a reduced drafter's q is 0 outside its ids, so
+the mass p puts there is never accepted and α = Σ_{v∈S} min(p_v, q_v) ≤ p(S).
+
+Top-K form (a logits cache, `draftforge harvest logits`). Per position the cache holds the K largest p_v
+over S (ids, unrestricted log-probs) and m_S, the rest of p's mass on S. The K ids are K outcomes and the
+other ids R = S \\ K one more, the tail bucket: p̃ is p renormalised over S (p̃_i = p_i / Z, m̃ = m_S / Z,
+Z = Σ_K p_i + m_S) and Q = Σ_R q_v is the student's mass on the bucket. Each loss is taken on these K+1
+outcomes, so the tail mass enters as one outcome of probability m̃ whose student probability is Q:
+  KL_K  = Σ_K p̃_i log(p̃_i / q_i) + m̃ log(m̃ / Q)
+  TVD_K = 1 − Σ_K min(p̃_i, q_i) − min(m̃, Q)
+  α_K   = Σ_K min(p_i, q_i) + min(m_S, Q)
+  CE_target is exact: the first cached id is the target's argmax over S.
+Bounds, per position (p̃_(K) the smallest cached p̃_i, q_min the smallest q_v on R, Δ_R the spread
+max − min of the student's logits on R):
+  0 ≤ TVD − TVD_K ≤ min(m̃, Q) ≤ m̃               0 ≤ α_K − α ≤ min(m_S, Q) ≤ m_S
+  0 ≤ KL − KL_K  ≤ m̃ · [log(Q / q_min) + min(0, log(p̃_(K) / m̃))] ≤ m̃ · (log|R| + Δ_R)
+No bound in m̃ alone exists for KL: a student that gives one tail id almost no mass where the teacher gives
+it some drives KL to infinity while every cached number stays the same. TVD's error is at most m̃ whatever
+the student does. Both cached values are lower bounds, so the cache never overstates a divergence.
+Derivation. TVD: ½Σ|p̃ − q| splits into the K outcomes (identical in both forms) and R; on R the triangle
+inequality gives |m̃ − Q| ≤ Σ_R |p̃_v − q_v| ≤ m̃ + Q, so merging R into one outcome lowers TVD by between 0
+and ½(m̃ + Q − |m̃ − Q|) = min(m̃, Q). α: 0 ≤ Σ_R min(p_v, q_v) ≤ min(m_S, Q). KL: the chain rule of KL over
+the partition gives KL = KL_K + m̃ · KL(p̄ ‖ q̄), p̄ = p̃_R / m̃, q̄ = q_R / Q, and KL(p̄ ‖ q̄) = −H(p̄) −
+Σ p̄ log q̄ ≤ log max p̄ − log min q̄, where max p̄ ≤ min(1, p̃_(K) / m̃) (no tail id is more probable than
+the K-th cached one) and min q̄ = q_min / Q ≥ e^{−Δ_R} / |R|.
+
+Legend: P kept positions, S student vocabulary (V, or N for a reduced head), K cached top-k, B batch, T block,
+A chain anchors, G draft depth γ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GAMMA = 5  # the chain length the acceptance metrics imply τ for
+NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------- full distributions (teacher forward)
+
+def kl_full(student_PS, teacher_PS, temperature: float = 1.0):
+    """Per-position τ²·KL(softmax(t/τ) ‖ softmax(s/τ)) (fp32)."""
+    t_logp_PS = (teacher_PS.float() / temperature).log_softmax(-1)
+    s_logq_PS = (student_PS.float() / temperature).log_softmax(-1)
+    return (t_logp_PS.exp() * (t_logp_PS - s_logq_PS)).sum(-1) * temperature**2
+
+
+def full_terms(student_PS, teacher_PS, temperature: float = 1.0, teacher_lZ_P=None) -> dict[str, torch.Tensor]:
+    """Per-position kl (at τ, times τ²), tvd, ce_target and alpha (all three at T=1) of full distributions.
+
+    teacher_PS: the teacher's logits over S; for a reduced head its logits at the draft ids, with teacher_lZ_P
+    the log-normaliser of its logits over the whole vocabulary (α takes the unrestricted p); None: S is V.
+    """
+    s_PS, t_PS = student_PS.float(), teacher_PS.float()
+    lp_PS, lq_PS = t_PS.log_softmax(-1), s_PS.log_softmax(-1)
+    kl_P = (lp_PS.exp() * (lp_PS - lq_PS)).sum(-1) if temperature == 1.0 else kl_full(s_PS, t_PS, temperature)
+    tvd_P = 1.0 - torch.minimum(lp_PS, lq_PS).exp().sum(-1)  # min of logs = log of min: one [P, S] temporary
+    ce_target_P = -lq_PS.gather(-1, t_PS.argmax(-1, keepdim=True))[:, 0]
+    if teacher_lZ_P is None:
+        alpha_P = 1.0 - tvd_P.detach()
+    else:
+        alpha_P = torch.minimum(t_PS - teacher_lZ_P.float()[:, None], lq_PS.detach()).exp().sum(-1)
+    return {"kl": kl_P, "tvd": tvd_P, "ce_target": ce_target_P, "alpha": alpha_P.detach()}
+
+
+# ---------------------------------------------------------------- top-K form (logits cache)
+
+@dataclass
+class TopK:
+    """A cached teacher row per kept position: ids_PK student columns (descending p), logp_PK the target's
+    unrestricted log-probs of those ids, rest_P log of its remaining mass on S (-inf: none)."""
+
+    ids_PK: torch.Tensor
+    logp_PK: torch.Tensor
+    rest_P: torch.Tensor
+
+
+@dataclass
+class _Buckets:
+    lp_PK: torch.Tensor  # log p̃ of the K ids (renormalised over S)
+    lrest_P: torch.Tensor  # log m̃
+    lq_PS: torch.Tensor  # the student's log q over S
+    lq_PK: torch.Tensor  # ... at the K ids
+    lQ_P: torch.Tensor  # log of the student's mass on R
+
+
+def _buckets(student_PS, top: TopK) -> _Buckets:
+    logp_PK, rest_P = top.logp_PK.float(), top.rest_P.float()
+    lZ_P = torch.cat([logp_PK, rest_P[:, None]], -1).logsumexp(-1)
+    lq_PS = student_PS.float().log_softmax(-1)
+    lQ_P = lq_PS.scatter(-1, top.ids_PK, NEG_INF).logsumexp(-1)
+    return _Buckets(logp_PK - lZ_P[:, None], rest_P - lZ_P, lq_PS, lq_PS.gather(-1, top.ids_PK), lQ_P)
+
+
+def _tail_term(lm_P, lQ_P):
+    """m̃ · log(m̃ / Q), 0 where m̃ = 0 (no -inf · 0 = nan, and no gradient through the unused branch)."""
+    has_tail_P = torch.isfinite(lm_P)
+    lm_safe_P = torch.where(has_tail_P, lm_P, torch.zeros_like(lm_P))
+    lQ_safe_P = torch.where(has_tail_P, lQ_P, torch.zeros_like(lQ_P))
+    return torch.where(has_tail_P, lm_safe_P.exp() * (lm_safe_P - lQ_safe_P), torch.zeros_like(lm_P))
+
+
+def topk_terms(student_PS, top: TopK) -> dict[str, torch.Tensor]:
+    """Per-position kl, tvd, ce_target and alpha of the K+1-outcome form (module docstring)."""
+    b = _buckets(student_PS, top)
+    p_PK = b.lp_PK.exp()
+    kl_P = (torch.xlogy(p_PK, p_PK) - p_PK * b.lq_PK).sum(-1) + _tail_term(b.lrest_P, b.lQ_P)
+    q_PK, Q_P = b.lq_PK.exp(), b.lQ_P.exp()
+    tvd_P = 1.0 - torch.minimum(p_PK, q_PK).sum(-1) - torch.minimum(b.lrest_P.exp(), Q_P)
+    alpha_P = (torch.minimum(top.logp_PK.float().exp(), q_PK).sum(-1)
+               + torch.minimum(top.rest_P.float().exp(), Q_P))
+    return {"kl": kl_P, "tvd": tvd_P, "ce_target": -b.lq_PK[:, 0], "alpha": alpha_P.detach()}
+
+
+@torch.no_grad()
+def topk_bounds(student_PS, top: TopK) -> dict[str, torch.Tensor]:
+    """Per-position upper bounds of (full − cached) for kl and tvd and of (cached − full) for alpha."""
+    b = _buckets(student_PS, top)
+    m_P, Q_P = b.lrest_P.exp(), b.lQ_P.exp()
+    lqmin_P = b.lq_PS.scatter(-1, top.ids_PK, float("inf")).amin(-1)
+    spread_P = b.lQ_P - lqmin_P + torch.clamp_max(b.lp_PK.amin(-1) - b.lrest_P, 0.0)
+    kl_P = torch.where(m_P > 0, m_P * spread_P.nan_to_num(0.0), torch.zeros_like(m_P))
+    return {"kl": kl_P, "tvd": torch.minimum(m_P, Q_P),
+            "alpha": torch.minimum(top.rest_P.float().exp(), Q_P)}
+
+
+# ---------------------------------------------------------------- acceptance along a chain
+
+def chain_tau(alpha: float, gamma: int = GAMMA) -> float:
+    """E[tokens per round] = (1 − α^(γ+1)) / (1 − α) for i.i.d. per-token acceptance α
+    (arXiv:2211.17192 §3.1, Eq. 1)."""
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def chain_sums(alpha_BT, agree_BT, keep_BT, link_BT, gamma: int = GAMMA) -> dict[str, torch.Tensor]:
+    """Sums over chain anchors of Π_{i<d} α_{a+i} and Π_{i<d} agree_{a+i}, d = 1..γ, and the anchor count.
+
+    An anchor a needs γ kept positions a..a+γ-1 in a row (link_BT[t]: t and t+1 are consecutive positions of
+    one row). Teacher-forced, so it is the chain's acceptance exactly when the rows are the target's own
+    outputs (greedy rows for agree, sampled rows for α); on other text it is an estimate.
+    """
+    out = {"chain_anchors": torch.zeros((), device=keep_BT.device)}
+    T = keep_BT.shape[1]
+    zero = torch.zeros((), device=keep_BT.device)
+    for d in range(1, gamma + 1):
+        out[f"chain_alpha_d{d}"], out[f"chain_greedy_d{d}"] = zero, zero
+    if T < gamma:
+        return out
+    ok_BA = keep_BT.unfold(1, gamma, 1).all(-1)
+    if gamma > 1:
+        ok_BA = ok_BA & link_BT.unfold(1, gamma - 1, 1)[:, : ok_BA.shape[1]].all(-1)
+    out["chain_anchors"] = ok_BA.sum().float()
+    for name, values_BT in (("alpha", alpha_BT), ("greedy", agree_BT)):
+        prod_BAG = values_BT.float().unfold(1, gamma, 1).cumprod(-1) * ok_BA[..., None]
+        for d, total in enumerate(prod_BAG.sum((0, 1)).tolist(), start=1):
+            out[f"chain_{name}_d{d}"] = torch.tensor(total, device=keep_BT.device)
+    return out
+
+
+def derive_acceptance(means: dict, gamma: int = GAMMA) -> dict[str, float]:
+    """From per-position means (the loop's metric sums over one count): τ implied by α (T=1) and by top-1
+    agreement (T=0), and, where chain sums are present, acceptance per depth and the chain's measured τ.
+    Ratios of the sums are exact because every metric is divided by the same count."""
+    out = {}
+    if "alpha" in means:
+        out[f"tau_g{gamma}"] = chain_tau(float(means["alpha"]), gamma)
+    if "top1_agree" in means:
+        out[f"tau_g{gamma}_greedy"] = chain_tau(float(means["top1_agree"]), gamma)
+    anchors = float(means.get("chain_anchors", 0.0))
+    if anchors > 0:
+        for name, label in (("alpha", "alpha"), ("greedy", "greedy")):
+            prev, reached = anchors, 0.0
+            for d in range(1, gamma + 1):
+                cur = float(means[f"chain_{name}_d{d}"])
+                out[f"{label}_depth{d}"] = cur / prev if prev > 0 else 0.0
+                prev, reached = cur, reached + cur / anchors
+            out[f"tau_chain_g{gamma}" + ("" if name == "alpha" else "_greedy")] = 1.0 + reached
+    return out
