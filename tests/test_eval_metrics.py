@@ -36,7 +36,7 @@ def test_summarize_chain_by_hand():
     t = s["time"]
     assert (t["draft_s"], t["verify_s"], t["other_s"]) == pytest.approx((0.2, 0.3, 0.1))
     assert t["fractions"]["draft"] == pytest.approx(0.2 / 0.7)
-    # EESD App. D (specs/eesd.md): v_d = accepted / drafted = 4/9, r_d = accepted / output tokens = 4/7.
+    # EESD App. D (docs/methods/eesd.md §6): v_d = accepted / drafted = 4/9, r_d = accepted / output tokens = 4/7.
     # (This test used to assert v_d = 0.9, a drafting-speed ratio that was a guess, not the paper's v_d.)
     assert s["v_d"] == pytest.approx(4 / 9) and s["r_d"] == pytest.approx(4 / 7)
     assert s["hm"] == pytest.approx(2 * (4 / 9) * (4 / 7) / (4 / 9 + 4 / 7))
@@ -185,12 +185,27 @@ def test_a_missing_token_is_a_defect_and_no_target_means_unchecked():
     assert unchecked["divergences"][0]["verdict"] == "unchecked" and not unchecked["near_tie_checked"]
 
 
-def test_peak_memory_on_cpu_is_rss():
-    mem = metrics.peak_memory("cpu")
-    assert mem["kind"] == "process_peak_rss"
+@pytest.mark.parametrize("sampler", [False, True])  # kernel high-water mark, and the sampling fallback
+def test_pass_memory_on_cpu_is_rss_at_start_and_the_pass_peak_above_it(sampler):
     import psutil
 
-    assert mem["bytes"] >= psutil.Process().memory_info().rss * 0.5  # peak ≥ (roughly) current
+    with metrics.PassMemory("cpu", sampler=sampler) as mem:
+        block = torch.ones(64 * 2**20 // 4)  # 64 MiB touched, then freed inside the pass
+        if sampler:
+            import time
+
+            time.sleep(0.05)  # the sampler reads every 5 ms
+        del block
+    m = mem.result
+    assert m["kind"] == "cpu_rss" and ("sampled" in m["how"]) == sampler
+    assert m["start_bytes"] >= psutil.Process().memory_info().rss * 0.5  # start ≈ (roughly) current RSS
+    assert m["peak_bytes"] == m["start_bytes"] + m["bytes"]
+    assert 60 * 2**20 <= m["bytes"] < 80 * 2**20  # the freed block still counts: a peak, not an end value
+
+
+def test_fit_slope():
+    assert metrics.fit_slope([0, 1, 2, 3], [5, 7, 9, 11]) == pytest.approx(2.0)
+    assert metrics.fit_slope([1], [3]) is None and metrics.fit_slope([2, 2], [1, 3]) is None
 
 
 def test_record_to_dict_has_raw_and_derived_fields():

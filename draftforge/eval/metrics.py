@@ -7,14 +7,13 @@ Conventions (stated again in every report):
   speedup        ratio of medians: median-over-repeats tokens/s of the method / that of AR in the same run
   gamma_total    verified candidate tokens, summed over all rounds and prompts
   v_d, r_d, hm   EESD App. D: accepted / drafted, accepted / output tokens, their harmonic mean
+  memory         per timed pass: held at its start, and its peak minus that start (PassMemory)
 """
 
 from __future__ import annotations
 
 import math
-import resource
 import statistics
-import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 
@@ -99,7 +98,7 @@ def eesd_hm(v_d: float | None, r_d: float | None) -> float | None:
     """EESD harmonic mean HM = 2·v_d·r_d / (v_d + r_d), as a fraction (the paper prints it ×100 as %).
 
     Definitions from the EESD paper, App. D (Liu et al. 2024, arXiv:2406.03853), as written down in
-    specs/eesd.md; they replace an earlier guess here that took v_d for a drafting-speed ratio:
+    docs/methods/eesd.md §6; they replace an earlier guess here that took v_d for a drafting-speed ratio:
       v_d = N_right / N_all_draft  (Eq. 11: accepted draft tokens / all drafted tokens)
       r_d = N_right / L            (Eq. 12: share of the output tokens that came from the draft)
     """
@@ -190,22 +189,156 @@ def _against_ar(records: list[RunRecord], ar_records: list[RunRecord], draft_s: 
     return out
 
 
-def reset_peak_memory(device: str) -> None:
-    import torch
-
-    if str(device).startswith("cuda") and torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats(device)
+SAMPLE_EVERY_S = 0.005  # the fallback RSS sampler's period (where the kernel's high-water mark cannot be reset)
 
 
-def peak_memory(device: str) -> dict:
-    """CUDA allocator peak since the last reset on GPU; process peak RSS on CPU (never resets, so monotone)."""
-    import torch
+def rss_bytes() -> int:
+    """This process's resident set size now (psutil: /proc/self/statm on Linux)."""
+    import psutil
 
-    if str(device).startswith("cuda") and torch.cuda.is_available():
-        return {"kind": "cuda_max_memory_allocated", "bytes": int(torch.cuda.max_memory_allocated(device))}
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    scale = 1 if sys.platform == "darwin" else 1024  # Linux reports KiB, macOS bytes
-    return {"kind": "process_peak_rss", "bytes": int(rss * scale)}
+    return int(psutil.Process().memory_info().rss)
+
+
+def _read_status_kib(field: str) -> int | None:
+    """A `VmXXX:  N kB` line of /proc/self/status in bytes; None off Linux or when absent."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def reset_rss_high_water_mark() -> bool:
+    """Reset the kernel's resident high-water mark (VmHWM) to the current RSS (Linux >= 4.0: writing 5 to
+    /proc/self/clear_refs); False where that is not possible (not Linux, /proc not writable)."""
+    if _read_status_kib("VmHWM") is None:
+        return False
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def trim_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc malloc_trim), so that memory a previous pass freed but
+    the allocator kept does not hide the next pass's growth; a no-op without glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class _RssSampler:
+    """Fallback peak: a daemon thread reading RSS every `every_s` seconds. Measured (Linux, 2-core VM): it uses
+    ~2% of a core, and its GIL hand-offs slowed a tight single-threaded torch loop by ~5% (median of 6
+    alternating pairs): more than the differences between methods a report resolves, hence only a fallback
+    (benchmarks/eval_memory.py --sampler-overhead measures it on real decode passes)."""
+
+    def __init__(self, every_s: float = SAMPLE_EVERY_S):
+        import threading
+
+        import psutil
+
+        self.proc, self.every_s, self.peak = psutil.Process(), every_s, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
+
+    def _loop(self) -> None:
+        while True:
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            if self.stop.wait(self.every_s):
+                return
+
+    def start(self) -> "_RssSampler":
+        self.peak = self.proc.memory_info().rss
+        self.thread.start()
+        return self
+
+    def finish(self) -> int:
+        self.stop.set()
+        self.thread.join()
+        return max(self.peak, self.proc.memory_info().rss)
+
+
+class PassMemory:
+    """Memory of one timed pass: `with PassMemory(device) as mem: ...`, then `mem.result` (a dict).
+
+    result: start_bytes (at the pass's start, after a young-generation gc and a heap trim), peak_bytes (highest
+    during the pass), bytes = peak - start (what the pass added on top of what was already held), kind and how.
+    CUDA: torch.cuda.memory_allocated / max_memory_allocated, the peak reset per pass. CPU: process RSS;
+    the peak is the kernel's high-water mark VmHWM reset at the pass's start (exact, nothing runs during
+    the pass), or, where it cannot be reset, RSS sampled every SAMPLE_EVERY_S by a background thread
+    (`sampler=True` forces that path, for tests and the overhead measurement). Resetting VmHWM also resets
+    the ru_maxrss that getrusage reports for this process.
+    """
+
+    def __init__(self, device: str = "cpu", sampler: bool = False):
+        self.device, self.force_sampler = str(device), sampler
+        self.result: dict | None = None
+
+    def _cuda(self) -> bool:
+        import torch
+
+        return self.device.startswith("cuda") and torch.cuda.is_available()
+
+    def __enter__(self) -> "PassMemory":
+        import gc
+
+        gc.collect(1)  # the young generations (the warm-up's cyclic garbage); a full collection costs ~0.3 s
+        self._sampler = None
+        if self._cuda():
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.kind, self.how = "cuda_allocated", "torch.cuda.max_memory_allocated, peak reset per pass"
+            self.start = int(torch.cuda.memory_allocated(self.device))
+            return self
+        trim_heap()
+        self.kind = "cpu_rss"
+        if not self.force_sampler and reset_rss_high_water_mark():
+            self.how = "kernel high-water mark VmHWM, reset per pass"
+            self.start = _read_status_kib("VmRSS") or rss_bytes()
+        else:
+            self.how = f"RSS sampled every {SAMPLE_EVERY_S * 1e3:g} ms by a background thread"
+            self._sampler = _RssSampler().start()
+            self.start = self._sampler.peak
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._cuda():
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            peak = int(torch.cuda.max_memory_allocated(self.device))
+        elif self._sampler is not None:
+            peak = self._sampler.finish()
+        else:
+            peak = max(_read_status_kib("VmHWM") or 0, rss_bytes())
+        peak = max(peak, self.start)
+        self.result = {"kind": self.kind, "how": self.how, "start_bytes": self.start, "peak_bytes": peak,
+                       "bytes": peak - self.start}
+
+
+def fit_slope(xs: list[float], ys: list[float]) -> float | None:
+    """Least-squares slope of ys over xs (None with fewer than two distinct xs)."""
+    n = len(xs)
+    if n < 2:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return None
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
 
 
 def fmt_num(x, digits: int = 2) -> str:

@@ -26,8 +26,16 @@ CONVENTIONS = {
     "alpha": "EESD Eq. 14 cost ratio T_d/T_t: draft seconds per drafted token / AR seconds per token, same run",
     "acceptance_by_position": "accepted at draft depth d / rounds that proposed depth d (0-based in report.json, "
                               "d1 = the first draft token in report.md and the plot)",
-    "memory": "peak memory: CUDA max_memory_allocated per method on GPU, process peak RSS on CPU "
-              "(monotone over the run, so on CPU later methods show the peak of everything before them too)",
+    "memory": "per method and temperature, the timed pass (of the repeats) whose peak rose most above its "
+              "start: +pass = that pass's peak minus what the process held at its start, (start) = what it held "
+              "then (weights, persistent drafter buffers, the records so far). CPU: resident set size; the "
+              "peak is the kernel's high-water mark (VmHWM, reset through /proc/self/clear_refs at the pass's "
+              "start, after gc and a glibc malloc_trim so freed heap does not hide growth): exact, and nothing "
+              "runs during the timed pass; where it cannot be reset (not Linux) a thread samples RSS every 5 ms "
+              "(it may miss a shorter peak, and costs tok/s: ~5% measured on a tight CPU loop; report.json "
+              "memory.how says which). CUDA: torch.cuda memory_allocated at the start and "
+              "max_memory_allocated with the peak reset per pass. On CPU +pass is what the pass needed beyond "
+              "heap pages already resident, so it is a lower bound of its working memory",
     "self_check": "temperature 0: prompts whose output equals the AR baseline of the same run (all repeats); "
                   "a differing prompt is a near-tie when, at its first differing position, the two tokens' "
                   "logits are within twice the measured one-row vs multi-row logit difference of that prefix, "
@@ -46,7 +54,8 @@ CONVENTIONS = {
 MD_NAMES = {
     "tau": "τ (+bonus)", "tau_no_bonus": "τ (no bonus)", "tokens_per_s": "tok/s", "speedup": "speedup vs AR",
     "acceptance_rate": "accept rate", "v_d": "v_d", "r_d": "r_d", "hm": "HM %", "mean_draft_length": "draft len",
-    "gamma_total": "γ total", "alpha": "α (report.json)", "memory": "peak mem MiB", "self_check": "= AR (T=0)",
+    "gamma_total": "γ total", "alpha": "α (report.json)", "memory": "mem MiB +pass (start)",
+    "self_check": "= AR (T=0)",
     "acceptance_by_position": "acceptance by position", "timing": "timing", "hf_assisted_policy": "hf_assisted", "cost_model": "cost model",
 }
 
@@ -76,9 +85,17 @@ def _spread_cell(median, sp: dict, digits: int, unit: str = "") -> str:
     return f"{fmt_num(median, digits)}{unit} [{fmt_num(sp['min'], digits)}–{fmt_num(sp['max'], digits)}]"
 
 
+def _memory_cell(mem: dict | None) -> str:
+    """'+extra (start)' in MiB: the pass's peak above its start, and what the process held at the start."""
+    if not mem:
+        return "–"
+    if mem.get("start_bytes") is None:  # a report written before 2026-12: the process peak only
+        return f"{fmt_num(mem['bytes'] / 2**20, 0)} peak"
+    return f"+{fmt_num(mem['bytes'] / 2**20, 1)} ({fmt_num(mem['start_bytes'] / 2**20, 0)})"
+
+
 def _row(r: dict) -> str:
-    mem = r.get("memory")
-    mem_cell = fmt_num(mem["bytes"] / 2**20, 0) if mem else "–"
+    mem_cell = _memory_cell(r.get("memory"))
     speedup = _spread_cell(r["speedup"], r.get("speedup_spread") or {"min": None, "max": None}, 2, "×")
     hm = r.get("hm")
     is_ar = r["method"] == "ar"
@@ -96,7 +113,7 @@ def _row(r: dict) -> str:
 
 
 HEADER = ("| method | T | τ (+bonus) | τ (no bonus) | tok/s median [min–max] | speedup vs AR median [min–max] "
-          "| accept rate (v_d) | r_d | HM % | draft len | γ total | draft/verify/other % | peak mem MiB "
+          "| accept rate (v_d) | r_d | HM % | draft len | γ total | draft/verify/other % | mem MiB +pass (start) "
           "| = AR (T=0) |")
 
 

@@ -179,23 +179,27 @@ def _reset_and_warm(cfg, dec, prompts, temperature, eos) -> None:
 
 
 def _timed_pass(cfg, method, dec, prompts, temp, rep, eos, records, memory) -> None:
-    metrics.reset_peak_memory(cfg.device)
-    start, n_tok = time.perf_counter(), 0
-    for i, p in enumerate(prompts):
-        res = _run_one(dec, p, cfg, temp, i, eos)
-        records.append(metrics.RunRecord(method, temp, rep, p.prompt_id, len(p.input_ids),
-                                         list(res.tokens), res.stats))
-        n_tok += res.stats.new_tokens
+    """One method over all prompts, timed; its memory (metrics.PassMemory: held at the start, the pass's
+    peak above it) goes into `memory`, the pass with the largest peak above its start kept over repeats."""
+    with metrics.PassMemory(cfg.device) as pass_memory:
+        start, n_tok = time.perf_counter(), 0
+        for i, p in enumerate(prompts):
+            res = _run_one(dec, p, cfg, temp, i, eos)
+            records.append(metrics.RunRecord(method, temp, rep, p.prompt_id, len(p.input_ids),
+                                             list(res.tokens), res.stats))
+            n_tok += res.stats.new_tokens
+        secs = time.perf_counter() - start
     key = f"{method}@{temp:g}"
-    mem = metrics.peak_memory(cfg.device)
+    mem = {**pass_memory.result, "repeat": rep}
     memory[key] = max(memory.get(key, mem), mem, key=lambda m: m["bytes"])
-    secs = time.perf_counter() - start
     _log(cfg, f"T={temp:g} repeat {rep + 1}/{cfg.repeats} {method:<12} "
-              f"{len(prompts)} prompts, {n_tok} tokens, {n_tok / max(secs, 1e-9):.1f} tok/s")
+              f"{len(prompts)} prompts, {n_tok} tokens, {n_tok / max(secs, 1e-9):.1f} tok/s, "
+              f"memory +{mem['bytes'] / 2**20:.1f} MiB over {mem['start_bytes'] / 2**20:.0f} MiB")
 
 
 def _timed_runs(cfg, decoders, prompts, eos) -> tuple[list, dict, list]:
-    """Records, peak memory per method@T, and the method order used in each repeat.
+    """Records, memory per method@T (metrics.PassMemory of its timed passes), and the method order used in
+    each repeat.
 
     The order rotates across repeats; before each timed pass the decoder is reset and warmed up."""
     records, memory, orders = [], {}, []
