@@ -443,8 +443,9 @@ def test_eval_runs_the_same_number_of_forwards_on_every_rank(tmp_path, tiny_corp
                               reduce=lambda x, op, rank=rank: reduced[rank].append(x) or x)
         evaluate(model, TaskSpec(model, counting_loss, eval_data=data), acc, recipe.train)
     assert forwards == {0: 2, 1: 2}
-    total = sum(reduced[r][0] for r in (0, 1))
-    count = sum(reduced[r][1] for r in (0, 1))
+    # one stacked reduce per evaluate: [loss sum, unit count, the task's metric sums...]
+    total = sum(reduced[r][0][0] for r in (0, 1))
+    count = sum(reduced[r][0][1] for r in (0, 1))
     with torch.no_grad():  # oracle: all 5 rows in one process
         s, n, _ = lm_loss(model.eval(), {k: torch.tensor([r[k] for r in rows]) for k in ("input_ids", "labels")})
     assert count.item() == n.item()
