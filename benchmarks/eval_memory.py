@@ -121,10 +121,10 @@ def deep_size(obj, seen: set | None = None) -> int:
 
 
 def growth(series: list[dict], fit_from: int) -> dict:
-    """Slope (bytes per prompt) of RSS over prompts from `fit_from` on, the RSS rise over that span, and
-    how many live tensors came or went over it."""
+    """Slope (bytes per prompt) of RSS over prompts from `fit_from` on (the median step: one heap-growth
+    jump does not make a leak), the RSS rise over that span, and how many live tensors came or went over it."""
     kept = [s for s in series if s["prompts"] >= fit_from]
-    slope = metrics.fit_slope([s["prompts"] for s in kept], [s["rss"] for s in kept])
+    slope = metrics.step_slope([s["prompts"] for s in kept], [s["rss"] for s in kept])
     first, last = (kept[0], kept[-1]) if kept else ({}, {})
     return {"slope_bytes_per_prompt": slope, "fit_prompts": [first.get("prompts"), last.get("prompts")],
             "rise_bytes": last["rss"] - first["rss"] if kept else None,

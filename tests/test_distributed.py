@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -218,9 +219,25 @@ def _command(config: str | None, recipe: Path, out: Path, *extra: str, procs: in
             "--num_processes", str(procs), "--main_process_port", str(_free_port()), *args]
 
 
+# A gloo worker aborting at interpreter exit ("terminate called without an active exception", SIGABRT) after
+# the run has finished and exported: seen only under FSDP2 on a heavily loaded 2-core machine, never in the
+# training itself. One retry on exactly that signature; any other failure fails the test at once.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _finished_then_aborted(proc, out: Path) -> bool:
+    text = proc.stdout + proc.stderr
+    return proc.returncode != 0 and TEARDOWN_ABORT in text and "[draftforge] done:" in text and (
+        out / "export").is_dir()
+
+
 def _train(config, recipe, out, *extra) -> Path:
     proc = subprocess.run(_command(config, recipe, out, *extra), cwd=REPO, env=_env(), capture_output=True,
                           text=True, timeout=600)
+    if _finished_then_aborted(proc, out) and "--resume" not in extra:
+        warnings.warn(f"{config}: the launch aborted at process exit after a finished run; retried once")
+        proc = subprocess.run(_command(config, recipe, out, "--overwrite", *extra), cwd=REPO, env=_env(),
+                              capture_output=True, text=True, timeout=600)
     errors = "\n".join(ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:"))
     assert proc.returncode == 0, errors + "\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
     assert ("2 process(es)" if config else "1 process(es)") in proc.stdout

@@ -203,9 +203,11 @@ def test_pass_memory_on_cpu_is_rss_at_start_and_the_pass_peak_above_it(sampler):
     assert 60 * 2**20 <= m["bytes"] < 80 * 2**20  # the freed block still counts: a peak, not an end value
 
 
-def test_fit_slope():
-    assert metrics.fit_slope([0, 1, 2, 3], [5, 7, 9, 11]) == pytest.approx(2.0)
-    assert metrics.fit_slope([1], [3]) is None and metrics.fit_slope([2, 2], [1, 3]) is None
+def test_step_slope_sees_a_steady_leak_but_not_one_heap_jump():
+    xs = [0, 10, 20, 30, 40, 50]
+    assert metrics.step_slope(xs, [100, 100, 100, 2800, 2800, 2800]) == 0  # one arena added between 20 and 30
+    assert metrics.step_slope(xs, [100 + 280 * x / 10 for x in xs]) == pytest.approx(28.0)  # 28 bytes a prompt
+    assert metrics.step_slope([1], [3]) is None
 
 
 def test_record_to_dict_has_raw_and_derived_fields():

@@ -329,16 +329,11 @@ class PassMemory:
                        "bytes": peak - self.start}
 
 
-def fit_slope(xs: list[float], ys: list[float]) -> float | None:
-    """Least-squares slope of ys over xs (None with fewer than two distinct xs)."""
-    n = len(xs)
-    if n < 2:
-        return None
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx == 0:
-        return None
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+def step_slope(xs: list[float], ys: list[float]) -> float | None:
+    """Median of the slopes between consecutive points: a leak raises every step, while a one-time heap
+    growth (the allocator taking another arena) moves one step only and leaves the median (None: < 2 points)."""
+    steps = [(y1 - y0) / (x1 - x0) for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])) if x1 != x0]
+    return statistics.median(steps) if steps else None
 
 
 def fmt_num(x, digits: int = 2) -> str:
