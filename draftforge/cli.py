@@ -19,8 +19,8 @@ COMMANDS = {
     "train": ("draftforge.cli_train", "train a drafter from a YAML recipe (pretrain, sft, ...)"),
     "export": ("draftforge.cli_train:export", "export a run's final checkpoint as safetensors + draftforge.json"),
     "eval": ("draftforge.eval.command", "measure a drafter's speedup over plain decoding (JSON/Markdown/PNG report)"),
-    "demo": ("draftforge.demo", "the embedded default: build the tiny testbed, train + export a tiny Mamba drafter, "
-                                "measure its speedup"),
+    "demo": ("draftforge.demo", "try it in ~15 min on a laptop CPU, offline: train a small Mamba drafter for a "
+                                "tiny target and show how much faster it decodes"),
     "harvest": ("draftforge.cli_harvest", "harvest training data from a target + drafter (trees: EAGLE-2 trees for C2T; theta: χ labels "
                                          "for Cali-TS; logits: a target's top-k distributions for distill)"),
     "generate": ("draftforge.cli_generate", "a target's own answers (greedy and sampled) as token rows for SFT, resumable"),

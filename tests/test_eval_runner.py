@@ -249,7 +249,7 @@ def test_report_md_links_every_png_and_defines_its_terms(bench, tmp_path, monkey
         assert f"]({name})" in md
     assert sorted(Path(p).name for k, p in rep["files"].items() if k.startswith("plot_")) == pngs
     definitions = md[md.index("## Definitions"):]
-    for term in ("**HM %**", "**γ total**", "**accept rate**", "**mem MiB +pass (start)**", "**v_d**", "**r_d**",
+    for term in ("**HM %**", "**γ total**", "**accept rate per drafted node**", "**mem MiB +pass (start)**", "**v_d**", "**r_d**",
                  "**draft len**", "**τ (no bonus)**", "**speedup vs AR**"):
         assert term in definitions
     # τ, τ no bonus, tok/s [spread], speedup [spread], v_d, r_d (4 of 6 tokens drafted), HM %, draft length

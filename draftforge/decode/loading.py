@@ -68,15 +68,19 @@ def check_vocab(target: Target, model, tokenizer, allow_vocab_mismatch: bool) ->
     d_name = getattr(tokenizer, "name_or_path", None) or model.config.name_or_path or "drafter"
     if target.tokenizer is not None and tokenizer is not None:
         same = target.tokenizer.get_vocab() == tokenizer.get_vocab()
-        detail = f"tokenizers differ: target {t_name!r} ({len(target.tokenizer)} tokens) vs drafter {d_name!r} ({len(tokenizer)} tokens)"
+        sizes = (f"{len(tokenizer)} tokens each" if len(target.tokenizer) == len(tokenizer)
+                 else f"{len(target.tokenizer)} vs {len(tokenizer)} tokens")
+        detail = f"tokenizers differ: target {t_name!r} and drafter {d_name!r} ({sizes})"
     else:
         t_vocab, d_vocab = target.model.config.vocab_size, model.config.vocab_size
         same = t_vocab == d_vocab
         detail = f"vocab sizes differ: target {t_name!r} has {t_vocab}, drafter {d_name!r} has {d_vocab}"
     if not same and not allow_vocab_mismatch:
         raise CompatibilityError(
-            f"{detail}; train the drafter with the target's tokenizer, or pass allow_vocab_mismatch=True "
-            "(--allow-vocab-mismatch) to use token ids as they are"
+            f"{detail}, so the drafter's token ids do not mean the target's tokens; train the drafter with the "
+            "target's tokenizer (recipe model.target: the target's directory). --allow-vocab-mismatch only uses "
+            "the ids as they are: output stays exact, but drafts are accepted only where the two tokenizers "
+            "agree on an id"
         )
 
 

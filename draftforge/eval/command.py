@@ -60,8 +60,9 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="how a tree's sibling drafts are drawn at T > 0: distinct (without replacement, verified by "
                         "recursive rejection sampling; STree's, default) or iid (with replacement, SpecInfer's "
                         "multi-step speculative sampling). Both are exact; distinct siblings are never duplicates")
-    p.add_argument("--num-prompts", type=int, help="use only the first N prompts")
-    p.add_argument("--repeats", type=int, default=1, help="timed passes; the report gives min/median/max tok/s")
+    p.add_argument("--num-prompts", type=int, help="use only the first N prompts (default: all)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed passes; the report gives min/median/max tok/s (default 1; use 3+ for timings)")
     p.add_argument("--warmup", type=int, default=1, help="prompts run untimed per method before timing (default 1)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--chat-template", choices=("auto", "always", "never"), default="auto",

@@ -35,11 +35,11 @@ def _save(plt, fig, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_speedup(results: list[dict], path: Path) -> None:
+def plot_speedup(results: list[dict], path: Path, where: str = "") -> None:
     """Bars: ratio of median tokens/s against AR; whiskers: min–max of the per-repeat speedups."""
     plt = _pyplot()
     rows = [r for r in results if r["speedup"] is not None]
-    fig, ax = _figure(plt, max(5.0, 1.1 * len(rows) + 1.5), "Speedup over AR (same run, same prompts)",
+    fig, ax = _figure(plt, max(5.0, 1.1 * len(rows) + 1.5), f"Speedup over AR (same run, same prompts){where}",
                       "bar: ratio of median tok/s · whisker: min–max over repeats")
     xs = list(range(len(rows)))
     heights = [r["speedup"] for r in rows]
@@ -58,11 +58,11 @@ def plot_speedup(results: list[dict], path: Path) -> None:
     _save(plt, fig, path)
 
 
-def plot_tau_histogram(results: list[dict], path: Path) -> None:
+def plot_tau_histogram(results: list[dict], path: Path, where: str = "") -> None:
     """Share of rounds that emitted k tokens, one bar per method centred on each integer k."""
     plt = _pyplot()
     rows = [r for r in results if r["method"] != "ar" and r["tau_histogram"]]
-    fig, ax = _figure(plt, 7.5, "Tokens emitted per round (τ histogram)",
+    fig, ax = _figure(plt, 7.5, f"Tokens emitted per round (τ histogram){where}",
                       "accepted drafts + the bonus/correction token")
     width = 0.8 / max(len(rows), 1)
     ks = set()
@@ -81,10 +81,10 @@ def plot_tau_histogram(results: list[dict], path: Path) -> None:
     _save(plt, fig, path)
 
 
-def plot_acceptance(results: list[dict], path: Path) -> None:
+def plot_acceptance(results: list[dict], path: Path, where: str = "") -> None:
     """Per method: the share of rounds that drafted depth d whose accepted path reached d."""
     plt = _pyplot()
-    fig, ax = _figure(plt, 7.5, "Acceptance by draft position",
+    fig, ax = _figure(plt, 7.5, f"Acceptance by draft position{where}",
                       "rounds whose accepted path reached depth d / rounds that drafted depth d")
     depth = 0
     for r in results:
@@ -103,13 +103,18 @@ def plot_acceptance(results: list[dict], path: Path) -> None:
 
 
 def write_plots(report: dict, out_dir: str | Path) -> dict[str, str]:
-    out = Path(out_dir)
-    paths = {
-        "plot_speedup": out / "speedup.png",
-        "plot_tau_histogram": out / "tau_histogram.png",
-        "plot_acceptance": out / "acceptance_by_position.png",
-    }
-    plot_speedup(report["results"], paths["plot_speedup"])
-    plot_tau_histogram(report["results"], paths["plot_tau_histogram"])
-    plot_acceptance(report["results"], paths["plot_acceptance"])
-    return {k: str(v) for k, v in paths.items()}
+    """The plots that have data (an AR-only run drafts nothing: no τ histogram, no acceptance), titled with
+    the prompt set."""
+    out, results = Path(out_dir), report["results"]
+    where = f" · {report['config']['bench']} ({len(report.get('prompts', []))} prompts)"
+    drafted = any(r["method"] != "ar" and r.get("tau_histogram") for r in results)
+    plots = {"plot_speedup": ("speedup.png", plot_speedup, any(r["speedup"] is not None for r in results)),
+             "plot_tau_histogram": ("tau_histogram.png", plot_tau_histogram, drafted),
+             "plot_acceptance": ("acceptance_by_position.png", plot_acceptance,
+                                 any(r.get("acceptance_by_position") for r in results))}
+    paths = {}
+    for key, (name, plot, has_data) in plots.items():
+        if has_data:
+            plot(results, out / name, where)
+            paths[key] = str(out / name)
+    return paths

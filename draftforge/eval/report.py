@@ -53,7 +53,7 @@ CONVENTIONS = {
 # report.md names for the conventions above (table column or line), in the order they are explained
 MD_NAMES = {
     "tau": "τ (+bonus)", "tau_no_bonus": "τ (no bonus)", "tokens_per_s": "tok/s", "speedup": "speedup vs AR",
-    "acceptance_rate": "accept rate", "v_d": "v_d", "r_d": "r_d", "hm": "HM %", "mean_draft_length": "draft len",
+    "acceptance_rate": "accept rate per drafted node", "v_d": "v_d", "r_d": "r_d", "hm": "HM %", "mean_draft_length": "draft len",
     "gamma_total": "γ total", "alpha": "α (report.json)", "memory": "mem MiB +pass (start)",
     "self_check": "= AR (T=0)",
     "acceptance_by_position": "acceptance by position", "timing": "timing", "hf_assisted_policy": "hf_assisted", "cost_model": "cost model",
@@ -113,7 +113,7 @@ def _row(r: dict) -> str:
 
 
 HEADER = ("| method | T | τ (+bonus) | τ (no bonus) | tok/s median [min–max] | speedup vs AR median [min–max] "
-          "| accept rate (v_d) | r_d | HM % | draft len | γ total | draft/verify/other % | mem MiB +pass (start) "
+          "| accept rate per drafted node (v_d) | r_d | HM % | draft len | γ total | draft/verify/other % | mem MiB +pass (start) "
           "| = AR (T=0) |")
 
 
@@ -176,7 +176,8 @@ def acceptance_markdown(report: dict) -> str:
         return ""
     depth = max(len(r["acceptance_by_position"]) for r in rows)
     head = "| method | T | " + " | ".join(f"d{d + 1}" for d in range(depth)) + " |"
-    lines = ["Acceptance by draft position: share of the rounds that drafted depth d whose accepted path "
+    lines = ["Acceptance by draft position (per depth, not per drafted node: a tree drafts several nodes at one "
+             "depth): share of the rounds that drafted depth d whose accepted path "
              "reached depth d (unconditional: for one configuration it falls with d, except that rounds cut "
              "short by the token budget propose fewer depths)", "", head,
              "|" + "---|" * (depth + 2)]

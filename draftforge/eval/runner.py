@@ -21,7 +21,7 @@ from draftforge.decode.tree_shape import TreeShape
 from draftforge.errors import DraftforgeError, RecipeError
 from draftforge.eval import cost, metrics, selfcheck
 from draftforge.eval.manifest import ASSISTED_POLICY_KEYS, assisted_policy, build_manifest
-from draftforge.eval.prompts import CHAT_MODES, load_prompts
+from draftforge.eval.prompts import CHAT_MODES, encode_prompts, load_prompt_rows
 from draftforge.runtime import DTYPE_CHOICES, announce, choose_threads, resolve_dtype
 
 
@@ -103,6 +103,20 @@ def validate(cfg: EvalConfig) -> None:
         method_registry.resolve_options(m, method_options(cfg))  # every option checked before loading
         if cfg.drafter is None and method_registry.METHODS[m].needs_drafter:
             raise RecipeError(f"speculative methods need --drafter ({m!r} does); give one or use --methods ar")
+
+
+def check_paths(cfg: EvalConfig) -> None:
+    """A --target / --drafter that names a missing local directory fails before any model loads."""
+    from draftforge.decode.loading import lookup_options
+    from draftforge.errors import CheckpointError
+    from draftforge.loading import missing_local_path
+
+    for flag, value in (("--target", cfg.target), ("--drafter", cfg.drafter)):
+        if value is None or not isinstance(value, str) or (flag == "--drafter" and lookup_options(value)):
+            continue
+        missing = missing_local_path(value)
+        if missing is not None:
+            raise CheckpointError(f"{flag} {value}: directory {missing} does not exist")
 
 
 def method_options(cfg: EvalConfig) -> dict:
@@ -349,11 +363,13 @@ def run_eval(cfg: EvalConfig) -> dict:
     from draftforge.eval import report as report_mod
 
     validate(cfg)
+    check_paths(cfg)
+    rows = load_prompt_rows(cfg.bench, cfg.num_prompts)  # a bad --bench fails here, before seconds of loading
     before = torch.get_num_threads()
     try:
         target, drafter, regime = _load(cfg)
-        prompts = load_prompts(cfg.bench, target.tokenizer, num_prompts=cfg.num_prompts, chat=cfg.chat_template,
-                               context_length=target.max_context, max_new_tokens=cfg.max_new_tokens)
+        prompts = encode_prompts(rows, target.tokenizer, chat=cfg.chat_template, context_length=target.max_context,
+                                 max_new_tokens=cfg.max_new_tokens, source=str(cfg.bench))
         _log(cfg, f"{len(prompts)} prompts from {cfg.bench}")
         decoders, skipped = _build_decoders(cfg, target, drafter)
         hf_policy = _hf_policy(decoders)  # read before the runs: a "heuristic" schedule changes it as it goes
