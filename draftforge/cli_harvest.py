@@ -56,11 +56,18 @@ def configure(p: argparse.ArgumentParser) -> None:
                                        "teacher forward (distill.logits_cache)",
                         formatter_class=argparse.RawDescriptionHelpFormatter)  # configure sets the user's text
     harvest_logits.configure(lg)
+    for sp in (t, th, lg):
+        sp.add_argument("--threads", type=int, help="torch intra-op threads on CPU (default 1, or OMP_NUM_THREADS: "
+                                                    "batch-1 model passes lose several-fold when a core is busy)")
 
 
 def run(args) -> int:
     from draftforge.errors import RecipeError
+    from draftforge.runtime import choose_threads
 
+    if args.threads is not None and args.threads < 1:
+        raise RecipeError(f"--threads must be >= 1, got {args.threads}")
+    print(f"[draftforge] {choose_threads(args.threads)}", file=sys.stderr)
     if args.what == "theta":
         from draftforge.data import harvest_theta
 

@@ -90,3 +90,36 @@ def test_token_rows_are_not_called_tokenized():
     assert _tokenize_desc("tokens", 1200, 256) == "cutting 1,200 token rows to 256 tokens"
     assert _tokenize_desc("text", 3, 256) == "tokenizing 3 documents"
     assert _tokenize_desc("chat", 3, 256) == "tokenizing 3 conversations"
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_real_eval_says_no_report_and_writes_none(tmp_path):
+    """A real `draftforge eval` process gets SIGINT once it is timing: exit 130, eval's own message, no report."""
+    import os
+    import signal
+    import time
+
+    from test_eval_e2e import load_bench_module
+
+    bench = load_bench_module()
+    paths = bench.save_random_models(tmp_path / "models")
+    prompts = bench.write_random_prompts(tmp_path / "p.jsonl", 200)
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "draftforge", "eval", "--target", paths["target"], "--bench",
+                             prompts, "--methods", "ar", "--max-new-tokens", "64", "--repeats", "3", "--out",
+                             str(out), "--cost-repeats", "1", "--no-plots"], stderr=subprocess.PIPE, text=True,
+                            env=env)
+    err = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # wait until it times: models loaded, prompts read, pass under way
+        line = proc.stderr.readline()
+        err.append(line)
+        if "method order" in line or not line:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=120)[1]
+    text = "".join(err) + rest
+    assert proc.returncode == 130, text[-2000:]
+    assert "interrupted: no report was written for this run" in text
+    assert not (out / "report.json").exists() and not (out / "report.md").exists()

@@ -376,8 +376,9 @@ def run_eval(cfg: EvalConfig) -> dict:
         curve = _cost_curve(cfg, target, prompts)
         records, memory, orders = _timed_runs(cfg, decoders, prompts, _eos_id(cfg, target))
         extra_rows = cost.missing_rows(curve, records) if curve else []
-        if extra_rows:  # a dynamic method verified more rows than the grid: time those too
-            curve.update(cost.verify_curve(target, list(prompts[0].input_ids), [1] + extra_rows, cfg.cost_repeats))
+        if extra_rows:  # a dynamic method verified more rows than the grid: time those too, scaled to the
+            late = cost.verify_curve(target, list(prompts[0].input_ids), [1] + extra_rows, cfg.cost_repeats)
+            curve.update({n: late[n] * curve[1] / late[1] for n in extra_rows})  # first curve's t(1)
         results = _summaries(cfg, records, memory, prompts, target, curve)
     finally:
         torch.set_num_threads(before)  # an in-process caller (a test) keeps its own setting
