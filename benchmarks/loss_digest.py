@@ -44,7 +44,8 @@ def digest(work: Path) -> dict:
 
     tok_dir, corpus, sft = build_inputs(work)
     common = [f"model.tokenizer={tok_dir}", "model.target=null", "train.trackers=[]", "train.block_size=64",
-              "train.log_every=1", "train.global_batch_size=8"]
+              "train.log_every=1", "train.global_batch_size=8",
+              "train.precision=fp32"]  # the bitwise proof is fp32's (auto is bf16 autocast where native)
     pre = load_recipe("recipes/tiny/pretrain.yaml", common + [
         f"output_dir={work / 'pre'}", f"data.sources=[{corpus}]", "train.max_steps=12", "train.save_every=6",
         "train.eval_every=6", "train.micro_batch_size=4"])
