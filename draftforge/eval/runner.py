@@ -115,8 +115,8 @@ def check_paths(cfg: EvalConfig) -> None:
         if value is None or not isinstance(value, str) or (flag == "--drafter" and lookup_options(value)):
             continue
         missing = missing_local_path(value)
-        if missing is not None:
-            raise CheckpointError(f"{flag} {value}: directory {missing} does not exist")
+        if missing is not None:  # the loader's own words, said before the seconds it takes to get there
+            raise CheckpointError(f"cannot load the {flag[2:]}: directory {missing} does not exist ({flag})")
 
 
 def method_options(cfg: EvalConfig) -> dict:
