@@ -1,11 +1,12 @@
 """Helpers the benchmark scripts share: timing, tiny random models, memory, JSON and table output.
 
-The benchmarks run as `python benchmarks/X.py`, which puts this folder first on sys.path, so each
-imports these with `from common import ...`.
+The benchmarks run from the repository root as `python -m benchmarks.GROUP.NAME` and import these with
+`from benchmarks.common import ...`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -13,6 +14,8 @@ import time
 from pathlib import Path
 
 import torch
+
+REPO = Path(__file__).resolve().parents[1]  # the repository root
 
 
 def sync(device) -> None:
@@ -89,14 +92,14 @@ def memory_mb(device) -> float:
     return psutil.Process(os.getpid()).memory_info().rss / 2**20
 
 
-def write_json(path, result, indent: int = 2) -> Path:
-    """Write `result` as JSON atomically (parents created) and say where."""
+def write_json(path, result, indent: int = 2):
+    """Write `result` as JSON atomically (parents created), say where, and return `result`."""
     from draftforge.eval.report import atomic_write_text
 
     path = Path(path)
     atomic_write_text(path, json.dumps(result, indent=indent, default=str) + "\n")
     print(f"wrote {path}")
-    return path
+    return result
 
 
 def print_table(headers: list[str], rows: list[list], right: set[int] | frozenset = frozenset()) -> None:
@@ -105,6 +108,59 @@ def print_table(headers: list[str], rows: list[list], right: set[int] | frozense
     print("|" + "|".join("---:" if i in right else "---" for i in range(len(headers))) + "|")
     for row in rows:
         print("| " + " | ".join(str(c) for c in row) + " |")
+
+
+def add_flags(parser, **defaults) -> None:
+    """Plain options, each `--name-with-dashes` typed by its default (a list default takes one or more values):
+    add_flags(p, num_prompts=8, max_new_tokens=64) is --num-prompts 8 and --max-new-tokens 64."""
+    for name, default in defaults.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, list):
+            parser.add_argument(flag, type=type(default[0]), nargs="+", default=default)
+        else:
+            parser.add_argument(flag, type=type(default), default=default)
+
+
+def drafters_parser(doc: str, *, bench: str, num_prompts: int) -> argparse.ArgumentParser:
+    """The options of the scripts that hold drafters up against one target: --target, --drafter (repeat),
+    --bench, --num-prompts, --max-new-tokens (64); paths with ~ expanded."""
+    def path(text: str) -> str:
+        return str(Path(text).expanduser())
+
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--target", required=True, type=path, help="target dir (with its tokenizer)")
+    p.add_argument("--drafter", action="append", required=True, type=path,
+                   help="drafter export dir; repeat to compare")
+    p.add_argument("--bench", default=bench, help=f"prompt file or named bench, as for `draftforge eval` "
+                                                  f"(default {bench})")
+    add_flags(p, num_prompts=num_prompts, max_new_tokens=64)
+    return p
+
+
+def print_drafters(result: dict, headers: list[str], cells) -> None:
+    """The table of result["drafters"] (drafter dir -> stats): a row per drafter, cells(stats) after its name."""
+    print_table(["drafter", *headers], [[d, *cells(s)] for d, s in result["drafters"].items()])
+
+
+def parse_timed(parser, argv=None):
+    """parser.parse_args(argv) with --threads added, and torch's threads chosen as the CLI chooses them (1
+    unless asked or OMP_NUM_THREADS is set; the choice printed)."""
+    from draftforge.runtime import choose_threads
+
+    parser.add_argument("--threads", type=int, help="torch threads (default 1, or OMP_NUM_THREADS)")
+    args = parser.parse_args(argv)
+    print(choose_threads(args.threads))
+    return args
+
+
+def load_models(args, drafter: bool = True):
+    """(target, drafter) from --target and --drafter at the --dtype chosen (add_dtype_flag); drafter None
+    when not asked for."""
+    from draftforge.decode import load_drafter, load_target
+
+    dtype = chosen_dtype(args)
+    target = load_target(args.target, dtype=dtype)
+    return target, load_drafter(args.drafter, target, dtype=dtype) if drafter else None
 
 
 def add_dtype_flag(parser) -> None:
@@ -123,3 +179,17 @@ def chosen_dtype(args, device: str = "cpu"):
     choice = resolve_dtype(args.dtype, getattr(args, "device", None) or device)
     announce(choice, "models")
     return choice.torch_dtype
+
+
+def digest_cli(doc: str, make, compare) -> int:
+    """The regression digests' command line: `--out FILE` runs make(FILE), `--compare A B` runs compare(A, B)
+    (each returns the exit status: 1 where the digests differ)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="write the digest JSON here")
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two digests (exit 1 if they differ)")
+    args = p.parse_args()
+    if args.compare:
+        return compare(*args.compare)
+    if not args.out:
+        p.error("give --out or --compare")
+    return make(args.out)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.tokenizers import byte_bpe, testbed_bpe
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -26,12 +28,12 @@ def pytest_configure(config):
 
 
 KERNEL_SKIP = ("the Triton kernel needs CUDA or TRITON_INTERPRET=1; on CPU "
-               "test_tree_scan.py::test_kernels_under_triton_interpreter_subprocess runs these cases")
+               "tests/kernels/test_tree_scan.py::test_kernels_under_triton_interpreter_subprocess runs these cases")
 
 
 def pytest_collection_modifyitems(config, items):
     """Skip kernel cases where no kernel can run, with the reason (a deselected case would vanish from the
-    counts); test_tree_scan.py re-runs them in a subprocess under the Triton interpreter."""
+    counts); tests/kernels/test_tree_scan.py re-runs them in a subprocess under the Triton interpreter."""
     import torch
 
     if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
@@ -53,20 +55,18 @@ def tiny_corpus_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     """A 512-token byte-level BPE tokenizer with bos/eos/pad, saved with save_pretrained."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|pad|>", "<|bos|>", "<|eos|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_stdlib_texts(12), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
-                                   pad_token="<|pad|>")
     d = tmp_path_factory.mktemp("tokenizer")
-    fast.save_pretrained(d)
+    testbed_bpe(_stdlib_texts(12), d)
     return d
+
+
+@pytest.fixture(scope="session")
+def random_models(tmp_path_factory) -> dict:
+    """benchmarks.decoding.spec_decode's seeded tiny random models, saved once: {"target", "transformer_drafter",
+    "mamba_drafter"} -> path (a Llama target, a Llama and a Mamba drafter, vocabulary 128)."""
+    from benchmarks.decoding import spec_decode
+
+    return spec_decode.save_random_models(tmp_path_factory.mktemp("models"))
 
 
 # The data tests' tokenizer: 400 tokens trained in-process on a few lines of code and prose.
@@ -79,16 +79,7 @@ _DATA_CORPUS = [
 
 
 def _data_tokenizer(chat_template=None):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_DATA_CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>")
+    fast = byte_bpe(_DATA_CORPUS, 400, ["</s>", "<pad>"], eos_token="</s>", pad_token="<pad>")
     fast.chat_template = chat_template
     return fast
 

@@ -1,0 +1,211 @@
+"""τ–γ sweep of tree budgets in one run: EAGLE-2's N and C2T's β (C2T §5, Fig. 4; docs/methods/c2t.md §1).
+
+Every point is one decoder (eagle2 at N = --total-tokens, c2t at β, per classifier head) run over the
+same prompts, greedy, next to plain decoding (AR) in the same process; methods run in a rotating
+order per repeat and tok/s is the median over repeats. τ: accepted drafts per verification
+(bonus excluded); γ: tokens sent to the target over the whole benchmark, the root of every round
+included (draft-only counts are in the JSON too). Every output is checked token for token against AR.
+
+  python -m benchmarks.decoding.tree_budget --target T --drafter D --bench B --c2t HEAD \
+      [--c2t-head name=PATH ...] --ns 10,20,40,60 --betas 0.3,0.5,0.7 --out DIR
+
+Writes DIR/tree_budget.json and DIR/tree_budget.png (left: τ vs γ; right: speedup vs τ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import add_dtype_flag, add_flags, load_models, print_table, write_json
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--bench", required=True, help="held-out prompts (file or testbed/humaneval/instructions)")
+    p.add_argument("--c2t", help="the main C2T head (swept over --betas)")
+    p.add_argument("--c2t-head", action="append", default=[], metavar="NAME=PATH",
+                   help="more heads (e.g. the feature ablation), swept over --ablation-betas")
+    p.add_argument("--ns", default="10,20,40,60,100", help="EAGLE-2 total_tokens values")
+    p.add_argument("--chains", default="", help="fixed chain lengths to compare with C2T's chain mode (Table 3)")
+    p.add_argument("--chain-betas", default="", help="β values of C2T's chain mode (K = 1) with the --c2t head")
+    add_flags(p, betas="0.3,0.4,0.5,0.6,0.7,0.8", ablation_betas="0.5", eagle_top_k=10, eagle_depth=5,
+              c2t_top_k=15, c2t_depth=10, num_prompts=10, max_new_tokens=64, repeats=3, chat_template="auto",
+              out="tree_budget_out")
+    add_dtype_flag(p)
+    return p.parse_args(argv)
+
+
+def floats(text):
+    return [float(v) for v in str(text).split(",") if v.strip()]
+
+
+def build_points(args, target, drafter) -> dict:
+    """name -> (decoder, description) for AR, every EAGLE-2 N and every C2T (head, β)."""
+    from draftforge.decode import build_decoder
+
+    points = {"ar": (build_decoder("ar", target), {"method": "ar"})}
+    for n in [int(v) for v in floats(args.ns)]:
+        points[f"eagle2 N={n}"] = (build_decoder("eagle2", target, drafter, eagle_top_k=args.eagle_top_k,
+                                                 eagle_depth=args.eagle_depth, total_tokens=n),
+                                   {"method": "eagle2", "N": n})
+    heads = ([("c2t", args.c2t, floats(args.betas))] if args.c2t else []) + [
+        (*h.split("=", 1), floats(args.ablation_betas)) for h in args.c2t_head]
+    for name, path, betas in heads:
+        for beta in betas:
+            points[f"{name} β={beta:g}"] = (build_decoder("c2t", target, drafter, c2t=path, beta=beta,
+                                                          c2t_top_k=args.c2t_top_k, c2t_depth=args.c2t_depth),
+                                            {"method": "c2t", "head": name, "path": path, "beta": beta})
+    for n in [int(v) for v in floats(args.chains)]:
+        points[f"chain K={n}"] = (build_decoder("chain", target, drafter, chain_length=n), {"method": "chain", "K": n})
+    for beta in floats(args.chain_betas):
+        points[f"c2t-chain β={beta:g}"] = (build_decoder("c2t", target, drafter, c2t=args.c2t, beta=beta, c2t_top_k=1,
+                                                         c2t_depth=args.c2t_depth),
+                                           {"method": "c2t_chain", "head": "c2t", "beta": beta})
+    return points
+
+
+def run_points(points: dict, prompts, args) -> dict:
+    """Per point: outputs and stats of the last repeat, and the seconds of every repeat."""
+    names, runs = list(points), {name: {"secs": []} for name in points}
+    for p in prompts[:1]:  # warm-up, untimed
+        for name in names:
+            points[name][0].generate(list(p.input_ids), max_new_tokens=args.max_new_tokens)
+    for rep in range(args.repeats):
+        order = names[rep % len(names):] + names[: rep % len(names)]
+        for name in order:
+            dec, outs, stats = points[name][0], [], []
+            t0 = time.perf_counter()
+            for p in prompts:
+                res = dec.generate(list(p.input_ids), max_new_tokens=args.max_new_tokens)
+                outs.append(res.tokens)
+                stats.append(res.stats)
+            runs[name]["secs"].append(time.perf_counter() - t0)
+            runs[name]["outs"], runs[name]["stats"] = outs, stats
+        print(f"[tree_budget] repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    return runs
+
+
+def summarize(points, runs) -> list[dict]:
+    ar_secs = statistics.median(runs["ar"]["secs"])
+    rows = []
+    for name, (_, desc) in points.items():
+        stats, secs = runs[name]["stats"], statistics.median(runs[name]["secs"])
+        rounds = [r for s in stats for r in zip(s.accepted_per_round, s.drafted_per_round)]
+        draft_rounds = [(a, d) for a, d in rounds if d > 0] or [(0, 0)]
+        tokens = sum(s.new_tokens for s in stats)
+        rows.append({**desc, "name": name, "tau": sum(a for a, _ in rounds) / max(len(rounds), 1),
+                     "tau_drafting_rounds": sum(a for a, _ in draft_rounds) / len(draft_rounds),
+                     "gamma": sum(d + 1 for _, d in rounds), "gamma_draft_only": sum(d for _, d in rounds),
+                     "rounds": len(rounds), "new_tokens": tokens, "tokens_per_s": tokens / secs,
+                     "speedup": ar_secs / secs, "secs_per_repeat": runs[name]["secs"],
+                     "draft_s": sum(s.draft_time_s for s in stats), "verify_s": sum(s.verify_time_s for s in stats),
+                     "lossless": runs[name]["outs"] == runs["ar"]["outs"]})
+    return rows
+
+
+def interpolate(points: list[tuple[float, float]], x: float) -> float | None:
+    """y at x on the piecewise-linear curve through (x, y) points sorted by x; None outside their range."""
+    points = sorted(points)
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
+
+
+def compare_at_equal_tau(rows: list[dict]) -> None:
+    """For each C2T point: EAGLE-2's γ and speedup at the same τ (interpolated over the N sweep), and the ratios."""
+    eagle = [r for r in rows if r["method"] == "eagle2"]
+    for r in rows:
+        if r["method"] != "c2t":
+            continue
+        gamma = interpolate([(e["tau"], e["gamma"]) for e in eagle], r["tau"])
+        speed = interpolate([(e["tau"], e["speedup"]) for e in eagle], r["tau"])
+        r["eagle2_gamma_at_tau"], r["eagle2_speedup_at_tau"] = gamma, speed
+        r["gamma_ratio_vs_eagle2"] = r["gamma"] / gamma if gamma else None
+
+
+def plot(rows, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    groups = {}
+    for r in rows:
+        if r["method"] != "ar":
+            label = {"eagle2": "eagle2", "chain": "fixed chain", "c2t_chain": "C2T chain (K=1)"}.get(r["method"])
+            groups.setdefault(label or f"C2T ({r['head']})", []).append(r)
+    for label, pts in groups.items():
+        pts = sorted(pts, key=lambda r: r["gamma"])
+        marker = {"eagle2": "o-", "fixed chain": "^:", "C2T chain (K=1)": "v:"}.get(label, "s--")
+        left.plot([r["gamma"] for r in pts], [r["tau"] for r in pts], marker, label=label)
+        right.plot([r["tau"] for r in pts], [r["speedup"] for r in pts], marker, label=label)
+        for r in pts:
+            tag = f"N={r['N']}" if r["method"] == "eagle2" else f"K={r['K']}" if r["method"] == "chain" else \
+                f"β={r['beta']:g}"
+            left.annotate(tag, (r["gamma"], r["tau"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    left.set_xlabel("γ: tokens sent to the target (root included)")
+    left.set_ylabel("τ: accepted drafts per verification")
+    right.set_xlabel("τ")
+    right.set_ylabel("wall-clock speedup over AR")
+    right.axhline(1.0, color="grey", lw=0.8)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def model_name(path: str) -> str:
+    p = Path(path)
+    return p.parent.name if p.name == "export" else p.name
+
+
+def main(argv=None) -> int:
+    with torch.no_grad():  # scoped: tests call main() in-process, and a global switch would leak into them
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
+    from draftforge.eval.prompts import load_prompts
+
+    args = parse_args(argv)
+    target, drafter = load_models(args)
+    prompts = load_prompts(args.bench, target.tokenizer, num_prompts=args.num_prompts, chat=args.chat_template,
+                           context_length=target.max_context, max_new_tokens=args.max_new_tokens)
+    points = build_points(args, target, drafter)
+    rows = summarize(points, run_points(points, prompts, args))
+    compare_at_equal_tau(rows)
+    out = Path(args.out)
+    setup = {k: v for k, v in vars(args).items()}
+    setup["threads"] = torch.get_num_threads()
+    write_json(out / "tree_budget.json", {"setup": setup, "points": rows})
+    plot(rows, out / "tree_budget.png", f"{model_name(args.target)} + {model_name(args.drafter)}: "
+                                        f"{len(prompts)} prompts x {args.max_new_tokens} tokens, greedy, "
+                                        f"{torch.get_num_threads()} thread(s)")
+    def ratio(r, key, fmt):
+        return fmt.format(r[key]) if r.get(key) is not None else "–"
+
+    print_table(["point", "τ", "γ", "γ drafts", "tok/s", "speedup", "γ / EAGLE-2 γ at τ", "EAGLE-2 speedup at τ",
+                 "lossless"],
+                [[r["name"], f"{r['tau']:.2f}", r["gamma"], r["gamma_draft_only"], f"{r['tokens_per_s']:.1f}",
+                  f"{r['speedup']:.2f}", ratio(r, "gamma_ratio_vs_eagle2", "{:.2f}"),
+                  ratio(r, "eagle2_speedup_at_tau", "{:.2f}"), r["lossless"]] for r in rows],
+                right={1, 2, 3, 4, 5, 6, 7})
+    return 0 if all(r["lossless"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Micro-benchmarks: kernels, drafter steps, training throughput."""

@@ -1,0 +1,133 @@
+"""Drafter decode latency and memory vs context length: Mamba vs a Transformer of similar size.
+
+Mamba Drafters Fig. 1: a Mamba drafter's per-token cost and state stay flat with context, a
+Transformer's KV cache grows linearly. For each context length the drafter prefills a random
+context, then we time single-token decode steps (after warm-up, median of repeats) and read
+memory (CUDA allocator peak on GPU, process RSS growth on CPU). Prints a table, writes JSON.
+
+    python -m benchmarks.micro.drafter_context --contexts 1024 2048 4096 8192 --steps 16 --out drafter_context.json
+
+With --drafter DIR (repeatable) it times trained checkpoints through the harness's own decode path
+instead (MambaDrafter: prompt encode, then the lean single-token step on CPU; TransformerDrafter: KV
+cache), reduced draft heads included: the ms/token a drafting round really pays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from transformers import DynamicCache
+
+from benchmarks.common import memory_mb, print_table, time_ms, tiny_model, write_json
+
+
+@torch.inference_mode()
+def measure(model, ctx: int, steps: int, repeats: int, device) -> dict:
+    ids = torch.randint(0, model.config.vocab_size, (1, ctx), device=device)
+    cache_key = "cache_params" if model.config.model_type == "mamba" else "past_key_values"
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    mem_before = memory_mb(device)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_key: cache})  # no ctx x V logits
+    tok = ids[:, -1:]
+    times = time_ms(lambda: model(input_ids=tok, use_cache=True, **{cache_key: cache}), device, repeats,
+                    calls=steps, warmup=1)
+    state_mb = sum(t.numel() * t.element_size() for t in _cache_tensors(cache)) / 2**20
+    return {"context": ctx, "ms_per_token": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
+            "state_mb": state_mb, "memory_growth_mb": memory_mb(device) - mem_before}
+
+
+@torch.inference_mode()
+def measure_harness(path: str, ctx: int, steps: int, repeats: int, full_head: bool = False) -> dict:
+    """ms per drafted token through draftforge.decode's drafter for a checkpoint, after a ctx-token prefill.
+
+    full_head: swap a reduced draft head for a full-vocabulary one tied to the embedding (the cost that
+    model.draft_vocab removes; the weights are then meaningless, the timing is not).
+    """
+    from draftforge.decode.drafter_hf import TransformerDrafter
+    from draftforge.decode.drafter_mamba import MambaDrafter
+    from draftforge.decode.loading import load_hf_causal_lm
+    from draftforge.decode.targets import SSM_MODEL_TYPES
+
+    model, _ = load_hf_causal_lm(path, "cpu", None, "drafter")
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if full_head:
+        from draftforge.models.draft_vocab import CONFIG_KEY
+
+        head = torch.nn.Linear(model.config.hidden_size, vocab, bias=False)
+        head.weight = model.get_input_embeddings().weight
+        model.set_output_embeddings(head)
+        setattr(model.config, CONFIG_KEY, None)
+    is_ssm = model.config.model_type in SSM_MODEL_TYPES
+    drafter = (MambaDrafter if is_ssm else TransformerDrafter)(model, vocab)
+    if not is_ssm and ctx + steps * (repeats + 2) > getattr(model.config, "max_position_embeddings", 1 << 30):
+        return {"context": ctx, "skipped": "beyond max_position_embeddings"}
+    seq = torch.randint(0, vocab, (ctx + steps * (repeats + 2),)).tolist()
+    mem_before = memory_mb(torch.device("cpu"))
+    drafter._sync(seq[:ctx])
+    pos = [ctx]
+
+    def step():
+        pos[0] += 1
+        drafter._sync(seq[:pos[0]])
+
+    times = time_ms(step, torch.device("cpu"), repeats, calls=steps, warmup=1)
+    state = (sum(c.numel() * c.element_size() + h.numel() * h.element_size() for c, h in drafter.live)
+             if is_ssm else sum(t.numel() * t.element_size() for t in _cache_tensors(drafter.lm.cache)))
+    return {"context": ctx, "ms_per_token": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
+            "state_mb": state / 2**20, "memory_growth_mb": memory_mb(torch.device("cpu")) - mem_before,
+            "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
+
+
+def _cache_tensors(cache):
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            if isinstance(getattr(layer, name, None), torch.Tensor):
+                yield getattr(layer, name)
+        for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+            yield from (t for t in states.values() if isinstance(t, torch.Tensor))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="drafter_context.json")
+    ap.add_argument("--drafter", action="append", help="time this trained checkpoint through the harness "
+                                                        "(repeatable; CPU; replaces the random models)")
+    ap.add_argument("--full-head", action="store_true", help="with --drafter: time a full-vocabulary head "
+                                                             "instead of the checkpoint's reduced one")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    rows = []
+    for path in args.drafter or []:
+        for ctx in args.contexts:
+            r = measure_harness(path, ctx, args.steps, args.repeats, args.full_head)
+            rows.append({"drafter": path + (" (full head)" if args.full_head else ""), "params_m": round(r.pop("params_m", 0.0), 2), **r})
+            print(rows[-1], flush=True)
+    for kind in () if args.drafter else ("mamba", "llama"):
+        extra = {"max_position_embeddings": max(args.contexts) + 16} if kind == "llama" else {}
+        model = tiny_model(kind, args.vocab, args.hidden, args.layers, device=device, **extra)
+        params_m = sum(p.numel() for p in model.parameters()) / 1e6
+        for ctx in args.contexts:
+            rows.append({"drafter": "transformer" if kind == "llama" else kind, "params_m": round(params_m, 2),
+                         **measure(model, ctx, args.steps, args.repeats, device)})
+    print_table(["drafter", "params (M)", "context", "ms/token", "min", "max", "state MB", "mem +MB"],
+                [[r["drafter"], f"{r['params_m']:.2f}", r["context"], f"{r['ms_per_token']:.2f}", f"{r['ms_min']:.2f}",
+                  f"{r['ms_max']:.2f}", f"{r['state_mb']:.2f}", f"{r['memory_growth_mb']:.1f}"] for r in rows
+                 if "skipped" not in r],
+                right=set(range(1, 8)))
+    write_json(args.out, {"device": str(device), "torch": torch.__version__, "args": vars(args), "rows": rows},
+               indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""One-command pipelines (.sh) and the builders they run: SmolLM2 drafters, EESD, C2T, hybrids."""

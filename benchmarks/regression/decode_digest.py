@@ -1,0 +1,61 @@
+"""Decode digest: the proof a harness refactor moved nothing (same tokens, same accepted drafts per round).
+
+Tiny float64 models built from tests/fixtures/decode.py (seeded), Mamba2 and Transformer drafters,
+chain / tree / UCB, T=0 and T=1, three prompts. Run it on two checkouts (from each one's root) and compare:
+
+    python -m benchmarks.regression.decode_digest --out /tmp/new.json
+    (cd OLD_CHECKOUT && PYTHONPATH=.:NEW_CHECKOUT python -m benchmarks.regression.decode_digest --out /tmp/old.json)
+    python -m benchmarks.regression.decode_digest --compare /tmp/old.json /tmp/new.json
+
+In the old checkout its own `draftforge` decodes; where that checkout has no `benchmarks/regression/` (or no
+`tests/fixtures/`), Python takes these packages from NEW_CHECKOUT.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from benchmarks.common import digest_cli
+
+
+def digest() -> dict:
+    import torch
+
+    from draftforge.decode import build_decoder, load_drafter, load_target
+    from tests.fixtures.decode import noisy_copy, tiny_llama, tiny_mamba2
+
+    torch.set_num_threads(1)
+    target = load_target(tiny_llama(vocab=16, dtype=torch.float64))
+    drafters = {"mamba2": load_drafter(tiny_mamba2(vocab=16, dtype=torch.float64), target),
+                "transformer": load_drafter(noisy_copy(target.model, noise=0.05), target)}
+    out = {}
+    for kind, drafter in drafters.items():
+        for method, opts in [("chain", {"chain_length": 4}), ("tree", {"tree": (3, 2, 1)}), ("ucb", {})]:
+            dec = build_decoder(method, target, drafter, **opts)
+            for temp in (0.0, 1.0):
+                for i, prompt in enumerate([[1], [3, 5, 7], list(range(2, 14))]):
+                    res = dec.generate(prompt, max_new_tokens=20, temperature=temp, seed=i)
+                    out[f"{kind}/{method}/T{temp:g}/{i}"] = [res.tokens, res.stats.accepted_per_round]
+    return out
+
+
+def compare(a_path: str, b_path: str) -> int:
+    a, b = (json.loads(Path(x).read_text()) for x in (a_path, b_path))
+    tokens = [k for k in a if a[k][0] != b.get(k, [None])[0]]
+    rounds = [k for k in a if a[k][1] != b.get(k, [None, None])[1]]
+    print(f"{len(a)} decodes: {len(a) - len(tokens)} with identical tokens, {len(a) - len(rounds)} with "
+          f"identical accepted drafts per round" + (f"; differ: {sorted(set(tokens + rounds))[:8]}" if
+                                                   tokens or rounds else ""))
+    return 1 if tokens or rounds else 0
+
+
+def write(out: str) -> int:
+    Path(out).write_text(json.dumps(digest()))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(digest_cli(__doc__, write, compare))

@@ -1,0 +1,1 @@
+"""Tests of the benchmark scripts' own logic, on tiny random models."""

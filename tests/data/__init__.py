@@ -1,0 +1,1 @@
+"""Tests of draftforge/data: sources, packing, chat, token rows, generate, logits cache."""

@@ -1,0 +1,139 @@
+"""Chat: loss mask covers exactly the assistant tokens (ShareGPT and OpenAI formats), truncation, packing."""
+
+import numpy as np
+import pytest
+
+from draftforge.data import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX, build_block_data
+from draftforge.data.chat import tokenize_conversation
+from tests.data.common import data_cfg, write_jsonl
+
+CONVO = [
+    ("system", "You are a tiny helper."),
+    ("user", "def add(a, b):"),
+    ("assistant", "return a + b"),
+    ("user", "Hello world, again"),
+    ("assistant", "The assistant answers it politely."),
+]
+SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+)
+
+
+def sharegpt_row(convo):
+    return {"conversations": [{"from": SHAREGPT_ROLE[r], "value": c} for r, c in convo]}
+
+
+def openai_row(convo):
+    return {"messages": [{"role": r, "content": c} for r, c in convo]}
+
+
+def expected_default(tok, convo):
+    """Hand-built oracle for DEFAULT_CHAT_TEMPLATE: tokenize each piece alone, label only assistant content."""
+    ids, labels = [], []
+
+    def piece(text, train):
+        t = tok(text, add_special_tokens=False)["input_ids"]
+        ids.extend(t)
+        labels.extend(t if train else [IGNORE_INDEX] * len(t))
+
+    for role, content in convo:
+        piece(f"<|{role}|>\n", False)
+        piece(content, role == "assistant")
+        piece("</s>\n", False)
+    return ids, labels
+
+
+def expected_chatml(tok, convo):
+    ids, labels = [], []
+    for role, content in convo:
+        for text, train in ((f"<|im_start|>{role}\n", False), (content, role == "assistant"), ("<|im_end|>\n", False)):
+            t = tok(text, add_special_tokens=False)["input_ids"]
+            ids.extend(t)
+            labels.extend(t if train else [IGNORE_INDEX] * len(t))
+    return ids, labels
+
+
+@pytest.mark.parametrize("make_row", [sharegpt_row, openai_row])
+def test_default_template_mask_is_exactly_assistant_tokens(tmp_path, make_row, make_tokenizer):
+    tok = make_tokenizer()
+    assert tok.chat_template is None  # exercises DEFAULT_CHAT_TEMPLATE
+    ids, labels = expected_default(tok, CONVO)
+    src = write_jsonl(tmp_path / "chat.jsonl", [make_row(CONVO)])
+    bd = build_block_data(data_cfg([src], format="chat"), tok, 256, seed=0)
+    row = bd.train[0]
+    n = len(ids)
+    assert row["input_ids"][:n] == ids
+    assert row["labels"][:n] == labels
+    assert row["labels"][n:] == [IGNORE_INDEX] * (256 - n)
+    assert bd.stats["loss_tokens"] == sum(1 for x in labels if x != IGNORE_INDEX) > 0
+
+
+def test_tokenizer_own_chat_template_is_used(make_tokenizer):
+    tok = make_tokenizer(chat_template=CHATML)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    ids, labels = expected_chatml(tok, CONVO)
+    out = tokenize_conversation(openai_row(CONVO)["messages"], tok, max_length=1000)
+    assert out["input_ids"] == ids and out["labels"] == labels
+    assert tok.apply_chat_template(openai_row(CONVO)["messages"], tokenize=False) != \
+        tok.apply_chat_template(openai_row(CONVO)["messages"], chat_template=DEFAULT_CHAT_TEMPLATE, tokenize=False)
+
+
+def test_truncation_and_greedy_packing(tmp_path, make_tokenizer):
+    tok = make_tokenizer()
+    full_ids, full_labels = expected_default(tok, CONVO)
+    short = [("user", "Hello"), ("assistant", "world")]
+    s_ids, s_labels = expected_default(tok, short)
+    block = 64
+    assert len(full_ids) > block and 2 * len(s_ids) <= block
+    src = write_jsonl(tmp_path / "c.jsonl", [openai_row(short), openai_row(short), openai_row(CONVO)])
+    bd = build_block_data(data_cfg([src], format="chat"), tok, block, seed=0)
+    ids_BS, labels_BS = np.array(bd.train["input_ids"]), np.array(bd.train["labels"])
+    assert ids_BS.shape == (2, block)
+    # two short conversations share block 0, then padding; the long one is truncated into block 1
+    assert ids_BS[0].tolist() == s_ids + s_ids + [tok.pad_token_id] * (block - 2 * len(s_ids))
+    assert labels_BS[0].tolist() == s_labels + s_labels + [IGNORE_INDEX] * (block - 2 * len(s_ids))
+    assert ids_BS[1].tolist() == full_ids[:block] and labels_BS[1].tolist() == full_labels[:block]
+
+
+def test_conversation_truncated_before_assistant_is_skipped(tmp_path, caplog, make_tokenizer):
+    tok = make_tokenizer()
+    long_user = [("user", "Hello world " * 30), ("assistant", "ok")]
+    src = write_jsonl(tmp_path / "c.jsonl", [openai_row(long_user), openai_row(CONVO[1:3])])
+    bd = build_block_data(data_cfg([src], format="chat"), tok, 32, seed=0)
+    assert bd.stats["rows_skipped"] == 1 and bd.stats["documents"] == 1
+    assert "truncated away" in caplog.text
+
+
+def _labelled_text(tok, out):
+    return tok.decode([t for t in out["labels"] if t != IGNORE_INDEX])
+
+
+def test_assistant_content_equal_to_a_marker_word_is_located_exactly(make_tokenizer):
+    tok = make_tokenizer()
+    convo = [("user", "assistant"), ("assistant", "assistant")]
+    ids, labels = expected_default(tok, convo)
+    out = tokenize_conversation(openai_row(convo)["messages"], tok, max_length=1000)
+    assert out["input_ids"] == ids and out["labels"] == labels
+
+
+TRIMMING_NO_SYSTEM = (
+    "{% for m in messages %}{% if m['role'] != 'system' %}"
+    "{{ '[' + m['role'] + ']\n' + (m['content'] | trim) + '\n' }}{% endif %}{% endfor %}"
+)
+GLUED_GENERATION = (  # like the testbed's: contents glued together, assistant wrapped in {% generation %}
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+    "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
+)
+
+
+def test_templates_that_trim_drop_or_glue_contents(make_tokenizer):
+    tok = make_tokenizer(chat_template=TRIMMING_NO_SYSTEM)
+    convo = [("system", "be brief"), ("user", " Hello world "), ("assistant", "  return a + b\n")]
+    out = tokenize_conversation(openai_row(convo)["messages"], tok, max_length=1000)
+    assert _labelled_text(tok, out) == "return a + b"
+    tok = make_tokenizer(chat_template=GLUED_GENERATION)
+    convo = [("user", "def add(a, b):\n"), ("assistant", "    return a + b\n")]
+    out = tokenize_conversation(openai_row(convo)["messages"], tok, max_length=1000)
+    assert tok.decode(out["input_ids"]) == "def add(a, b):\n    return a + b\n"
+    assert _labelled_text(tok, out).strip() == "return a + b"

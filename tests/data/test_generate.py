@@ -1,0 +1,165 @@
+"""`draftforge generate`: the target's own answers as token rows (greedy = its generate()), resumable, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draftforge.data.generate import (chat_jobs, cut_at_eos, generate_rows, random_start_jobs, read_done)
+from draftforge.errors import DataError
+
+QUESTIONS = ["What is a list?", "Write add(a, b).", "Say hello to the world politely please.", "Why?",
+             "import os and print the path", "Explain sys.argv in one sentence.", "Hi"]
+
+
+@pytest.fixture(scope="module")
+def target():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+                      eos_token_id=0, pad_token_id=1)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt_id": f"p{i}", "messages": [{"role": "user", "content": q}]}) + "\n"
+                            for i, q in enumerate(QUESTIONS)))
+    return path
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_greedy_rows_equal_the_targets_own_generate(target, chat_tok, prompt_file, tmp_path):
+    jobs = chat_jobs(prompt_file, chat_tok, context=96, max_new_tokens=12)
+    out = tmp_path / "rows.jsonl"
+    stats = generate_rows(target, chat_tok, jobs, out, temperatures=[0], max_new_tokens=12, batch_size=3)
+    rows = {r["prompt_id"]: r for r in _rows(out)}
+    assert stats.rows == len(QUESTIONS) == len(rows)
+    for job in jobs:
+        want = target.generate(torch.tensor([job.input_ids]), do_sample=False, max_new_tokens=12,
+                               eos_token_id=0, pad_token_id=1)[0].tolist()
+        want_new, _ = cut_at_eos(want[len(job.input_ids):], [0])
+        row = rows[job.prompt_id]
+        assert row["input_ids"] == job.input_ids + want_new
+        assert row["prompt_len"] == len(job.input_ids) and row["temperature"] == 0.0
+        assert chat_tok.decode(job.input_ids).endswith("<assistant>")  # through the chat template
+
+
+def test_eos_is_respected(target, chat_tok, prompt_file, tmp_path):
+    jobs = chat_jobs(prompt_file, chat_tok, context=96, max_new_tokens=8)[:1]
+    first = target.generate(torch.tensor([jobs[0].input_ids]), do_sample=False, max_new_tokens=3,
+                            eos_token_id=0, pad_token_id=1)[0, len(jobs[0].input_ids) + 1].item()
+    target.generation_config.eos_token_id = first  # the second greedy token is now an EOS
+    try:
+        generate_rows(target, chat_tok, jobs, tmp_path / "r.jsonl", temperatures=[0], max_new_tokens=8)
+    finally:
+        target.generation_config.eos_token_id = 0
+    (row,) = _rows(tmp_path / "r.jsonl")
+    new = row["input_ids"][row["prompt_len"]:]
+    assert new[-1] == first and first not in new[:-1] and len(new) <= 2
+    assert cut_at_eos([5, 7, 0, 9, 1], [0]) == ([5, 7, 0], True) and cut_at_eos([5, 7], [0]) == ([5, 7], False)
+
+
+class Killed(Exception):
+    pass
+
+
+def test_resume_after_a_kill_gives_the_same_file(target, chat_tok, prompt_file, tmp_path):
+    jobs = chat_jobs(prompt_file, chat_tok, context=96, max_new_tokens=10)
+    kw = dict(temperatures=[0, 1.0], max_new_tokens=10, batch_size=3, seed=7)
+    whole = tmp_path / "whole.jsonl"
+    generate_rows(target, chat_tok, jobs, whole, **kw)
+    assert len(_rows(whole)) == 2 * len(QUESTIONS)
+
+    part = tmp_path / "part.jsonl"
+    calls = []
+
+    def kill_after_two(n, tok_s):
+        calls.append(n)
+        if len(calls) == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        generate_rows(target, chat_tok, jobs, part, progress=kill_after_two, **kw)
+    lines = part.read_text().splitlines(keepends=True)
+    part.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])  # the kill tore the last line
+    stats = generate_rows(target, chat_tok, jobs, part, **kw)
+    assert stats.skipped == len(lines) - 1 and stats.rows == 2 * len(QUESTIONS) - (len(lines) - 1)
+    assert part.read_text() == whole.read_text()
+    again = generate_rows(target, chat_tok, jobs, part, **kw)  # nothing left to do
+    assert again.rows == 0 and part.read_text() == whole.read_text()
+
+
+def test_sampled_rows_differ_from_greedy_and_mix_in_one_file(target, chat_tok, prompt_file, tmp_path):
+    jobs = chat_jobs(prompt_file, chat_tok, context=96, max_new_tokens=10)
+    generate_rows(target, chat_tok, jobs, tmp_path / "m.jsonl", temperatures=[0, 1.0], max_new_tokens=10)
+    rows = _rows(tmp_path / "m.jsonl")
+    greedy = {r["prompt_id"]: r["input_ids"] for r in rows if r["temperature"] == 0}
+    sampled = {r["prompt_id"]: r["input_ids"] for r in rows if r["temperature"] == 1}
+    assert greedy.keys() == sampled.keys() and greedy != sampled
+
+
+def test_random_starts_for_base_targets(target, tmp_path):
+    jobs = random_start_jobs(5, 400, seed=3, skip_ids=[0, 1])
+    assert all(len(j.input_ids) == 1 and j.input_ids[0] not in (0, 1) and 3 <= j.greedy_prefix <= 5 for j in jobs)
+    generate_rows(target, None, jobs, tmp_path / "b.jsonl", temperatures=[1.0], max_new_tokens=8, batch_size=5)
+    rows = _rows(tmp_path / "b.jsonl")
+    assert len(rows) == 5 and all(r["prompt_len"] == 1 for r in rows)
+    # the first max(greedy_prefix) tokens are greedy: equal to the target's greedy continuation
+    k = max(j.greedy_prefix for j in jobs)
+    for job, row in zip(sorted(jobs, key=lambda j: j.prompt_id), sorted(rows, key=lambda r: r["prompt_id"])):
+        greedy = target.generate(torch.tensor([job.input_ids]), do_sample=False, max_new_tokens=k,
+                                 eos_token_id=0, pad_token_id=1)[0].tolist()
+        got = row["input_ids"]
+        n = min(len(got), len(greedy))
+        assert got[:n] == greedy[:n]
+
+
+def test_token_rows_load_for_sft(target, chat_tok, prompt_file, tmp_path):
+    from draftforge.data.sources import normalize_tokens
+
+    jobs = chat_jobs(prompt_file, chat_tok, context=96, max_new_tokens=6)
+    generate_rows(target, chat_tok, jobs, tmp_path / "s.jsonl", temperatures=[0], max_new_tokens=6)
+    for row in _rows(tmp_path / "s.jsonl"):
+        norm = normalize_tokens(row, "row")
+        assert norm["bad"] == "" and norm["labels"][: row["prompt_len"]] == [-100] * row["prompt_len"]
+
+
+def test_bad_input_gets_one_clear_error(target, chat_tok, prompt_file, tmp_path):
+    with pytest.raises(DataError, match="exceeds the target's context"):
+        chat_jobs(prompt_file, chat_tok, context=96, max_new_tokens=90)
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"prompt_id": "a", "prompt": "x"}\n{"prompt_id": "a", "prompt": "y"}\n')
+    with pytest.raises(DataError, match="appears twice"):
+        chat_jobs(dup, chat_tok, context=96, max_new_tokens=4)
+    jobs = chat_jobs(prompt_file, chat_tok, context=96, max_new_tokens=4)
+    for kw, msg in (({"temperatures": [-1]}, "temperature"), ({"max_new_tokens": 0}, "max-new-tokens"),
+                    ({"batch_size": 0}, "batch-size")):
+        with pytest.raises(DataError, match=msg):
+            generate_rows(target, chat_tok, jobs, tmp_path / "x.jsonl", **kw)
+    alien = tmp_path / "alien.jsonl"
+    alien.write_text('{"input_ids": [1, 2]}\n')
+    with pytest.raises(DataError, match="not a `draftforge generate` file"):
+        read_done(alien)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt_id": "a", "temperature": 0}\n{oops\n{"prompt_id": "b", "temperature": 0}\n')
+    with pytest.raises(DataError, match="not the last one"):
+        read_done(broken)
+    with pytest.raises(DataError, match="does not exist"):
+        chat_jobs(tmp_path / "missing.jsonl", chat_tok, context=96, max_new_tokens=4)
+
+
+def test_cli_help_lists_generate():
+    from draftforge.cli import build_parser
+
+    parser = build_parser("generate")
+    help_text = parser._subparsers._group_actions[0].choices["generate"].format_help()
+    assert "--temperature" in help_text and "--max-new-tokens" in help_text and "resume" in help_text

@@ -1,0 +1,424 @@
+"""`draftforge harvest logits` + `distill.logits_cache`: the losses on a 5-token vocabulary by hand (full, reduced,
+top-K), the cached KL / TVD / α against the on-the-fly ones within the stated truncation bounds (a tiny Llama
+teacher), a harvest resumed after a kill to the same bytes, one clear error per bad input with nothing written,
+and a drafter distilled from the cache without the teacher ever loading."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftforge.data.harvest_logits import harvest_logits
+from draftforge.data.logits_cache import LogitsCache, cached_block_data, open_cache
+from draftforge.errors import CompatibilityError, DataError, RecipeError
+from draftforge.recipe import DataConfig, recipe_from_dict
+from draftforge.train import distill, run
+from draftforge.train.divergences import (TopK, chain_sums, chain_tau, derive_acceptance, full_terms, topk_bounds,
+                                          topk_terms)
+from draftforge.train.loop import read_metrics
+from draftforge.train.spec import tensor_collate
+from tests.fixtures.decode import tiny_llama
+
+P5 = [0.5, 0.2, 0.15, 0.1, 0.05]  # the teacher on a 5-token vocabulary
+Q5 = [0.3, 0.3, 0.1, 0.2, 0.1]  # the student
+D2T = [0, 2, 3]  # a reduced head's target ids
+QS = [0.5, 0.25, 0.25]  # the reduced student over D2T
+
+
+def _kl(p, q):
+    return sum(a * math.log(a / b) for a, b in zip(p, q) if a > 0)
+
+
+def _logits(probs):
+    return torch.tensor([probs]).log()
+
+
+class Fixed(torch.nn.Module):
+    """A 'model' that returns the same logits whatever it reads."""
+
+    def __init__(self, logits_BTS):
+        super().__init__()
+        self.out = logits_BTS
+        self.anchor = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids, **_):
+        return type("Out", (), {"logits": self.out})()
+
+
+# ---------------------------------------------------------------- by hand, 5 tokens
+
+def test_full_losses_by_hand_whole_and_reduced_vocabulary():
+    got = full_terms(_logits(Q5), _logits(P5))
+    assert float(got["kl"]) == pytest.approx(_kl(P5, Q5), rel=1e-5)
+    assert float(got["tvd"]) == pytest.approx(0.25, abs=1e-6)  # 1 - (0.3 + 0.2 + 0.1 + 0.1 + 0.05)
+    assert float(got["ce_target"]) == pytest.approx(-math.log(0.3), rel=1e-6)
+    assert float(got["alpha"]) == pytest.approx(0.75, abs=1e-6)
+    # reduced head: p restricted to D2T and renormalised (0.75 of the mass); α keeps the unrestricted p
+    p_s = [P5[i] / 0.75 for i in D2T]
+    t_PV = _logits(P5)
+    red = full_terms(_logits(QS), t_PV[:, D2T], 1.0, t_PV.logsumexp(-1))
+    assert float(red["kl"]) == pytest.approx(_kl(p_s, QS), rel=1e-5)
+    assert float(red["tvd"]) == pytest.approx(1 - (0.5 + 0.2 + 2 / 15), abs=1e-6)
+    assert float(red["ce_target"]) == pytest.approx(-math.log(0.5), rel=1e-6)
+    assert float(red["alpha"]) == pytest.approx(0.5 + 0.15 + 0.1, abs=1e-6)
+
+
+def _top(ids, probs, rest):
+    return TopK(torch.tensor([ids]), torch.tensor([probs]).log(), torch.tensor([rest]).log())
+
+
+def test_topk_losses_by_hand_and_their_bounds():
+    # whole vocabulary, K=2: outcomes {0}, {1} and the tail {2, 3, 4} (teacher 0.3, student Q = 0.4)
+    top, q = _top([0, 1], [0.5, 0.2], 0.3), _logits(Q5)
+    got, bound = topk_terms(q, top), topk_bounds(q, top)
+    assert float(got["kl"]) == pytest.approx(_kl([0.5, 0.2, 0.3], [0.3, 0.3, 0.4]), rel=1e-5)
+    assert float(got["tvd"]) == pytest.approx(1 - (0.3 + 0.2 + 0.3), abs=1e-6)
+    assert float(got["alpha"]) == pytest.approx(0.3 + 0.2 + 0.3, abs=1e-6)
+    assert float(got["ce_target"]) == pytest.approx(-math.log(0.3), rel=1e-6)
+    full = full_terms(q, _logits(P5))
+    tail_kl = 0.3 * _kl([0.5, 1 / 3, 1 / 6], [0.25, 0.5, 0.25])  # m̃ · KL(p̄ ‖ q̄): what the bucket drops
+    assert float(full["kl"] - got["kl"]) == pytest.approx(tail_kl, rel=1e-4)
+    assert float(bound["kl"]) == pytest.approx(0.3 * (math.log(0.4 / 0.1) + math.log(0.2 / 0.3)), rel=1e-5)
+    assert 0 <= float(full["kl"] - got["kl"]) <= float(bound["kl"])
+    assert float(bound["tvd"]) == pytest.approx(0.3) and float(full["tvd"] - got["tvd"]) == pytest.approx(0.05)
+    assert float(got["alpha"] - full["alpha"]) == pytest.approx(0.05) and float(bound["alpha"]) == pytest.approx(0.3)
+    # reduced head, K=2 over D2T: ids are its columns, the tail {3} holds 0.1 of p, so the form is exact
+    red = topk_terms(_logits(QS), _top([0, 1], [0.5, 0.15], 0.1))
+    p_s = [0.5 / 0.75, 0.15 / 0.75, 0.1 / 0.75]
+    assert float(red["kl"]) == pytest.approx(_kl(p_s, QS), rel=1e-5)
+    assert float(red["tvd"]) == pytest.approx(1 - (0.5 + 0.2 + 2 / 15), abs=1e-6)
+    assert float(red["alpha"]) == pytest.approx(0.75, abs=1e-6)
+    # K = S: no tail at all, the top-K form is the full one
+    whole = topk_terms(q, _top([0, 1, 2, 3, 4], P5, 0.0))
+    assert all(float(whole[k]) == pytest.approx(float(full[k]), abs=1e-6) for k in ("kl", "tvd", "alpha", "ce_target"))
+
+
+@pytest.mark.parametrize("loss", ["kl", "tvd", "mix", "ce"])
+def test_each_loss_by_hand_through_the_cached_loss_of_a_reduced_head(loss):
+    """make_cached_loss on one position (reduced head, K=1 over D2T), every recipe loss, CE on the data added."""
+    batch = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "labels": torch.tensor([[0, 1]]),
+             "cache": torch.tensor([[0, -100]]), "t_ids": torch.tensor([[[0], [0]]]),
+             "t_logp": torch.tensor([[[0.5], [0.0]]]).log(), "t_rest": torch.tensor([[0.25, 0.0]]).log(),
+             "t_top1": torch.tensor([[0, -1]])}
+    student = Fixed(torch.tensor([[QS, QS]]).log())
+    options = distill.DistillConfig(loss=loss, kl_weight=0.7, tvd_weight=2.0, ce_weight=0.1)
+    total, count, metrics = distill.make_cached_loss(options, torch.tensor(D2T))(student, batch)
+    kl = (2 / 3) * math.log((2 / 3) / 0.5) + (1 / 3) * math.log((1 / 3) / 0.5)
+    tvd, ce_target, ce_data = 1 - (0.5 + 1 / 3), -math.log(0.5), -math.log(0.25)  # data label 1 = draft id 1
+    main = {"kl": 0.7 * kl, "tvd": 2.0 * tvd, "mix": 0.7 * kl + 2.0 * tvd, "ce": ce_target}[loss]
+    assert int(count) == 1
+    assert float(total) == pytest.approx(main + 0.1 * ce_data, rel=1e-5)
+    assert float(metrics["kl"]) == pytest.approx(kl, rel=1e-5) and float(metrics["tvd"]) == pytest.approx(tvd, rel=1e-5)
+    assert int(metrics["top1_agree"]) == 1
+
+
+def test_chain_acceptance_by_hand():
+    alpha = torch.tensor([[0.5, 0.8, 1.0, 0.5, 0.0, 0.0]])
+    keep = torch.tensor([[True, True, True, True, False, False]])
+    link = torch.tensor([[True, True, True, False, False, False]])
+    sums = chain_sums(alpha, alpha, keep, link, gamma=2)  # anchors 0, 1, 2 (positions 3+4 are not both kept)
+    assert float(sums["chain_anchors"]) == 3
+    assert float(sums["chain_alpha_d1"]) == pytest.approx(0.5 + 0.8 + 1.0)
+    assert float(sums["chain_alpha_d2"]) == pytest.approx(0.5 * 0.8 + 0.8 * 1.0 + 1.0 * 0.5)
+    derived = derive_acceptance({k: float(v) for k, v in sums.items()} | {"alpha": 0.5}, gamma=2)
+    assert derived["alpha_depth2"] == pytest.approx(1.7 / 2.3)
+    assert derived["tau_chain_g2"] == pytest.approx(1 + 2.3 / 3 + 1.7 / 3)
+    assert derived["tau_g2"] == pytest.approx(1 + 0.5 + 0.25) and chain_tau(0.5, 5) == pytest.approx(1.96875)
+    # the cost model's round: γ = 2 drafter steps at 0.1 of a target token each + a verification of 3 rows at 1.2
+    costed = derive_acceptance({k: float(v) for k, v in sums.items()} | {"alpha": 0.5}, gamma=2, cost=(0.1, 1.2))
+    assert costed["predicted_speedup"] == pytest.approx((1 + 2.3 / 3 + 1.7 / 3) / (2 * 0.1 + 1.2))
+
+
+# ---------------------------------------------------------------- a tiny target and its rows
+
+def _save_target(path: Path, tokenizer_dir, seed: int, scale: float = 30.0) -> Path:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = tiny_llama(vocab=len(tok), seed=seed)
+    with torch.no_grad():  # a peaky teacher: its top-8 holds about half the mass, so the tails matter
+        model.lm_head.weight.mul_(scale)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, tiny_tokenizer_dir):
+    return _save_target(tmp_path_factory.mktemp("target"), tiny_tokenizer_dir, seed=3)
+
+
+def write_rows(path: Path, n: int = 12, seed: int = 0) -> Path:
+    """Rows of 40-60 ids (one per 64-token block; about half of them among the 64 most frequent), a loss after a
+    prompt, some rows with a loss_mask."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n):
+        ids = [3 + int(497 * rng.random() ** 3) for _ in range(rng.randrange(40, 61))]  # frequent small ids
+        row = {"input_ids": ids, "prompt_len": rng.randrange(4, 10)}
+        if i % 4 == 3:
+            row = {"input_ids": ids, "loss_mask": [int(j % 7 != 0 and j > 2) for j in range(len(ids))]}
+        lines.append(json.dumps(row))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def rows_file(tmp_path_factory):
+    return write_rows(tmp_path_factory.mktemp("rows") / "rows.jsonl")
+
+
+def _harvest(target, rows, out, **kw):
+    kw = {"top_k": 8, "max_len": 64, "batch_size": 2, "shard_rows": 5, "dtype": "float32", "progress": False, **kw}
+    return harvest_logits(str(target), str(rows), str(out), **kw)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory, target_dir, rows_file):
+    out = tmp_path_factory.mktemp("caches") / "full"
+    _harvest(target_dir, rows_file, out)
+    return out
+
+
+# ---------------------------------------------------------------- cached vs on the fly
+
+def _blocks(cache, rows, tokenizer_dir, block_size=64):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = DataConfig(sources=[str(rows)], format="tokens", eval_fraction=0.0)
+    return cached_block_data(cfg, tok, block_size, 0, len(tok), cache).train
+
+
+@pytest.mark.parametrize("draft", [None, 64], ids=["whole-vocab", "reduced-head"])
+def test_cached_kl_and_tvd_match_the_teacher_within_the_truncation_bound(tmp_path, target_dir, rows_file,
+                                                                        cache_dir, tiny_tokenizer_dir, draft):
+    """Per kept position: 0 <= full − cached <= bound for KL and TVD, 0 <= cached α − α <= bound; the cached loss
+    and the on-the-fly loss see the same positions, and their summed KL differ by at most the summed bound."""
+    from draftforge.loading import load_causal_lm
+    from draftforge.models.draft_vocab import target_to_draft
+    from draftforge.train.lm import labels_to_draft_ids
+
+    cache_path = cache_dir if draft is None else tmp_path / "draft"
+    if draft is not None:
+        _harvest(target_dir, rows_file, cache_path, draft_vocab=str(draft))
+    cache = open_cache(cache_path)
+    d2t = None if draft is None else torch.tensor(cache.draft_vocab)
+    t2d = None if draft is None else target_to_draft(cache.vocab_size, cache.draft_vocab)
+    teacher = load_causal_lm(str(target_dir))
+    data = _blocks(cache, rows_file, tiny_tokenizer_dir)
+    base = tensor_collate if draft is None else labels_to_draft_ids(t2d)  # as build_lm_task's collate
+    collate = distill.cached_collate(base, cache, t2d)
+    torch.manual_seed(0)
+    width = cache.vocab_size if draft is None else draft
+    checked = 0
+    for i in range(0, len(data), 2):
+        batch = collate(data[i: i + 2], "cpu")
+        keep = distill.cached_keep(batch)
+        student_BTS = 3 * torch.randn(*batch["input_ids"].shape, width)
+        with torch.no_grad():
+            t_PV = teacher(input_ids=batch["input_ids"]).logits[keep].float()
+        s_PS = student_BTS[keep]
+        full = (full_terms(s_PS, t_PV) if draft is None else full_terms(s_PS, t_PV[:, d2t], 1.0, t_PV.logsumexp(-1)))
+        top = TopK(batch["t_ids"][keep], batch["t_logp"][keep], batch["t_rest"][keep])
+        got, bound = topk_terms(s_PS, top), topk_bounds(s_PS, top)
+        for name in ("kl", "tvd"):
+            gap = full[name] - got[name]
+            assert (gap >= -1e-4).all() and (gap <= bound[name] + 1e-4).all(), name
+        gap = got["alpha"] - full["alpha"]
+        assert (gap >= -1e-5).all() and (gap <= bound["alpha"] + 1e-5).all()
+        assert torch.allclose(got["ce_target"], full["ce_target"], atol=1e-4)  # the top cached id is the argmax
+        cached_sum = distill.make_cached_loss(distill.DistillConfig(), d2t)(Fixed(student_BTS), batch)[2]["kl"]
+        fly_batch = {k: batch[k] for k in ("input_ids", "labels")}
+        _, count, fly = distill.make_loss(teacher, distill.DistillConfig(), d2t)(Fixed(student_BTS), fly_batch)
+        assert int(count) == int(keep.sum())  # one row per block: the same kept positions
+        assert 0 <= float(fly["kl"] - cached_sum) <= float(bound["kl"].sum()) + 1e-3
+        checked += int(keep.sum())
+    total = cache.manifest["rows"]["positions"]
+    # every cached position was compared (a reduced head skips those whose next token is no draft id)
+    assert checked == total if draft is None else total / 3 < checked < total
+
+
+# ---------------------------------------------------------------- resume, damage
+
+def _shard_bytes(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.glob("shard-*.safetensors"))}
+
+
+def test_harvest_resumes_after_a_kill_to_the_same_bytes_and_redoes_a_truncated_shard(tmp_path, target_dir,
+                                                                                     rows_file, cache_dir):
+    out = tmp_path / "killed"
+    with pytest.raises(KeyboardInterrupt):
+        _harvest(target_dir, rows_file, out, stop_after=1)
+    assert len(_shard_bytes(out)) == 1
+    with pytest.raises(DataError, match="incomplete"):
+        LogitsCache(out)
+    with pytest.raises(DataError, match="--resume"):  # a rerun without --resume says what to do
+        _harvest(target_dir, rows_file, out)
+    manifest = _harvest(target_dir, rows_file, out, resume=True)
+    assert manifest["complete"] and _shard_bytes(out) == _shard_bytes(cache_dir)
+    assert [e["sha256"] for e in manifest["shards"]] == [e["sha256"] for e in open_cache(cache_dir).manifest["shards"]]
+    assert not list(out.glob("shard-*.json"))  # the per-shard records were merged into harvest.json
+    shard = out / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(DataError, match="shard-00001.safetensors is truncated"):
+        open_cache(out)
+    _harvest(target_dir, rows_file, out, resume=True)
+    assert _shard_bytes(out) == _shard_bytes(cache_dir)
+
+
+# ---------------------------------------------------------------- distill on the cache
+
+def cached_recipe(tmp_path, target, rows, cache, **options) -> dict:
+    return {
+        "task": "distill", "output_dir": str(tmp_path / "run"),
+        "model": {"arch": "mamba2", "size": "tiny", "target": str(target),
+                  "overrides": {"hidden_size": 32, "num_hidden_layers": 2, "head_dim": 16, "state_size": 8}},
+        "data": {"sources": [str(rows)], "format": "tokens", "eval_fraction": 0.2},
+        "distill": {"logits_cache": str(cache), "loss": "mix", "ce_weight": 0.1, **options},
+        "optim": {"lr": 1e-2, "warmup_steps": 2},
+        "train": {"max_steps": 20, "global_batch_size": 4, "micro_batch_size": 2, "block_size": 64,
+                  "eval_every": 0, "save_every": 20, "log_every": 1, "trackers": []},
+    }
+
+
+@pytest.mark.parametrize("draft", [None, 64], ids=["whole-vocab", "reduced-head"])
+def test_distill_trains_from_the_cache_without_loading_the_teacher(tmp_path, monkeypatch, target_dir, rows_file,
+                                                                   cache_dir, draft):
+    import draftforge.loading
+    from safetensors.torch import load_file
+
+    cache = cache_dir
+    values = cached_recipe(tmp_path, target_dir, rows_file, cache)
+    if draft is not None:  # the cache's draft ids are the ones model.draft_vocab_from counts on the rows
+        cache = tmp_path / "draft-cache"
+        _harvest(target_dir, rows_file, cache, draft_vocab=str(draft))
+        values = cached_recipe(tmp_path, target_dir, rows_file, cache)
+        values["model"].update(draft_vocab=draft, draft_vocab_from=str(rows_file))
+    seen, real_build = {}, distill.build_distill_task
+
+    def spy(recipe, accelerator, with_data=True):
+        spec = real_build(recipe, accelerator, with_data)
+        seen.update({n: p.detach().clone() for n, p in spec.model.named_parameters() if p.requires_grad})
+        return spec
+
+    def no_teacher(*args, **kwargs):
+        raise AssertionError("the teacher was loaded")
+
+    monkeypatch.setattr(distill, "build_distill_task", spy)
+    monkeypatch.setattr(draftforge.loading, "load_causal_lm", no_teacher)
+    result = run(recipe_from_dict(values))
+    monkeypatch.undo()
+    logged = [r for r in read_metrics(result.run_dir) if "kl" in r]
+    loss = [r["loss"] for r in logged]
+    assert sum(loss[-5:]) / 5 < 0.8 * sum(loss[:3]) / 3, loss
+    assert all(0 <= r["alpha"] <= 1 and 0 <= r["top1_agree"] <= 1 for r in logged)
+    trained = load_file(str(result.export_dir / "model.safetensors"))
+    unchanged = [n for n, before in seen.items() if n in trained and torch.equal(trained[n], before)]
+    assert not unchanged and len([n for n in seen if n in trained]) >= len(seen) - 1  # a tied head is saved once
+    meta = json.loads((result.export_dir / "draftforge.json").read_text())
+    report = meta["metrics"]["acceptance"]
+    assert meta["logits_cache"] == str(cache) and 0 < report["alpha"] < 1 and 1 <= report["tau_g5"] <= 6
+    assert {"alpha_depth1", "alpha_depth5", "tau_chain_g5", "tau_g5_greedy"} <= set(report)
+
+
+# ---------------------------------------------------------------- bad input: one error each, nothing written
+
+def _refused(values, error, match):
+    with pytest.raises(error, match=match):
+        run(recipe_from_dict(values))
+    assert not Path(values["output_dir"]).exists()  # the run dir was never claimed
+
+
+def test_a_cache_from_another_target_or_tokenizer_is_refused(tmp_path, tiny_tokenizer_dir, target_dir, rows_file,
+                                                             cache_dir):
+    from transformers import AutoTokenizer
+
+    other = _save_target(tmp_path / "other-target", tiny_tokenizer_dir, seed=4)
+    values = cached_recipe(tmp_path, other, rows_file, cache_dir)
+    _refused(values, CompatibilityError, "harvested from target .* not from model.target")
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    tok.eos_token = "<|bos|>"  # same ids, other special tokens: another tokenizer fingerprint
+    tok.save_pretrained(tmp_path / "other-tok")
+    values = cached_recipe(tmp_path, target_dir, rows_file, cache_dir)
+    values["model"]["tokenizer"] = str(tmp_path / "other-tok")
+    _refused(values, CompatibilityError, "was harvested with .* but this run uses")
+
+
+def test_a_damaged_cache_or_other_rows_are_refused(tmp_path, target_dir, rows_file, cache_dir):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(cache_dir, broken)
+    (broken / "shard-00002.safetensors").write_bytes((broken / "shard-00002.safetensors").read_bytes()[:64])
+    _refused(cached_recipe(tmp_path, target_dir, rows_file, broken), DataError,
+             "shard-00002.safetensors is truncated")
+    other_rows = write_rows(tmp_path / "other.jsonl", seed=1)
+    _refused(cached_recipe(tmp_path, target_dir, other_rows, cache_dir), DataError,
+             "is not the rows file logits cache")
+    long_rows = tmp_path / "long.jsonl"  # one row of 100 tokens: a 128-token block needs positions past 63
+    long_rows.write_text(rows_file.read_text() + json.dumps({"input_ids": list(range(3, 103))}) + "\n")
+    _harvest(target_dir, long_rows, tmp_path / "short-cache")
+    values = cached_recipe(tmp_path, target_dir, long_rows, tmp_path / "short-cache")
+    values["train"]["block_size"] = 128
+    _refused(values, DataError, "was harvested with --max-len 64, but train.block_size is 128")
+    before = _shard_bytes(cache_dir)
+    with pytest.raises(CompatibilityError, match="rows file"):  # resuming onto other rows
+        _harvest(target_dir, other_rows, cache_dir, resume=True)
+    assert _shard_bytes(cache_dir) == before
+
+
+def test_top_k_larger_than_the_draft_vocabulary_is_refused(tmp_path, target_dir, rows_file, cache_dir):
+    out = tmp_path / "k-too-big"
+    with pytest.raises(CompatibilityError, match="--top-k 16 exceeds the draft vocabulary's 8 ids"):
+        _harvest(target_dir, rows_file, out, top_k=16, draft_vocab="8")
+    assert not out.exists()
+    values = cached_recipe(tmp_path, target_dir, rows_file, cache_dir)  # top-8 over the whole vocabulary
+    values["model"].update(draft_vocab=4, draft_vocab_from=str(rows_file))
+    _refused(values, CompatibilityError, "top-8 per position, more ids than the student's draft vocabulary of 4")
+    values["model"]["draft_vocab"] = 16  # k fits, but the cache cannot tell the tail inside the draft ids
+    _refused(values, CompatibilityError, "does not tell how much of the rest")
+
+
+def test_recipe_rules_of_a_cached_run(tmp_path, target_dir, rows_file, cache_dir):
+    values = cached_recipe(tmp_path, target_dir, rows_file, cache_dir, temperature=2.0)
+    with pytest.raises(RecipeError, match="distill.temperature"):
+        recipe_from_dict(values)
+    values = cached_recipe(tmp_path, target_dir, rows_file, cache_dir)
+    values["data"]["format"] = "text"
+    with pytest.raises(RecipeError, match="data.format"):
+        recipe_from_dict(values)
+
+
+def test_cli_help_and_one_error_line(tmp_path, target_dir, rows_file):
+    help_text = subprocess.run([sys.executable, "-m", "draftforge", "harvest", "logits", "--help"],
+                               capture_output=True, text=True, timeout=120).stdout
+    assert "--top-k" in help_text and "--resume" in help_text and "float32" in help_text
+    proc = subprocess.run([sys.executable, "-m", "draftforge", "harvest", "logits", "--target", str(target_dir),
+                           "--data", str(rows_file), "--out", str(tmp_path / "x"), "--top-k", "9999"],
+                          capture_output=True, text=True, timeout=300)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "exceeds the target's" in errors[0], proc.stderr[-2000:]
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow  # an accelerate launch of two CPU processes
+def test_two_processes_write_the_same_cache_as_one(tmp_path, target_dir, rows_file, cache_dir):
+    from tests import REPO
+    from tests.train.test_distributed import _env, _free_port
+
+    out = tmp_path / "two"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "launch" / "multi_cpu.yaml"),
+           "--num_processes", "2", "--main_process_port", str(_free_port()), "-m", "draftforge", "harvest", "logits",
+           "--target", str(target_dir), "--data", str(rows_file), "--out", str(out), "--top-k", "8", "--max-len", "64",
+           "--batch-size", "2", "--shard-rows", "5", "--dtype", "float32"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert _shard_bytes(out) == _shard_bytes(cache_dir) and open_cache(out).manifest["complete"]

@@ -1,0 +1,129 @@
+"""Sources (folder, glob, jsonl, json, parquet, HF routing), seeded held-out split, streaming."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import draftforge.data.sources as sources
+from draftforge.data import IGNORE_INDEX, build_block_data
+from tests.data.common import data_cfg, token_stream, write_jsonl
+
+
+def packed_tokens(ds):
+    """All non-padding tokens of a block dataset, in order (padding = label -100 at the tail)."""
+    ids, labels = np.array(ds["input_ids"]).reshape(-1), np.array(ds["labels"]).reshape(-1)
+    real = np.flatnonzero(labels != IGNORE_INDEX)
+    return ids[: real[-1] + 1].tolist() if len(real) else []
+
+
+def test_folder_of_py_files_sorted_and_filtered_by_glob(tmp_path, tok):
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    files = {"b.py": "import os\n", "a.py": "def add(a, b):\n    return a + b\n",
+             "pkg/sub/c.py": "print(sys.argv)\n", "notes.txt": "not python", "pkg/data.json": "[]"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    bd = build_block_data(data_cfg([tmp_path], file_glob="**/*.py"), tok, 16, seed=0)
+    expected_order = [files["a.py"], files["b.py"], files["pkg/sub/c.py"]]  # sorted paths
+    assert packed_tokens(bd.train) == token_stream(tok, expected_order)
+    assert bd.stats["documents"] == 3
+
+
+def test_glob_source_and_txt_file_is_one_document(tmp_path, tok):
+    for i in range(3):
+        (tmp_path / f"doc{i}.txt").write_text(f"Hello world {i}\n\nsecond paragraph {i}\n")
+    (tmp_path / "skip.md").write_text("nope")
+    bd = build_block_data(data_cfg([str(tmp_path / "doc*.txt")]), tok, 8, seed=0)
+    assert bd.stats["documents"] == 3
+    texts = [(tmp_path / f"doc{i}.txt").read_text() for i in range(3)]
+    assert packed_tokens(bd.train) == token_stream(tok, texts)
+
+
+def test_jsonl_json_parquet_and_text_field(tmp_path, tok):
+    docs = [f"The user asks question {i}." for i in range(6)]
+    write_jsonl(tmp_path / "a.jsonl", [{"body": d} for d in docs[:2]])
+    (tmp_path / "b.json").write_text(json.dumps([{"body": d, "extra": 1} for d in docs[2:4]]))
+    pq.write_table(pa.table({"body": docs[4:]}), tmp_path / "c.parquet")
+    cfg = data_cfg([tmp_path / "a.jsonl", tmp_path / "b.json", tmp_path / "c.parquet"], text_field="body")
+    bd = build_block_data(cfg, tok, 8, seed=0)
+    assert packed_tokens(bd.train) == token_stream(tok, docs)
+    assert bd.stats["rows_read"] == 6 and bd.stats["rows_skipped"] == 0
+
+
+def test_max_documents(tmp_path, tok):
+    docs = [f"doc {i}" for i in range(10)]
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in docs])
+    bd = build_block_data(data_cfg([src], max_documents=4), tok, 8, seed=0)
+    assert packed_tokens(bd.train) == token_stream(tok, docs[:4])
+
+
+def test_eval_split_is_disjoint_seeded_and_deterministic(tmp_path, tok):
+    docs = [f"unique document number {i} " * 3 for i in range(50)]
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in docs])
+
+    def split(seed):
+        bd = build_block_data(data_cfg([src], eval_fraction=0.2), tok, 4096, seed=seed)
+        return bd, tok.decode(packed_tokens(bd.train)), tok.decode(packed_tokens(bd.eval))
+
+    bd, train_text, eval_text = split(0)
+    train_docs = {d for d in docs if d in train_text}
+    eval_docs = {d for d in docs if d in eval_text}
+    assert len(eval_docs) == 10 and bd.stats["eval_documents"] == 10 and bd.stats["documents"] == 40
+    assert train_docs.isdisjoint(eval_docs) and train_docs | eval_docs == set(docs)
+    assert split(0)[2] == eval_text  # same seed, same held-out documents
+    assert split(1)[2] != eval_text  # another seed, another choice
+
+
+def test_eval_fraction_zero_disables_eval(tmp_path, tok):
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": f"d{i}"} for i in range(5)])
+    assert build_block_data(data_cfg([src], eval_fraction=0.0), tok, 8, seed=0).eval is None
+
+
+def test_hf_names_are_routed_to_load_dataset(monkeypatch, tmp_path, tok):
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(name, config, split, streaming):
+        calls.append((name, config, split, streaming))
+        return datasets.Dataset.from_dict({"content": ["hello world", "tiny corpus"], "id": [1, 2]})
+
+    monkeypatch.setattr(sources.datasets, "load_dataset", fake_load_dataset)
+    cfg = data_cfg(["hf:org/corpus", "plain-name"], text_field="content", hf_config="sample-10BT", split="train")
+    bd = build_block_data(cfg, tok, 8, seed=0)
+    assert calls == [("org/corpus", "sample-10BT", "train", False), ("plain-name", "sample-10BT", "train", False)]
+    assert packed_tokens(bd.train) == token_stream(tok, ["hello world", "tiny corpus"] * 2)
+    assert sources.is_hf_name("HuggingFaceFW/fineweb-edu") and not sources.is_hf_name(str(tmp_path))
+    assert not sources.is_hf_name("data/*.jsonl") and not sources.is_hf_name("missing.jsonl")
+
+
+def test_hf_prefix_loads_a_local_dataset_folder_for_real(tmp_path, tok):
+    (tmp_path / "ds").mkdir()
+    write_jsonl(tmp_path / "ds" / "train.jsonl", [{"text": "hello world"}, {"text": "tiny corpus"}])
+    bd = build_block_data(data_cfg([f"hf:{tmp_path / 'ds'}"]), tok, 8, seed=0)
+    assert packed_tokens(bd.train) == token_stream(tok, ["hello world", "tiny corpus"])
+
+
+def test_streaming_packs_the_same_tokens(tmp_path, tok):
+    docs = [f"streamed document {i} " * (1 + i % 3) for i in range(30)]
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in docs] + [{"other": 1}])
+    bd = build_block_data(data_cfg([src], streaming=True, eval_fraction=0.2), tok, 16, seed=3)
+    train_rows, eval_rows = list(bd.train), list(bd.eval)
+    assert all(len(r["input_ids"]) == 16 == len(r["labels"]) for r in train_rows + eval_rows)
+    as_ds = {"input_ids": [r["input_ids"] for r in train_rows], "labels": [r["labels"] for r in train_rows]}
+    train_text = tok.decode(packed_tokens(as_ds))
+    eval_text = tok.decode(packed_tokens({k: [r[k] for r in eval_rows] for k in ("input_ids", "labels")}))
+    held = [d for d in docs if d in eval_text]
+    assert held and all(d not in train_text for d in held)
+    assert packed_tokens(as_ds) == token_stream(tok, [d for d in docs if d not in held])
+
+
+def test_recipe_data_config_is_accepted_and_stats_are_json(tmp_path, tok):
+    recipe = pytest.importorskip("draftforge.recipe")
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": f"document {i}"} for i in range(20)] + [{"x": 1}])
+    cfg = recipe.DataConfig(sources=[str(src)], eval_fraction=0.1)
+    bd = build_block_data(cfg, tok, 8, seed=0)
+    assert bd.eval is not None and bd.stats["eval_documents"] == 2
+    assert json.loads(json.dumps(bd.stats)) == bd.stats

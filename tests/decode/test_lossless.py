@@ -1,0 +1,80 @@
+"""Greedy speculative output must equal the target's own generate(do_sample=False), token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftforge.decode import build_decoder, load_drafter, load_target, parse_tree
+from tests.fixtures.decode import assert_stops_at_eos, greedy_reference, greedy_runs, noisy_copy, tiny_llama
+
+VOCAB = 12
+PROMPTS = [[4], [3, 5, 7], [(7 * i + 3) % VOCAB for i in range(23)]]
+
+
+reference = greedy_reference
+
+
+# (VOCAB, 2, 1) always accepts depth 1, so deep rollback paths are exercised even with random drafters;
+# stree13 is STree's 13-token tree (parent lists: nodes at one depth have 2, 1 or 0 children)
+STREE13 = parse_tree("stree13")
+METHODS = [("chain", {"chain_length": 3}), ("tree", {"tree": (2, 2, 1)}), ("tree", {"tree": (VOCAB, 2, 1)}),
+           ("ucb", {"ucb_trees": [(1, 1), (3, 2), (VOCAB, 1, 1)]}), ("tree", {"tree": STREE13}),
+           ("ucb", {"ucb_trees": [(1, 1), STREE13, "parents:0,0,0/0,2,2/1"]})]
+
+
+@pytest.mark.parametrize("kind", ["transformer", "mamba", "mamba2"])
+@pytest.mark.parametrize("method,options", METHODS, ids=["chain3", "tree221", "treeV21", "ucb", "stree13",
+                                                         "ucb_shapes"])
+def test_greedy_equals_generate(target, drafters, kind, method, options):
+    dec = build_decoder(method, target, drafters[kind], **options)
+    accepted = 0
+    for max_new, res in greedy_runs(dec, target, PROMPTS, (1, 13)):  # 13 lands mid-draft for every config above
+        assert res.stats.new_tokens == max_new == sum(res.stats.accepted_per_round) + res.stats.target_forwards
+        accepted += sum(res.stats.accepted_per_round)
+    assert accepted > 0  # the comparison went through accepted drafts, not only corrections
+
+
+@pytest.mark.parametrize("kind", ["transformer", "mamba"])
+def test_eos_inside_draft_stops_like_generate(target, drafters, kind):
+    prompt = PROMPTS[1]
+    free = reference(target, prompt, 20)
+    eos = free[6]  # a token the target emits mid-sequence; the draft tree often contains it
+    dec = build_decoder("tree", target, drafters[kind], tree=(VOCAB, 2, 1))
+    assert_stops_at_eos(dec, target, prompt, eos)
+
+
+def test_ar_and_hf_assisted_equal_generate(target, drafters):
+    for method in ("ar", "hf_assisted"):
+        dec = build_decoder(method, target, drafters["transformer"])
+        for prompt in PROMPTS:
+            res = dec.generate(prompt, max_new_tokens=9)
+            assert res.tokens == reference(target, prompt, 9), method
+            assert res.stats.target_forwards > 0 and res.stats.new_tokens == 9
+
+
+def test_empty_eos_set_ignores_the_model_eos_for_every_method(target, drafters):
+    """eos_token_id=[] (eval --ignore-eos) generates max_new_tokens even past the model's own EOS."""
+    prompt = PROMPTS[1]
+    free = reference(target, prompt, 12)
+    config = target.model.generation_config
+    saved = config.eos_token_id
+    config.eos_token_id = free[3]  # the model's EOS is now a token it emits early
+    try:
+        ids = torch.tensor([prompt])
+        stopped = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+        assert stopped.shape[1] - len(prompt) < 12  # generate() with the model's defaults stops on it ...
+        assert build_decoder("ar", target).generate(prompt, max_new_tokens=12).tokens == stopped[0, len(prompt):].tolist()
+        for method, drafter in [("ar", None), ("chain", "mamba"), ("tree", "transformer"), ("hf_assisted", "transformer")]:
+            dec = build_decoder(method, target, drafters.get(drafter))
+            res = dec.generate(prompt, max_new_tokens=12, eos_token_id=[])
+            assert res.tokens == free, method  # ... every method with the empty set does not
+    finally:
+        config.eos_token_id = saved
+
+
+def test_float32_chain_agrees(target):
+    target32 = load_target(tiny_llama(vocab=VOCAB, dtype=torch.float32))
+    drafter = load_drafter(noisy_copy(target32.model, noise=0.05), target32)
+    res = build_decoder("chain", target32, drafter, chain_length=4).generate(PROMPTS[2], max_new_tokens=16)
+    assert res.tokens == reference(target32, PROMPTS[2], 16)

@@ -1,0 +1,194 @@
+"""Speculative sampling follows the target's distribution exactly (chain SpS and tree MSS)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from draftforge.decode import build_decoder, load_drafter, load_target, verify
+from draftforge.decode.sampling import SamplingParams, draw_one, probs_from_logits, sample
+from draftforge.decode.tree import DraftTree
+from tests.fixtures.decode import noisy_copy, tiny_llama, tiny_mamba
+
+VOCAB = 8
+PARAMS = dict(temperature=1.0, top_k=6)
+
+
+def chi_square_limit(df: int) -> float:
+    """Upper tail at roughly p = 1e-4 (Wilson–Hilferty), so a correct sampler passes reliably."""
+    z = 3.72
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi_square(counts: dict, probs: dict, n: int) -> tuple[float, int]:
+    stat, cells = 0.0, 0
+    for key, p in probs.items():
+        if p * n >= 5:  # pool rare cells
+            stat += (counts.get(key, 0) - n * p) ** 2 / (n * p)
+            cells += 1
+    rare_p = sum(p for p in probs.values() if p * n < 5)
+    rare_c = sum(c for k, c in counts.items() if probs.get(k, 0) * n < 5)
+    if rare_p > 0:
+        stat += (rare_c - n * rare_p) ** 2 / (n * rare_p)
+        cells += 1
+    return stat, cells - 1
+
+
+def exact_two_token(target, prompt) -> dict:
+    params = SamplingParams(**PARAMS)
+    with torch.no_grad():
+        p1 = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1], params)
+        seqs = torch.tensor([prompt + [a] for a in range(VOCAB)])
+        p2 = probs_from_logits(target.model(seqs).logits[:, -1], params)
+    return {(a, b): float(p1[a] * p2[a, b]) for a, b in itertools.product(range(VOCAB), repeat=2)}
+
+
+def assert_two_tokens_follow_target(dec, target, prompt, n=1000):
+    """The first two sampled tokens of `dec` over n seeds pass a chi-square test against the exact
+    enumerated target distribution, and drafts were really accepted (min(1, p/q) was exercised)."""
+    counts, accepted = {}, 0
+    for seed in range(n):
+        res = dec.generate(prompt, max_new_tokens=2, seed=seed, **PARAMS)
+        counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
+        accepted += sum(res.stats.accepted_per_round)
+    stat, df = chi_square(counts, exact_two_token(target, prompt), n)
+    assert stat < chi_square_limit(df), (stat, df)
+    assert accepted > n // 10
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(tiny_llama(vocab=VOCAB, hidden=16, layers=1, dtype=torch.float64))
+
+
+@pytest.mark.slow  # ~20 s each on a shared CPU; the fast verifier-level checks below run by default
+@pytest.mark.parametrize("kind,method,options,draws", [
+    ("transformer", "chain", {"chain_length": 2}, "distinct"),
+    ("mamba", "tree", {"tree": (3, 2)}, "distinct"),
+    ("mamba", "tree", {"tree": (3, 2)}, "iid"),
+])
+def test_first_two_tokens_follow_target(target, kind, method, options, draws):
+    prompt = [1, 2, 3]
+    drafter_model = noisy_copy(target.model, 0.3) if kind == "transformer" else tiny_mamba(VOCAB, dtype=torch.float64)
+    dec = build_decoder(method, target, load_drafter(drafter_model, target), **options)
+    n, counts, accepted = 1000, {}, 0
+    for seed in range(n):
+        res = dec.generate(prompt, max_new_tokens=2, seed=seed, tree_draws=draws, **PARAMS)
+        key = tuple(res.tokens)
+        counts[key] = counts.get(key, 0) + 1
+        accepted += sum(res.stats.accepted_per_round)
+    stat, df = chi_square(counts, exact_two_token(target, prompt), n)
+    assert stat < chi_square_limit(df), (stat, df)
+    assert accepted > n // 10  # drafts were really accepted, so the test exercised min(1, p/q)
+
+
+def _verifier_samples(verifier, p_V, q_V, widths, n, seed, distinct=False):
+    """Distribution of the first emitted token when children are drawn from q: i.i.d., or `distinct` (without
+    replacement, as the drafters draw them for tree_draws="distinct", spare slots repeating the last draw)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(len(p_V))
+    for _ in range(n):
+        kids = sample(q_V[None], gen, widths, distinct=distinct)[0].tolist()
+        tree = DraftTree(kids, [-1] * widths, [1] * widths, torch.stack([q_V] + [q_V] * widths), widths == 1)
+        p_NV = torch.stack([p_V] + [p_V] * widths)
+        verdict = verifier(tree, p_NV, gen, distinct=True) if distinct else verifier(tree, p_NV, gen)
+        counts[tree.tokens[verdict.path[0]] if verdict.path else verdict.next_token] += 1
+    return counts
+
+
+P_V = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05], dtype=torch.float64)
+Q_V = torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3], dtype=torch.float64)
+
+
+def _check(counts, p_V=P_V):
+    probs = {i: float(p) for i, p in enumerate(p_V)}
+    return chi_square({i: int(c) for i, c in enumerate(counts)}, probs, int(counts.sum()))
+
+
+@pytest.mark.parametrize("verifier,widths,distinct", [(verify.verify_chain_sps, 1, False),
+                                                      (verify.verify_tree_mss, 3, False),
+                                                      (verify.verify_tree_mss, 3, True)])
+def test_verifier_exact_and_wrong_residual_fails(monkeypatch, verifier, widths, distinct):
+    """The same check rejects a verifier whose rejection distribution is p instead of norm(max(0, p-q))."""
+    n = 4000
+    stat, df = _check(_verifier_samples(verifier, P_V, Q_V, widths, n, seed=0, distinct=distinct))
+    assert stat < chi_square_limit(df)
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)
+    stat, df = _check(_verifier_samples(verifier, P_V, Q_V, widths, n, seed=0, distinct=distinct))
+    assert stat > chi_square_limit(df)
+
+
+def test_distinct_siblings_need_their_own_rule():
+    """Siblings drawn without replacement but verified as if i.i.d. (q left as it is) do not give p: the check
+    has the power to tell the two rules apart (enumerated, the wrong rule is 0.07 away from p in total variation
+    here; the right one is exact)."""
+    p_V = torch.tensor([0.3, 0.3, 0.2, 0.1, 0.05, 0.05], dtype=torch.float64)
+    q_V = torch.tensor([0.7, 0.1, 0.1, 0.05, 0.03, 0.02], dtype=torch.float64)
+    for rule_matches in (True, False):
+        gen = torch.Generator().manual_seed(0)
+        counts = torch.zeros(len(p_V))
+        for _ in range(4000):
+            kids = sample(q_V[None], gen, 3, distinct=True)[0].tolist()
+            tree = DraftTree(kids, [-1] * 3, [1] * 3, torch.stack([q_V] * 4), False)
+            verdict = verify.verify_tree_mss(tree, torch.stack([p_V] * 4), gen, distinct=rule_matches)
+            counts[tree.tokens[verdict.path[0]] if verdict.path else verdict.next_token] += 1
+        stat, df = _check(counts, p_V)
+        assert (stat < chi_square_limit(df)) == rule_matches, (rule_matches, stat)
+
+
+def test_distinct_draws_with_fewer_tokens_than_children_stay_exact():
+    """q with two tokens of nonzero probability (e.g. after top-k) and three children: the spare slot repeats a
+    draw, is skipped by the verifier, and the emitted token still follows p."""
+    q_V = torch.tensor([0.0, 0.0, 0.7, 0.0, 0.3, 0.0], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    kids = sample(torch.stack([q_V, Q_V]), gen, 3, distinct=True)
+    assert sorted(kids[0].tolist()[:2]) == [2, 4] and kids[0, 2] == kids[0, 1]  # the spare slot repeats
+    assert len(set(kids[1].tolist())) == 3  # a full-support row still gets three distinct tokens
+    stat, df = _check(_verifier_samples(verify.verify_tree_mss, P_V, q_V, 3, 4000, seed=2, distinct=True))
+    assert stat < chi_square_limit(df)
+
+
+def test_draw_one_follows_unnormalised_weights_and_never_draws_a_zero():
+    gen = torch.Generator().manual_seed(3)
+    weights = torch.tensor([[0.0, 2.0, 0.0, 1.0, 0.0]]).repeat(30000, 1)
+    draws = draw_one(weights, gen)[:, 0]
+    assert set(draws.tolist()) == {1, 3}
+    assert float((draws == 1).float().mean()) == pytest.approx(2 / 3, abs=0.015)
+
+
+def _p_some_child_accepted(p_V, q_V, k, distinct):
+    """Exact P(one of k siblings is accepted), enumerating every ordered draw (the verifier's rules by hand)."""
+    total, vocab = 0.0, len(p_V)
+    draws = itertools.permutations(range(vocab), k) if distinct else itertools.product(range(vocab), repeat=k)
+    for seq in draws:
+        prob, left = 1.0, q_V.clone()
+        for x in seq:
+            prob *= float(left[x] / left.sum()) if distinct else float(q_V[x])
+            left[x] = 0
+        if prob == 0:
+            continue
+        p, q, reach = p_V.clone(), q_V.clone(), 1.0
+        for x in seq:
+            accept = min(1.0, float(p[x] / q[x]))
+            total += prob * reach * accept
+            reach *= 1 - accept
+            p = verify.residual(p, q)
+            if distinct:
+                q = q.clone()
+                q[x] = 0
+                q = q / q.sum()
+    return total
+
+
+def test_distinct_siblings_never_lower_a_nodes_acceptance():
+    """Why distinct is the default: for any p, q, drawing siblings without replacement accepts one of them at
+    least as often as i.i.d. draws do (exact enumeration over 5 tokens, 2 and 3 siblings)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        p_V = (torch.randn(5, dtype=torch.float64, generator=gen) * 2).softmax(0)
+        q_V = (torch.randn(5, dtype=torch.float64, generator=gen) * 2).softmax(0)
+        for k in (2, 3):
+            assert _p_some_child_accepted(p_V, q_V, k, True) >= _p_some_child_accepted(p_V, q_V, k, False) - 1e-12

@@ -1,0 +1,98 @@
+"""Tree verification vs plain sequences, SSM state rollback vs re-encoding, UCB by hand, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftforge.decode import TreeShape, UCBTree, build_decoder, load_drafter, parse_tree
+from draftforge.decode.sampling import SamplingParams
+from draftforge.decode.tree import DraftTree, root_path
+from draftforge.errors import CompatibilityError, DraftforgeError
+from tests.fixtures.decode import assert_states_are_reencoded, tiny_mamba, tiny_mamba2
+
+VOCAB = 16
+
+
+# widths (3, 2, 2), and STree's 13-token tree whose nodes at one depth have 2, 1 or 0 children
+@pytest.mark.parametrize("shape,commit_node", [(TreeShape.from_widths((3, 2, 2)), 13), (parse_tree("stree13"), 9)],
+                         ids=["tree322", "stree13"])
+def test_tree_logits_equal_root_path_sequences(target, shape, commit_node):
+    prompt = [1, 4, 9, 2, 7]
+    gen = torch.Generator().manual_seed(0)
+    levels = [torch.randint(0, VOCAB, (len(layer),), generator=gen).tolist() for layer in shape.layers]
+    tokens, parents, depths = shape.flatten(levels)
+    target.prefill(prompt)
+    logits_NV = target.verify(prompt[-1], DraftTree(tokens, parents, depths))
+    with torch.no_grad():
+        plain = target.model(torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(logits_NV[0], plain)
+        for j in range(len(tokens)):
+            seq = prompt + [tokens[k] for k in root_path(parents, j)]
+            plain = target.model(torch.tensor([seq])).logits[0, -1]
+            torch.testing.assert_close(logits_NV[1 + j], plain, rtol=1e-9, atol=1e-9)
+    # after committing a root path, the cache equals the plain prefix's cache
+    path = root_path(parents, commit_node)
+    target.commit(path)
+    nxt = target.verify(5, DraftTree([], [], []))  # the bonus token 5 is fed next round
+    seq = prompt + [tokens[k] for k in path] + [5]
+    torch.testing.assert_close(nxt[0], target.model(torch.tensor([seq])).logits[0, -1], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("make", [tiny_mamba, tiny_mamba2], ids=["mamba", "mamba2"])
+def test_ssm_rollback_equals_reencoding(target, make):
+    drafter = load_drafter(make(vocab=VOCAB, dtype=torch.float64), target)
+    seq = [3, 1, 4, 1, 5, 9, 2]
+    params, gen = SamplingParams(), torch.Generator().manual_seed(0)
+    for widths, pick in [((1, 1, 1), 3), ((1, 1, 1), 0), ((2, 2, 2), 2), ((3, 2), 1), ((2, 2, 2), 3), ((1, 1, 1, 1), 2)]:
+        tree = drafter.draft(seq, widths, params, gen)
+        leaf = [j for j, d in enumerate(tree.depths) if d == len(widths)][-1]  # the last branch, not row 0
+        path = root_path(tree.parents, leaf)[:pick]
+        drafter.accept(path)
+        seq = seq + [tree.tokens[j] for j in path] + [int(torch.randint(0, VOCAB, (), generator=gen))]
+        assert drafter.consumed == len(seq) - 1 - (pick == len(widths))  # the bonus (and a leaf) are fed lazily
+        assert_states_are_reencoded(drafter, seq)
+
+
+def test_ucb_choices_match_hand_computation():
+    arms = [(1, 1), (2, 1), (2, 2, 2)]
+    ucb = UCBTree(arms, ucb_lambda=0.5, lambda_gamma=0.2)
+    emitted = {0: [2, 1, 3], 1: [3, 3, 3], 2: [1, 4, 1]}  # scripted N_accept per pull of each arm
+    # Worked out by hand. Reward of a pull = -(1 + 0.2*gamma) / n: arms 0 and 1 (gamma 2) get -1.4/n,
+    # arm 2 (gamma 3) gets -1.6/n. Score = mean reward + 0.5 * sqrt(2 ln t / pulls).
+    # t=1..3: each arm once (untried first) -> 0, 1, 2; means -0.700, -0.467, -1.600.
+    # t=4: bonus 0.5*sqrt(2 ln 4) = 0.833 for all -> 0.133, 0.366, -0.767 -> arm 1 (n=3, -0.467).
+    # t=5: bonuses 0.897, 0.634, 0.897 -> 0.197, 0.168, -0.703 -> arm 0 (n=1, -1.400; mean -1.050).
+    # t=6: bonuses 0.669, 0.669, 0.947 -> -0.381, 0.203, -0.653 -> arm 1 (n=3; mean still -0.467).
+    # t=7: bonuses 0.697, 0.569, 0.986 -> -0.353, 0.103, -0.614 -> arm 1.
+    expected = [0, 1, 2, 1, 0, 1, 1]
+    got = []
+    for _ in range(7):
+        shape = ucb.next_plan().tree
+        got.append([TreeShape.from_widths(a) for a in arms].index(shape))
+        ucb.record(shape, emitted[got[-1]][ucb.counts[got[-1]] % 3])
+    assert got == expected
+    assert ucb.counts == [2, 4, 1]
+
+
+def test_bad_input_errors(target):
+    mamba = load_drafter(tiny_mamba(vocab=VOCAB), target)
+    with pytest.raises(DraftforgeError, match="positive integer"):
+        build_decoder("tree", target, mamba, tree=(2, 0, 1)).generate([1], max_new_tokens=3)
+    with pytest.raises(DraftforgeError, match="temperature"):
+        build_decoder("ar", target).generate([1], max_new_tokens=3, temperature=-0.5)
+    with pytest.raises(DraftforgeError, match="empty prompt"):
+        build_decoder("ar", target).generate([], max_new_tokens=3)
+    with pytest.raises(DraftforgeError, match="context"):
+        build_decoder("ar", target).generate([1] * 300, max_new_tokens=3)
+    with pytest.raises(DraftforgeError, match="batch size must be 1"):
+        build_decoder("ar", target).generate([[1, 2], [3, 4]], max_new_tokens=3)
+    with pytest.raises(DraftforgeError, match="Transformer drafter"):
+        build_decoder("hf_assisted", target, mamba)
+    with pytest.raises(DraftforgeError, match="unknown decoding method"):
+        build_decoder("beam", target, mamba)
+    with pytest.raises(CompatibilityError, match="target .* drafter"):
+        load_drafter(tiny_mamba(vocab=VOCAB + 4), target)
+    other = load_drafter(tiny_mamba(vocab=VOCAB + 4, dtype=torch.float64), target, allow_vocab_mismatch=True)
+    res = build_decoder("chain", target, other, chain_length=2).generate([1, 2], max_new_tokens=5)
+    assert res.tokens == build_decoder("ar", target).generate([1, 2], max_new_tokens=5).tokens

@@ -1,0 +1,1 @@
+"""Tests of the Triton kernels (draftforge.kernels) against their PyTorch references."""

@@ -1,0 +1,1 @@
+"""Tests of draftforge/models: builders, GGUF, hybrids, draft vocabularies, the Mamba2 step."""

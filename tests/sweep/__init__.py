@@ -1,0 +1,1 @@
+"""The bad-input and kill sweep through the real CLI (slow suite), and its script."""

@@ -1,0 +1,1 @@
+"""Tests of the package's top-level modules: the CLI, demo, testbed, recipes, loading, export, runtime."""

@@ -1,0 +1,92 @@
+"""Bad inputs the issue-14 sweep (tests/sweep/bad_input_sweep.py) found: each now exits 2 with one
+`error:` line naming the fix, without a traceback, and leaves the files as they were."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from draftforge.cli import main as cli_main
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.is_dir() or p.read_bytes()) for p in sorted(root.rglob("*"))}
+
+
+def refused(argv: list[str], root: Path, capsys) -> str:
+    """Run the CLI in-process: exit 2, one `error:` line, nothing under root changed; returns the line."""
+    before = _snapshot(root)
+    assert cli_main(argv) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert _snapshot(root) == before
+    return err[0]
+
+
+def test_train_without_a_recipe_is_a_one_line_error(tmp_path, capsys):
+    line = refused(["train"], tmp_path, capsys)
+    assert "needs a recipe file" in line and "--help-recipe" in line
+
+
+def test_target_prompts_refuses_n_zero_and_an_out_under_a_file(tmp_path, capsys):
+    line = refused(["target", "prompts", "--out", str(tmp_path / "p.jsonl"), "-n", "0"], tmp_path, capsys)
+    assert "-n" in line and "must be >= 1" in line  # it wrote every prompt before: rows[:n] if n else rows
+    (tmp_path / "a_file").write_text("x")
+    line = refused(["target", "prompts", "--out", str(tmp_path / "a_file" / "p.jsonl"), "-n", "3"], tmp_path, capsys)
+    assert "cannot write the prompts" in line and "--out" in line
+
+
+@pytest.mark.parametrize("wheel", ["missing.whl", "not_a_wheel.whl"])
+def test_smollm2_with_a_bad_wheel_leaves_no_cache_dir(tmp_path, capsys, wheel):
+    (tmp_path / "not_a_wheel.whl").write_text("not a zip\n")
+    line = refused(["target", "smollm2", "--wheel", str(tmp_path / wheel), "--cache", str(tmp_path / "c" / "d")],
+                   tmp_path, capsys)
+    assert wheel in line
+
+
+@pytest.mark.parametrize("flags", [["--num-prompts", "0"], ["--max-new-tokens", "0"], ["--threads", "0"],
+                                   ["--out", "{a_file}"], ["--testbed", "{a_file}/sub"]],
+                         ids=["num-prompts", "max-new-tokens", "threads", "out-file", "testbed-under-file"])
+def test_demo_refuses_bad_flags_before_any_work(tmp_path, capsys, flags):
+    """These failed after minutes of training (counts) or with a FileExistsError traceback (paths)."""
+    (tmp_path / "a_file").write_text("x")
+    flags = [f.format(a_file=tmp_path / "a_file") for f in flags]
+    argv = ["demo", "--out", str(tmp_path / "out"), "--testbed", str(tmp_path / "tb"), *flags]
+    line = refused(argv, tmp_path, capsys)
+    assert flags[0] in line and ("must be >= 1" in line or "is a file, not a directory" in line)
+
+
+@pytest.mark.parametrize("key", ["model.target", "model.tokenizer"])
+def test_a_missing_target_or_tokenizer_dir_is_named_with_its_key(tmp_path, capsys, key, tiny_corpus_dir,
+                                                                 tiny_tokenizer_dir):
+    """It said "recipe key 'model.tokenizer'" for a missing model.target, with the Hub's "Repo id must be ..."."""
+    import yaml
+
+    from tests.train.test_loop import tiny_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir)))
+    line = refused(["train", str(recipe), "--set", f"{key}={tmp_path / 'gone'}"], tmp_path, capsys)
+    assert f"recipe key '{key}'" in line and f"directory {tmp_path / 'gone'} does not exist" in line
+    assert "Repo id" not in line
+
+
+def test_resume_and_overwrite_together_are_refused(tmp_path, capsys):
+    """With a run in output_dir, `--resume --overwrite` resumed without a word."""
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["train", str(tmp_path / "r.yaml"), "--resume", "--overwrite"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument --overwrite: not allowed with argument --resume" in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_export_names_a_missing_checkpoint_dir(tmp_path, capsys):
+    """It said "checkpoint X is unusable: manifest.json is missing" about a directory that does not exist."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text("task: pretrain\n")
+    line = refused(["export", str(run), "--out", str(tmp_path / "x"), "--checkpoint", str(run / "nope")], tmp_path,
+                   capsys)
+    assert f"--checkpoint {run / 'nope'} is not a directory" in line and "manifest" not in line

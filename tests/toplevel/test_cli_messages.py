@@ -1,0 +1,124 @@
+"""What the CLI says to a user: per-command Ctrl-C messages, help text, and the notices it keeps quiet."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import datasets
+import pytest
+
+from draftforge import cli
+
+
+def _interrupt(args) -> int:
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("command,says", [
+    ("train", "interrupted: the last saved checkpoint is kept (one every train.save_every steps); rerun with "
+              "--resume"),
+    ("eval", "interrupted: no report was written for this run"),
+    ("generate", "interrupted: the rows already appended to --out are kept; rerun the same command to continue"),
+    ("harvest", "interrupted: the finished shards in --out are kept; rerun the same command with --resume"),
+    ("demo", "interrupted\n"),
+    ("export", "interrupted\n"),
+    ("target", "interrupted\n"),
+])
+def test_ctrl_c_says_what_this_command_left_and_exits_130(monkeypatch, capsys, command, says):
+    # Every command's run is replaced by one that is interrupted at once (no model is loaded).
+    monkeypatch.setattr(cli, "_load", lambda spec: (lambda parser: None, _interrupt))
+    assert cli.main([command]) == 130
+    err = capsys.readouterr().err
+    assert says in err, err
+    if command != "train":
+        assert "checkpoint" not in err, err  # training's words, which eval used to print
+
+
+def _help(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as done:
+        cli.main([*argv, "--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_harvest_theta_help_is_a_users_text_with_device_documented(capsys):
+    out = _help(capsys, "harvest", "theta")
+    assert "Legend" not in out and "`draftforge harvest theta`:" not in out  # the module docstring's
+    assert "continues with --resume" in out
+    assert "cpu, cuda or cuda:N (default cpu)" in " ".join(out.split())
+
+
+def test_harvest_trees_help_states_its_defaults(capsys):
+    out = " ".join(_help(capsys, "harvest", "trees").split())
+    for default in ("use only the first N prompts (default: all)", "(default auto)", "(default cpu)",
+                    "(default 128)", "(default 10)", "(default 1000)"):
+        assert default in out, default
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_deepspeed_cpu_notice_is_quiet_from_the_first_cli_call():
+    # DeepSpeed logs "Setting accelerator to CPU" while it is imported (here by save_pretrained, deep in a
+    # command), so the filter must be in place before any command runs.
+    script = ("from draftforge.cli import main\n"
+              "main([])\n"
+              "import deepspeed\n"
+              "from deepspeed.accelerator import get_accelerator\n"
+              "print('accelerator', get_accelerator().device_name())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "accelerator " in done.stdout
+    assert "Setting accelerator to CPU" not in done.stdout + done.stderr
+
+
+def test_reading_local_rows_shows_no_generating_split_bar(tmp_path, capsys):
+    from draftforge.data.sources import load_local
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"input_ids": [1, 2, 3, i], "prompt_len": 1}) + "\n" for i in range(5)))
+    was_disabled = datasets.utils.are_progress_bars_disabled()
+    assert len(load_local([rows], "tokens", "text")) == 5
+    assert "Generating train split" not in capsys.readouterr().err
+    assert datasets.utils.are_progress_bars_disabled() == was_disabled  # the bars the user wants come back
+
+
+def test_token_rows_are_not_called_tokenized():
+    from draftforge.data.pipeline import _tokenize_desc
+
+    assert _tokenize_desc("tokens", 1200, 256) == "cutting 1,200 token rows to 256 tokens"
+    assert _tokenize_desc("text", 3, 256) == "tokenizing 3 documents"
+    assert _tokenize_desc("chat", 3, 256) == "tokenizing 3 conversations"
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_real_eval_says_no_report_and_writes_none(tmp_path):
+    """A real `draftforge eval` process gets SIGINT once it is timing: exit 130, eval's own message, no report."""
+    import os
+    import signal
+    import time
+
+    from benchmarks.decoding import spec_decode as bench
+
+    paths = bench.save_random_models(tmp_path / "models")
+    prompts = bench.write_random_prompts(tmp_path / "p.jsonl", 200)
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "draftforge", "eval", "--target", paths["target"], "--bench",
+                             prompts, "--methods", "ar", "--max-new-tokens", "64", "--repeats", "3", "--out",
+                             str(out), "--cost-repeats", "1", "--no-plots"], stderr=subprocess.PIPE, text=True,
+                            env=env)
+    err = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # wait until it times: models loaded, prompts read, pass under way
+        line = proc.stderr.readline()
+        err.append(line)
+        if "method order" in line or not line:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=120)[1]
+    text = "".join(err) + rest
+    assert proc.returncode == 130, text[-2000:]
+    assert "interrupted: no report was written for this run" in text
+    assert not (out / "report.json").exists() and not (out / "report.md").exists()

@@ -1,0 +1,192 @@
+"""`draftforge harvest trees` and task `c2t`: labels equal an actual decode, resumable shards, bad input, training.
+
+The harvest labels come from the target's greedy continuation (docs/methods/c2t.md §6); the check decodes the same
+prompt with the engine, verifying the same full EAGLE-2 trees in tree-attention forwards, and
+compares the accepted path of every round with the harvest's label-1 nodes of the same tree.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+from draftforge.cli import main as cli_main
+from draftforge.data import harvest as hv
+from draftforge.decode import SpeculativeDecoder, load_drafter, load_target
+from draftforge.decode.eagle2 import Eagle2Builder
+from draftforge.errors import CompatibilityError, DataError
+from draftforge.models.c2t import C2TClassifier, load_head
+from tests.fixtures.decode import noisy_copy, tiny_llama, tiny_mamba
+from tests.fixtures.plans import PlanController
+
+VOCAB = 12
+SETTINGS = hv.HarvestSettings(top_k=3, depth=3, top_m=1000, max_new_tokens=15)
+
+
+Recorder = PlanController
+
+
+@pytest.mark.parametrize("kind", ["mamba", "transformer"])
+def test_harvest_labels_equal_the_accepted_paths_of_a_real_decode(kind):
+    target = load_target(tiny_llama(vocab=VOCAB, dtype=torch.float64))
+    model = tiny_mamba(vocab=VOCAB, dtype=torch.float64) if kind == "mamba" else noisy_copy(target.model, 0.05)
+    drafter = load_drafter(model, target)
+    prompt = [(5 * i + 2) % VOCAB for i in range(9)]
+    rows = hv.harvest_prompt(target, drafter, prompt, "p0", SETTINGS, ("t", "d"), eos=[])
+    ctrl = Recorder(Eagle2Builder(3, 3, rerank=False).plan())
+    SpeculativeDecoder("x", target, drafter, ctrl).generate(prompt, max_new_tokens=SETTINGS.max_new_tokens,
+                                                            eos_token_id=[])
+    trees = [r for r in ctrl.rounds if r.plan is not None]
+    ids = list(dict.fromkeys(rows["tree_id"]))
+    assert len(ids) == len(trees) > 1
+    accepted = 0
+    for tree_id, rnd in zip(ids, trees):
+        mine = [i for i, t in enumerate(rows["tree_id"]) if t == tree_id]
+        assert len(mine) == len(rnd.tree)
+        assert [rows["node"][i] for i in mine if rows["label"][i]] == rnd.path
+        assert [rows["d"][i] for i in mine] == [d - 1 for d in rnd.tree.depths]
+        accepted += len(rnd.path)
+    assert accepted > 0  # some trees had accepted nodes
+    first = [i for i, t in enumerate(rows["tree_id"]) if t == ids[0]]
+    assert len(first) == 3 + 3 * 9  # a full pool: k + depth·k² nodes
+    assert all(0 < rows["P"][i] <= 1 and 0 < rows["H"][i] <= torch.log(torch.tensor(VOCAB)) + 1e-6 for i in first)
+
+
+def save_models(tmp_path) -> tuple[Path, Path]:
+    target = tiny_llama(vocab=VOCAB)
+    t_dir, d_dir = tmp_path / "target", tmp_path / "drafter"
+    target.save_pretrained(t_dir)
+    noisy_copy(target, 0.05).save_pretrained(d_dir)
+    return t_dir, d_dir
+
+
+def harvest_cli(t_dir, d_dir, bench, out, *extra):
+    return cli_main(["harvest", "trees", "--target", str(t_dir), "--drafter", str(d_dir), "--bench", str(bench),
+                     "--out", str(out), "--top-k", "3", "--depth", "3", "--max-new-tokens", "24", "--ignore-eos",
+                     *extra])
+
+
+@pytest.fixture(scope="module")
+def harvested(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("harvest")
+    t_dir, d_dir = save_models(tmp)
+    bench = tmp / "prompts.jsonl"
+    bench.write_text("".join(json.dumps({"input_ids": [(3 * i + j) % VOCAB for j in range(5 + i % 4)]}) + "\n"
+                             for i in range(12)))
+    assert harvest_cli(t_dir, d_dir, bench, tmp / "h") == 0
+    return t_dir, d_dir, bench, tmp / "h"
+
+
+def test_harvest_cli_writes_shards_and_resumes(harvested, capsys):
+    t_dir, d_dir, bench, out = harvested
+    shards = sorted(out.glob("*.parquet"))
+    assert len(shards) == 12 and (out / "harvest.json").is_file()
+    data = hv.load_harvest([out])
+    assert set(hv.COLUMNS) <= set(data.column_names) and sum(data["label"]) > 0
+    before = shards[5].read_bytes()
+    shards[5].unlink()
+    assert harvest_cli(t_dir, d_dir, bench, out) == 2  # an existing harvest needs --resume
+    assert "--resume" in capsys.readouterr().err
+    assert harvest_cli(t_dir, d_dir, bench, out, "--resume") == 0
+    assert shards[5].read_bytes() == before  # the missing shard is made again, identically
+
+
+def test_harvest_bad_input(harvested, tmp_path, capsys):
+    _, d_dir, bench, out = harvested
+    other = tiny_llama(vocab=VOCAB, seed=5)
+    other.save_pretrained(tmp_path / "other")
+    assert harvest_cli(tmp_path / "other", d_dir, bench, out, "--resume") == 2
+    assert "another target" in capsys.readouterr().err
+    shard = min(out.glob("*.parquet"))
+    datasets.Dataset.from_parquet(str(shard)).remove_columns(["H"]).to_parquet(str(tmp_path / "noH.parquet"))
+    with pytest.raises(DataError, match=r"lacks column\(s\) \['H'\]"):
+        hv.load_harvest([tmp_path / "noH.parquet"])
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    data = datasets.Dataset.from_parquet(str(shard))
+    data.to_parquet(str(mixed / "a.parquet"))
+    data.map(lambda r: {"target": "0" * 16}).to_parquet(str(mixed / "b.parquet"))
+    with pytest.raises(CompatibilityError, match="several targets"):
+        hv.load_harvest([mixed])
+    with pytest.raises(CompatibilityError, match="not from this recipe's target"):
+        hv.load_harvest([out], target_fingerprint="f" * 16)
+    with pytest.raises(DataError, match="no parquet shards"):
+        hv.load_harvest([tmp_path / "nothing"])
+
+
+def c2t_recipe(tmp_path, t_dir, out, **task) -> dict:
+    return {"task": "c2t", "output_dir": str(tmp_path / "run"), "model": {"target": str(t_dir)},
+            "data": {"sources": [str(out)]}, "c2t": {"eval_fraction": 0.25, "negative_ratio": 3, **task},
+            "optim": {"lr": 1e-2, "warmup_steps": 0, "weight_decay": 0.0, "schedule": "constant"},
+            "train": {"max_steps": 60, "global_batch_size": 64, "micro_batch_size": 64, "block_size": 1,
+                      "eval_every": 30, "save_every": 60, "log_every": 10, "trackers": []}}
+
+
+def test_c2t_task_trains_and_exports_a_head(harvested, tmp_path):
+    from draftforge.recipe import recipe_from_dict
+    from draftforge.train import run
+    from draftforge.train.loop import read_metrics
+
+    t_dir, _, _, out = harvested
+    result = run(recipe_from_dict(c2t_recipe(tmp_path, t_dir, out)))
+    assert sum(result.losses[-5:]) / 5 < result.losses[0]
+    logged = read_metrics(result.run_dir)
+    assert all({"pred_positive", "accepted", "hits"} <= set(r) for r in logged)
+    head, meta = load_head(result.export_dir)
+    assert meta["features"] == ["P", "H", "d"] and meta["task"] == "c2t"
+    report = meta["heldout"]
+    assert report["accepted"] > 0 and 0 <= report["beta=0.5"]["recall"] <= 1
+    assert report["beta=0.2"]["positive_rate"] >= report["beta=0.9"]["positive_rate"]
+    assert meta["harvest"]["train_rows"] < meta["harvest"]["rows"]  # negatives were sampled
+    again = tmp_path / "again"  # `draftforge export` of the run goes through the task's hook too
+    assert cli_main(["export", str(result.run_dir), "--out", str(again)]) == 0
+    assert (again / "c2t.safetensors").read_bytes() == (result.export_dir / "c2t.safetensors").read_bytes()
+    assert cli_main(["export", str(result.run_dir), "--out", str(again)]) == 2  # a head is kept without --overwrite
+    assert cli_main(["export", str(result.run_dir), "--out", str(again), "--overwrite"]) == 0
+    torch.manual_seed(0)  # the builder's initialisation (train.seed 0)
+    initial = C2TClassifier(("P", "H", "d"), 48)
+    for (name, before), after in zip(initial.state_dict().items(), head.state_dict().values()):
+        assert not torch.equal(before, after), f"{name} did not train"
+
+
+def test_c2t_task_feature_sets_and_bad_target(harvested, tmp_path):
+    from draftforge.errors import RecipeError
+    from draftforge.recipe import recipe_from_dict
+    from draftforge.train import run
+
+    t_dir, _, _, out = harvested
+    values = c2t_recipe(tmp_path, t_dir, out, features="Hd")
+    values["train"]["max_steps"] = 4
+    result = run(recipe_from_dict(values))
+    assert load_head(result.export_dir)[1]["features"] == ["H", "d"]
+    with pytest.raises(RecipeError, match="c2t.features"):
+        recipe_from_dict(c2t_recipe(tmp_path, t_dir, out, features="PHdx"))
+    other = tiny_llama(vocab=VOCAB, seed=5)
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(CompatibilityError, match="not from this recipe's target"):
+        run(recipe_from_dict(c2t_recipe(tmp_path / "again", tmp_path / "other", out)))
+
+
+@pytest.mark.slow
+def test_tree_budget_benchmark_end_to_end(harvested, tmp_path):
+    """benchmarks/decoding/tree_budget.py: one run sweeps N and β, checks every output against AR, writes JSON + PNG."""
+    from benchmarks.decoding import tree_budget as mod
+    from tests.decode.test_c2t import hand_set_head
+
+    t_dir, d_dir, bench, _ = harvested
+    head = hand_set_head(tmp_path / "head")
+    out = tmp_path / "bench"
+    assert mod.main(["--target", str(t_dir), "--drafter", str(d_dir), "--bench", str(bench), "--c2t", str(head),
+                     "--c2t-head", f"again={head}", "--ns", "4,12", "--betas", "0.4,0.6", "--eagle-top-k", "3",
+                     "--eagle-depth", "3", "--c2t-top-k", "3", "--c2t-depth", "4", "--num-prompts", "2",
+                     "--max-new-tokens", "12", "--repeats", "2", "--out", str(out),
+                     "--dtype", "float32"]) == 0  # fp32: its lossless check is bitwise
+    result = json.loads((out / "tree_budget.json").read_text())
+    names = [p["name"] for p in result["points"]]
+    assert names == ["ar", "eagle2 N=4", "eagle2 N=12", "c2t β=0.4", "c2t β=0.6", "again β=0.5"]
+    assert all(p["lossless"] and len(p["secs_per_repeat"]) == 2 for p in result["points"])
+    assert (out / "tree_budget.png").stat().st_size > 0

@@ -1,0 +1,156 @@
+"""Task `distill`: a tiny Mamba2 drafter learns a frozen hybrid target's distributions (KL falls), the
+teacher stays bitwise unchanged and out of the optimizer, and the export loads as a normal drafter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draftforge.errors import RecipeError
+from draftforge.recipe import recipe_from_dict
+from draftforge.train import checkpoint as ckpt
+from draftforge.train import distill, run
+from draftforge.train.loop import read_metrics
+from tests.fixtures.hybrid import tiny_bamba
+
+
+def distill_recipe(tmp_path, corpus, tokenizer, teacher_dir, **options) -> dict:
+    return {
+        "task": "distill", "output_dir": str(tmp_path / "run"),
+        "model": {"arch": "mamba2", "size": "tiny", "tokenizer": str(tokenizer), "target": str(teacher_dir),
+                  "overrides": {"hidden_size": 32, "num_hidden_layers": 2, "head_dim": 16, "state_size": 8}},
+        "data": {"sources": [str(corpus)], "eval_fraction": 0.2},
+        "distill": {"temperature": 2.0, "ce_weight": 0.1, **options},
+        "optim": {"lr": 1e-2, "warmup_steps": 2},
+        "train": {"max_steps": 30, "global_batch_size": 4, "micro_batch_size": 2, "block_size": 32,
+                  "eval_every": 0, "save_every": 30, "log_every": 1, "trackers": []},
+    }
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory, tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+    d = tmp_path_factory.mktemp("teacher")
+    tiny_bamba(vocab=vocab, seed=7).save_pretrained(d)
+    return d
+
+
+def test_distill_lowers_kl_keeps_teacher_bitwise_and_exports_a_drafter(tmp_path, tiny_corpus_dir,
+                                                                        tiny_tokenizer_dir, teacher_dir, monkeypatch):
+    seen = {}
+    real_load = distill.load_teacher
+
+    def spy(recipe):
+        teacher = real_load(recipe)
+        seen["teacher"], seen["before"] = teacher, {k: v.clone() for k, v in teacher.state_dict().items()}
+        return teacher
+
+    monkeypatch.setattr(distill, "load_teacher", spy)
+    result = run(recipe_from_dict(distill_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir)))
+    logged = read_metrics(result.run_dir)
+    kl = [r["kl"] for r in logged if "kl" in r]
+    assert sum(kl[-5:]) / 5 < 0.7 * sum(kl[:3]) / 3, kl  # the student moved towards the teacher
+    after = seen["teacher"].state_dict()
+    assert all(torch.equal(after[k], v) for k, v in seen["before"].items())  # frozen: bitwise unchanged
+    opt_state = torch.load(ckpt.list_checkpoints(result.run_dir)[0] / "optimizer.bin", weights_only=True)
+    from draftforge.decode import load_drafter, load_target
+
+    student_params = sum(1 for _ in load_drafter(str(result.export_dir), load_target(str(teacher_dir))).model.parameters())
+    assert len(opt_state["state"]) == student_params  # no optimizer state for the teacher
+    meta = json.loads((result.export_dir / "draftforge.json").read_text())
+    assert meta["task"] == "distill" and meta["distilled_from"] == str(teacher_dir)
+
+
+def test_kl_loss_is_zero_for_equal_logits_and_positive_otherwise():
+    t = torch.randn(2, 5, 11)
+    keep = torch.ones(2, 5, dtype=torch.bool)
+    assert distill.kl_loss(t, t, keep, 2.0).abs() < 1e-5
+    assert distill.kl_loss(torch.randn(2, 5, 11), t, keep, 1.0) > 0
+
+
+def test_distill_needs_a_target(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir):
+    values = distill_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir)
+    values["model"].pop("target")
+    with pytest.raises(RecipeError, match="model.target"):
+        recipe_from_dict(values)
+    values = distill_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir, temperature=0)
+    with pytest.raises(RecipeError, match="distill.temperature"):
+        recipe_from_dict(values)
+
+
+@pytest.mark.slow  # two accelerate launches on CPU
+def test_distill_on_two_processes_matches_one(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir):
+    """The teacher is frozen and never prepared, so N processes reproduce one process's KL curve."""
+    import subprocess
+
+    import yaml
+
+    from tests.train.test_distributed import _command, _env
+
+    values = distill_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir)
+    # fp32: under bf16 autocast (precision auto on CPUs with native bf16) half a batch rounds differently
+    values["train"].update(max_steps=6, save_every=6, log_every=1, precision="fp32")
+    recipe = tmp_path / "distill.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    curves = {}
+    for config in (None, "multi_cpu.yaml"):
+        out = tmp_path / f"run-{config}"
+        proc = subprocess.run(_command(config, recipe, out), cwd=str(recipe.parent), env=_env(), capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert ("2 process(es)" if config else "1 process(es)") in proc.stdout
+        curves[config] = [r["kl"] for r in read_metrics(out) if "kl" in r]
+    assert len(curves[None]) == 6
+    assert curves["multi_cpu.yaml"] == pytest.approx(curves[None], rel=1e-4)
+
+
+def test_reduced_head_kl_is_against_the_teachers_restricted_renormalised_distribution():
+    """Hand computation: p = softmax(teacher)[d2t] / its sum, KL(p ‖ softmax(student)); top-1 agreement maps the
+    student's argmax back to a target id and compares it with the teacher's argmax over the whole vocabulary."""
+    torch.manual_seed(0)
+    d2t = torch.tensor([1, 4, 5, 9])
+    teacher_logits = torch.randn(1, 3, 12)
+    teacher_logits[0, 0, 7] = 9.0  # position 0: the teacher's favourite is outside the draft vocabulary
+    teacher_logits[0, 1, 4] = 9.0  # position 1: inside (draft id 1)
+    student = torch.randn(1, 3, 4)
+    student[0, 0, 2] = student[0, 1, 1] = 9.0
+
+    class Fixed(torch.nn.Module):
+        def __init__(self, logits):
+            super().__init__()
+            self.out = logits
+
+        def forward(self, input_ids):
+            return type("Out", (), {"logits": self.out})()
+
+    batch = {"input_ids": torch.zeros(1, 3, dtype=torch.long), "labels": torch.tensor([[0, 2, 3]])}
+    loss = distill.make_loss(Fixed(teacher_logits), distill.DistillConfig(), d2t)
+    total, count, metrics = loss(Fixed(student), batch)
+    expected = 0.0
+    for pos in range(2):  # the last position has no next token
+        p = teacher_logits[0, pos].softmax(-1)[d2t]
+        p = p / p.sum()
+        q = student[0, pos].softmax(-1)
+        expected += float((p * (p / q).log()).sum())
+    assert count == 2
+    assert float(total) == pytest.approx(expected, rel=1e-5)
+    assert int(metrics["top1_agree"]) == 1  # position 1 only: draft id 1 is target id 4
+
+
+def test_distill_trains_a_reduced_head_student(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir):
+    """A student with a draft vocabulary (model.draft_vocab) learns the teacher's restricted distribution, and its
+    export loads as a reduced-vocabulary drafter of that target."""
+    from draftforge.decode import load_drafter, load_target
+
+    values = distill_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir)
+    values["model"]["draft_vocab"] = 64
+    result = run(recipe_from_dict(values))
+    kl = [r["kl"] for r in read_metrics(result.run_dir) if "kl" in r]
+    assert sum(kl[-5:]) / 5 < 0.7 * sum(kl[:3]) / 3, kl
+    drafter = load_drafter(str(result.export_dir), load_target(str(teacher_dir)))
+    assert drafter.model.get_output_embeddings().weight.shape[0] == 64
+    assert len(drafter.model.config.draft_vocab) == 64

@@ -1,0 +1,579 @@
+"""Scale-out: rank sharding (map-style + streaming), DeepSpeed/FSDP config handling, bad input, and
+(slow) multi-process runs compared against the 1-process run of the same recipe."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import datasets
+import pytest
+import torch
+import yaml
+
+from draftforge.errors import CheckpointError, DataError, DraftforgeError
+from draftforge.recipe import recipe_from_dict
+from draftforge.train import checkpoint as ckpt
+from draftforge.train import distributed as dist
+from draftforge.train import run
+from draftforge.train.batches import BatchPlan, DataExhausted
+from tests import REPO
+from tests.train.test_loop import tiny_recipe
+
+T = 4  # block size of the synthetic rows below
+
+
+def _rows(n: int) -> list[dict]:
+    """Row i holds the token i everywhere, so a batch names the rows it came from."""
+    return [{"input_ids": [i] * T, "labels": [i] * T} for i in range(n)]
+
+
+def _map_data(n: int):
+    return datasets.Dataset.from_list(_rows(n))
+
+
+def _stream_data(n: int):
+    def gen(n):
+        yield from _rows(n)
+    return datasets.IterableDataset.from_generator(gen, gen_kwargs={"n": n})
+
+
+def _seen(plan: BatchPlan, step: int) -> list[int]:
+    return [int(x) for mb in plan.micro_batches(step, "cpu") for x in mb["input_ids"][:, 0]]
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["map", "stream"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_split_each_global_batch_without_overlap_or_gap(streaming, world):
+    make = _stream_data if streaming else _map_data
+    n, G, B, steps = 40, 8, 2, 4 if streaming else 9  # map-style: 9 steps x 8 rows crosses an epoch edge
+    one = BatchPlan(make(n), G, B, rank=0, world=1, seed=3)
+    ranks = [BatchPlan(make(n), G, B, rank=r, world=world, seed=3) for r in range(world)]
+    for step in range(steps):
+        expected = _seen(one, step)
+        assert len(set(expected)) == G
+        got = [x for p in ranks for x in _seen(p, step)]
+        assert sorted(got) == sorted(expected), f"step {step}: union over ranks differs from 1 process"
+        for p in ranks:  # what a rank reads is what its plan says it reads
+            positions = [q for mb in p.rows_for_step(step) for q in mb]
+            if streaming:
+                assert _seen(p, step) == positions  # stream order: global position = row id
+            else:
+                assert _seen(p, step) == [one._global_index(q) for q in positions]
+    if streaming:  # no row is read twice, none skipped: the first steps*G rows of the stream, once each
+        every = [x for p in ranks for s in range(steps) for x in _seen(p, s)]
+        assert sorted(every) == list(range(steps * G))
+
+
+def test_streaming_plan_resumes_mid_stream_and_signals_the_end():
+    fresh = BatchPlan(_stream_data(30), 8, 2, rank=1, world=2, seed=0)
+    cont = BatchPlan(_stream_data(30), 8, 2, rank=1, world=2, seed=0)
+    for step in range(3):
+        rows = _seen(cont, step)
+    assert _seen(fresh, 2) == rows == [17, 19, 21, 23]  # a resumed plan skips to its step directly
+    assert _seen(fresh, 1) == [9, 11, 13, 15]  # and may go back
+    with pytest.raises(DataExhausted) as e:  # 30 rows: step 3 would need rows 24..31
+        _seen(cont, 3)
+    assert e.value.step == 3
+
+
+def test_indivisible_process_count_names_nearest_valid_sizes(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir,
+                                                             monkeypatch):
+    from accelerate import Accelerator
+
+    from draftforge.train.loop import make_accelerator
+
+    monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 3))
+    recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, global_batch_size=8))
+    with pytest.raises(DraftforgeError, match=r"2 x 3; nearest valid: 6 or 12"):
+        make_accelerator(recipe)
+
+
+def test_deepspeed_launch_without_deepspeed_names_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    dist.require_backend_installed({"ACCELERATE_USE_DEEPSPEED": "false"})  # not a DeepSpeed launch: fine
+    with pytest.raises(DraftforgeError, match=r"pip install 'draftforge\[deepspeed\]'"):
+        dist.require_backend_installed({"ACCELERATE_USE_DEEPSPEED": "true"})
+
+
+def _fake_acc(world=2, A=2, ds=None, fsdp=None):
+    return SimpleNamespace(num_processes=world, gradient_accumulation_steps=A,
+                           state=SimpleNamespace(deepspeed_plugin=ds, fsdp_plugin=fsdp))
+
+
+def test_deepspeed_batch_fields_come_from_the_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, global_batch_size=8))
+    config = json.loads((REPO / "launch" / "ds_zero2.json").read_text())
+    plugin = SimpleNamespace(deepspeed_config=config, zero_stage=2)
+    dist.configure_deepspeed(_fake_acc(world=2, A=2, ds=plugin), recipe)
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"], config["gradient_clipping"]) == (2, 2, 8, 1.0)
+    config["train_batch_size"] = 16  # an explicit value that disagrees with the recipe
+    with pytest.raises(DraftforgeError, match="train_batch_size=16 but the recipe implies 8"):
+        dist.configure_deepspeed(_fake_acc(world=2, A=2, ds=plugin), recipe)
+
+
+def test_launch_configs_parse_and_name_installed_block_classes():
+    from transformers.models.llama import modeling_llama
+    from transformers.models.mamba import modeling_mamba
+    from transformers.models.mamba2 import modeling_mamba2
+
+    fsdp = yaml.safe_load((REPO / "launch" / "fsdp.yaml").read_text())["fsdp_config"]
+    names = fsdp["fsdp_transformer_layer_cls_to_wrap"].split(",")
+    assert tuple(names) == dist.FSDP_BLOCK_CLASSES
+    for module, name in zip((modeling_mamba, modeling_mamba2, modeling_llama), names):
+        assert hasattr(module, name), f"transformers has no {name}"
+    for z in (2, 3):
+        launch = yaml.safe_load((REPO / "launch" / f"deepspeed_zero{z}.yaml").read_text())
+        ds = json.loads((REPO / launch["deepspeed_config"]["deepspeed_config_file"]).read_text())
+        assert ds["zero_optimization"]["stage"] == z and ds["train_batch_size"] == "auto"
+    assert yaml.safe_load((REPO / "launch" / "multi_cpu.yaml").read_text())["num_processes"] == 2
+
+
+def test_fsdp_wrap_policy_keeps_the_model_block_class(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    from draftforge.train.lm import build_model, load_tokenizer
+
+    recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir))
+    model = build_model(recipe, load_tokenizer(recipe))
+    plugin = SimpleNamespace(transformer_cls_names_to_wrap=list(dist.FSDP_BLOCK_CLASSES))
+    dist.fit_fsdp_wrap_policy(_fake_acc(fsdp=plugin), model)
+    assert plugin.transformer_cls_names_to_wrap == ["Mamba2Block"]
+    plugin.transformer_cls_names_to_wrap = ["GPT2Block"]
+    with pytest.raises(DraftforgeError, match="has none of them"):
+        dist.fit_fsdp_wrap_policy(_fake_acc(fsdp=plugin), model)
+
+
+def test_resume_on_another_world_size_only_where_resharding_works():
+    ddp2 = {"world_size": 2, "backend": "ddp"}
+    dist.check_resume(ddp2, _fake_acc(world=1), "ck")  # DDP: the data position is global, weights are full
+    dist.check_resume({"world_size": 4, "backend": "fsdp"}, _fake_acc(world=2, fsdp=object()), "ck")
+    zero = SimpleNamespace(zero_stage=2, deepspeed_config={})
+    dist.check_resume({"world_size": 2, "backend": "deepspeed-zero2"}, _fake_acc(world=2, ds=zero), "ck")
+    with pytest.raises(CheckpointError, match="written by 2 processes under deepspeed-zero2.*Relaunch with 2"):
+        dist.check_resume({"world_size": 2, "backend": "deepspeed-zero2"}, _fake_acc(world=4, ds=zero), "ck")
+    with pytest.raises(CheckpointError, match="written under ddp; this launch is deepspeed-zero2"):
+        dist.check_resume(ddp2, _fake_acc(world=2, ds=zero), "ck")
+
+
+def test_gathered_state_rebuilds_the_same_model(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    from draftforge.train.lm import build_model, load_tokenizer
+
+    recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir))
+    model = build_model(recipe, load_tokenizer(recipe)).eval()
+    copy = dist.model_from_state(model, {k: v.clone() for k, v in model.state_dict().items()})
+    ids = torch.randint(0, 100, (2, 16))
+    torch.testing.assert_close(copy(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.slow  # trains ~40 steps until the stream runs dry
+def test_streaming_run_that_runs_out_of_data_finishes_cleanly(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir,
+                                                              capsys):
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=10_000, save_every=0,
+                         eval_every=0, export=True)
+    values["data"].update(streaming=True, max_documents=1, eval_fraction=0.0)
+    result = run(recipe_from_dict(values))
+    out = capsys.readouterr().out
+    assert 0 < result.step < 10_000 and "streaming data is exhausted" in out
+    state = ckpt.read_loop_state(ckpt.latest_valid(result.run_dir))
+    assert state["step"] == result.step and state["backend"] == "single"
+    assert (result.export_dir / "model.safetensors").is_file()
+    values["data"]["max_documents"] = None
+    values["train"]["global_batch_size"] = 4096  # more blocks than one step of the whole corpus
+    values["train"]["micro_batch_size"] = 4096
+    with pytest.raises(DataError, match="fewer than one global batch"):
+        run(recipe_from_dict(values), overwrite=True)
+
+
+# ---------------------------------------------------------------- multi-process runs (slow)
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DS_BUILD_OPS": "0",
+           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _command(config: str | None, recipe: Path, out: Path, *extra: str, procs: int = 2) -> list[str]:
+    args = ["-m", "draftforge", "train", str(recipe), "--set", f"output_dir={out}", *extra]
+    if config is None:
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "launch" / config),
+            "--num_processes", str(procs), "--main_process_port", str(_free_port()), *args]
+
+
+# A gloo worker aborting at interpreter exit ("terminate called without an active exception", SIGABRT) after
+# the run has finished and exported: seen only under FSDP2 on a heavily loaded 2-core machine, never in the
+# training itself. One retry on exactly that signature; any other failure fails the test at once.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _finished_then_aborted(proc, out: Path) -> bool:
+    text = proc.stdout + proc.stderr
+    return proc.returncode != 0 and TEARDOWN_ABORT in text and "[draftforge] done:" in text and (
+        out / "export").is_dir()
+
+
+def _train(config, recipe, out, *extra) -> Path:
+    proc = subprocess.run(_command(config, recipe, out, *extra), cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=600)
+    if _finished_then_aborted(proc, out) and "--resume" not in extra:
+        warnings.warn(f"{config}: the launch aborted at process exit after a finished run; retried once")
+        proc = subprocess.run(_command(config, recipe, out, "--overwrite", *extra), cwd=REPO, env=_env(),
+                              capture_output=True, text=True, timeout=600)
+    errors = "\n".join(ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:"))
+    assert proc.returncode == 0, errors + "\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ("2 process(es)" if config else "1 process(es)") in proc.stdout
+    return out
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def _weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _assert_same_weights(a: Path, b: Path, atol: float) -> None:
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+def _fp32_recipe(root: Path, corpus, tokenizer, steps: int) -> Path:
+    """root/recipe.yaml: the tiny recipe for `steps` steps in fp32, a checkpoint every 2 steps (all kept), export.
+
+    fp32: under bf16 autocast (train.precision auto on CPUs with native bf16) half a batch per process rounds
+    differently from the whole batch, by up to ~2e-4 relative, and the 1e-5 bound would measure that."""
+    values = tiny_recipe(root, corpus, tokenizer, max_steps=steps, save_every=2, eval_every=0, export=True,
+                         keep_checkpoints=steps, precision="fp32")
+    recipe = root / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    return recipe
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny_corpus_dir, tiny_tokenizer_dir):
+    """A 20-step tiny recipe on disk and its 1-process run (the reference every launch is held to)."""
+    root = tmp_path_factory.mktemp("dist")
+    recipe = _fp32_recipe(root, tiny_corpus_dir, tiny_tokenizer_dir, steps=20)
+    return SimpleNamespace(root=root, recipe=recipe, one=_train(None, recipe, root / "one"))
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_match_one_process(tiny_run):
+    two = _train("multi_cpu.yaml", tiny_run.recipe, tiny_run.root / "ddp")
+    assert _losses(two) == pytest.approx(_losses(tiny_run.one), rel=1e-5)
+    _assert_same_weights(tiny_run.one / "export" / "model.safetensors", two / "export" / "model.safetensors", 1e-5)
+    assert ckpt.read_loop_state(ckpt.latest_valid(two))["backend"] == "ddp"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_two_processes_match_one_process(tiny_run, stage):
+    pytest.importorskip("deepspeed")
+    run_dir = _train(f"deepspeed_zero{stage}.yaml", tiny_run.recipe, tiny_run.root / f"zero{stage}")
+    assert _losses(run_dir) == pytest.approx(_losses(tiny_run.one), rel=1e-5)
+    # ZeRO-3 holds no full copy anywhere: this export is the gathered, consolidated state.
+    _assert_same_weights(tiny_run.one / "export" / "model.safetensors",
+                         run_dir / "export" / "model.safetensors", 1e-4)
+    state = ckpt.read_loop_state(ckpt.latest_valid(run_dir))
+    assert state["backend"] == f"deepspeed-zero{stage}" and state["world_size"] == 2
+
+
+def _kill_after_checkpoint(config: str, recipe: Path, out: Path, step: int, max_steps: int) -> None:
+    """Launch, SIGKILL the launcher and all its workers once checkpoint `step` exists, check it was mid-run."""
+    proc = subprocess.Popen(_command(config, recipe, out), cwd=REPO, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (out / "checkpoints" / f"step-{step:08d}").exists():
+            assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers, mid-run
+        proc.wait()
+    steps = [int(p.name[5:]) for p in ckpt.list_checkpoints(out)]
+    assert max(steps) < max_steps and not (out / "export").exists(), "the kill came after the run had finished"
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_resume_matches_uninterrupted_two_process_run(tiny_run):
+    full = tiny_run.root / "ddp"  # shared with the equivalence test when it ran first
+    if not (full / "export").exists():
+        _train("multi_cpu.yaml", tiny_run.recipe, full)
+    killed = tiny_run.root / "ddp-killed"
+    _kill_after_checkpoint("multi_cpu.yaml", tiny_run.recipe, killed, 4, 20)
+    _train("multi_cpu.yaml", tiny_run.recipe, killed, "--resume")
+    assert _losses(killed) == _losses(full)
+    _assert_same_weights(full / "export" / "model.safetensors", killed / "export" / "model.safetensors", 0)
+
+
+@pytest.mark.slow
+def test_deepspeed_checkpoint_refuses_another_world_size(tiny_run):
+    pytest.importorskip("deepspeed")
+    run_dir = tiny_run.root / "zero2"
+    if not run_dir.exists():
+        _train("deepspeed_zero2.yaml", tiny_run.recipe, run_dir)
+    proc = subprocess.run(_command("deepspeed_zero2.yaml", tiny_run.recipe, run_dir, "--resume", procs=1),
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "written by 2 processes under deepspeed-zero2" in proc.stdout + proc.stderr
+
+
+def test_cpu_processes_get_gloo_and_fsdp1_without_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    several = {"WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    assert dist.accelerator_kwargs({"WORLD_SIZE": "1"}) == {}
+    assert dist.accelerator_kwargs(several) == {"cpu": True}
+    (handler,) = dist.accelerator_kwargs({**several, "ACCELERATE_USE_DEEPSPEED": "true"})["kwargs_handlers"]
+    assert handler.backend == "gloo"
+    fsdp = {**several, "ACCELERATE_USE_FSDP": "true"}
+    assert dist.accelerator_kwargs({**fsdp, "FSDP_VERSION": "2"}) == {"cpu": True}  # adopt_cpu_fsdp finishes it
+    for version in ({"FSDP_VERSION": "1"}, {}):  # Accelerate's default is FSDP1
+        with pytest.raises(DraftforgeError, match=r"FSDP1 .*needs CUDA GPUs.*set fsdp_version: 2"):
+            dist.accelerator_kwargs({**fsdp, **version})
+    assert yaml.safe_load((REPO / "launch" / "fsdp.yaml").read_text())["fsdp_config"]["fsdp_version"] == 2
+
+
+def test_gathered_state_rebuilds_a_model_that_has_no_config_constructor():
+    """eesd's ExitHead is built from a target's layers, not from a config: the export rebuilds it with the
+    task's builder and loads the gathered weights (oracle: the trained head's own outputs)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftforge.models.early_exit import ExitHead, Trunk, split_target
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                          num_attention_heads=4, num_key_value_heads=2)).eval()
+    parts = split_target(target)
+    trained = ExitHead.from_target(parts, 2).eval()
+    with torch.no_grad():  # as training would: every weight moves away from the target's
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    rebuild = lambda: ExitHead.from_target(parts, 2, layer_init="random", head_init="random", seed=5)  # noqa: E731
+    copy = dist.model_from_state(trained, {k: v.clone() for k, v in trained.state_dict().items()}, rebuild)
+    with torch.no_grad():
+        inputs = Trunk(parts, 2)(torch.randint(0, 64, (2, 8)))  # (H^N, position ids, rope, mask)
+        torch.testing.assert_close(copy(*inputs)[0], trained(*inputs)[0], rtol=0, atol=0)
+
+
+@pytest.mark.slow  # two processes, gloo
+def test_frozen_modules_are_rank_zeros_on_every_process_under_fsdp(tmp_path):
+    """A frozen module that loaded differently on rank 1 (as transformers' FSDP loading may leave it) holds
+    rank 0's parameters and buffers after share_frozen; under DDP nothing is sent."""
+    torch.multiprocessing.spawn(_share_frozen_worker, args=(str(tmp_path),), nprocs=2, join=True)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    for k in rank0["fsdp"]:
+        torch.testing.assert_close(rank1["fsdp"][k], rank0["fsdp"][k], rtol=0, atol=0)
+    assert not torch.equal(rank1["ddp"]["weight"], rank0["ddp"]["weight"])
+
+
+def _share_frozen_worker(rank: int, root: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=2)
+    out = {}
+    for name, fsdp in (("fsdp", object()), ("ddp", None)):
+        torch.manual_seed(rank)  # each rank its own weights and buffer
+        teacher = torch.nn.Linear(4, 3)
+        teacher.register_buffer("inv_freq", torch.rand(2), persistent=False)
+        teacher.register_buffer("ids", (torch.arange(3) + rank).expand(2, -1), persistent=False)  # not dense
+        acc = SimpleNamespace(num_processes=2, state=SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=fsdp))
+        dist.share_frozen(acc, {"teacher": teacher})
+        out[name] = {k: v.clone() for k, v in [*teacher.named_parameters(), *teacher.named_buffers()]}
+    torch.save(out, f"{root}/rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_streaming_eval_reads_the_same_rows_as_map_style(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    from accelerate import Accelerator
+
+    from draftforge.train.lm import build_model, lm_loss, load_tokenizer
+    from draftforge.train.loop import evaluate
+    from draftforge.train.spec import TaskSpec
+
+    recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, eval_batches=3))
+    model = build_model(recipe, load_tokenizer(recipe))
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 300, (9, 16), generator=g).tolist()]
+
+    def stream():
+        yield from rows
+    losses = [evaluate(model, TaskSpec(model, lm_loss, eval_data=data), Accelerator(cpu=True), recipe.train)
+              for data in (datasets.Dataset.from_list(rows), datasets.IterableDataset.from_generator(stream))]
+    with torch.no_grad():  # oracle: eval_batches x micro-batch = the first 6 rows, token-weighted mean
+        s, n, _ = lm_loss(model.eval(), {k: torch.tensor([r[k] for r in rows[:6]]) for k in ("input_ids", "labels")})
+    assert losses[0] == pytest.approx(s.item() / n.item(), rel=1e-5)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_streaming_two_processes_match_one_and_stop_at_the_same_step(tiny_run):
+    values = yaml.safe_load(tiny_run.recipe.read_text())
+    values["data"].update(streaming=True, max_documents=1, eval_fraction=0.0)
+    values["train"].update(max_steps=10_000, save_every=0, export=True)
+    recipe = tiny_run.root / "stream.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    one = _train(None, recipe, tiny_run.root / "stream-one")
+    two = _train("multi_cpu.yaml", recipe, tiny_run.root / "stream-two")
+    assert 0 < len(_losses(one)) < 10_000
+    assert _losses(two) == pytest.approx(_losses(one), rel=1e-5)  # same rows per step, same end
+    assert (two / "export" / "model.safetensors").is_file()
+
+
+def test_eval_runs_the_same_number_of_forwards_on_every_rank(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    """5 eval rows, 2 processes, micro-batch 2: rank 0 holds 3 rows, rank 1 two. Under FSDP / ZeRO-3 a
+    forward is a collective, so both must run 2 forwards (rank 1's second counts nothing), and the
+    token-weighted sums over ranks must still equal one process's."""
+    from types import SimpleNamespace
+
+    from draftforge.train.lm import build_model, lm_loss, load_tokenizer
+    from draftforge.train.loop import evaluate
+    from draftforge.train.spec import TaskSpec
+
+    recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, eval_batches=3))
+    recipe.train.micro_batch_size = 2
+    model = build_model(recipe, load_tokenizer(recipe))
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 300, (5, 16), generator=g).tolist()]
+    data = datasets.Dataset.from_list(rows)
+    forwards, reduced = {0: 0, 1: 0}, {0: [], 1: []}
+    for rank in (0, 1):
+        def counting_loss(model, batch, rank=rank):
+            forwards[rank] += 1
+            return lm_loss(model, batch)
+
+        acc = SimpleNamespace(num_processes=2, process_index=rank, device=torch.device("cpu"),
+                              reduce=lambda x, op, rank=rank: reduced[rank].append(x) or x)
+        evaluate(model, TaskSpec(model, counting_loss, eval_data=data), acc, recipe.train)
+    assert forwards == {0: 2, 1: 2}
+    # one stacked reduce per evaluate: [loss sum, unit count, the task's metric sums...]
+    total = sum(reduced[r][0][0] for r in (0, 1))
+    count = sum(reduced[r][0][1] for r in (0, 1))
+    with torch.no_grad():  # oracle: all 5 rows in one process
+        s, n, _ = lm_loss(model.eval(), {k: torch.tensor([r[k] for r in rows]) for k in ("input_ids", "labels")})
+    assert count.item() == n.item()
+    assert total.item() == pytest.approx(s.item(), rel=1e-5)
+
+
+# ---------------------------------------------------------------- FSDP2 on CPU processes (slow)
+# launch/fsdp.yaml itself, on 2 CPU processes (gloo): the loss curve of 1 process, an export of the same
+# tensors that loads and predicts as 1 process's does, and a resume after SIGKILL. The recipes pin
+# train.precision: fp32. `auto` is bf16 on CPUs with native bf16, where FSDP2 casts the parameters (its
+# MixedPrecisionPolicy) while 1 process autocasts: measured 1.8e-3 apart on the pretrain curve, not 1e-4.
+
+def _fsdp_vs_one(recipe: Path, root: Path) -> SimpleNamespace:
+    one, two = _train(None, recipe, root / "one"), _train("fsdp.yaml", recipe, root / "fsdp")
+    state = ckpt.read_loop_state(ckpt.latest_valid(two))
+    assert state["backend"] == "fsdp" and state["world_size"] == 2
+    # Sharded, not silently DDP: each rank wrote its own shard of the weights.
+    shards = sorted(p.name for p in (ckpt.latest_valid(two) / "pytorch_model_fsdp_0").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]
+    return SimpleNamespace(one=one, two=two)
+
+
+def _assert_curves_match(one: Path, two: Path, *keys: str) -> None:
+    rows = [[json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()] for d in (one, two)]
+    assert len(rows[0]) == len(rows[1]) > 0
+    for key in keys:
+        assert [r[key] for r in rows[1]] == pytest.approx([r[key] for r in rows[0]], rel=0, abs=1e-4), key
+
+
+def _assert_same_tensors(a: Path, b: Path, atol: float) -> None:
+    """The same names, shapes and dtypes; values within atol."""
+    wa, wb = _weights(a), _weights(b)
+    assert {k: (v.shape, v.dtype) for k, v in wa.items()} == {k: (v.shape, v.dtype) for k, v in wb.items()}
+    _assert_same_weights(a, b, atol)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory, tiny_corpus_dir, tiny_tokenizer_dir):
+    root = tmp_path_factory.mktemp("fsdp")
+    recipe = _fp32_recipe(root, tiny_corpus_dir, tiny_tokenizer_dir, steps=8)
+    return SimpleNamespace(root=root, recipe=recipe, **vars(_fsdp_vs_one(recipe, root)))
+
+
+@pytest.mark.slow
+def test_fsdp_two_processes_match_one_process(fsdp_run):
+    from draftforge.loading import load_causal_lm
+
+    _assert_curves_match(fsdp_run.one, fsdp_run.two, "loss")
+    _assert_same_tensors(fsdp_run.one / "export" / "model.safetensors", fsdp_run.two / "export" / "model.safetensors",
+                         1e-4)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = [load_causal_lm(str(d / "export")).eval()(ids).logits for d in (fsdp_run.one, fsdp_run.two)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_fsdp_sigkill_mid_run_then_resume_matches_uninterrupted_run(fsdp_run):
+    killed = fsdp_run.root / "fsdp-killed"
+    _kill_after_checkpoint("fsdp.yaml", fsdp_run.recipe, killed, 4, 8)
+    _train("fsdp.yaml", fsdp_run.recipe, killed, "--resume")  # the sharded model and optimizer state come back
+    assert _losses(killed) == _losses(fsdp_run.two)
+    _assert_same_weights(fsdp_run.two / "export" / "model.safetensors", killed / "export" / "model.safetensors", 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["distill", "eesd"])
+def test_fsdp_with_a_frozen_teacher_matches_one_process(task, tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    """The frozen module (distill's teacher, eesd's trunk) is never wrapped: each rank holds it whole and
+    rank 0's copy; only the student / exit head is sharded. eesd's head is not a transformers model, so its
+    export is rebuilt by the task's builder."""
+    from draftforge.loading import load_causal_lm
+
+    if task == "distill":
+        from tests.fixtures.hybrid import tiny_bamba
+        from tests.train.test_distill import distill_recipe
+        from transformers import AutoTokenizer
+
+        teacher = tmp_path / "teacher"
+        tiny_bamba(vocab=len(AutoTokenizer.from_pretrained(tiny_tokenizer_dir)), seed=7).save_pretrained(teacher)
+        values = distill_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher)
+        values["train"].update(max_steps=6, save_every=6, export=True)
+        weights, keys = "model.safetensors", ("loss", "kl", "top1_agree")
+    else:
+        from tests.train.test_eesd import recipe as eesd_recipe
+        from tests.train.test_eesd import save_target, token_rows
+
+        target = save_target(tmp_path / "target", tiny_tokenizer_dir)
+        values = eesd_recipe(tmp_path, target, token_rows(tmp_path / "rows.jsonl", target, n=8))
+        values["train"].update(max_steps=4, save_every=4, log_every=1, eval_every=0, export=True)
+        weights, keys = "exit_head.safetensors", ("loss",)
+    values["train"]["precision"] = "fp32"
+    recipe = tmp_path / f"{task}.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    runs = _fsdp_vs_one(recipe, tmp_path)
+    _assert_curves_match(runs.one, runs.two, *keys)
+    _assert_same_tensors(runs.one / "export" / weights, runs.two / "export" / weights, 1e-4)
+    if task == "distill":  # loads as a drafter checkpoint and predicts as 1 process's
+        ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+        logits = [load_causal_lm(str(d / "export")).eval()(ids).logits for d in (runs.one, runs.two)]
+    else:  # attaches to its target and predicts as 1 process's
+        from draftforge.models.early_exit import Trunk, split_target
+        from draftforge.models.early_exit_export import load_exit_head
+
+        target_model = load_causal_lm(str(target)).eval()
+        inputs = Trunk(split_target(target_model), 2)(torch.randint(0, 300, (2, 16)))
+        logits = [load_exit_head(d / "export", target_model)[0].eval()(*inputs)[0] for d in (runs.one, runs.two)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4)

@@ -1,0 +1,184 @@
+"""The one training loop: learning, bitwise resume, checkpoint integrity, divergence, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from draftforge.errors import CheckpointError, DraftforgeError, RecipeError
+from draftforge.recipe import recipe_from_dict
+from draftforge.train import checkpoint as ckpt
+from draftforge.train import run
+from draftforge.train.loop import TrainingDiverged, read_metrics
+
+
+def tiny_recipe(tmp_path, corpus, tokenizer, **train) -> dict:
+    return {
+        "task": "pretrain",
+        "output_dir": str(tmp_path / "run"),
+        "model": {"arch": "mamba2", "size": "tiny", "tokenizer": str(tokenizer),
+                  "overrides": {"hidden_size": 32, "num_hidden_layers": 2, "head_dim": 16, "state_size": 8}},
+        "data": {"sources": [str(corpus)], "eval_fraction": 0.2},
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "train": {"max_steps": 6, "global_batch_size": 4, "micro_batch_size": 2, "block_size": 32,
+                  "eval_every": 3, "save_every": 2, "log_every": 1, "trackers": [], "export": False, **train},
+    }
+
+
+def test_training_lowers_loss_and_changes_every_parameter(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=30, save_every=0)
+    values["optim"]["lr"] = 1e-2
+    recipe = recipe_from_dict(values)
+    from draftforge.train.lm import build_model, load_tokenizer
+
+    torch.manual_seed(recipe.train.seed)
+    before = {k: v.clone() for k, v in build_model(recipe, load_tokenizer(recipe)).state_dict().items()}
+    result = run(recipe)
+    assert sum(result.losses[-3:]) / 3 < result.losses[0] - 0.5
+    from safetensors.torch import load_file
+
+    after = load_file(str(ckpt.list_checkpoints(result.run_dir)[0] / "model.safetensors"))
+    for name, value in after.items():
+        assert not torch.equal(value, before[name]), f"{name} did not change"
+    assert result.eval_loss is not None and result.tokens_per_s > 0
+
+
+def test_resume_reproduces_uninterrupted_losses_bitwise(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    full = run(recipe_from_dict(tiny_recipe(tmp_path / "a", tiny_corpus_dir, tiny_tokenizer_dir)))
+    part = recipe_from_dict(tiny_recipe(tmp_path / "b", tiny_corpus_dir, tiny_tokenizer_dir))
+    first = run(part, stop_after=3)  # as if killed right after step 3 (checkpoint at 3 exists)
+    assert first.step == 3
+    second = run(part, resume=True)
+    assert first.losses + second.losses == full.losses  # bitwise: fp32 on CPU
+    logged = [r["loss"] for r in read_metrics(second.run_dir)]
+    assert logged == full.losses
+    a = ckpt.list_checkpoints(full.run_dir)[0] / "model.safetensors"
+    b = ckpt.list_checkpoints(second.run_dir)[0] / "model.safetensors"
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_corrupted_checkpoint_falls_back_to_previous(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, capsys):
+    recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, keep_checkpoints=3))
+    run(recipe, stop_after=4)
+    newest = ckpt.list_checkpoints(recipe.output_dir)[0]
+    assert newest.name.endswith("00000004")
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated, as a crash mid-copy would leave it
+    (tmp_path / "run" / "checkpoints" / ".tmp-step-00000006").mkdir()  # a killed save's leftovers
+    resumed = run(recipe, resume=True)
+    assert "truncated" in capsys.readouterr().out
+    assert resumed.step == 6 and len(resumed.losses) == 4  # steps 3..6 re-run from the step-2 checkpoint
+
+
+def test_resume_refuses_missing_checkpoint_and_changed_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir)
+    with pytest.raises(CheckpointError, match="no run"):
+        run(recipe_from_dict(values), resume=True)
+    run(recipe_from_dict(values), stop_after=1)
+    shutil.rmtree(tmp_path / "run" / "checkpoints")
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        run(recipe_from_dict(values), resume=True)
+    shutil.rmtree(tmp_path / "run")
+    run(recipe_from_dict(values), stop_after=2)
+    values["optim"]["lr"] = 1e-2
+    with pytest.raises(CheckpointError, match="optim.lr"):
+        run(recipe_from_dict(values), resume=True)
+
+
+def test_output_dir_with_another_run_needs_overwrite(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=1)
+    run(recipe_from_dict(values))
+    with pytest.raises(DraftforgeError, match="already holds a run"):
+        run(recipe_from_dict(values))
+    assert run(recipe_from_dict(values), overwrite=True).step == 1
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, monkeypatch):
+    import draftforge.train.lm as lm
+
+    real = lm.lm_loss
+    calls = {"n": 0}
+
+    def poisoned(model, batch):
+        calls["n"] += model.training  # eval calls do not count
+        s, n, m = real(model, batch)
+        return (s * float("nan") if calls["n"] > 8 else s), n, m  # step 5 onward (2 micro-batches/step)
+
+    monkeypatch.setattr(lm, "lm_loss", poisoned)
+    recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir))
+    with pytest.raises(TrainingDiverged, match="step 5"):
+        run(recipe)
+    good = ckpt.latest_valid(recipe.output_dir)
+    assert json.loads((good / "loop_state.json").read_text())["step"] == 4
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("train.micro_batch_size", 0, "train.micro_batch_size"),
+    ("train.global_batch_size", 5, "multiple of micro_batch_size"),
+    ("optim.schedule", "cosnie", "optim.schedule"),
+    ("train.max_stpes", 3, "did you mean 'max_steps'"),
+    ("train.block_size", "big", "train.block_size"),
+    ("data.format", "chat", None),  # valid for pretrain as data format; sft requires it
+    ("task", "sft", "model.init_from"),  # at load time: `--overwrite` must not delete a run first
+])
+def test_recipe_validation_names_the_key(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, key, value, match):
+    from draftforge.recipe import apply_overrides
+
+    values = apply_overrides(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir), [f"{key}={value}"])
+    if match is None:
+        recipe_from_dict(values)
+        return
+    with pytest.raises(RecipeError, match=match):
+        recipe_from_dict(values)
+
+
+def test_block_size_beyond_model_context_fails_before_training(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir,
+                                                                monkeypatch):
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, block_size=64)
+    values["model"] = {"arch": "llama", "size": None, "tokenizer": str(tiny_tokenizer_dir),
+                       "overrides": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                     "num_attention_heads": 2, "num_key_value_heads": 2,
+                                     "max_position_embeddings": 48}}
+    import draftforge.train.lm as lm
+
+    def no_build(*a, **k):
+        raise AssertionError("a model was built before the context check")
+
+    monkeypatch.setattr(lm, "build_model", no_build)
+    with pytest.raises(RecipeError, match="train.block_size"):
+        run(recipe_from_dict(values))
+
+
+def test_keep_best_exports_the_best_evals_weights_and_survives_resume(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    from safetensors.torch import load_file
+
+    train = dict(max_steps=6, eval_every=1, save_every=1, keep_checkpoints=6, export=True, keep_best="loss")
+    values = tiny_recipe(tmp_path / "a", tiny_corpus_dir, tiny_tokenizer_dir, **train)
+    values["optim"].update(lr=1.0, schedule="constant", warmup_steps=0)  # so large the eval loss bounces
+    full = run(recipe_from_dict(values))
+    evals = {r["step"]: r["eval_loss"] for r in read_metrics(full.run_dir) if "eval_loss" in r}
+    best = min(evals, key=evals.get)
+    assert best != 6, f"the test needs a run whose last eval is not its best: {evals}"
+    meta = json.loads((full.export_dir / "draftforge.json").read_text())
+    assert meta["metrics"]["kept"] == {"metric": "loss", "value": evals[best], "step": best}
+    at_best = next(c for c in ckpt.list_checkpoints(full.run_dir) if ckpt.read_loop_state(c)["step"] == best)
+    kept, exported = load_file(str(at_best / "model.safetensors")), load_file(str(full.export_dir / "model.safetensors"))
+    shared = set(kept) & set(exported)
+    assert shared and all(torch.equal(kept[k], exported[k]) for k in shared)
+
+    values_b = tiny_recipe(tmp_path / "b", tiny_corpus_dir, tiny_tokenizer_dir, **train)
+    values_b["optim"].update(lr=1.0, schedule="constant", warmup_steps=0)
+    part = recipe_from_dict(values_b)
+    run(part, stop_after=best + 1)  # killed after the best eval: its weights are kept in run/best
+    resumed = run(part, resume=True)
+    again = load_file(str(resumed.export_dir / "model.safetensors"))
+    assert all(torch.equal(again[k], exported[k]) for k in exported)
+
+
+def test_keep_best_names_the_metrics_the_eval_logs(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, keep_best="tau_g5")
+    with pytest.raises(DraftforgeError, match="train.keep_best: the eval logs no metric 'tau_g5'; it logs: loss"):
+        run(recipe_from_dict(values))

@@ -1,0 +1,162 @@
+"""The θ predictor (models/theta.py), `draftforge harvest theta` and task `theta`: shapes, a tiny overfit,
+harvested rows against a direct forward, resume, training through the one loop, export -> load, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draftforge.cli import main as cli_main
+from draftforge.data.harvest_theta import harvest_theta, load_harvest
+from draftforge.decode import build_decoder, load_drafter, load_target
+from draftforge.errors import CompatibilityError, DataError, DraftforgeError
+from draftforge.models.theta import ThetaPredictor, load_predictor
+from tests.fixtures.decode import tiny_llama, tiny_mamba2
+
+VOCAB = 16
+
+
+def test_shapes_and_the_decode_path_agree_with_forward():
+    torch.manual_seed(0)
+    pred = ThetaPredictor(8, 6, max_offset=10)
+    h_t, h_d = torch.randn(5, 8), torch.randn(5, 6)
+    offsets = torch.tensor([1, 2, 10, 11, 16])
+    with torch.no_grad():
+        for p in pred.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        logits = pred(h_t, h_d, offsets)
+    assert logits.shape == (5, 2)
+    assert sum(p.numel() for p in pred.parameters()) == 10 * 8 * 8 + 2 * (8 + 6)  # no biases
+    with torch.no_grad():  # offsets past 10 share W^10
+        same = pred(h_t[:1].repeat(3, 1), h_d[:1].repeat(3, 1), torch.tensor([10, 11, 16]))
+    torch.testing.assert_close(same[0], same[1])
+    torch.testing.assert_close(same[0], same[2])
+    theta = logits.softmax(-1)[:, 1]
+    for b in range(5):  # the per-round folding W_p,T W^i h_T gives the same θ as the forward
+        terms = pred.target_terms(h_t[b])
+        assert pred.theta_from_terms(terms, h_d[b], int(offsets[b])) == pytest.approx(float(theta[b]), abs=1e-6)
+
+
+def test_tiny_overfit():
+    """64 rows whose label depends on the target state, the drafter state and the offset: learned exactly."""
+    torch.manual_seed(1)
+    h_t, h_d = torch.randn(64, 8), torch.randn(64, 4)
+    offsets = torch.randint(1, 13, (64,))
+    labels = ((h_t[:, 0] * torch.where(offsets > 5, -1.0, 1.0) + h_d[:, 1]) > 0).long()
+    pred = ThetaPredictor(8, 4)
+    opt = torch.optim.Adam(pred.parameters(), lr=0.03)
+    first = None
+    for _ in range(300):
+        loss = torch.nn.functional.cross_entropy(pred(h_t, h_d, offsets), labels)
+        first = first if first is not None else float(loss.detach())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert float(loss.detach()) < 0.05 < first
+    assert (pred(h_t, h_d, offsets).argmax(-1) == labels).all()
+
+
+# ---------------------------------------------------------------- harvest
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny Llama target and a Mamba2 drafter, saved as local checkpoints, plus token rows."""
+    root = tmp_path_factory.mktemp("pair")
+    target, drafter = tiny_llama(vocab=VOCAB), tiny_mamba2(vocab=VOCAB)
+    target.save_pretrained(root / "target")
+    drafter.save_pretrained(root / "drafter")
+    other = tiny_mamba2(vocab=VOCAB, seed=5)
+    other.save_pretrained(root / "other")
+    rows = [{"input_ids": [(5 * i + j) % VOCAB for i in range(30)], "prompt_len": 4} for j in range(5)]
+    rows.append({"input_ids": [3]})  # too short: skipped
+    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def harvest(pair, out, **kw):
+    kw = {"max_offset": 4, "anchor_stride": 5, "shard_size": 2, "progress": False, "dtype": "float32", **kw}
+    return harvest_theta(pair / "target", pair / "drafter", [str(pair / "rows.jsonl")], out, **kw)
+
+
+def test_harvested_rows_are_the_teacher_forced_states_and_labels(pair, tmp_path):
+    manifest = harvest(pair, tmp_path / "h")
+    # 5 sequences of 30 tokens, anchors c = 4, 9, ..., 29 (stride 5 from prompt_len 4), offsets i <= 4 with
+    # p = c+i-1 <= 29: 5 anchors x 4 + the last anchor's 1 = 21 rows each
+    assert manifest["rows"] == 5 * 21 and len(manifest["shards"]) == 3
+    rows, _ = load_harvest(tmp_path / "h")
+    ids = [(5 * i + 0) % VOCAB for i in range(30)]
+    target = load_target(str(pair / "target")).model
+    drafter = load_drafter(str(pair / "drafter"), load_target(str(pair / "target"))).model
+    with torch.no_grad():
+        t_out = target(torch.tensor([ids]), output_hidden_states=True)
+        d_out = drafter(torch.tensor([ids]), output_hidden_states=True)
+    row = rows[6]  # sequence 0, anchor c = 9, offset i = 3 -> p = 11
+    assert row["offset"] == 3
+    torch.testing.assert_close(torch.tensor(row["h_target"]), t_out.hidden_states[-1][0, 8], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(row["h_draft"]), d_out.hidden_states[-1][0, 11], rtol=1e-5, atol=1e-5)
+    assert row["label"] == int(d_out.logits[0, 11].argmax() == t_out.logits[0, 11].argmax())
+
+
+def test_harvest_resumes_and_refuses_to_mix(pair, tmp_path):
+    out = tmp_path / "h"
+    full = harvest(pair, out)
+    manifest = json.loads((out / "harvest.json").read_text())
+    del manifest["shards"]["1"]  # as if killed before shard 1 was written
+    (out / "harvest.json").write_text(json.dumps(manifest))
+    kept = (out / "shards" / "shard-00000").stat().st_mtime_ns
+    with pytest.raises(DraftforgeError, match="--resume"):
+        harvest(pair, out)
+    with pytest.raises(DraftforgeError, match="other settings.*anchor_stride"):
+        harvest(pair, out, resume=True, anchor_stride=3)
+    again = harvest(pair, out, resume=True)
+    assert again["rows"] == full["rows"] and (out / "shards" / "shard-00000").stat().st_mtime_ns == kept
+
+
+def test_an_empty_harvest_is_one_clear_error(pair, tmp_path):
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps({"input_ids": [1]}) + "\n")
+    with pytest.raises(DataError, match="no usable sequences"):
+        harvest_theta(pair / "target", pair / "drafter", [str(short)], tmp_path / "a", progress=False)
+    unlabeled = tmp_path / "unlabeled.jsonl"  # all prompt: no anchor in the labelled part
+    unlabeled.write_text(json.dumps({"input_ids": [1, 2, 3], "prompt_len": 3}) + "\n")
+    harvest_theta(pair / "target", pair / "drafter", [str(unlabeled)], tmp_path / "b", progress=False)
+    with pytest.raises(DataError, match="empty"):
+        load_harvest(tmp_path / "b")
+    assert cli_main(["harvest", "theta", "--target", str(pair / "target"), "--drafter", str(pair / "drafter"),
+                     "--data", str(short), "--out", str(tmp_path / "c")]) == 2  # one line, exit 2
+
+
+# ---------------------------------------------------------------- task theta through the one loop
+
+def theta_recipe(out, target, harvest_dir, max_offset: int, eval_fraction: float, steps: int, batch: int) -> dict:
+    """Task theta on a harvest: lr 3e-3, no warm-up or decay, one micro-batch a step, no checkpoints."""
+    return {"task": "theta", "output_dir": str(out), "model": {"target": str(target)},
+            "data": {"sources": [str(harvest_dir)], "eval_fraction": eval_fraction},
+            "theta": {"max_offset": max_offset, "balance": True},
+            "optim": {"lr": 3e-3, "warmup_steps": 0, "weight_decay": 0.0},
+            "train": {"max_steps": steps, "global_batch_size": batch, "micro_batch_size": batch, "eval_every": 0,
+                      "save_every": 0, "log_every": 5, "trackers": []}}
+
+
+def test_task_trains_exports_and_the_harness_loads_only_for_its_pair(pair, tmp_path):
+    from draftforge.recipe import recipe_from_dict
+    from draftforge.train import run
+
+    harvest(pair, tmp_path / "h", anchor_stride=2, max_offset=8)
+    recipe = theta_recipe(tmp_path / "run", pair / "target", tmp_path / "h", max_offset=4, eval_fraction=0.1,
+                          steps=30, batch=64)
+    result = run(recipe_from_dict(recipe))
+    assert result.losses[-1] < result.losses[0]
+    meta = json.loads((result.export_dir / "draftforge.json").read_text())
+    assert meta["task"] == "theta" and meta["max_offset"] == 4 and 0 < meta["mean_label"] <= 1
+    target = load_target(str(pair / "target"))
+    drafter = load_drafter(str(pair / "drafter"), target)
+    pred = load_predictor(result.export_dir, target.model, drafter)
+    assert pred.mean_label == meta["mean_label"]
+    dec = build_decoder("cali_ts", target, drafter, theta_predictor=str(result.export_dir))
+    assert dec.generate([1, 2, 3], max_new_tokens=8).stats.new_tokens == 8
+    other = load_drafter(str(pair / "other"), target)
+    with pytest.raises(CompatibilityError, match="drafter weights differ"):
+        build_decoder("cali_ts", target, other, theta_predictor=str(result.export_dir))
