@@ -14,7 +14,7 @@ from draftforge.decode.base import DecodeResult, DecodeStats
 from draftforge.decode.control import DEFAULT_UCB_TREES, Controller, FixedChain, FixedTree, NoDraft, UCBTree
 from draftforge.decode.engine import SpeculativeDecoder
 from draftforge.decode.loading import Drafter, PromptLookupDrafter, load_drafter, load_target
-from draftforge.decode.methods import Method, Option, method_names, register_method, register_option
+from draftforge.decode.methods import Method, MethodOptions, method_names, option, register_method
 from draftforge.decode.methods import build as build_decoder
 from draftforge.decode.plan import DraftStep, DynamicTree, StaticTree, StopRule, StoppableChain, TreeBuilder
 from draftforge.decode.sampling import SamplingParams
@@ -32,7 +32,7 @@ METHODS = method_names()  # the built-in methods; register_method adds more
 __all__ = [
     "METHODS", "DEFAULT_UCB_TREES", "Controller", "DecodeResult", "DecodeStats", "DraftStep", "DraftTree", "Drafter",
     "DynamicTree", "FixedChain", "FixedTree", "HFAssistedDecoder", "HFPromptLookupDecoder", "KVCacheTarget", "Method",
-    "NoDraft", "Option", "PromptLookupDrafter", "SamplingParams", "SpeculativeDecoder", "StaticTree", "StopRule",
+    "MethodOptions", "NoDraft", "PromptLookupDrafter", "SamplingParams", "SpeculativeDecoder", "StaticTree", "StopRule",
     "StoppableChain", "TREE_PRESETS", "Target", "TreeBuilder", "TreeShape", "UCBTree", "Verification", "build_decoder",
-    "load_drafter", "load_target", "method_names", "parse_tree", "register_method", "register_option",
+    "load_drafter", "load_target", "method_names", "option", "parse_tree", "register_method",
 ]

@@ -11,12 +11,14 @@ Legend: B frontier nodes at one depth, K children per node, M entropy top-M, V v
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from draftforge.decode.checks import check_context, draft_vocab_size, non_negative_int, positive_int
 from draftforge.decode.control import BuilderController
 from draftforge.decode.engine import SpeculativeDecoder
-from draftforge.decode.methods import Method, Option, register_method, register_option
+from draftforge.decode.methods import Method, MethodOptions, option, register_method
 from draftforge.decode.plan import DynamicTree, TreeBuilder
 from draftforge.errors import RecipeError
 from draftforge.models.c2t import DEPTH_ORIGIN, C2TClassifier, feature_matrix, load_head
@@ -66,39 +68,38 @@ class C2TBuilder(TreeBuilder):
         return DynamicTree(self, self.max_depth)
 
 
-def check_beta(beta) -> float:
+def check_beta(beta, flag: str = "--beta") -> float:
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 < beta < 1.0:
-        raise RecipeError(f"--beta must be in (0, 1) (a threshold on the classifier's confidence), got {beta!r}")
+        raise RecipeError(f"{flag} must be in (0, 1) (a threshold on the classifier's confidence), got {beta!r}")
     return float(beta)
 
 
-def make_c2t(target, drafter, options: dict):
-    if options["c2t"] is None:
+@dataclass(frozen=True)
+class C2TOptions(MethodOptions):
+    c2t: str | None = option(None, "C2T: the exported classifier (task c2t) to prune with")
+    beta: float = option(DEFAULT_BETA, f"C2T: keep a node when its confidence C >= β, β in (0, 1) (default "
+                         f"{DEFAULT_BETA})", check=check_beta)
+    c2t_top_k: int = option(DEFAULT_TOP_K, "C2T: children scored per kept node, K; 1 = chain mode (default "
+                            f"{DEFAULT_TOP_K})", check=positive_int)
+    c2t_depth: int = option(DEFAULT_DEPTH, f"C2T: draft layers dmax (default {DEFAULT_DEPTH})", check=positive_int)
+    c2t_second_top_k: int | None = option(None, "C2T: keep at most this many survivors per layer by C, 0 = off "
+                                          "(default: K)", check=non_negative_int)
+
+
+def make_c2t(target, drafter, o: C2TOptions):
+    if o.c2t is None:
         raise RecipeError("method c2t needs a trained classifier: --c2t PATH (an export of task c2t)")
-    classifier, meta = load_head(options["c2t"])
-    k, dmax = options["c2t_top_k"], options["c2t_depth"]
+    classifier, meta = load_head(o.c2t)
     vocab = draft_vocab_size(drafter, target)
-    if k > vocab:
-        raise RecipeError(f"--c2t-top-k {k} is larger than the drafter's vocabulary ({vocab} tokens)")
-    check_context(dmax + 1, target, "--c2t-depth")
-    builder = C2TBuilder(classifier, options["beta"], k, dmax, options["c2t_second_top_k"],
+    if o.c2t_top_k > vocab:
+        raise RecipeError(f"--c2t-top-k {o.c2t_top_k} is larger than the drafter's vocabulary ({vocab} tokens)")
+    check_context(o.c2t_depth + 1, target, "--c2t-depth")
+    builder = C2TBuilder(classifier, o.beta, o.c2t_top_k, o.c2t_depth, o.c2t_second_top_k,
                          int(meta.get("entropy_top_m", 1000)))
     return SpeculativeDecoder("c2t", target, drafter, BuilderController(builder.plan()))
 
 
-# ---------------------------------------------------------------- the method and its options
+# ---------------------------------------------------------------- the method
 
-register_option(Option("c2t", "--c2t", str, str, None, "C2T: the exported classifier (task c2t) to prune with"))
-register_option(Option("beta", "--beta", float, check_beta, DEFAULT_BETA,
-                       f"C2T: keep a node when its confidence C >= β, β in (0, 1) (default {DEFAULT_BETA})"))
-register_option(Option("c2t_top_k", "--c2t-top-k", int, lambda v: positive_int(v, "--c2t-top-k"),
-                       DEFAULT_TOP_K, f"C2T: children scored per kept node, K; 1 = chain mode (default "
-                       f"{DEFAULT_TOP_K})"))
-register_option(Option("c2t_depth", "--c2t-depth", int, lambda v: positive_int(v, "--c2t-depth"),
-                       DEFAULT_DEPTH, f"C2T: draft layers dmax (default {DEFAULT_DEPTH})"))
-register_option(Option("c2t_second_top_k", "--c2t-second-top-k", int,
-                       lambda v: non_negative_int(v, "--c2t-second-top-k"), None,
-                       "C2T: keep at most this many survivors per layer by C, 0 = off (default: K)"))
 register_method(Method("c2t", "C2T: dynamic tree pruned by a classifier on (P, H, d) (--c2t PATH --beta; "
-                       "greedy only)", True, make_c2t, ("c2t", "beta", "c2t_top_k", "c2t_depth",
-                                                         "c2t_second_top_k")))
+                       "greedy only)", True, make_c2t, C2TOptions))

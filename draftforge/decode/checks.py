@@ -1,21 +1,13 @@
 """Checks that every decoding method's options share: value validators, tree widths, and the limits a
-target or drafter sets. Each raises a RecipeError naming the flag; none knows any method.
+target or drafter sets. Each raises a RecipeError naming the flag; none knows any method. The value
+checks take (value, flag), as a method option's `check` is called (decode/methods.py):
 
-    Option("chain_length", "--chain-length", int, lambda v: positive_int(v, "--chain-length"), 5, "...")
+    chain_length: int = option(5, "draft tokens per round", check=positive_int)
 """
 
 from __future__ import annotations
 
-from draftforge.decode.tree import validate_widths
-from draftforge.decode.tree_shape import (
-    OTHER_FORMS,
-    PARENTS_PREFIX,
-    TREE_PRESETS,
-    TreeShape,
-    parse_tree,
-    tree_name,
-    tree_size,
-)
+from draftforge.decode.tree_shape import OTHER_FORMS, PARENTS_PREFIX, TREE_PRESETS, TreeShape, as_shape, parse_tree
 from draftforge.errors import DraftforgeError, RecipeError
 
 # ---------------------------------------------------------------- values
@@ -62,8 +54,8 @@ def one_of(value, where: str, choices):
 # ---------------------------------------------------------------- tree widths (--tree and its kin)
 
 
-def parse_widths(text: str, flag: str = "--tree") -> tuple[int, ...] | TreeShape:
-    """'3,2,2,1' -> (3, 2, 2, 1); 'parents:0,0,0/0,0,1' or a preset ('stree13') -> TreeShape; checked."""
+def parse_widths(text: str, flag: str = "--tree") -> TreeShape:
+    """'3,2,2,1', 'parents:0,0,0/0,0,1' or a preset ('stree13') -> its TreeShape; checked."""
     text = str(text).strip()
     if text in TREE_PRESETS or text.startswith(PARENTS_PREFIX):
         try:
@@ -78,15 +70,16 @@ def parse_widths(text: str, flag: str = "--tree") -> tuple[int, ...] | TreeShape
     return check_widths(widths, flag)
 
 
-def check_widths(widths, where: str = "tree") -> tuple[int, ...] | TreeShape:
-    """A widths tuple checked, a TreeShape (checked when built) as is, a string parsed as --tree reads it."""
+def check_widths(widths, where: str = "tree") -> TreeShape:
+    """A widths tuple checked and made a TreeShape, a TreeShape (checked when built) as is, a string parsed as
+    --tree reads it."""
     if isinstance(widths, TreeShape):
         return widths
     if isinstance(widths, str):
         return parse_widths(widths, where)
     try:
-        return validate_widths(widths)
-    except DraftforgeError:
+        return as_shape(widths)
+    except (DraftforgeError, TypeError):
         raise RecipeError(f"{where} {tuple(widths)}: every tree width must be >= 1, i.e. a positive integer "
                           "(a tree needs every width >= 1, e.g. 3,2,2,1)") from None
 
@@ -98,9 +91,9 @@ def check_tree_context(trees, target, flag: str) -> None:
     """One verification forward holds the root and every draft token: refuse trees beyond the context."""
     ctx = getattr(target, "max_context", None)
     for tree in trees:
-        size = tree_size(tree)
+        size = tree.size
         if ctx is not None and 1 + size > ctx:
-            raise RecipeError(f"{flag} {tree_name(tree)} has {size} draft tokens; with the root one verification "
+            raise RecipeError(f"{flag} {tree.name} has {size} draft tokens; with the root one verification "
                               f"forward holds {1 + size}, beyond the target's context of {ctx} tokens: use a "
                               "smaller tree")
 

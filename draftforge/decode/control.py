@@ -1,9 +1,9 @@
 """Controllers: choose the draft plan of the next round, and learn from its outcome.
 
-`next_plan()` returns a draft plan (plan.py) or None for a round without drafts; the static
-controllers here name a tree configuration (N1..Nγ) with `next_config()` (a chain of length K is
-(1,)*K) or a TreeShape (parent lists per layer), which `next_plan` wraps. After each round the
-engine calls `feedback(Round)`.
+One protocol: `next_plan()` returns a draft plan (plan.py: a StaticTree, a StoppableChain, a DynamicTree)
+or None for a round without drafts; after each round the engine calls `feedback(Round)`; `reset()` forgets
+what was learned and `start_prompt()` marks a new prompt. The static controllers here hand out one
+StaticTree (a chain of length K is the widths (1,)*K); UCB picks one of its arms' StaticTrees.
 UCB follows Mamba Drafters §4.2: k* = argmax_k r̂_k + λ_UCB·sqrt(2 ln t / n_k), reward
 r = -(1/N_accept + λ_γ·γ/N_accept), where N_accept is the tokens emitted by the round (bonus
 included, so >= 1) and γ the draft depth (one drafter forward per depth with batch expansion), so
@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass
 
 from draftforge.decode.plan import DynamicTree, StaticTree
-from draftforge.decode.tree import DraftTree, validate_widths
-from draftforge.decode.tree_shape import TreeShape, tree_depth, tree_name, validate_tree
+from draftforge.decode.tree import DraftTree
+from draftforge.decode.tree_shape import TreeShape, as_shape
 from draftforge.errors import DraftforgeError
 
 DEFAULT_UCB_TREES = ((1, 1, 1, 1, 1), (2, 2, 1, 1), (3, 2, 2, 1), (4, 2, 1), (2, 1, 1, 1, 1, 1))
@@ -35,31 +35,18 @@ class Round:
     verify_time_s: float
 
     @property
-    def widths(self) -> tuple[int, ...] | TreeShape:
-        """The static tree drafted (widths, or a TreeShape widths cannot draw); () for other plans."""
-        if isinstance(self.plan, StaticTree):
-            return self.plan.tree
-        return getattr(self.plan, "widths", ())
+    def shape(self) -> TreeShape | None:
+        """The static tree drafted; None for other plans."""
+        return self.plan.tree if isinstance(self.plan, StaticTree) else None
 
 
 class Controller:
-    def next_config(self) -> tuple[int, ...] | TreeShape:
-        raise NotImplementedError
-
     def next_plan(self):
         """The next round's draft plan (None: no draft)."""
-        config = self.next_config()
-        if isinstance(config, TreeShape):
-            return StaticTree(config)
-        widths = tuple(config)
-        return StaticTree(widths) if widths else None
+        raise NotImplementedError
 
     def feedback(self, rnd: Round) -> None:
-        """After a round; by default passed on to `update` in the configuration's terms."""
-        self.update(rnd.widths, rnd.n_emitted, rnd.draft_time_s, rnd.verify_time_s)
-
-    def update(self, widths, n_emitted: int, draft_time_s: float, verify_time_s: float) -> None:
-        """Feedback after a round; fixed controllers ignore it."""
+        """After a round; fixed controllers ignore it."""
 
     def reset(self) -> None:
         """Forget what was learned (eval calls it before each timed repeat); fixed controllers hold nothing."""
@@ -71,26 +58,25 @@ class Controller:
 class NoDraft(Controller):
     """Autoregressive decoding: no draft, one target forward per token."""
 
-    def next_config(self):
-        return ()
-
-
-class FixedChain(Controller):
-    def __init__(self, k: int):
-        self.widths = validate_widths((1,) * k) if isinstance(k, int) and k > 0 else None
-        if self.widths is None:
-            raise DraftforgeError(f"chain_length must be a positive integer, got {k!r}")
-
-    def next_config(self):
-        return self.widths
+    def next_plan(self):
+        return None
 
 
 class FixedTree(Controller):
-    def __init__(self, widths):
-        self.widths = validate_tree(widths)  # widths or a TreeShape
+    """The same static tree every round (given as widths or a TreeShape)."""
 
-    def next_config(self):
-        return self.widths
+    def __init__(self, tree):
+        self.plan = StaticTree(tree)
+
+    def next_plan(self):
+        return self.plan
+
+
+class FixedChain(FixedTree):
+    def __init__(self, k: int):
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise DraftforgeError(f"chain_length must be a positive integer, got {k!r}")
+        super().__init__((1,) * k)
 
 
 class UCBTree(Controller):
@@ -101,7 +87,8 @@ class UCBTree(Controller):
     """
 
     def __init__(self, candidates=DEFAULT_UCB_TREES, ucb_lambda: float = 0.1, lambda_gamma: float | None = None):
-        self.arms = [validate_tree(c) for c in (candidates or DEFAULT_UCB_TREES)]
+        self.arms = [as_shape(c) for c in (candidates or DEFAULT_UCB_TREES)]
+        self.plans = [StaticTree(arm) for arm in self.arms]
         if ucb_lambda < 0 or (lambda_gamma is not None and lambda_gamma < 0):
             raise DraftforgeError("ucb_lambda and lambda_gamma must be >= 0")
         self.ucb_lambda, self.fixed_lambda_gamma = ucb_lambda, lambda_gamma
@@ -128,27 +115,36 @@ class UCBTree(Controller):
             for k in range(len(self.arms))
         ]
 
-    def next_config(self):
+    def next_plan(self) -> StaticTree:
         self.t += 1
         untried = [k for k, n in enumerate(self.counts) if n == 0]
         scores = self.scores() if not untried else None
         self.last_arm = untried[0] if untried else max(range(len(self.arms)), key=scores.__getitem__)
-        return self.arms[self.last_arm]
+        return self.plans[self.last_arm]
 
-    def reward(self, widths, n_emitted: int) -> float:
-        return -(1.0 / n_emitted + self.lambda_gamma * tree_depth(widths) / n_emitted)
+    def reward(self, shape: TreeShape | None, n_emitted: int) -> float:
+        return -(1.0 / n_emitted + self.lambda_gamma * _depth(shape) / n_emitted)
 
-    def update(self, widths, n_emitted, draft_time_s=0.0, verify_time_s=0.0):
+    def feedback(self, rnd: Round) -> None:
+        self.record(rnd.shape, rnd.n_emitted, rnd.draft_time_s, rnd.verify_time_s)
+
+    def record(self, shape: TreeShape | None, n_emitted, draft_time_s=0.0, verify_time_s=0.0) -> None:
+        """Learn from a round of the last arm (shape None: the round drafted nothing, e.g. at the token
+        budget's end): its timing (for λ_γ) and reward."""
         self.draft_step_time += draft_time_s
-        self.draft_steps += tree_depth(widths)
+        self.draft_steps += _depth(shape)
         self.target_time += verify_time_s
         self.target_rounds += 1
         arm = self.last_arm
         self.counts[arm] += 1
-        self.reward_sums[arm] += self.reward(widths, n_emitted)
+        self.reward_sums[arm] += self.reward(shape, n_emitted)
 
     def arm_name(self) -> str:
-        return tree_name(self.arms[self.last_arm])
+        return self.arms[self.last_arm].name
+
+
+def _depth(shape: TreeShape | None) -> int:
+    return shape.depth if shape is not None else 0
 
 
 class BuilderController(Controller):

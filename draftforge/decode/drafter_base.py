@@ -47,15 +47,16 @@ class Drafter(ABC):
         """Forget all state (a new prompt starts)."""
 
     def draft(self, seq: list[int], plan, params: SamplingParams, generator) -> DraftTree:
-        """Propose a tree continuing `seq` (prompt + committed tokens) as `plan` says (a widths tuple or a
-        TreeShape = static tree)."""
+        """Propose a tree continuing `seq` (prompt + committed tokens) as `plan` says (a plan of plan.py, or
+        widths / a TreeShape = a static tree)."""
         plan = as_plan(plan)
         self.node_map = None
-        if isinstance(plan, StaticTree):  # widths whenever the shape has them, so widths-only drafters still run
-            return self.draft_levels(seq, plan.widths if plan.widths is not None else plan.tree, params, generator)
+        if isinstance(plan, StaticTree):
+            return self.draft_levels(seq, plan.tree, params, generator)
         if isinstance(plan, StoppableChain):
             plan.stop.start_round()
-            return self.draft_levels(seq, (1,) * plan.max_len, params, generator, stop=plan.stop)
+            return self.draft_levels(seq, TreeShape.from_widths((1,) * plan.max_len), params, generator,
+                                     stop=plan.stop)
         if isinstance(plan, DynamicTree):
             from draftforge.decode.dynamic import draft_dynamic
 
@@ -63,10 +64,10 @@ class Drafter(ABC):
         raise TypeError(f"unknown draft plan {plan!r}")
 
     @abstractmethod
-    def draft_levels(self, seq: list[int], widths: tuple[int, ...] | TreeShape, params: SamplingParams, generator,
+    def draft_levels(self, seq: list[int], shape: TreeShape, params: SamplingParams, generator,
                      stop: StopRule | None = None) -> DraftTree:
-        """A static tree: widths (N_i children per node at depth i) or, for other shapes, a TreeShape (the
-        r-th child of a node takes its r-th ranked token); with `stop` (chains), end after any token it says."""
+        """A static tree of that shape (the r-th child of a node takes its r-th ranked token); with `stop`
+        (chains), end after any token it says."""
 
     def accept(self, path: list[int]) -> None:
         """The target accepted these nodes (root path, depth 1 first) of the last draft."""

@@ -14,7 +14,7 @@ from draftforge.decode.drafter_base import Drafter, chain_stops, draft_map, prop
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.targets import CachedLM
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
-from draftforge.decode.tree_shape import as_shape
+from draftforge.decode.tree_shape import TreeShape
 
 
 class TransformerDrafter(Drafter):
@@ -40,8 +40,7 @@ class TransformerDrafter(Drafter):
             self.last_logits_V = logits_QV[-1]
         return self.last_logits_V
 
-    def draft_levels(self, seq, widths, params: SamplingParams, generator, stop=None) -> DraftTree:
-        shape = as_shape(widths)
+    def draft_levels(self, seq, shape: TreeShape, params: SamplingParams, generator, stop=None) -> DraftTree:
         hidden = wants_hidden(stop)  # chains only: a stop rule that reads the hidden state
         logits_BV = self._sync(seq, hidden)[None]
         hidden_D = self.last_hidden_D if hidden else None

@@ -24,7 +24,7 @@ from draftforge.decode.drafter_base import Drafter
 from draftforge.decode.plan import DraftStep, DynamicTree, as_plan
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.tree import DraftTree
-from draftforge.decode.tree_shape import TreeShape, as_shape
+from draftforge.decode.tree_shape import TreeShape
 from draftforge.errors import DraftforgeError
 
 DEFAULT_MAX_NGRAM = 3
@@ -148,8 +148,7 @@ class PromptLookupDrafter(Drafter):
                                   "builder to rank; use it with chain, tree or ucb (static trees)")
         return super().draft(seq, plan, params, generator)
 
-    def draft_levels(self, seq, widths, params: SamplingParams, generator, stop=None) -> DraftTree:
-        shape = as_shape(widths)
+    def draft_levels(self, seq, shape: TreeShape, params: SamplingParams, generator, stop=None) -> DraftTree:
         depth = shape.depth if self.max_tokens is None else min(shape.depth, self.max_tokens)
         self.index.sync(seq)
         continuations = (self.index.continuation(p, depth) for _, p in self.index.matches())

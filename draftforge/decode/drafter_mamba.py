@@ -23,7 +23,7 @@ from draftforge.decode.drafter_base import Drafter, chain_stops, draft_map, prop
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.ssm_state import StateBank, copy_states, layer_states
 from draftforge.decode.tree import DraftTree
-from draftforge.decode.tree_shape import TreeShape, as_shape
+from draftforge.decode.tree_shape import TreeShape
 from draftforge.errors import DraftforgeError
 
 
@@ -108,8 +108,7 @@ class MambaDrafter(Drafter):
         return self.banks[key], self.depth_steps[key]
 
     @torch.inference_mode()
-    def draft_levels(self, seq, widths, params: SamplingParams, generator, stop=None) -> DraftTree:
-        shape = as_shape(widths)
+    def draft_levels(self, seq, shape: TreeShape, params: SamplingParams, generator, stop=None) -> DraftTree:
         hidden = wants_hidden(stop)  # chains only: a stop rule that reads the hidden state
         logits_BV = self._sync(seq, hidden)[None]
         hidden_D = self.last_hidden_D if hidden else None

@@ -18,12 +18,14 @@ Legend: B frontier nodes at one depth, V vocabulary.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from draftforge.decode.checks import check_context, draft_vocab_size, positive_int
 from draftforge.decode.control import BuilderController
 from draftforge.decode.engine import SpeculativeDecoder
-from draftforge.decode.methods import Method, Option, register_method, register_option
+from draftforge.decode.methods import Method, MethodOptions, option, register_method
 from draftforge.decode.plan import DynamicTree, TreeBuilder
 from draftforge.errors import RecipeError
 
@@ -80,22 +82,23 @@ def check_eagle2(top_k: int, depth: int, total_tokens: int, target, drafter) -> 
     check_context(total_tokens, target, "--total-tokens")
 
 
-def make_eagle2(target, drafter, options: dict):
-    k, depth, total = options["eagle_top_k"], options["eagle_depth"], options["total_tokens"]
-    check_eagle2(k, depth, total, target, drafter)
-    return SpeculativeDecoder("eagle2", target, drafter, BuilderController(Eagle2Builder(k, depth, total).plan()))
+@dataclass(frozen=True)
+class Eagle2Options(MethodOptions):
+    eagle_top_k: int = option(DEFAULT_TOP_K, "EAGLE-2: children per frontier node and frontier width k "
+                              f"(default {DEFAULT_TOP_K})", check=positive_int)
+    eagle_depth: int = option(DEFAULT_DEPTH, "EAGLE-2: expansion rounds after the first layer, EAGLE's `depth` "
+                              f"(draft layers = depth + 1; default {DEFAULT_DEPTH})", check=positive_int)
+    total_tokens: int = option(DEFAULT_TOTAL_TOKENS, "EAGLE-2 rerank budget N: tokens per verification, root "
+                               f"included (EAGLE's total_token; default {DEFAULT_TOTAL_TOKENS})", check=positive_int)
 
 
-# ---------------------------------------------------------------- the method and its options
+def make_eagle2(target, drafter, o: Eagle2Options):
+    check_eagle2(o.eagle_top_k, o.eagle_depth, o.total_tokens, target, drafter)
+    builder = Eagle2Builder(o.eagle_top_k, o.eagle_depth, o.total_tokens)
+    return SpeculativeDecoder("eagle2", target, drafter, BuilderController(builder.plan()))
 
-register_option(Option("eagle_top_k", "--eagle-top-k", int, lambda v: positive_int(v, "--eagle-top-k"),
-                       DEFAULT_TOP_K, f"EAGLE-2: children per frontier node and frontier width k "
-                       f"(default {DEFAULT_TOP_K})"))
-register_option(Option("eagle_depth", "--eagle-depth", int, lambda v: positive_int(v, "--eagle-depth"),
-                       DEFAULT_DEPTH, f"EAGLE-2: expansion rounds after the first layer, EAGLE's `depth` "
-                       f"(draft layers = depth + 1; default {DEFAULT_DEPTH})"))
-register_option(Option("total_tokens", "--total-tokens", int, lambda v: positive_int(v, "--total-tokens"),
-                       DEFAULT_TOTAL_TOKENS, "EAGLE-2 rerank budget N: tokens per verification, root included "
-                       f"(EAGLE's total_token; default {DEFAULT_TOTAL_TOKENS})"))
+
+# ---------------------------------------------------------------- the method
+
 register_method(Method("eagle2", "EAGLE-2 dynamic tree: top-k expand + rerank to --total-tokens (greedy only)",
-                       True, make_eagle2, ("eagle_top_k", "eagle_depth", "total_tokens")))
+                       True, make_eagle2, Eagle2Options))

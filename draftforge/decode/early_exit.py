@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from draftforge.decode.control import FixedChain
+from draftforge.decode.core_methods import ChainOptions, chain_rows
 from draftforge.decode.drafter_base import (
     Drafter,
     chain_stops,
@@ -198,11 +199,10 @@ class EarlyExitDrafter(Drafter):
         target.staged_N.append(row_D)
         return self._exit(row_D[None])
 
-    def draft_levels(self, seq, widths, params, generator, stop=None) -> DraftTree:
-        if isinstance(widths, TreeShape) or any(w != 1 for w in widths):  # a chain always comes as widths
-            shown = widths.name if isinstance(widths, TreeShape) else tuple(widths)
+    def draft_levels(self, seq, shape: TreeShape, params, generator, stop=None) -> DraftTree:
+        if not shape.is_chain:
             raise DraftforgeError(f"the early-exit drafter drafts chains (EESD: one top-1 token per step), not the "
-                                  f"tree {shown}; use a chain (--chain-length) or a stop rule")
+                                  f"tree {shape.name}; use a chain (--chain-length) or a stop rule")
         target = self._target()
         committed = len(seq) - 1  # seq[-1] (y_t) is fed now
         if target.shallow_length != committed or len(target.hidden_N) != committed:
@@ -214,11 +214,11 @@ class EarlyExitDrafter(Drafter):
         target.staged_N = [row_D]
         logits_1V, _ = self._exit(torch.stack(backlog + [row_D]))
         tokens, q_rows = [], []
-        for depth in range(1, len(widths) + 1):
+        for depth in range(1, shape.depth + 1):
             child_11, q_1V = propose_children(logits_1V, 1, params, self.vocab_size, generator, self.d2t)
             tokens.append(int(child_11[0, 0]))
             q_rows.append(q_1V)
-            if depth == len(widths):
+            if depth == shape.depth:
                 break
             next_logits_1V, hidden_D = self._feed(tokens[-1])
             if chain_stops(stop, depth, child_11, logits_1V, q_1V, hidden_D, self.vocab_size, self.d2t):
@@ -272,5 +272,5 @@ def make_eesd_decoder(target, drafter, controller, name: str = "eesd"):
 
 register_method(Method("eesd", "EESD early-exit drafter (an eesd export): a chain of --chain-length drafts from the "
                        "target's first N layers + exit head, verified by layers N+1..L", True,
-                       lambda target, drafter, o: make_eesd_decoder(target, drafter, FixedChain(o["chain_length"])),
-                       ("chain_length",)))
+                       lambda target, drafter, o: make_eesd_decoder(target, drafter, FixedChain(o.chain_length)),
+                       ChainOptions, rows=chain_rows))

@@ -67,7 +67,8 @@ def eos_set(eos_token_id, target: Target) -> set[int]:
 
 class Decoder(ABC):
     """What a method's `make` returns. Every decoder is called the same way, `generate(ids, max_new_tokens=...,
-    temperature=..., ...)`; the sampling keywords become one SamplingParams before `decode` runs."""
+    temperature=..., ...)` or `generate(ids, max_new_tokens=..., params=SamplingParams(...))`; the sampling
+    keywords become one SamplingParams before `decode` runs."""
 
     name: str
 
@@ -75,8 +76,11 @@ class Decoder(ABC):
         """Forget adaptive state between measured runs (eval calls it before each timed repeat)."""
 
     def generate(self, input_ids, *, max_new_tokens: int, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos_token_id=None,
-                 tree_draws="distinct") -> DecodeResult:
-        params = SamplingParams(float(temperature), float(top_p), int(top_k), tree_draws)
+                 tree_draws="distinct", params: SamplingParams | None = None) -> DecodeResult:
+        if params is None:
+            params = SamplingParams(float(temperature), float(top_p), int(top_k), tree_draws)
+        elif (temperature, top_p, top_k, tree_draws) != (0.0, 1.0, 0, "distinct"):
+            raise DraftforgeError("give the sampling settings either as params=SamplingParams(...) or as keywords")
         return self.decode(input_ids, max_new_tokens, params, seed, eos_token_id)
 
     @abstractmethod

@@ -5,13 +5,15 @@ Registers both methods and the `lookup_tokens` option.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from draftforge.decode.base import DecodeResult, DecodeStats
 from draftforge.decode.checks import positive_int
 from draftforge.decode.drafter_base import Drafter
 from draftforge.decode.engine import Decoder, check_prompt, clock, eos_set
-from draftforge.decode.methods import Method, Option, register_method, register_option
+from draftforge.decode.methods import Method, MethodOptions, option, register_method
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.targets import Target, is_recurrent_model
 from draftforge.errors import DraftforgeError
@@ -152,13 +154,17 @@ def _fill_assisted_stats(stats: DecodeStats, calls, prompt_len: int, n_new: int)
 
 # ---------------------------------------------------------------- methods and options
 
-register_option(Option("lookup_tokens", "--lookup-tokens", int, lambda v: positive_int(v, "--lookup-tokens"),
-                       10, "drafts per round of transformers' prompt lookup (prompt_lookup_num_tokens; default 10)"))
+@dataclass(frozen=True)
+class HFPromptLookupOptions(MethodOptions):
+    lookup_tokens: int = option(10, "drafts per round of transformers' prompt lookup (prompt_lookup_num_tokens; "
+                                "default 10)", check=positive_int)
+
+
 register_method(Method("hf_assisted", "transformers' assisted generation (Transformer drafters only)", True,
                        lambda target, drafter, o: HFAssistedDecoder(target, drafter), baseline=True))
 # Not baseline=True: eval adds every baseline whenever a drafter is given; this one runs only when named
 # (--methods or --baseline), and needs no drafter.
 register_method(Method("hf_prompt_lookup", "transformers' prompt lookup decoding (--lookup-tokens drafts copied "
                        "from the prompt by n-gram match; KV-cache targets only)", False,
-                       lambda target, drafter, o: HFPromptLookupDecoder(target, o["lookup_tokens"]),
-                       ("lookup_tokens",)))
+                       lambda target, drafter, o: HFPromptLookupDecoder(target, o.lookup_tokens),
+                       HFPromptLookupOptions))

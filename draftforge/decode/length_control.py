@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from draftforge.decode.checks import non_negative, one_of, positive, positive_int, unit_interval
+from draftforge.decode.checks import non_negative, positive, positive_int, unit_interval
 from draftforge.decode.control import Controller, Round
 from draftforge.decode.engine import SpeculativeDecoder
-from draftforge.decode.methods import Method, Option, register_method, register_option
+from draftforge.decode.methods import Method, MethodOptions, option, register_method
 from draftforge.decode.plan import DraftStep, StoppableChain, StopRule
 from draftforge.errors import DraftforgeError
 
@@ -241,42 +243,58 @@ def _make(name, controller):
     return lambda target, drafter, o: SpeculativeDecoder(name, target, drafter, controller(target, drafter, o))
 
 
-register_option(Option("max_draft", "--max-draft", int, lambda v: positive_int(v, "--max-draft"), DEFAULT_MAX_DRAFT,
-                       "cap on drafts per round for beta_ts / cali_ts / specdec_pp (default 16)"))
-register_option(Option("ts_seed", "--ts-seed", int, lambda v: int(non_negative(v, "--ts-seed")), 0,
-                       "seed of the Thompson-sampling draws (default 0)"))
-register_option(Option("beta_alpha0", "--beta-alpha0", float, lambda v: positive(v, "--beta-alpha0"), 1.0,
-                       "Beta-TS prior α₀ (default 1)"))
-register_option(Option("beta_beta0", "--beta-beta0", float, lambda v: positive(v, "--beta-beta0"), 1.0,
-                       "Beta-TS prior β₀ (default 1)"))
-register_option(Option("beta_update", "--beta-update", str,
-                       lambda v: one_of(v, "--beta-update", ("resolved", "literal")), "resolved",
-                       "Beta-TS update: resolved (α+=a, β+=1[a<k], the spec's fix) or literal (Eqs. 3-4)"))
-register_option(Option("theta_predictor", "--theta-predictor", str, str, None,
-                       "a θ predictor export (task theta) for this target/drafter pair (cali_ts: θ_M; specdec_pp: "
-                       "head)"))
-register_option(Option("sigma_m", "--sigma-m", float, lambda v: positive(v, "--sigma-m"), 0.2,
-                       "Cali-TS σ_M, the θ predictor's error (default 0.2)"))
-register_option(Option("sigma_s", "--sigma-s", float, lambda v: positive(v, "--sigma-s"), 0.3,
-                       "Cali-TS σ_S, spread of a round's acceptance mean (default 0.3)"))
-register_option(Option("theta0", "--theta0", float, lambda v: unit_interval(v, "--theta0"), None,
-                       "Cali-TS θ̂₀ (default: the predictor's mean training acceptance, else 0.5)"))
-register_option(Option("specpp_threshold", "--specpp-threshold", float,
-                       lambda v: unit_interval(v, "--specpp-threshold", True), 0.3,
-                       "SpecDec++: stop once P(some draft rejected) exceeds this (default 0.3)"))
+def _seed_field():
+    return option(0, "seed of the Thompson-sampling draws (default 0)", check=lambda v, f: int(non_negative(v, f)))
+
+
+def _predictor_field():
+    return option(None, "a θ predictor export (task theta) for this target/drafter pair (cali_ts: θ_M; specdec_pp: "
+                  "head)")
+
+
+@dataclass(frozen=True)
+class DraftCapOptions(MethodOptions):
+    max_draft: int = option(DEFAULT_MAX_DRAFT, "cap on drafts per round for beta_ts / cali_ts / specdec_pp "
+                            "(default 16)", check=positive_int)
+
+
+@dataclass(frozen=True)
+class BetaTSOptions(DraftCapOptions):
+    ts_seed: int = _seed_field()
+    beta_alpha0: float = option(1.0, "Beta-TS prior α₀ (default 1)", check=positive)
+    beta_beta0: float = option(1.0, "Beta-TS prior β₀ (default 1)", check=positive)
+    beta_update: Literal["resolved", "literal"] = option(
+        "resolved", "Beta-TS update: resolved (α+=a, β+=1[a<k]; docs/methods/cali-ts.md) or literal (Eqs. 3-4)")
+
+
+@dataclass(frozen=True)
+class CaliTSOptions(DraftCapOptions):
+    ts_seed: int = _seed_field()
+    theta_predictor: str | None = _predictor_field()
+    sigma_m: float = option(0.2, "Cali-TS σ_M, the θ predictor's error (default 0.2)", check=positive)
+    sigma_s: float = option(0.3, "Cali-TS σ_S, spread of a round's acceptance mean (default 0.3)", check=positive)
+    theta0: float | None = option(None, "Cali-TS θ̂₀ (default: the predictor's mean training acceptance, else 0.5)",
+                                  check=unit_interval)
+
+
+@dataclass(frozen=True)
+class SpecDecPPOptions(DraftCapOptions):
+    specpp_threshold: float = option(0.3, "SpecDec++: stop once P(some draft rejected) exceeds this (default 0.3)",
+                                     check=lambda v, f: unit_interval(v, f, True))
+    theta_predictor: str | None = _predictor_field()
+
 
 register_method(Method(
     "beta_ts", "chains ended by Beta-TS (EESD App. A): θ ~ Beta per draft, stop on Bernoulli(θ) = 0", True,
-    _make("beta_ts", lambda t, d, o: BetaTS(o["max_draft"], o["ts_seed"], o["beta_alpha0"], o["beta_beta0"],
-                                            o["beta_update"])),
-    ("max_draft", "ts_seed", "beta_alpha0", "beta_beta0", "beta_update")))
+    _make("beta_ts", lambda t, d, o: BetaTS(o.max_draft, o.ts_seed, o.beta_alpha0, o.beta_beta0, o.beta_update)),
+    BetaTSOptions))
 register_method(Method(
     "cali_ts", "chains ended by Cali-TS (EESD §3.3, App. B): θ predictor blended with the running mean", True,
-    _make("cali_ts", lambda t, d, o: CaliTS(t, _predictor(o["theta_predictor"], t, d), o["max_draft"],
-                                            o["ts_seed"], o["sigma_m"], o["sigma_s"], o["theta0"])),
-    ("max_draft", "ts_seed", "theta_predictor", "sigma_m", "sigma_s", "theta0")))
+    _make("cali_ts", lambda t, d, o: CaliTS(t, _predictor(o.theta_predictor, t, d), o.max_draft, o.ts_seed,
+                                            o.sigma_m, o.sigma_s, o.theta0)),
+    CaliTSOptions))
 register_method(Method(
     "specdec_pp", "chains ended by SpecDec++'s threshold on P(some draft rejected) (drafter prob as p_acc)",
-    True, _make("specdec_pp", lambda t, d, o: SpecDecPP(o["specpp_threshold"], o["max_draft"], t,
-                                                        _predictor(o["theta_predictor"], t, d))),
-    ("max_draft", "specpp_threshold", "theta_predictor")))
+    True, _make("specdec_pp", lambda t, d, o: SpecDecPP(o.specpp_threshold, o.max_draft, t,
+                                                        _predictor(o.theta_predictor, t, d))),
+    SpecDecPPOptions))

@@ -1,43 +1,131 @@
-"""The method registry: decoding methods and their options, each registered once; `draftforge eval`'s flags
-and its runner read it. It knows no method: each method's module registers its own (decode/__init__.py
+"""The method registry: decoding methods and their typed options, each registered once; `draftforge eval`'s
+flags and its runner read it. It knows no method: each method's module registers its own (decode/__init__.py
 imports them all, so `import draftforge.decode` fills the registry).
 
-A method names the options it reads; an option has a CLI flag, a parser for the flag's text, a
-check, a default and a help line. `build(method, target, drafter, **options)` makes a decoder.
+A method declares its options as a frozen dataclass whose fields are made with `option(...)` (a default, a
+one-line help, the CLI flag, how the flag's text is read and how a value is checked), like a recipe section.
+Building the dataclass checks every value, once; an unknown key is named with "did you mean". Two methods
+that read the same option (chain and eesd read `chain_length`) declare a field of the same name, and the
+CLI gives it one flag; declaring it with another flag or type is an error at registration.
 
-    register_method(Method("mine", "my controller", needs_drafter=True, options=("chain_length",),
+    @dataclass(frozen=True)
+    class MineOptions(MethodOptions):
+        chain_length: int = option(5, "draft tokens per round", check=positive_int)
+
+    register_method(Method("mine", "my controller", needs_drafter=True, options=MineOptions,
                            make=lambda target, drafter, o: SpeculativeDecoder("mine", target, drafter, Mine(o))))
+
+`build(method, target, drafter, **options)` (or `options=MineOptions(...)`) makes a decoder.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
 
-from draftforge.decode.checks import check_widths, parse_widths  # noqa: F401  (callers import them from here)
-from draftforge.errors import DraftforgeError
+from draftforge.decode.checks import one_of
+from draftforge.errors import DraftforgeError, RecipeError
+
+# ---------------------------------------------------------------- options
+
+
+def option(default: Any, help: str, *, check: Callable | None = None, parse: Callable[[str], Any] | None = None,
+           flag: str | None = None, repeat: bool = False):
+    """A method-option field: its default, a one-line help, and optionally `check(value, flag)` -> the checked
+    value (or RecipeError), `parse(text)` for the flag's text (default: from the field's type), the flag
+    (default: --the-name) and `repeat` (the flag is given once per item of a tuple value)."""
+    meta = {"help": help, "check": check, "parse": parse, "flag": flag, "repeat": repeat}
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
-class Option:
-    name: str  # keyword of build() and field of EvalConfig
+class OptionInfo:
+    """One option as the CLI sees it: the field of some method's options dataclass."""
+
+    name: str
     flag: str
-    parse: Callable[[str], Any]  # the flag's text -> value
-    check: Callable[[Any], Any]  # value -> checked value, or RecipeError
-    default: Any
     help: str
-    repeat: bool = False  # the flag is given once per item of a list value
+    default: Any
+    type: Any
+    repeat: bool
+    read: Callable[[str], Any]  # the flag's text -> a value
+
+    def parse(self, text: str) -> Any:
+        """The flag's text -> a value (checked later, when the options dataclass is built)."""
+        try:
+            return self.read(text)
+        except ValueError:
+            raise RecipeError(f"{self.flag}: cannot read {text!r} ({self.help})") from None
 
 
-OPTIONS: dict[str, Option] = {}
+def _reader(tp) -> Callable[[str], Any]:
+    """int / float / str from an annotation (Optional[X] reads as X; Literal and others as str)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    return {int: int, float: float}.get(tp, str)
 
 
-def register_option(option: Option) -> Option:
-    """Add `option`; ValueError when its name is registered already (two methods would share one flag)."""
-    if option.name in OPTIONS:
-        raise ValueError(f"decoding option {option.name!r} is registered already")
-    OPTIONS[option.name] = option
-    return option
+@dataclass(frozen=True)
+class MethodOptions:
+    """Base of every method's options: building one checks each value (None = the field's default)."""
+
+    def __post_init__(self):
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            flag = _flag(f)
+            check = f.metadata.get("check")
+            choices = literal_choices(hints[f.name])
+            if choices:
+                value = one_of(value, flag, choices)
+            if check is not None:
+                value = check(value, flag)
+            object.__setattr__(self, f.name, value)
+
+    @classmethod
+    def from_dict(cls, given: dict, method: str = "") -> MethodOptions:
+        """Values by option name (None = default); an unknown name is refused with 'did you mean'."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in given:
+            if key not in names:
+                close = difflib.get_close_matches(str(key), names, n=1)
+                hint = (f"did you mean {close[0]!r}?" if close else
+                        f"it reads {', '.join(names)}" if names else "it has no options")
+                raise RecipeError(f"unknown option {key!r} for method {method or cls.__name__!r}: {hint}")
+        return cls(**{k: v for k, v in given.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class NoOptions(MethodOptions):
+    """A method without options (ar, hf_assisted)."""
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def literal_choices(tp) -> tuple | None:
+    """The values of a Literal[...] annotation (also inside Optional), else None."""
+    for t in (tp, *typing.get_args(tp)):
+        if typing.get_origin(t) is Literal:
+            return typing.get_args(t)
+    return None
+
+
+def option_infos(cls: type[MethodOptions]) -> list[OptionInfo]:
+    hints = typing.get_type_hints(cls)
+    return [OptionInfo(f.name, _flag(f), f.metadata.get("help", ""), f.default, hints[f.name],
+                       bool(f.metadata.get("repeat")), f.metadata.get("parse") or _reader(hints[f.name]))
+            for f in dataclasses.fields(cls)]
+
+
+# ---------------------------------------------------------------- methods
 
 
 @dataclass(frozen=True)
@@ -45,21 +133,33 @@ class Method:
     name: str
     help: str
     needs_drafter: bool
-    make: Callable  # (target, drafter, options dict) -> decoder with .generate(...)
-    options: tuple[str, ...] = ()
+    make: Callable  # (target, drafter, options dataclass) -> decoder with .generate(...)
+    options: type[MethodOptions] = NoOptions
     baseline: bool = False  # an external baseline (hf_assisted): eval may skip it when it cannot run
+    rows: Callable[[Any], tuple[int, ...]] = lambda options: ()  # static verification sizes (the cost model's)
 
 
 METHODS: dict[str, Method] = {}
+OPTIONS: dict[str, OptionInfo] = {}  # every option of every method, by name: one CLI flag each
 
 
 def register_method(method: Method) -> Method:
-    """Add `method`; ValueError when its name is registered already or it reads an option that is not."""
+    """Add `method`; ValueError when its name is registered already, its options are not a MethodOptions
+    dataclass, or one of them clashes with another method's option of the same name (other flag or type)."""
     if method.name in METHODS:
         raise ValueError(f"decoding method {method.name!r} is registered already")
-    for name in method.options:
-        if name not in OPTIONS:
-            raise ValueError(f"method {method.name!r} reads option {name!r}, which is not registered")
+    if not (isinstance(method.options, type) and issubclass(method.options, MethodOptions)):
+        raise ValueError(f"method {method.name!r}: options must be a MethodOptions dataclass, got {method.options!r}")
+    for info in option_infos(method.options):
+        known = OPTIONS.get(info.name)
+        if known is not None and (known.flag, known.type) != (info.flag, info.type):
+            raise ValueError(f"method {method.name!r} declares option {info.name!r} as {info.flag} ({info.type}); "
+                             f"another method has it as {known.flag} ({known.type})")
+        clash = [o.name for o in OPTIONS.values() if o.flag == info.flag and o.name != info.name]
+        if clash:
+            raise ValueError(f"method {method.name!r}: flag {info.flag} is option {clash[0]!r} already")
+    for info in option_infos(method.options):
+        OPTIONS.setdefault(info.name, info)
     METHODS[method.name] = method
     return method
 
@@ -68,30 +168,59 @@ def method_names() -> tuple[str, ...]:
     return tuple(METHODS)
 
 
+def suggest(name: str) -> str:
+    """'did you mean ...? choose one of ...' for a method name that is not registered."""
+    close = difflib.get_close_matches(name, list(METHODS), n=1)
+    return (f"did you mean {close[0]!r}? " if close else "") + f"choose one of {', '.join(METHODS)}"
+
+
 def get_method(name: str) -> Method:
     if name not in METHODS:
-        raise DraftforgeError(f"unknown decoding method {name!r}; choose one of {', '.join(METHODS)}")
+        raise RecipeError(f"unknown decoding method {name!r}; {suggest(name)}")
     return METHODS[name]
 
 
-def resolve_options(method: str, given: dict) -> dict:
-    """The method's options: given values (None = default) checked, defaults filled in."""
-    out = {}
-    for name in get_method(method).options:
-        value = given.get(name)
-        option = OPTIONS[name]
-        out[name] = option.default if value is None else option.check(value)
-    return out
+def readers(option_name: str) -> list[str]:
+    """The methods that read an option."""
+    return [m.name for m in METHODS.values() if option_name in {f.name for f in dataclasses.fields(m.options)}]
 
 
-def build(method: str, target, drafter=None, **options):
-    """A decoder for `method`; `ar` ignores the drafter, the others need one."""
+def per_method(values: dict, methods) -> tuple[dict[str, dict], list[str]]:
+    """Option values by name (None = not given) spread over the methods of `methods` that read them:
+    ({method: {name: value}}, the names none of them reads). One value may go to several methods."""
+    out: dict[str, dict] = {}
+    unread = []
+    for name, value in values.items():
+        if value is None:
+            continue
+        takers = [m for m in readers(name) if m in methods]
+        for m in takers:
+            out.setdefault(m, {})[name] = value
+        if not takers:
+            unread.append(name)
+    return out, unread
+
+
+def resolve_options(method: str, given: MethodOptions | dict | None = None) -> MethodOptions:
+    """The method's options dataclass: `given` as is when it already is one, else built (and so checked) from
+    a dict of values by option name (None = default)."""
+    cls = get_method(method).options
+    if isinstance(given, cls):
+        return given
+    if isinstance(given, MethodOptions):
+        raise RecipeError(f"method {method!r} takes {cls.__name__}, got {type(given).__name__}")
+    return cls.from_dict(dict(given or {}), method)
+
+
+def build(method: str, target, drafter=None, options: MethodOptions | dict | None = None, **values):
+    """A decoder for `method`; `ar` ignores the drafter, the others need one. Options come as a dataclass
+    (`options=`) or as keywords (`chain_length=3`), not both."""
     m = get_method(method)
-    unknown = set(options) - set(OPTIONS)
-    if unknown:
-        raise DraftforgeError(f"unknown decoding option(s) {sorted(unknown)}; known: {', '.join(OPTIONS)}")
+    if options is not None and values:
+        raise DraftforgeError("give the method's options either as options=... or as keywords, not both")
+    resolved = resolve_options(method, options if options is not None else values)
     if m.needs_drafter and drafter is None:
         raise DraftforgeError(f"method {method!r} needs a drafter (load one with load_drafter)")
     if m.needs_drafter and hasattr(drafter, "paired_target"):  # e.g. EESD: verification is split after layer N
         target = drafter.paired_target(target)
-    return m.make(target, drafter if m.needs_drafter else None, resolve_options(method, options))
+    return m.make(target, drafter if m.needs_drafter else None, resolved)

@@ -1,8 +1,8 @@
 """Draft plans: what a controller asks the drafter for in one round.
 
-- `StaticTree(tree)`: the same tree every round: widths, N_i children per node at depth i (Mamba
-  Drafters §4.1; a chain of K drafts is `StaticTree((1,) * K)`), or a TreeShape of parent lists per
-  layer for trees widths cannot draw (STree's config A, decode/tree_shape.py).
+- `StaticTree(tree)`: the same tree every round, a TreeShape (decode/tree_shape.py): parent lists per
+  layer, built from widths N_i children per node at depth i when given those (Mamba Drafters §4.1; a chain
+  of K drafts is `StaticTree((1,) * K)`) or given as such for trees widths cannot draw (STree's config A).
 - `StoppableChain(max_len, stop)`: a chain that a `StopRule` may end after any drafted token
   (Beta-TS / Cali-TS, EESD §3.3; SpecDec++'s threshold rule).
 - `DynamicTree(builder)`: a `TreeBuilder` decides depth by depth which drafted nodes get children
@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from draftforge.decode.tree import validate_widths
-from draftforge.decode.tree_shape import TreeShape, tree_depth, tree_name, validate_tree
+from draftforge.decode.tree_shape import TreeShape, as_shape
 
 
 @dataclass
@@ -74,28 +74,26 @@ class TreeBuilder:
 
 @dataclass(frozen=True)
 class StaticTree:
-    tree: tuple[int, ...] | TreeShape  # widths (N1..Nγ) or parent lists per layer (tree_shape.py)
+    tree: TreeShape  # given as widths (N1..Nγ) or a TreeShape; kept as the TreeShape
 
     def __post_init__(self):
-        object.__setattr__(self, "tree", validate_tree(self.tree))
+        object.__setattr__(self, "tree", as_shape(self.tree))
 
     @property
     def widths(self) -> tuple[int, ...] | None:
-        """(N1..Nγ), also for a TreeShape that is one; None for other shapes."""
-        return self.tree.widths if isinstance(self.tree, TreeShape) else self.tree
+        """(N1..Nγ) when the shape is one; None for other shapes."""
+        return self.tree.widths
 
     @property
     def max_depth(self) -> int:
-        return tree_depth(self.tree)
+        return self.tree.depth
 
     def capped(self, depth: int) -> StaticTree | None:
-        if depth <= 0:
-            return None
-        return StaticTree(self.tree.capped(depth) if isinstance(self.tree, TreeShape) else self.tree[:depth])
+        return StaticTree(self.tree.capped(depth)) if depth > 0 else None
 
     @property
     def name(self) -> str:
-        return tree_name(self.tree)
+        return self.tree.name
 
 
 @dataclass(frozen=True)
@@ -139,4 +137,4 @@ def as_plan(plan_or_tree) -> StaticTree | StoppableChain | DynamicTree:
     """A plan as is; a widths tuple or TreeShape as the static tree it names."""
     if isinstance(plan_or_tree, (StaticTree, StoppableChain, DynamicTree)):
         return plan_or_tree
-    return StaticTree(plan_or_tree if isinstance(plan_or_tree, TreeShape) else tuple(plan_or_tree))
+    return StaticTree(as_shape(plan_or_tree))

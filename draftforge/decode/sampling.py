@@ -7,6 +7,7 @@ Temperature 0 means greedy; then distributions are not needed and only argmax is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -21,7 +22,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    tree_draws: str = "distinct"  # T>0 siblings: "distinct" (without replacement) or "iid" (with replacement)
+    tree_draws: Literal["distinct", "iid"] = "distinct"  # T>0 siblings: without replacement, or with
 
     def __post_init__(self):
         if not self.temperature >= 0.0:

@@ -1,4 +1,6 @@
-"""Static tree shapes: a widths tuple (N_i children per node at depth i) or explicit parent lists per layer.
+"""Static tree shapes: `TreeShape`, parent lists per layer, the one representation of a static tree past the
+CLI and the Python API's entry points (`as_shape` turns a widths tuple, N_i children per node at depth i,
+into its TreeShape; `parse_tree` reads the text forms).
 
 Widths cannot draw trees whose nodes at one depth have different numbers of children, such as
 STree's 13-token config A (Fig. 4a). A `TreeShape` lists, layer by layer (layer i = the nodes at
@@ -7,7 +9,7 @@ implicit, so layer 0 lists 0s. A node that is its parent's r-th child (in list o
 parent's r-th ranked draft token (greedy: r-th most likely; T>0: the r-th draw, distinct or i.i.d. as
 SamplingParams.tree_draws says).
 
-Text forms (`parse_tree`): `3,1,1,1` (widths, kept as a tuple), `parents:0,0,0/0,0,1/0,0,1/0,0,0`
+Text forms (`parse_tree`): `3,1,1,1` (widths), `parents:0,0,0/0,0,1/0,0,1/0,0,0`
 (parent lists) and the presets in TREE_PRESETS (`stree13`).
 
 Drafting a shape by batch expansion: at depth d only the nodes with children ("fed" nodes) are fed
@@ -216,31 +218,13 @@ def _from_widths(widths: tuple[int, ...]) -> TreeShape:
     return TreeShape(tuple(tuple(p for p in range(sizes[i]) for _ in range(w)) for i, w in enumerate(widths)))
 
 
-def validate_tree(tree) -> tuple[int, ...] | TreeShape:
-    """A widths tuple (checked) or a TreeShape as is."""
-    return tree if isinstance(tree, TreeShape) else validate_widths(tree)
-
-
 def as_shape(tree) -> TreeShape:
-    """The TreeShape of a widths tuple (cached) or of a TreeShape."""
+    """The one way in: a TreeShape as is, widths (N1..Nγ) as their TreeShape (checked, cached per widths)."""
     return tree if isinstance(tree, TreeShape) else TreeShape.from_widths(tuple(tree))
 
 
-def tree_name(tree) -> str:
-    return tree.name if isinstance(tree, TreeShape) else config_name(tuple(tree))
-
-
-def tree_depth(tree) -> int:
-    return tree.depth if isinstance(tree, TreeShape) else len(tree)
-
-
-def tree_size(tree) -> int:
-    """Draft tokens of one round (computed from widths without building the tree)."""
-    return tree.size if isinstance(tree, TreeShape) else sum(level_sizes(tuple(tree)))
-
-
-def parse_tree(text) -> tuple[int, ...] | TreeShape:
-    """'3,2,2,1' -> (3, 2, 2, 1); 'parents:0,0,0/0,0,1' or a preset name -> TreeShape. DraftforgeError if bad."""
+def parse_tree(text) -> TreeShape:
+    """'3,2,2,1', 'parents:0,0,0/0,0,1' or a preset name -> its TreeShape. DraftforgeError if bad."""
     text = str(text).strip()
     if text in TREE_PRESETS:
         return TreeShape(TREE_PRESETS[text], label=text)
@@ -248,6 +232,6 @@ def parse_tree(text) -> tuple[int, ...] | TreeShape:
         if text.startswith(PARENTS_PREFIX):
             body = text[len(PARENTS_PREFIX):]
             return TreeShape(tuple(tuple(int(p) for p in layer.split(",") if p.strip()) for layer in body.split("/")))
-        return validate_widths(tuple(int(p) for p in text.split(",") if p.strip()))
+        return TreeShape.from_widths(tuple(int(p) for p in text.split(",") if p.strip()))
     except ValueError:
         raise DraftforgeError(f"cannot read the tree {text!r}; give {TREE_FORMS}") from None

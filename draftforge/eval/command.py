@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 
 from draftforge.decode import methods as method_registry
+from draftforge.decode.checks import parse_widths
 from draftforge.decode.sampling import TREE_DRAWS
 from draftforge.errors import RecipeError
 from draftforge.eval.prompts import BENCHES
 from draftforge.eval.runner import EvalConfig, run_eval
-from draftforge.runtime import DTYPE_CHOICES
+from draftforge.runtime import DTYPE_CHOICES, add_device_flag, add_dtype_flag
 
 
 def parse_floats(values: list[str] | None, flag: str) -> tuple[float, ...]:
@@ -25,7 +26,7 @@ def parse_floats(values: list[str] | None, flag: str) -> tuple[float, ...]:
     return tuple(out)
 
 
-parse_tree = method_registry.parse_widths  # '3,2,2,1' -> (3, 2, 2, 1); 'stree13', 'parents:0,0/0' -> TreeShape
+parse_tree = parse_widths  # '3,2,2,1' -> (3, 2, 2, 1); 'stree13', 'parents:0,0/0' -> TreeShape
 
 
 def parse_list(values: list[str] | None) -> tuple[str, ...]:
@@ -47,10 +48,11 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--methods", action="append", metavar="M",
                    help=f"decoding methods, comma list or repeated, from: {names}. Default ar,chain,tree; "
                         "ar is always run as the baseline")
-    for option in method_registry.OPTIONS.values():  # each method's options, as registered
-        used_by = ", ".join(m.name for m in method_registry.METHODS.values() if option.name in m.options)
+    for option in method_registry.OPTIONS.values():  # each method's options dataclass, as registered
+        used_by = ", ".join(method_registry.readers(option.name))
+        choices = method_registry.literal_choices(option.type)  # a Literal field: argparse lists its values
         p.add_argument(option.flag, dest=option.name, action="append" if option.repeat else "store",
-                       metavar="VALUE", help=f"[{used_by}] {option.help}")
+                       choices=choices, metavar=None if choices else "VALUE", help=f"[{used_by}] {option.help}")
     p.add_argument("--baseline", action="append", metavar="B",
                    help="extra baselines, comma list or repeated: ar, hf_assisted (default: ar, plus "
                         "hf_assisted when the drafter is a Transformer)")
@@ -68,11 +70,14 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--chat-template", choices=("auto", "always", "never"), default="auto",
                    help="auto: chat prompts ('turns'/'messages') use the target's chat template if it has one")
     p.add_argument("--out", default="eval_out", help="directory for report.json, report.md and PNG plots")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="model dtype: auto (default) = bfloat16 where the device computes it natively (CUDA with "
-                        "bf16, CPUs with AVX512-BF16 or AMX), else float32. The T=0 self-check is bitwise in "
-                        "float32; in reduced precision a difference must be a measured near-tie")
+    p.add_argument("--answers", metavar="DIR",
+                   help="also write Spec-Bench answer files into DIR: one JSONL per method and temperature "
+                        "(<target>-<method>-<dtype>-temp-<T>.jsonl, Spec-Bench's model_answer layout, every turn of "
+                        "a multi-turn question), for Spec-Bench's evaluation/speed.py and equal.py; files of the "
+                        "same name are replaced")
+    add_device_flag(p)
+    add_dtype_flag(p, ". The T=0 self-check is bitwise in float32; in reduced precision a difference must be a "
+                      "measured near-tie")
     p.add_argument("--drafter-dtype", choices=DTYPE_CHOICES, help="the drafter's dtype (default: as --dtype)")
     p.add_argument("--threads", type=int,
                    help="torch intra-op threads on CPU (default 1, or OMP_NUM_THREADS when set: batch-1 decoding "
@@ -92,39 +97,37 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def method_options_from_args(args: argparse.Namespace) -> dict:
-    """Each registered option's flag text parsed (None where the flag was not given)."""
-    out = {}
+    """Each option flag given, parsed (checked when EvalConfig is validated), by option name."""
+    given = {}
     for option in method_registry.OPTIONS.values():
         raw = getattr(args, option.name, None)
-        if raw is None:
-            out[option.name] = None
-        elif option.repeat:
-            out[option.name] = tuple(option.parse(r) for r in raw)
-        else:
-            try:
-                out[option.name] = option.parse(raw)
-            except ValueError:
-                raise RecipeError(f"{option.flag}: cannot read {raw!r} ({option.help})") from None
-    return out
+        if raw is not None:
+            given[option.name] = tuple(option.parse(r) for r in raw) if option.repeat else option.parse(raw)
+    return given
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
-    options = method_options_from_args(args)
-    fields = set(EvalConfig.__dataclass_fields__)
-    builtin = {k: v for k, v in options.items() if k in fields}
+    methods = parse_list(args.methods) or ("ar", "chain", "tree")
+    baselines = parse_list(args.baseline) or None
+    asked = set(methods) | set(baselines or ()) | {m.name for m in method_registry.METHODS.values() if m.baseline}
+    # a flag read by several methods (--chain-length: chain and eesd) goes to each of them that runs
+    options, unread = method_registry.per_method(method_options_from_args(args), asked)
+    if unread:
+        flags = ", ".join(method_registry.OPTIONS[n].flag for n in unread)
+        readers = ", ".join(sorted({m for n in unread for m in method_registry.readers(n)}))
+        raise RecipeError(f"{flags} given, but no method of this run reads it (read by {readers}); add the method "
+                          f"to --methods (running: {', '.join(dict.fromkeys(('ar',) + methods))})")
     return EvalConfig(
         target=args.target, bench=args.bench, drafter=args.drafter,
         temperatures=parse_floats(args.temperature, "--temperature") or (0.0,),
-        max_new_tokens=args.max_new_tokens,
-        methods=parse_list(args.methods) or ("ar", "chain", "tree"),
-        baselines=parse_list(args.baseline) or None,
-        **builtin, method_options={k: v for k, v in options.items() if k not in fields},
+        max_new_tokens=args.max_new_tokens, methods=methods, baselines=baselines,
+        method_options=options,
         top_p=args.top_p, top_k=args.top_k, tree_draws=args.tree_draws,
         num_prompts=args.num_prompts, repeats=args.repeats, warmup=args.warmup, ignore_eos=args.ignore_eos,
         chat_template=args.chat_template, device=args.device, dtype=args.dtype, drafter_dtype=args.drafter_dtype,
         threads=args.threads, cost_repeats=args.cost_repeats,
         allow_vocab_mismatch=args.allow_vocab_mismatch, cuda_graphs=args.cuda_graphs, seed=args.seed,
-        out_dir=args.out, plots=not args.no_plots, strict_selfcheck=not args.no_strict_selfcheck,
+        out_dir=args.out, answers=args.answers, plots=not args.no_plots, strict_selfcheck=not args.no_strict_selfcheck,
     )
 
 

@@ -10,20 +10,15 @@ import shlex
 import sys
 from datetime import datetime, timezone
 
+from draftforge.runtime import cpuinfo
+
 LIBRARIES = ("torch", "transformers", "accelerate", "draftforge", "triton", "mamba-ssm", "causal-conv1d")
 # transformers' assisted generation reads its draft length policy from the assistant's generation_config
 ASSISTED_POLICY_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def gpu_names() -> list[str]:

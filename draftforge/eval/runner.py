@@ -5,6 +5,8 @@ temperature and repeat run all methods over all prompts (methods interleaved per
 of the machine hits all of them alike; the order rotates so no method is always first). Before each
 timed pass a decoder is reset (adaptive state such as the UCB controller) and warmed up again, untimed.
 Reports are written before the self-check can fail, so a failing run still leaves its evidence on disk.
+A multi-turn question is decoded turn by turn, each later turn after the method's own earlier answers
+(`_decode_turns`; one record per turn); `--answers` also writes Spec-Bench answer files (eval/answers.py).
 """
 
 from __future__ import annotations
@@ -12,17 +14,18 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Literal, get_type_hints
 
 import draftforge.decode as decode_api
 from draftforge.decode import methods as method_registry
 from draftforge.decode.cuda_graphs import use_cuda_graphs
-from draftforge.decode.sampling import TREE_DRAWS
-from draftforge.decode.tree_shape import TreeShape
+from draftforge.decode.sampling import SamplingParams
 from draftforge.errors import DraftforgeError, RecipeError
+from draftforge.eval import answers as answers_mod
 from draftforge.eval import cost, metrics, selfcheck
 from draftforge.eval.manifest import ASSISTED_POLICY_KEYS, assisted_policy, build_manifest
-from draftforge.eval.prompts import CHAT_MODES, encode_prompts, load_prompt_rows
-from draftforge.runtime import DTYPE_CHOICES, announce, choose_threads, resolve_dtype
+from draftforge.eval.prompts import answer_text, encode_prompts, encode_turn, load_prompt_rows, report_categories
+from draftforge.runtime import announce, choose_threads, resolve_dtype
 
 
 class SelfCheckError(DraftforgeError):
@@ -38,30 +41,30 @@ class EvalConfig:
     max_new_tokens: int = 128
     methods: tuple[str, ...] = ("ar", "chain", "tree")  # "ar" is always added
     baselines: tuple[str, ...] | None = None  # None: AR + hf_assisted when the drafter is a Transformer
-    # Options of the built-in methods (decode/methods.py documents them; None = the method's default).
-    chain_length: int | None = None
-    tree: tuple[int, ...] | TreeShape | str | None = None  # widths, parent lists, or --tree's text ('stree13')
-    ucb_trees: tuple[tuple[int, ...] | TreeShape | str, ...] | None = None
-    ucb_lambda: float | None = None
-    lambda_gamma: float | None = None
-    method_options: dict = field(default_factory=dict)  # options of methods registered elsewhere
+    # method -> its options: the method's options dataclass (decode/methods.py), or a dict of values by option
+    # name, e.g. {"tree": {"tree": "stree13"}, "chain": ChainOptions(chain_length=3)}; a method not named here
+    # runs with its defaults. Checked once, before any model loads (unknown names: "did you mean").
+    method_options: dict = field(default_factory=dict)
     top_p: float = 1.0
     top_k: int = 0
-    tree_draws: str = "distinct"  # T>0 tree siblings: "distinct" (without replacement, STree) or "iid" (SpecInfer)
+    # T>0 tree siblings: "distinct" (without replacement, STree) or "iid" (with replacement, SpecInfer)
+    tree_draws: Literal["distinct", "iid"] = "distinct"
     num_prompts: int | None = None  # keep only the first N prompts
     repeats: int = 1  # timed passes over all prompts; the report gives min/median/max
     warmup: int = 1  # prompts run untimed per method and temperature before timing
     ignore_eos: bool = False  # always generate max_new_tokens (fixed-length benchmarks)
-    chat_template: str = "auto"  # auto | always | never
+    chat_template: Literal["auto", "always", "never"] = "auto"
     device: str = "cpu"
-    dtype: str = "auto"  # auto (bf16 where the device computes it natively, else float32) | float32 | bfloat16 | float16
-    drafter_dtype: str | None = None  # the drafter's, chosen the same way (None: as --dtype)
+    # auto: bf16 where the device computes it natively, else float32 (runtime.resolve_dtype)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    drafter_dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None  # None: as dtype
     threads: int | None = None  # torch intra-op threads (None: 1, or OMP_NUM_THREADS when set)
     cost_repeats: int = 5  # timed passes of each verification shape for the cost model (0: no cost model)
     allow_vocab_mismatch: bool = False
-    cuda_graphs: str = "auto"  # Mamba drafter decode steps as CUDA graphs: auto (on CUDA) | on | off
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"  # Mamba drafter decode steps as CUDA graphs (auto: on CUDA)
     seed: int = 0
     out_dir: str = "eval_out"
+    answers: str | None = None  # directory for Spec-Bench answer files, one per method and T (eval/answers.py)
     plots: bool = True
     strict_selfcheck: bool = True  # fp32 greedy mismatch vs AR raises SelfCheckError (after writing reports)
     command: str | None = None  # recorded in the manifest (default: sys.argv)
@@ -69,8 +72,12 @@ class EvalConfig:
     extra_manifest: dict = field(default_factory=dict)
 
 
-def validate(cfg: EvalConfig) -> None:
-    """Reject impossible settings before any model is loaded."""
+# The Literal fields' values (dtype, drafter_dtype, tree_draws, chat_template, cuda_graphs), checked in validate.
+CHOICES = {name: c for name, tp in get_type_hints(EvalConfig).items() if (c := method_registry.literal_choices(tp))}
+
+
+def validate(cfg: EvalConfig) -> dict[str, method_registry.MethodOptions]:
+    """Reject impossible settings before any model is loaded; return each method's checked options."""
     if not cfg.temperatures:
         raise RecipeError("give at least one --temperature")
     for t in cfg.temperatures:
@@ -84,25 +91,22 @@ def validate(cfg: EvalConfig) -> None:
         raise RecipeError(f"--num-prompts must be >= 1, got {cfg.num_prompts}")
     if not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
         raise RecipeError(f"--top-p must be in (0, 1] and --top-k >= 0, got {cfg.top_p} and {cfg.top_k}")
-    if cfg.tree_draws not in TREE_DRAWS:
-        raise RecipeError(f"--tree-draws must be one of {', '.join(TREE_DRAWS)}, got {cfg.tree_draws!r}")
-    for flag, value in (("--dtype", cfg.dtype), ("--drafter-dtype", cfg.drafter_dtype)):
-        if value is not None and value not in DTYPE_CHOICES:
-            raise RecipeError(f"{flag} must be one of {', '.join(DTYPE_CHOICES)}, got {value!r}")
+    for name, choices in CHOICES.items():  # the Literal fields: dtype, tree_draws, chat_template, ...
+        value = getattr(cfg, name)
+        if value is not None and value not in choices:
+            raise RecipeError(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}, got {value!r}")
     if cfg.threads is not None and cfg.threads < 1:
         raise RecipeError(f"--threads must be >= 1, got {cfg.threads}")
     if cfg.cost_repeats < 0:
         raise RecipeError(f"--cost-repeats must be >= 0, got {cfg.cost_repeats}")
     # "on" without CUDA fails here, before minutes of target loading (resolution needs no GPU).
     use_cuda_graphs(cfg.cuda_graphs, cfg.device)
-    if cfg.chat_template not in CHAT_MODES:
-        raise RecipeError(f"--chat-template must be one of {CHAT_MODES}, got {cfg.chat_template!r}")
     for m in tuple(cfg.methods) + tuple(cfg.baselines or ()):
         if m not in method_registry.METHODS:
-            raise RecipeError(f"unknown method {m!r}; choose from {', '.join(method_registry.METHODS)}")
-        method_registry.resolve_options(m, method_options(cfg))  # every option checked before loading
+            raise RecipeError(f"unknown method {m!r}; {method_registry.suggest(m)}")
         if cfg.drafter is None and method_registry.METHODS[m].needs_drafter:
             raise RecipeError(f"speculative methods need --drafter ({m!r} does); give one or use --methods ar")
+    return resolve_method_options(cfg)  # every option checked here, once, before loading
 
 
 def check_paths(cfg: EvalConfig) -> None:
@@ -119,10 +123,18 @@ def check_paths(cfg: EvalConfig) -> None:
             raise CheckpointError(f"cannot load the {flag[2:]}: directory {missing} does not exist ({flag})")
 
 
-def method_options(cfg: EvalConfig) -> dict:
-    """The options given for the methods (None = the method's default)."""
-    given = {name: getattr(cfg, name) for name in method_registry.OPTIONS if hasattr(cfg, name)}
-    return {**given, **cfg.method_options}
+def resolve_method_options(cfg: EvalConfig) -> dict[str, method_registry.MethodOptions]:
+    """Every method this run may build -> its options dataclass, each value checked once. Options given for a
+    method the run does not run are refused (a flag nobody reads would be silently ignored)."""
+    required, optional = _method_order(cfg)
+    running = required + optional
+    for m, given in cfg.method_options.items():
+        if m not in running:
+            names = given if isinstance(given, dict) else {}
+            flags = ", ".join(method_registry.OPTIONS[k].flag for k in names if k in method_registry.OPTIONS)
+            raise RecipeError(f"options given for method {m!r} ({flags or 'its options'}), which this run does not "
+                              f"run; add it to --methods (running: {', '.join(running)})")
+    return {m: method_registry.resolve_options(m, cfg.method_options.get(m)) for m in running}
 
 
 def _log(cfg: EvalConfig, msg: str) -> None:
@@ -142,15 +154,16 @@ def _method_order(cfg: EvalConfig) -> tuple[list[str], list[str]]:
     return required, [m for m in optional if m not in required]
 
 
-def _build_decoders(cfg: EvalConfig, target, drafter) -> tuple[dict, list[dict]]:
-    opts = {k: v for k, v in method_options(cfg).items() if v is not None}
+def _build_decoders(cfg: EvalConfig, target, drafter, options: dict | None = None) -> tuple[dict, list[dict]]:
+    """One decoder per method (options: resolve_method_options's, resolved here when not given)."""
+    options = resolve_method_options(cfg) if options is None else options
     required, optional = _method_order(cfg)
     decoders, skipped = {}, []
     for m in required:
-        decoders[m] = decode_api.build_decoder(m, target, None if m == "ar" else drafter, **opts)
+        decoders[m] = decode_api.build_decoder(m, target, None if m == "ar" else drafter, options=options[m])
     for m in optional:
         try:
-            decoders[m] = decode_api.build_decoder(m, target, drafter, **opts)
+            decoders[m] = decode_api.build_decoder(m, target, drafter, options=options[m])
         except (DraftforgeError, NotImplementedError, ValueError, TypeError) as e:
             skipped.append({"method": m, "reason": str(e), "asked": False})  # added by default, so not shouted
             _log(cfg, f"not running the default baseline {m}: {e}")
@@ -169,11 +182,27 @@ def _model_dtype(model):
         return getattr(model, "dtype", None)
 
 
-def _run_one(dec, prompt, cfg, temperature, prompt_index, eos):
-    return dec.generate(
-        list(prompt.input_ids), max_new_tokens=cfg.max_new_tokens, temperature=temperature,
-        top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed + prompt_index, eos_token_id=eos, tree_draws=cfg.tree_draws,
-    )
+def sampling_params(cfg: EvalConfig, temperature: float) -> SamplingParams:
+    return SamplingParams(float(temperature), float(cfg.top_p), int(cfg.top_k), cfg.tree_draws)
+
+
+def _run_one(dec, input_ids, cfg, params: SamplingParams, seed_offset, eos):
+    return dec.generate(list(input_ids), max_new_tokens=cfg.max_new_tokens, params=params,
+                        seed=cfg.seed + seed_offset, eos_token_id=eos)
+
+
+def _decode_turns(cfg, dec, prompt, params, index, eos, tokenizer, num_prompts) -> list[tuple[list[int], object]]:
+    """(context ids, DecodeResult) of every turn of one prompt. Turn k > 1 of a multi-turn question is decoded
+    from the conversation with this method's own earlier answers (as Spec-Bench and MT-bench do); its seed is
+    seed + (k - 1) * num_prompts + index, so no two (prompt, turn) share one."""
+    out, answers = [], []
+    for turn in range(len(prompt.turns) if prompt.turns else 1):
+        ids = encode_turn(prompt, answers, tokenizer, cfg.chat_template) if turn else list(prompt.input_ids)
+        res = _run_one(dec, ids, cfg, params, turn * num_prompts + index, eos)
+        out.append((ids, res))
+        if prompt.turns and turn + 1 < len(prompt.turns):
+            answers.append(answer_text(tokenizer, res.tokens))
+    return out
 
 
 def rotated(methods: list[str], repeat: int) -> list[str]:
@@ -182,26 +211,27 @@ def rotated(methods: list[str], repeat: int) -> list[str]:
     return list(methods[k:]) + list(methods[:k])
 
 
-def _reset_and_warm(cfg, dec, prompts, temperature, eos) -> None:
+def _reset_and_warm(cfg, dec, prompts, params, eos) -> None:
     """Give every timed pass the same start: reset the decoder's adaptive state (e.g. the UCB
     controller, where the decoder has `reset`), then run the warm-up prompts again, untimed."""
     reset = getattr(dec, "reset", None)
     if callable(reset):
         reset()
     for i, p in enumerate(prompts[: cfg.warmup]):
-        _run_one(dec, p, cfg, temperature, i, eos)
+        _run_one(dec, p.input_ids, cfg, params, i, eos)  # first turns only: the warm-up is untimed
 
 
-def _timed_pass(cfg, method, dec, prompts, temp, rep, eos, records, memory) -> None:
+def _timed_pass(cfg, method, dec, prompts, params, rep, eos, records, memory, tokenizer=None) -> None:
     """One method over all prompts, timed; its memory (metrics.PassMemory: held at the start, the pass's
     peak above it) goes into `memory`, the pass with the largest peak above its start kept over repeats."""
+    temp = params.temperature
     with metrics.PassMemory(cfg.device) as pass_memory:
         start, n_tok = time.perf_counter(), 0
         for i, p in enumerate(prompts):
-            res = _run_one(dec, p, cfg, temp, i, eos)
-            records.append(metrics.RunRecord(method, temp, rep, p.prompt_id, len(p.input_ids),
-                                             list(res.tokens), res.stats))
-            n_tok += res.stats.new_tokens
+            for turn, (ids, res) in enumerate(_decode_turns(cfg, dec, p, params, i, eos, tokenizer, len(prompts))):
+                records.append(metrics.RunRecord(method, temp, rep, p.prompt_id, len(ids), list(res.tokens),
+                                                 res.stats, turn, ids if turn else None))
+                n_tok += res.stats.new_tokens
         secs = time.perf_counter() - start
     key = f"{method}@{temp:g}"
     mem = {**pass_memory.result, "repeat": rep}
@@ -211,25 +241,27 @@ def _timed_pass(cfg, method, dec, prompts, temp, rep, eos, records, memory) -> N
               f"memory +{mem['bytes'] / 2**20:.1f} MiB over {mem['start_bytes'] / 2**20:.0f} MiB")
 
 
-def _timed_runs(cfg, decoders, prompts, eos) -> tuple[list, dict, list]:
+def _timed_runs(cfg, decoders, prompts, eos, tokenizer=None) -> tuple[list, dict, list]:
     """Records, memory per method@T (metrics.PassMemory of its timed passes), and the method order used in
     each repeat.
 
     The order rotates across repeats; before each timed pass the decoder is reset and warmed up."""
     records, memory, orders = [], {}, []
     for temp in cfg.temperatures:
+        params = sampling_params(cfg, temp)  # built once per temperature, passed down to every decoder
         for rep in range(cfg.repeats):
             order = rotated(list(decoders), rep)
             orders.append({"temperature": temp, "repeat": rep, "order": order})
             _log(cfg, f"T={temp:g} repeat {rep + 1}/{cfg.repeats}: method order {', '.join(order)}")
             for method in order:
-                _reset_and_warm(cfg, decoders[method], prompts, temp, eos)
-                _timed_pass(cfg, method, decoders[method], prompts, temp, rep, eos, records, memory)
+                _reset_and_warm(cfg, decoders[method], prompts, params, eos)
+                _timed_pass(cfg, method, decoders[method], prompts, params, rep, eos, records, memory, tokenizer)
     return records, memory, orders
 
 
 def _summaries(cfg, records, memory, prompts, target, curve) -> list[dict]:
     ids_map = {p.prompt_id: list(p.input_ids) for p in prompts}
+    categories = report_categories(prompts)  # None: no prompt has a category
     results = []
     for temp in cfg.temperatures:
         at_t = [r for r in records if r.temperature == temp]
@@ -237,6 +269,7 @@ def _summaries(cfg, records, memory, prompts, target, curve) -> list[dict]:
         for method in dict.fromkeys(r.method for r in at_t):
             mine = [r for r in at_t if r.method == method]
             row = {"method": method, "temperature": temp, **metrics.summarize(mine, ar)}
+            row["by_category"] = metrics.by_category(mine, ar, categories) if categories else None
             row["memory"] = memory.get(f"{method}@{temp:g}")
             row["verify_cost"] = _verify_cost(row, target)
             row["cost_model"] = cost.predict(row, mine, curve) if curve else None
@@ -306,25 +339,19 @@ def _manifest(cfg, dtype, results, drafter, orders, hf_policy, regime: dict) -> 
                           extra={**extra, **cfg.extra_manifest})
 
 
-def planned_rows(cfg: EvalConfig) -> list[int]:
+def planned_rows(cfg: EvalConfig, options: dict | None = None) -> list[int]:
     """Row counts to time before the runs: the grid, plus every static chain and tree the methods verify."""
-    from draftforge.decode.tree_shape import tree_size
-
-    opts = {k: v for k, v in method_options(cfg).items() if v is not None}
+    options = resolve_method_options(cfg) if options is None else options
     rows = set(cost.GRID)
     for m in _method_order(cfg)[0]:
-        resolved = method_registry.resolve_options(m, opts)
-        if "chain_length" in resolved:
-            rows.add(resolved["chain_length"] + 1)
-        for tree in ([resolved["tree"]] if "tree" in resolved else []) + list(resolved.get("ucb_trees", ())):
-            rows.add(tree_size(tree) + 1)
+        rows.update(method_registry.get_method(m).rows(options[m]))
     return sorted(rows)
 
 
-def _cost_curve(cfg, target, prompts) -> dict[int, float]:
+def _cost_curve(cfg, target, prompts, options: dict) -> dict[int, float]:
     if not cfg.cost_repeats or not prompts:
         return {}
-    rows = planned_rows(cfg)
+    rows = planned_rows(cfg, options)
     if target.max_context is not None:
         rows = [n for n in rows if len(prompts[0].input_ids) + n <= target.max_context]
     _log(cfg, f"cost model: timing one verification of N = {', '.join(map(str, rows))} rows ({cfg.cost_repeats} "
@@ -362,19 +389,24 @@ def run_eval(cfg: EvalConfig) -> dict:
 
     from draftforge.eval import report as report_mod
 
-    validate(cfg)
+    options = validate(cfg)
     check_paths(cfg)
+    if cfg.answers:  # a directory that can be written, checked before any model loads
+        answers_mod.check_answers_dir(cfg.answers, say=lambda line: _log(cfg, line))
     rows = load_prompt_rows(cfg.bench, cfg.num_prompts)  # a bad --bench fails here, before seconds of loading
     before = torch.get_num_threads()
     try:
         target, drafter, regime = _load(cfg)
         prompts = encode_prompts(rows, target.tokenizer, chat=cfg.chat_template, context_length=target.max_context,
-                                 max_new_tokens=cfg.max_new_tokens, source=str(cfg.bench))
-        _log(cfg, f"{len(prompts)} prompts from {cfg.bench}")
-        decoders, skipped = _build_decoders(cfg, target, drafter)
+                                 max_new_tokens=cfg.max_new_tokens, source=str(cfg.bench), all_turns=True)
+        turns = sum(len(p.turns or [None]) for p in prompts)
+        _log(cfg, f"{len(prompts)} prompts from {cfg.bench}" + (f", {turns} turns" if turns > len(prompts) else ""))
+        if cfg.answers:
+            answers_mod.require_tokenizer(target.tokenizer, cfg.target)
+        decoders, skipped = _build_decoders(cfg, target, drafter, options)
         hf_policy = _hf_policy(decoders)  # read before the runs: a "heuristic" schedule changes it as it goes
-        curve = _cost_curve(cfg, target, prompts)
-        records, memory, orders = _timed_runs(cfg, decoders, prompts, _eos_id(cfg, target))
+        curve = _cost_curve(cfg, target, prompts, options)
+        records, memory, orders = _timed_runs(cfg, decoders, prompts, _eos_id(cfg, target), target.tokenizer)
         extra_rows = cost.missing_rows(curve, records) if curve else []
         if extra_rows:  # a dynamic method verified more rows than the grid: time those too, scaled to the
             late = cost.verify_curve(target, list(prompts[0].input_ids), [1] + extra_rows, cfg.cost_repeats)
@@ -383,6 +415,9 @@ def run_eval(cfg: EvalConfig) -> dict:
     finally:
         torch.set_num_threads(before)  # an in-process caller (a test) keeps its own setting
     dtype = _model_dtype(target.model)
+    answer_files = None if not cfg.answers else answers_mod.write_answers(
+        cfg.answers, records, prompts, target.tokenizer, name=answers_mod.target_name(cfg.target),
+        dtype=str(dtype).replace("torch.", ""), say=lambda line: _log(cfg, line))
     report = {
         "schema": "draftforge.eval/1",
         "config": asdict(cfg),
@@ -392,10 +427,11 @@ def run_eval(cfg: EvalConfig) -> dict:
                                                 f"{len(prompts[0].input_ids) if prompts else 0} tokens, a chain of "
                                                 f"N-1 drafts, median of {cfg.cost_repeats}"},
         "prompts": [{"prompt_id": p.prompt_id, "category": p.category, "num_tokens": len(p.input_ids),
-                     "chat_template": p.used_chat_template} for p in prompts],
+                     "chat_template": p.used_chat_template, "turns": len(p.turns or [None])} for p in prompts],
         "results": results,
         "skipped": skipped,
         "target_notes": sorted(getattr(target, "notes", ())),
+        "answers": answer_files,
         "records": [r.to_dict() for r in records],
     }
     paths = report_mod.write_reports(report, cfg.out_dir, plots=cfg.plots)

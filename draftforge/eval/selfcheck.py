@@ -11,6 +11,8 @@ used), noise = max |Δlogit| over the vocabulary and those computations. AR chos
 computation within `noise` of AR's, so a flip needs l(a) − l(b) ≤ 2·noise; logits are rounded to the
 model's dtype, so one rounding step (2 eps · |logit|) is the least tolerance. Inside it is a **near-tie**,
 outside a **defect** (the harness changed the output). fp32 stays bitwise: any difference fails the run.
+Each turn of a multi-turn question is a prompt of its own, compared only where its context (the conversation
+with the method's own earlier answers) is AR's: after an earlier turn's near-tie it is not (`context_differs`).
 
 Legend: V vocabulary.
 """
@@ -95,33 +97,52 @@ def classify(target, prompt: list[int], generated: list[int], ar_token: int, oth
     return {**out, "gap": gap, "tolerance": tolerance, "verdict": "near_tie" if abs(gap) <= tolerance else "defect"}
 
 
-def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=None) -> dict:
-    """Prompts identical to AR in every repeat, and each differing prompt classified (needs `target`).
+def _key(record) -> tuple[str, int]:
+    return record.prompt_id, record.turn
 
-    Only a prompt's first differing record is examined: after it the two contexts differ anyway."""
-    ar_by_prompt = {}
+
+def _label(key: tuple[str, int]) -> str:
+    """A prompt's id, or "id#turnK" for a later turn of a multi-turn question."""
+    return key[0] if key[1] == 0 else f"{key[0]}#turn{key[1] + 1}"
+
+
+def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=None) -> dict:
+    """Prompts (each turn of a multi-turn one counted alone) identical to AR in every repeat, and each differing
+    one classified (needs `target`).
+
+    Only a prompt's first differing record is examined: after it the two contexts differ anyway. A later turn is
+    compared only when its context (the conversation with the method's own earlier answers) is AR's; where an
+    earlier turn parted from AR it is not, and the turn counts under `context_differs`, neither identical nor a
+    defect (the earlier turn's own verdict says why)."""
+    ar_by_key = {}
     for r in ar_records:
-        ar_by_prompt.setdefault(r.prompt_id, r.tokens)
-    identical: dict[str, bool] = {}
+        ar_by_key.setdefault(_key(r), r)
+    identical: dict[tuple[str, int], bool] = {}
+    other_context: set[tuple[str, int]] = set()
     divergences = []
     rows = rows_to_probe(records)
     for r in records:
-        ref = ar_by_prompt.get(r.prompt_id)
-        if ref is None:
+        key, ar = _key(r), ar_by_key.get(_key(r))
+        if ar is None:
             continue
-        same = r.tokens == ref
-        if not same and identical.get(r.prompt_id, True):
+        if r.context != ar.context:  # a later turn whose conversation already parted from AR's
+            other_context.add(key)
+            continue
+        ref, same = ar.tokens, r.tokens == ar.tokens
+        if not same and identical.get(key, True):
             i = first_divergence(ref, r.tokens)
-            found = {"prompt_id": r.prompt_id, "repeat": r.repeat, "position": i}
+            found = {"prompt_id": r.prompt_id, "turn": key[1], "repeat": r.repeat, "position": i}
             if target is not None and i < len(ref):
                 other = r.tokens[i] if i < len(r.tokens) else None
-                found.update(classify(target, prompt_ids[r.prompt_id], ref[:i], ref[i], other, rows))
+                context = prompt_ids[r.prompt_id] if r.context is None else r.context
+                found.update(classify(target, context, ref[:i], ref[i], other, rows))
             else:
                 found["verdict"] = "unchecked" if target is None else "defect"
             divergences.append(found)
-        identical[r.prompt_id] = identical.get(r.prompt_id, True) and same
+        identical[key] = identical.get(key, True) and same
     verdicts = [d["verdict"] for d in divergences]
     return {"identical": sum(identical.values()), "total": len(identical),
             "near_ties": verdicts.count("near_tie"), "defects": verdicts.count("defect"),
-            "mismatched_prompts": [d["prompt_id"] for d in divergences], "divergences": divergences,
-            "near_tie_checked": target is not None}
+            "context_differs": len(other_context - set(identical)),
+            "mismatched_prompts": [_label((d["prompt_id"], d["turn"])) for d in divergences],
+            "divergences": divergences, "near_tie_checked": target is not None}
