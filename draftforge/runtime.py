@@ -19,16 +19,32 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+def add_dtype_flag(parser, note: str = "", what: str = "model dtype", flag: str = "--dtype") -> None:
+    """--dtype as every command has it: auto (default) is bf16 where the device computes it natively."""
+    parser.add_argument(flag, choices=DTYPE_CHOICES, default="auto",
+                        help=f"{what}: auto (default) = bfloat16 where the device computes it natively (CUDA with "
+                             f"bf16, CPUs with AVX512-BF16 or AMX), else float32{note}")
+
+
+def add_device_flag(parser, where: str = "") -> None:
+    parser.add_argument("--device", default="cpu", help=f"{where}cpu, cuda or cuda:N (default cpu)")
+
+
+def cpuinfo(field: str) -> str | None:
+    """The first `field` line's value in /proc/cpuinfo (None where there is none, e.g. macOS)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    return set((cpuinfo("flags") or "").split())
 
 
 def cpu_bf16_native(flags: set[str] | None = None) -> str | None:
@@ -93,7 +109,7 @@ def resolve_dtype(requested: str | None, device="cpu", *, flags: set[str] | None
 
 def resolve_precision(requested: str, *, flags: set[str] | None = None) -> str:
     """train.precision: `auto` is bf16 autocast where bf16 is native (CUDA with bf16, AVX512-BF16 / AMX CPUs),
-    else fp32. Measured on a Zen 5 CPU (benchmarks/train_throughput.py --compare precision, 200 steps, 1
+    else fp32. Measured on a Zen 5 CPU (benchmarks/micro/train_throughput.py --compare precision, 200 steps, 1
     thread): bf16 trained the tiny Llama 1.44x and the tiny Mamba2 1.10x faster than fp32, final losses within
     0.01% of fp32's."""
     if requested != "auto":

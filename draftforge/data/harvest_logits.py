@@ -32,7 +32,7 @@ from draftforge.data.logits_cache import (DRAFT_VOCAB_FILE, FORMAT_VERSION, KIND
                                           shard_name, shard_problem, stored_weights_fingerprint, write_shard)
 from draftforge.errors import CompatibilityError, DataError, RecipeError
 from draftforge.fsutil import atomic_write_text
-from draftforge.runtime import DTYPE_CHOICES, announce, resolve_dtype
+from draftforge.runtime import add_device_flag, add_dtype_flag, announce, resolve_dtype
 
 ROWS_FIX = "regenerate the rows with this target, or pass --target {theirs}"
 # what a resume must share with the harvest it continues (the target's weights are compared once loaded)
@@ -399,10 +399,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "least the train.block_size that will read the cache)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per teacher forward (default 8)")
     p.add_argument("--shard-rows", type=int, default=256, help="rows per shard (default 256)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="the target's dtype: auto (default) = bfloat16 where the device computes it natively, else "
-                        "float32; recorded, and a resume must use the same")
+    add_device_flag(p)
+    add_dtype_flag(p, "; recorded, and a resume must use the same", what="the target's dtype")
     p.add_argument("--resume", action="store_true", help="continue the harvest in --out (same settings)")
     p.add_argument("--overwrite", action="store_true", help="replace the harvest in --out")
 

@@ -32,7 +32,7 @@ import torch
 
 from draftforge.errors import DataError, DraftforgeError
 from draftforge.fsutil import atomic_write_text, temp_dir_beside
-from draftforge.runtime import DTYPE_CHOICES, announce, resolve_dtype
+from draftforge.runtime import add_device_flag, add_dtype_flag, announce, resolve_dtype
 
 MANIFEST = "harvest.json"
 SETTING_KEYS = ("target_fingerprint", "drafter_fingerprint", "max_offset", "anchor_stride", "max_len", "generate",
@@ -289,14 +289,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "and label only those (default 0: the rows as they are)")
     p.add_argument("--max-sequences", type=int, default=None, help="read at most N rows (default: all)")
     p.add_argument("--shard-size", type=int, default=64, help="sequences per saved shard (default 64)")
-    p.add_argument("--device", default="cpu", help="where both models run: cpu, cuda or cuda:N (default cpu)")
+    add_device_flag(p, "where both models run: ")
     p.add_argument("--allow-vocab-mismatch", action="store_true", help="a drafter whose tokenizer differs from the "
                    "target's: use token ids as they are (as eval's flag of the same name)")
     p.add_argument("--resume", action="store_true", help="continue a harvest in --out with the same settings")
     p.add_argument("--overwrite", action="store_true", help="replace a harvest in --out")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="model dtype: auto (default) = bfloat16 where the device computes it natively, else "
-                        "float32; recorded, and a resume must use the same")
+    add_dtype_flag(p, "; recorded, and a resume must use the same")
 
 
 def run(args) -> int:

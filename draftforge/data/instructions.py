@@ -1,10 +1,13 @@
-"""Instruction prompts made offline from the Python standard library on this machine.
+"""Instruction and code-completion prompts made offline from the Python standard library on this machine.
 
 Each public module, function and class of the stdlib (read with `ast`, never imported) becomes
 prompts in four categories: coding, explanation, writing, qa. E.g. "Explain what
-`textwrap.dedent` does and give an example." The split is by top-level module: a module's
-prompts are all held out or all training, chosen by a hash of its name, so the held-out set
-(for eval) and the training set (for the target's own responses, SFT) never share a module.
+`textwrap.dedent` does and give an example." Code-completion prompts (`build_code_prompts`) are
+HumanEval-shaped: a public module-level function's own `def` line and docstring, as raw text the
+target continues with a body; HumanEval's hand-written problems are not stdlib functions, so the two
+never share a prompt. The split is by top-level module: a module's prompts are all held out or all
+training, chosen by a hash of its name, so the held-out set (for eval) and the training set (for the
+target's own responses, SFT) never share a module.
 Deterministic for a given stdlib; the committed held-out file was cut from CPython 3.11.
 """
 
@@ -185,9 +188,74 @@ def build_instruction_prompts(split: str, n: int | None = None, *, root=None, se
     return [{"prompt_id": f"{split}-{i:05d}", **row} for i, row in enumerate(rows)]
 
 
-def write_instruction_prompts(path: str | Path, split: str, n: int | None = None, **kwargs) -> Path:
-    """Write `build_instruction_prompts` as JSONL (temp file + rename, usual permissions); returns the path."""
-    rows = build_instruction_prompts(split, n, **kwargs)
+CODE_MAX_LINES = 30  # a header + docstring longer than this makes a poor completion prompt
+
+
+def _code_header(lines: list[str], node: ast.FunctionDef) -> str | None:
+    """The function's `def` line(s) and docstring as written, dedented; None when it is not a clean prompt
+    (decorated, no body after the docstring, or too long)."""
+    body = node.body
+    if node.decorator_list or len(body) < 2 or not isinstance(body[0], ast.Expr):
+        return None
+    end = body[0].end_lineno
+    if end - node.lineno + 1 > CODE_MAX_LINES:
+        return None
+    text = "".join(lines[node.lineno - 1:end])
+    indent = len(text) - len(text.lstrip(" "))
+    return "".join(line[indent:] for line in text.splitlines(keepends=True)).rstrip() + "\n"
+
+
+@functools.lru_cache(maxsize=4)
+def _code_items(root: str) -> tuple[tuple[str, str, str], ...]:
+    """(module, function name, header + docstring) of every public module-level documented function."""
+    root_path, out = Path(root), []
+    for dirpath, dirnames, filenames in os.walk(root_path):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP and not d.startswith(("_", ".")))
+        for name in sorted(f for f in filenames if f.endswith(".py")):
+            path = Path(dirpath) / name
+            module = _module_name(root_path, path)
+            try:
+                source = path.read_text(encoding="utf-8") if module else ""
+                tree = ast.parse(source)
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            lines = source.splitlines(keepends=True)
+            for node in tree.body:
+                if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and ast.get_docstring(node):
+                    if header := _code_header(lines, node):
+                        out.append((module, node.name, header))
+    return tuple(sorted(out))
+
+
+def build_code_prompts(split: str, n: int | None = None, *, root=None, seed: int = 0,
+                       exclude: frozenset[str] = frozenset()) -> list[dict]:
+    """Code-completion rows {"prompt_id", "category": "code", "module", "prompt"} of one split, in a seeded
+    shuffle spread over modules: a stdlib function's header and docstring, to be continued with its body.
+    Functions named in `exclude` are left out (the CLI passes HumanEval's entry points: statistics.median
+    would otherwise teach the drafter HumanEval's `median`)."""
+    if split not in ("heldout", "train"):
+        raise DataError(f"code prompt split must be 'heldout' or 'train', got {split!r}")
+    if n is not None and n < 1:
+        raise DataError(f"the number of prompts (-n) must be >= 1, got {n}; leave it out for the whole split")
+    items = _code_items(str(root or sysconfig.get_paths()["stdlib"]))
+    seen, rows = set(), []
+    for module, name, header in items:
+        if is_heldout(module) == (split == "heldout") and header not in seen and name not in exclude:
+            seen.add(header)  # posixpath / ntpath share functions
+            rows.append({"category": "code", "module": module, "function": name, "prompt": header})
+    if not rows:
+        raise DataError(f"no {split} code prompts could be made from the stdlib at {root or 'this Python'}")
+    random.Random(seed).shuffle(rows)
+    rows = _round_robin_by_module(rows)[:n] if n else _round_robin_by_module(rows)
+    return [{"prompt_id": f"code-{split}-{i:05d}", **row} for i, row in enumerate(rows)]
+
+
+def write_instruction_prompts(path: str | Path, split: str, n: int | None = None, *, kind: str = "instructions",
+                              **kwargs) -> Path:
+    """Write `build_instruction_prompts` (kind "instructions") or `build_code_prompts` (kind "code") as JSONL
+    (temp file + rename, usual permissions); returns the path."""
+    build = {"instructions": build_instruction_prompts, "code": build_code_prompts}[kind]
+    rows = build(split, n, **kwargs)
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:

@@ -19,25 +19,17 @@ from draftforge.models.student import check_vocab_and_ids, merge_overrides, requ
 # Mamba Drafters setup). "130m" is the papers' drafter size: 24 layers, d_model 768.
 # On CPU (no mamba-ssm) prefer "mamba2" for training: transformers' reference Mamba-1 scan
 # has a backward pass ~75x slower than Mamba2's chunked scan at 8x256 tokens.
+def _preset(hidden: int, layers: int, state2: int, head_dim: int, chunk: int) -> dict:
+    return {"hidden_size": hidden, "num_hidden_layers": layers, "expand": 2, "conv_kernel": 4,
+            "mamba": {"state_size": 16},
+            "mamba2": {"state_size": state2, "head_dim": head_dim, "n_groups": 1, "chunk_size": chunk,
+                       "tie_word_embeddings": True}}
+
+
 MAMBA_PRESETS: dict[str, dict] = {
-    "tiny": {  # CPU smoke tests and the offline testbed drafter
-        "hidden_size": 128, "num_hidden_layers": 2, "expand": 2, "conv_kernel": 4,
-        "mamba": {"state_size": 16},
-        "mamba2": {"state_size": 32, "head_dim": 32, "n_groups": 1, "chunk_size": 64,
-                   "tie_word_embeddings": True},
-    },
-    "small": {
-        "hidden_size": 384, "num_hidden_layers": 8, "expand": 2, "conv_kernel": 4,
-        "mamba": {"state_size": 16},
-        "mamba2": {"state_size": 64, "head_dim": 64, "n_groups": 1, "chunk_size": 128,
-                   "tie_word_embeddings": True},
-    },
-    "130m": {
-        "hidden_size": 768, "num_hidden_layers": 24, "expand": 2, "conv_kernel": 4,
-        "mamba": {"state_size": 16},
-        "mamba2": {"state_size": 128, "head_dim": 64, "n_groups": 1, "chunk_size": 256,
-                   "tie_word_embeddings": True},
-    },
+    "tiny": _preset(128, 2, state2=32, head_dim=32, chunk=64),  # CPU smoke tests and the offline testbed drafter
+    "small": _preset(384, 8, state2=64, head_dim=64, chunk=128),
+    "130m": _preset(768, 24, state2=128, head_dim=64, chunk=256),
 }
 
 _ARCHES = {"mamba": (MambaConfig, MambaForCausalLM), "mamba2": (Mamba2Config, Mamba2ForCausalLM)}

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftforge.errors import CheckpointError, CompatibilityError
+from draftforge.fsutil import read_json
 
 MAX_OFFSET = 10
 WEIGHTS_FILE = "theta.safetensors"
@@ -116,10 +117,7 @@ def read_predictor_meta(path) -> dict:
     if not (path / WEIGHTS_FILE).is_file() or not meta_path.is_file():
         raise CheckpointError(f"{path} is not a θ predictor export (needs {WEIGHTS_FILE} and {META_FILE}); "
                               "train one with `draftforge train` on a recipe with task: theta")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{meta_path} is corrupt ({err}); re-export the θ predictor") from None
+    meta = read_json(meta_path, "re-export the θ predictor")
     if meta.get("task") != "theta":
         raise CheckpointError(f"{path} is a {meta.get('task')!r} export, but a 'theta' predictor is needed")
     return meta

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,11 @@ class DistillConfig:
                                               "target's; needs the same hidden size")
     trainable: list[str] = doc([], "train only parameters whose name contains one of these strings (e.g. [mamba] "
                                    "for a converted hybrid's new mixers); []: all")
+    draft_cost: float = doc(0.0, "one drafter step's time over one target token's, t_draft / t(1) (the cost model "
+                                 "of a `draftforge eval` report gives both); with verify_cost it turns the eval's "
+                                 "chain τ (γ = 5) into the logged predicted_speedup that train.keep_best can select by")
+    verify_cost: float = doc(1.0, "one verification of γ + 1 = 6 rows over one target token, t(6)/t(1) (the eval "
+                                  "report's t(N)/t(1) curve; SmolLM2 in bf16 on a Zen 5 core: 1.11)")
 
     def weights(self) -> dict[str, float]:
         """The loss's terms and their weights (names as the metrics: kl, tvd, ce_target, ce)."""
@@ -85,6 +91,8 @@ class DistillConfig:
         require(self.temperature > 0, f"{at}.temperature", "must be > 0")
         require(self.kl_weight >= 0 and self.ce_weight >= 0, f"{at}.kl_weight", "weights must be >= 0")
         require(self.tvd_weight >= 0, f"{at}.tvd_weight", "must be >= 0")
+        require(self.draft_cost >= 0, f"{at}.draft_cost", "must be >= 0")
+        require(self.verify_cost > 0, f"{at}.verify_cost", "must be > 0 (1.0: verifying costs one token)")
         names = {"kl": "kl_weight + ce_weight", "tvd": "tvd_weight + ce_weight",
                  "mix": "kl_weight + tvd_weight + ce_weight"}
         require(sum(self.weights().values()) > 0, f"{at}.{'tvd' if self.loss == 'tvd' else 'kl'}_weight",
@@ -281,7 +289,7 @@ def build_cached_task(recipe: Recipe, accelerator, options: DistillConfig):
                       f"never loaded), loss {options.loss}: {_weights_text(options)}")
     spec.loss, spec.count = make_cached_loss(options, d2t_N), cached_count
     spec.collate = cached_collate(spec.collate, cache, t2d_V)
-    spec.derive_metrics = derive_acceptance
+    spec.derive_metrics = partial(derive_acceptance, cost=(options.draft_cost, options.verify_cost))
     spec.export_metadata.update(distilled_from=recipe.model.target, logits_cache=str(cache.dir))
     _report_at_export(spec, recipe, accelerator)
     return spec
@@ -352,7 +360,7 @@ def build_distill_task(recipe: Recipe, accelerator, with_data: bool = True):
                                  "it was built for another target")
     spec.loss = make_loss(teacher, options, d2t_N)
     spec.frozen = {**spec.frozen, "teacher": teacher}
-    spec.derive_metrics = derive_acceptance
+    spec.derive_metrics = partial(derive_acceptance, cost=(options.draft_cost, options.verify_cost))
     spec.export_metadata["distilled_from"] = recipe.model.target  # the same dict the export hook reads
     _report_at_export(spec, recipe, accelerator, teacher)
     return spec
@@ -401,7 +409,7 @@ def held_out_acceptance(model, spec, train_cfg, processes: int = 1, teacher=None
     if count == 0:
         return None
     means = {k: v / count for k, v in sums.items() if not k.startswith("chain_")}
-    derived = derive_acceptance({k: v / count for k, v in sums.items()})
+    derived = spec.derive_metrics({k: v / count for k, v in sums.items()})
     return {**means, **derived, "positions": int(count)} if all(map(math.isfinite, means.values())) else None
 
 

@@ -171,10 +171,27 @@ def chain_sums(alpha_BT, agree_BT, keep_BT, link_BT, gamma: int = GAMMA) -> dict
     return out
 
 
-def derive_acceptance(means: dict, gamma: int = GAMMA) -> dict[str, float]:
+def derive_acceptance(means: dict, gamma: int = GAMMA, cost: tuple[float, float] | None = None) -> dict[str, float]:
     """From per-position means (the loop's metric sums over one count): τ implied by α (T=1) and by top-1
     agreement (T=0), and, where chain sums are present, acceptance per depth and the chain's measured τ.
-    Ratios of the sums are exact because every metric is divided by the same count."""
+    Ratios of the sums are exact because every metric is divided by the same count. With `cost` =
+    (draft_cost, verify_cost), also the speedup the cost model predicts for a chain of γ (predicted_speedup)."""
+    out = _acceptance(means, gamma)
+    if cost is not None:
+        for kind in ("", "_greedy"):
+            tau = out.get(f"tau_chain_g{gamma}{kind}", out.get(f"tau_g{gamma}{kind}"))
+            if tau is not None:
+                out[f"predicted_speedup{kind}"] = predicted_speedup(tau, gamma, *cost)
+    return out
+
+
+def predicted_speedup(tau: float, gamma: int, draft_cost: float, verify_cost: float) -> float:
+    """τ tokens per round over the round's cost in target-token times: γ drafter steps of draft_cost each and
+    one verification of γ + 1 rows (verify_cost = t(γ+1)/t(1)); the cost model `draftforge eval` reports."""
+    return tau / (gamma * draft_cost + verify_cost)
+
+
+def _acceptance(means: dict, gamma: int) -> dict[str, float]:
     out = {}
     if "alpha" in means:
         out[f"tau_g{gamma}"] = chain_tau(float(means["alpha"]), gamma)

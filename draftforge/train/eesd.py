@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from draftforge.errors import RecipeError
 from draftforge.models.early_exit import (
@@ -30,6 +29,7 @@ from draftforge.models.early_exit import (
     default_exit_after,
 )
 from draftforge.recipe import Recipe, doc, require
+from draftforge.train.lm import next_token_ce
 
 
 @dataclass
@@ -82,10 +82,7 @@ def head_loss(trunk):
         with torch.no_grad():
             hidden_BTD, position_ids_BT, rope, mask = trunk(batch["input_ids"])
         logits_BTV, _ = model(hidden_BTD, position_ids_BT, rope, mask)
-        next_BT = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
-        loss_sum = F.cross_entropy(logits_BTV.flatten(0, 1).float(), next_BT.flatten(), ignore_index=-100,
-                                   reduction="sum")
-        return loss_sum, (next_BT != -100).sum(), {}
+        return next_token_ce(logits_BTV, batch["labels"])
 
     return loss
 

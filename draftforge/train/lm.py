@@ -44,8 +44,12 @@ def lm_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
     The labels are shifted (the last position gets -100), not the logits: slicing logits[:, :-1]
     would copy the B x T x V tensor forward and backward.
     """
-    logits_BTV = model(input_ids=batch["input_ids"]).logits
-    next_BT = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    return next_token_ce(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+
+
+def next_token_ce(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(summed CE of each position's logits against the next label, labelled positions, {}); -100 = none."""
+    next_BT = F.pad(labels_BT[:, 1:], (0, 1), value=-100)
     loss_sum = F.cross_entropy(logits_BTV.flatten(0, 1).float(), next_BT.flatten(), ignore_index=-100,
                                reduction="sum")
     return loss_sum, (next_BT != -100).sum(), {}

@@ -29,6 +29,7 @@ from draftforge.runtime import resolve_precision
 from draftforge.train import checkpoint as ckpt
 from draftforge.train import distributed as dist
 from draftforge.train.batches import BatchPlan, DataExhausted
+from draftforge.train.best import BestKeeper
 from draftforge.train.metrics_log import MetricsLog, read_metrics  # noqa: F401  (read_metrics: public API)
 from draftforge.train.optim import build_optimizer
 from draftforge.train.rundir import RESUME, RESTART, RunDir
@@ -113,6 +114,7 @@ class Trainer:
                               acc.process_index, acc.num_processes, self.t.seed, collate=spec.collate)
         run_dir.claim(spec.run_files)  # the first write to output_dir: recipe, data and model are known to work
         self.start, self.units_seen = self._resume_point()
+        self.best = BestKeeper(self.t.keep_best, run_dir.path, self.start)
         self.metrics_log = MetricsLog(run_dir.path / "metrics.jsonl", acc.is_main_process, self.start)
         if acc.is_main_process and acc.log_with:
             acc.init_trackers("draftforge", config=_tracker_config(recipe))
@@ -185,6 +187,9 @@ class Trainer:
             self.eval_loss = evaluate(self.model, self.spec, self.acc, self.t, eval_metrics)
             if self.eval_loss is not None:
                 record.update(eval_loss=self.eval_loss, **{f"eval_{k}": v for k, v in eval_metrics.items()})
+            value = self.best.value(self.eval_loss, eval_metrics)
+            if self.best.improves(value):  # the same verdict on every process: eval metrics are reduced
+                self._keep_best(step, value)
         if step % self.t.log_every == 0 or "eval_loss" in record or step == self.t.max_steps:
             self.metrics_log.write(record)
             self.acc.log({k: v for k, v in record.items() if k != "step"}, step=step)
@@ -256,13 +261,32 @@ class Trainer:
         acc.wait_for_everyone()
         self.run_dir.settle()
 
-    def export(self, metrics: dict) -> Path | None:
+    def _full_model(self) -> torch.nn.Module:
+        """The whole model: FSDP / ZeRO-3 hold no full copy anywhere, so gather one (collective) onto the CPU."""
         acc = self.acc
         acc.wait_for_everyone()
-        # FSDP / ZeRO-3: no process holds the full weights; gather them (collective) into a CPU copy.
-        model = self.model
-        unwrapped = (dist.gathered_model(acc, model, self._empty_model if self.build_task else None)
-                     if dist.shards_weights(acc) else acc.unwrap_model(model))
+        if dist.shards_weights(acc):
+            return dist.gathered_model(acc, self.model, self._empty_model if self.build_task else None)
+        return acc.unwrap_model(self.model)
+
+    def _keep_best(self, step: int, value: float) -> None:
+        model = self._full_model()
+        if self.acc.is_main_process:
+            self.best.save(step, value, model)
+            self.say(f"[draftforge] step {step}: best {self.t.keep_best} so far ({value:.4g}); weights kept in "
+                     f"{self.best.dir}")
+        self.acc.wait_for_everyone()
+
+    def export(self, metrics: dict) -> Path | None:
+        acc = self.acc
+        unwrapped = self._full_model()
+        # train.keep_best: the best eval's weights, not the last step's (only the main process exports)
+        kept = self.best.load_into(unwrapped) if acc.is_main_process else None
+        if kept is not None:
+            metrics = {**metrics, "kept": kept}
+            self.say(f"[draftforge] exporting the weights of step {kept['step']}, the best {kept['metric']} "
+                     f"({kept['value']:.4g})" + ("" if kept["step"] == metrics.get("steps") else
+                                                 f", not the last step's ({metrics.get('steps')})"))
         out = None
         if acc.is_main_process:
             meta = {"task": self.recipe.task, "target": self.recipe.model.target, "recipe": self.recipe.to_dict(),

@@ -42,12 +42,22 @@ _TASKS: dict[str, TaskInfo] = {}
 
 
 def register_task(name: str, *, builder, doc: str, config=None, check=None) -> TaskInfo:
-    """Register (or re-register, e.g. after a module reload) a task under `name`."""
+    """Register a task under `name`; ValueError when another task has that name already (the same
+    registration again, as a plugin module imported under a second name would make, is let through)."""
     if not name.isidentifier():
         raise ValueError(f"task name {name!r} must be an identifier (it names a recipe section)")
     info = TaskInfo(name, builder, doc, config, check)
+    known = _TASKS.get(name)
+    if known is not None and _spelled(known) != _spelled(info):
+        raise ValueError(f"task {name!r} is registered already (builder {known.builder!r})")
     _TASKS[name] = info
     return info
+
+
+def _spelled(info: TaskInfo) -> tuple:
+    """What a registration says, with callables and classes by their qualified names."""
+    return tuple(v if isinstance(v, str) or v is None else f"{v.__module__}.{v.__qualname__}" for v in
+                 (info.builder, info.doc, info.config, info.check))
 
 
 def get_task(name: str) -> TaskInfo:
@@ -79,17 +89,22 @@ def _import(spec: str) -> Any:
 
 # ---------------------------------------------------------------- built-in tasks
 
-register_task("pretrain", builder="draftforge.train.lm:build_lm_task",
-              doc="a Mamba / Mamba2 drafter (or any small causal LM) from scratch, next-token CE on packed text")
-register_task("sft", builder="draftforge.train.lm:build_lm_task", check="draftforge.train.lm:check_sft",
-              doc="a pretrained drafter on chat data or token rows (loss where the mask says), optional LoRA")
-register_task("distill", builder="draftforge.train.distill:build_distill_task", config="draftforge.train.distill:DistillConfig",
-              check="draftforge.train.distill:check_distill",
-              doc="a small SSM drafter on a frozen target's distributions: forward KL at a temperature (+ optional CE)")
-register_task("theta", builder="draftforge.train.theta:build_theta_task", config="draftforge.train.theta:ThetaConfig",
-              doc="the Cali-TS θ predictor on rows from `draftforge harvest theta` (EESD §3.3, App. B)")
-register_task("c2t", builder="draftforge.train.c2t:build", config="draftforge.train.c2t:C2TConfig",
-              doc="the C2T classifier (P, H, d) -> accept confidence on harvested EAGLE-2 trees (C2T §4)")
-register_task("eesd", builder="draftforge.train.eesd:build_eesd_task", config="draftforge.train.eesd:EesdConfig",
-              check="draftforge.train.eesd:check_eesd",
-              doc="an early-exit drafter: exit layer + norm + head on the target's frozen first N layers (EESD)")
+# name, builder, config, check (module:attribute, imported when the task runs), doc
+BUILT_IN = (
+    ("pretrain", "draftforge.train.lm:build_lm_task", None, None,
+     "a Mamba / Mamba2 drafter (or any small causal LM) from scratch, next-token CE on packed text"),
+    ("sft", "draftforge.train.lm:build_lm_task", None, "draftforge.train.lm:check_sft",
+     "a pretrained drafter on chat data or token rows (loss where the mask says), optional LoRA"),
+    ("distill", "draftforge.train.distill:build_distill_task", "draftforge.train.distill:DistillConfig",
+     "draftforge.train.distill:check_distill",
+     "a small SSM drafter on a frozen target's distributions: forward KL at a temperature (+ optional CE)"),
+    ("theta", "draftforge.train.theta:build_theta_task", "draftforge.train.theta:ThetaConfig", None,
+     "the Cali-TS θ predictor on rows from `draftforge harvest theta` (EESD §3.3, App. B)"),
+    ("c2t", "draftforge.train.c2t:build", "draftforge.train.c2t:C2TConfig", None,
+     "the C2T classifier (P, H, d) -> accept confidence on harvested EAGLE-2 trees (C2T §4)"),
+    ("eesd", "draftforge.train.eesd:build_eesd_task", "draftforge.train.eesd:EesdConfig",
+     "draftforge.train.eesd:check_eesd",
+     "an early-exit drafter: exit layer + norm + head on the target's frozen first N layers (EESD)"),
+)
+for _name, _builder, _config, _check, _doc in BUILT_IN:
+    register_task(_name, builder=_builder, config=_config, check=_check, doc=_doc)
