@@ -93,7 +93,7 @@ def harvest_trees(args) -> dict:
     from draftforge.data import harvest as hv
     from draftforge.decode import load_drafter, load_target
     from draftforge.decode.eagle2 import check_eagle2
-    from draftforge.eval.prompts import load_prompts
+    from draftforge.data.prompts import load_prompts
 
     dtype = resolve_dtype(args.dtype, args.device)
     announce(dtype, "target and drafter")

@@ -44,7 +44,7 @@ def run(args) -> int:
 
     extra = {}
     if args.kind == "code":  # none of HumanEval's function names, so a HumanEval eval stays out of domain
-        from draftforge.eval.prompts import humaneval_entry_points
+        from draftforge.data.prompts import humaneval_entry_points
 
         extra["exclude"] = humaneval_entry_points()
     out = write_instruction_prompts(args.out, args.split, args.n, kind=args.kind, seed=args.seed, **extra)

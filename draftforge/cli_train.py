@@ -47,7 +47,7 @@ def run(args) -> int:
 
 def print_recipe_help(task: str) -> None:
     from draftforge.recipe import task_field_docs
-    from draftforge.train.registry import get_task, task_names
+    from draftforge.tasks import get_task, task_names
 
     rows = task_field_docs(task)  # RecipeError (exit 2) for an unknown task
     print(f"task {task}: {get_task(task).doc}")

@@ -19,7 +19,7 @@ import struct
 import sys
 from pathlib import Path
 
-from draftforge.errors import CheckpointError
+from draftforge.errors import CheckpointError, RecipeError
 
 ALLOW_PICKLE_ENV = "DRAFTFORGE_ALLOW_PICKLE"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -43,6 +43,26 @@ def missing_local_path(source) -> Path | None:
     if path.exists() or (not isinstance(source, Path) and _HUB_ID.match(text)):
         return None
     return path
+
+
+def check_local(source: str, key: str) -> str:
+    """`source`, or RecipeError naming `key` when it is a local path that does not exist (not the Hub's
+    "Repo id must be in the form ..." that transformers says about it)."""
+    missing = missing_local_path(source)
+    if missing is not None:
+        raise RecipeError(f"recipe key '{key}': directory {missing} does not exist")
+    return source
+
+
+def load_config(path: str, key: str):
+    """A transformers config from `path`, or RecipeError naming the recipe key that points there."""
+    from transformers import AutoConfig
+
+    check_local(path, key)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"recipe key '{key}': cannot read a model config from {path!r} ({e})") from None
 
 
 def local_model_dir(source, what: str = "model") -> Path | None:

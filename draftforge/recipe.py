@@ -163,7 +163,7 @@ class Recipe:
     task_options: Any = field(default=None, metadata={"section": True})
 
     def check(self) -> None:
-        from draftforge.train.registry import get_task
+        from draftforge.tasks import get_task
 
         info = get_task(self.task)
         require(bool(self.data.sources), "data.sources", "list at least one data source")
@@ -300,7 +300,7 @@ def recipe_from_dict(values: dict, overrides: list[str] = ()) -> Recipe:
 
 def _task_section(values: dict) -> tuple[Any, type | None]:
     """Pop the section named after the task (plugins imported first); refuse other tasks' sections."""
-    from draftforge.train.registry import get_task, import_plugins, task_names
+    from draftforge.tasks import get_task, import_plugins, task_names
 
     plugins = values.get("plugins") or []
     if isinstance(plugins, list):
@@ -341,7 +341,7 @@ def dump_recipe(recipe: Recipe) -> str:
 
 def task_field_docs(task: str) -> list[tuple[str, str, str]]:
     """field_docs of the common sections plus the task's own section (RecipeError for an unknown task)."""
-    from draftforge.train.registry import get_task
+    from draftforge.tasks import get_task
 
     options_cls = get_task(task).resolve("config")
     return field_docs() + (field_docs(options_cls, f"{task}.") if options_cls is not None else [])

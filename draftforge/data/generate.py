@@ -50,7 +50,7 @@ class GenStats:
 
 def chat_jobs(prompt_file, tokenizer, context: int, max_new_tokens: int, num_prompts=None) -> list[Job]:
     """Prompts from a JSONL file through the chat template; DataError for a prompt longer than the context."""
-    from draftforge.eval.prompts import load_prompts
+    from draftforge.data.prompts import load_prompts
 
     prompts = load_prompts(prompt_file, tokenizer, num_prompts=num_prompts, context_length=context,
                            max_new_tokens=max_new_tokens)

@@ -112,7 +112,7 @@ def _plan(target, rows_path, top_k, draft_vocab, max_len, batch_size, shard_rows
           world) -> Plan:
     """Read and check the rows, the draft vocabulary and the settings; nothing is written or loaded yet."""
     from draftforge.data.provenance import tokenizer_identity
-    from draftforge.train.parts import load_config
+    from draftforge.loading import load_config
 
     config = load_config(str(target), "--target")
     vocab = int(config.vocab_size)

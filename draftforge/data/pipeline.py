@@ -22,8 +22,7 @@ import pyarrow.compute as pc
 
 from draftforge.data.chat import tokenize_conversation
 from draftforge.data.packing import StreamPacker, blocks_table, flatten_lists, pack_greedy, pack_stream
-from draftforge.data.provenance import check_token_sources
-from draftforge.data.sources import load_sources
+from draftforge.data.sources import check_token_sources, load_sources
 from draftforge.errors import DataError
 
 log = logging.getLogger("draftforge.data")

@@ -115,19 +115,6 @@ def check_row_files(files, tokenizer, fix: str = TRAIN_FIX, outside=()) -> None:
         notice(unchecked)
 
 
-def check_token_sources(cfg, tokenizer) -> None:
-    """format=tokens recipe sources against the tokenizer it trains with, before any row is read."""
-    from draftforge.data.sources import is_hf_name, resolve_local_files
-
-    files, outside = [], []
-    for spec in cfg.sources:
-        if is_hf_name(spec):
-            outside.append(f"dataset {spec}")
-        else:
-            files += resolve_local_files(spec, cfg.file_glob)
-    check_row_files(files, tokenizer, TRAIN_FIX, outside)
-
-
 def open_rows_file(out: Path, record: dict) -> None:
     """Before a writer appends to `out`: a new (or empty) file gets its sidecar first, so rows never exist
     without one; rows already there must come from the same tokenizer and target (else DataError, nothing

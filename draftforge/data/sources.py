@@ -28,7 +28,7 @@ from pathlib import Path
 import datasets
 
 from draftforge.data.chat import IGNORE_INDEX
-from draftforge.data.provenance import is_sidecar
+from draftforge.data.provenance import TRAIN_FIX, check_row_files, is_sidecar
 from draftforge.errors import DataError
 
 FORMATS = ("text", "chat", "tokens")
@@ -286,3 +286,14 @@ def load_sources(cfg):
             local = load_local(files, fmt, cfg.text_field)
             parts.append(local.to_iterable_dataset() if cfg.streaming else local)
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def check_token_sources(cfg, tokenizer) -> None:
+    """format=tokens recipe sources against the tokenizer it trains with, before any row is read."""
+    files, outside = [], []
+    for spec in cfg.sources:
+        if is_hf_name(spec):
+            outside.append(f"dataset {spec}")
+        else:
+            files += resolve_local_files(spec, cfg.file_glob)
+    check_row_files(files, tokenizer, TRAIN_FIX, outside)

@@ -40,7 +40,7 @@ import uuid
 from pathlib import Path
 
 from draftforge.errors import DataError, RecipeError
-from draftforge.eval.prompts import Prompt, answer_text
+from draftforge.data.prompts import Prompt, answer_text
 from draftforge.fsutil import atomic_write_text
 
 

@@ -8,7 +8,7 @@ from draftforge.decode import methods as method_registry
 from draftforge.decode.checks import parse_widths
 from draftforge.decode.sampling import TREE_DRAWS
 from draftforge.errors import RecipeError
-from draftforge.eval.prompts import BENCHES
+from draftforge.data.prompts import BENCHES
 from draftforge.eval.runner import EvalConfig, run_eval
 from draftforge.runtime import DTYPE_CHOICES, add_device_flag, add_dtype_flag
 

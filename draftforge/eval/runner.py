@@ -24,7 +24,7 @@ from draftforge.errors import DraftforgeError, RecipeError
 from draftforge.eval import answers as answers_mod
 from draftforge.eval import cost, metrics, selfcheck
 from draftforge.eval.manifest import ASSISTED_POLICY_KEYS, assisted_policy, build_manifest
-from draftforge.eval.prompts import answer_text, encode_prompts, encode_turn, load_prompt_rows, report_categories
+from draftforge.data.prompts import answer_text, encode_prompts, encode_turn, load_prompt_rows, report_categories
 from draftforge.runtime import announce, choose_threads, resolve_dtype
 
 

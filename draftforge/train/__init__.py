@@ -1,11 +1,11 @@
-"""Training: one loop (loop.py), the task registry (registry.py) and one small module per task."""
+"""Training: one loop (loop.py) and one small module per task; tasks register in draftforge/tasks.py."""
 
 from __future__ import annotations
 
 
 def task_builder(task: str):
     """The builder of a registered task (imported lazily so the CLI starts fast)."""
-    from draftforge.train.registry import get_task
+    from draftforge.tasks import get_task
 
     return get_task(task).resolve("builder")
 

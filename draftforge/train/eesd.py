@@ -57,7 +57,7 @@ class EesdConfig:
 
 def check_eesd(recipe: Recipe) -> None:
     """eesd's recipe rules, before anything is built: a target, and N inside it."""
-    from draftforge.train.parts import load_config
+    from draftforge.loading import load_config
 
     require(bool(recipe.model.target), "model.target", "eesd trains an exit head on a frozen target: set model.target")
     if not Path(recipe.model.target).is_dir():

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftforge.errors import CheckpointError, RecipeError
+from draftforge.loading import check_local, load_config
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -23,17 +24,6 @@ def resolve_checkpoint(path: str) -> str:
         raise CheckpointError(f"{p} is neither an export (no config.json) nor a finished run (no export/); "
                               "point model.init_from at an export directory or finish the run first")
     return path
-
-
-def check_local(source: str, key: str) -> str:
-    """`source`, or RecipeError naming `key` when it is a local path that does not exist (not the Hub's
-    "Repo id must be in the form ..." that transformers says about it)."""
-    from draftforge.loading import missing_local_path
-
-    missing = missing_local_path(source)
-    if missing is not None:
-        raise RecipeError(f"recipe key '{key}': directory {missing} does not exist")
-    return source
 
 
 def load_tokenizer(recipe):
@@ -65,17 +55,6 @@ def local_tokenizer(recipe):
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, TypeError):  # the same "no tokenizer here" as decode.loading.load_hf_causal_lm
         return None
-
-
-def load_config(path: str, key: str):
-    """A transformers config from `path`, or RecipeError naming the recipe key that points there."""
-    from transformers import AutoConfig
-
-    check_local(path, key)
-    try:
-        return AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise RecipeError(f"recipe key '{key}': cannot read a model config from {path!r} ({e})") from None
 
 
 def target_vocab_size(recipe) -> int | None:

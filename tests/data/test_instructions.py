@@ -10,7 +10,7 @@ from draftforge.data.instructions import (
     CATEGORIES, HELDOUT_FILE, build_instruction_prompts, is_heldout, stdlib_items, write_instruction_prompts,
 )
 from draftforge.errors import DataError
-from draftforge.eval.prompts import load_prompt_rows
+from draftforge.data.prompts import load_prompt_rows
 
 
 def _tops(rows):
@@ -76,7 +76,7 @@ def test_code_prompts_are_function_headers_split_by_module_and_not_humaneval(tmp
     import ast
 
     from draftforge.data.instructions import build_code_prompts
-    from draftforge.eval.prompts import humaneval_entry_points
+    from draftforge.data.prompts import humaneval_entry_points
 
     heldout = build_code_prompts("heldout")
     train = build_code_prompts("train", exclude=humaneval_entry_points())

@@ -17,7 +17,7 @@ from draftforge.decode.base import DecodeStats
 from draftforge.errors import DataError, RecipeError
 from draftforge.eval import answers, command, runner, selfcheck
 from draftforge.eval.metrics import CATEGORY_KEYS, RunRecord, by_category, summarize
-from draftforge.eval.prompts import Prompt, encode_prompts, load_prompt_rows, report_categories
+from draftforge.data.prompts import Prompt, encode_prompts, load_prompt_rows, report_categories
 from draftforge.eval.report import category_markdown
 from draftforge.eval.runner import EvalConfig, run_eval
 

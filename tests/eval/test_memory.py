@@ -88,7 +88,7 @@ class Fake:
 
 def test_probe_measures_a_known_leak_and_skips_the_warmup(tmp_path):
     bench = write_prompts(tmp_path / "p.jsonl", 60, vocab=50, lengths=(3, 6))
-    from draftforge.eval.prompts import load_prompts
+    from draftforge.data.prompts import load_prompts
 
     cfg = config_for("t", "d", bench, 60, 4, ("ar", "chain"))
     prompts = load_prompts(bench, None, num_prompts=60)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from draftforge.recipe import doc, require
-from draftforge.train.registry import register_task
+from draftforge.tasks import register_task
 
 
 BUILT: dict = {}  # the last build's modules, for in-process tests

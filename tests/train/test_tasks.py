@@ -209,7 +209,7 @@ def test_plugin_task_on_two_processes_matches_one(tmp_path):
 
 
 def test_a_task_name_registers_once():
-    from draftforge.train.registry import BUILT_IN, register_task
+    from draftforge.tasks import BUILT_IN, register_task
 
     name, builder, config, check, doc = BUILT_IN[1]
     with pytest.raises(ValueError, match="task 'sft' is registered already"):

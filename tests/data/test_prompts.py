@@ -6,7 +6,7 @@ from transformers import PreTrainedTokenizerFast
 
 from draftforge.decode.targets import max_context
 from draftforge.errors import CompatibilityError, DataError
-from draftforge.eval.prompts import load_prompt_rows, load_prompts
+from draftforge.data.prompts import load_prompt_rows, load_prompts
 from tests.data.common import write_jsonl
 
 VOCAB = {"[UNK]": 0, "<|user|>": 1, "<|assistant|>": 2, "hello": 3, "world": 4, "how": 5, "are": 6, "you": 7, "</s>": 8}
@@ -110,7 +110,7 @@ def test_testbed_bench_shortcut_reads_the_committed_heldout_prompts():
 
 
 def test_humaneval_bench_reads_the_package_data_as_plain_code_prompts():
-    from draftforge.eval.prompts import humaneval_path
+    from draftforge.data.prompts import humaneval_path
 
     rows = load_prompt_rows("humaneval")
     assert len(rows) == 164 and humaneval_path().name == "HumanEval.jsonl.gz"

@@ -1,4 +1,5 @@
-"""Prompt sets for `draftforge eval`: Spec-Bench / MT-bench `question.jsonl`, plain JSONL, named benches.
+"""Prompt files and named prompt sets, read for `draftforge eval` and `draftforge generate`: Spec-Bench / MT-bench
+`question.jsonl`, plain JSONL, named benches. (Here in data/, below both of them.)
 
 Row formats (one JSON object per line, blank lines skipped):
   {"question_id": 81, "category": "writing", "turns": ["...", "..."]}   Spec-Bench / MT-bench (chat)

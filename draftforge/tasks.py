@@ -1,4 +1,5 @@
-"""The task registry: one place maps a task name to its recipe section and its builder.
+"""The task registry: one place maps a task name to its recipe section and its builder. It sits beside
+recipe.py, below draftforge.train: builders are named as "module:attr" strings, so it imports no task.
 
 A task registers itself once with `register_task`. Builders and config classes may be given as
 "module:attr" strings, imported only when the task is used, so `draftforge train --help` and
