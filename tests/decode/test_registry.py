@@ -76,15 +76,9 @@ def test_the_registry_knows_no_method():
 
 
 def test_no_import_circle_inside_decode():
-    graph = {p.stem: decode_imports(p) for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    from tests.fixtures.imports import in_circles
 
-    def reaches(start: str, goal: str, seen: set) -> bool:
-        for nxt in graph.get(start, ()):
-            if nxt == goal or (nxt not in seen and not seen.add(nxt) and reaches(nxt, goal, seen)):
-                return True
-        return False
-
-    assert [m for m in sorted(graph) if reaches(m, m, set())] == []
+    assert in_circles({p.stem: decode_imports(p) for p in PACKAGE.glob("*.py") if p.stem != "__init__"}) == []
 
 
 def test_every_decoder_shares_one_generate():

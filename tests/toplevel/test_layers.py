@@ -11,6 +11,7 @@ import ast
 from pathlib import Path
 
 import draftforge
+from tests.fixtures.imports import in_circles
 
 PACKAGE = Path(draftforge.__file__).parent
 LAYERS = {
@@ -54,12 +55,4 @@ def test_no_arrow_back_up_the_layers():
 def test_no_import_circle_anywhere():
     graph = _graph()
     packages = {m for m in graph if (PACKAGE / Path(*m.split(".")[1:]) / "__init__.py").is_file() or m == "draftforge"}
-    graph = {m: deps - packages for m, deps in graph.items() if m not in packages}  # __init__s only re-export
-
-    def reaches(start: str, goal: str, seen: set) -> bool:
-        for nxt in graph.get(start, ()):
-            if nxt == goal or (nxt not in seen and not seen.add(nxt) and reaches(nxt, goal, seen)):
-                return True
-        return False
-
-    assert [m for m in sorted(graph) if reaches(m, m, set())] == []
+    assert in_circles({m: deps - packages for m, deps in graph.items() if m not in packages}) == []  # __init__s re-export
