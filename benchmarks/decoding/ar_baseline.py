@@ -29,7 +29,7 @@ def hf_generate(model, ids: list[int], n: int) -> list[int]:
 
 def main(argv=None) -> dict:
     from draftforge.decode import build_decoder, load_target
-    from draftforge.eval.prompts import load_prompts
+    from draftforge.data.prompts import load_prompts
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)

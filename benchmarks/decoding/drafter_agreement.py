@@ -89,7 +89,7 @@ def run(target_dir: str, drafter_dirs: list[str], bench: str, num_prompts: int, 
         gamma: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftforge.eval.prompts import load_prompts
+    from draftforge.data.prompts import load_prompts
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)

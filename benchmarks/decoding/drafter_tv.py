@@ -66,7 +66,7 @@ def position_stats(p_TV, logits_TV, temperature: float) -> dict:
 
 def run(target_dir, drafter_dirs, bench, num_prompts, max_new_tokens, temperature, gamma, seed=0) -> dict:
     from draftforge.decode.loading import load_drafter, load_target
-    from draftforge.eval.prompts import load_prompts
+    from draftforge.data.prompts import load_prompts
 
     target = load_target(target_dir)
     tok = target.tokenizer

@@ -65,7 +65,7 @@ def summarize(raw: dict) -> dict:
 
 def main(argv=None) -> None:
     from draftforge.decode import build_decoder, load_drafter, load_target
-    from draftforge.eval.prompts import load_prompts
+    from draftforge.data.prompts import load_prompts
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)

@@ -36,7 +36,7 @@ from draftforge.decode.checks import parse_widths
 from draftforge.decode.methods import per_method
 from draftforge.eval import metrics, runner
 from draftforge.eval.manifest import command_line
-from draftforge.eval.prompts import load_prompts
+from draftforge.data.prompts import load_prompts
 
 
 def live_tensors() -> tuple[int, int]:

@@ -23,7 +23,7 @@ from benchmarks.common import add_dtype_flag, add_flags, load_models
 def load_prompts(bench: str, target, n: int, max_prompt_tokens: int, max_new_tokens: int) -> list[list[int]]:
     """The harness's own prompt reader (named benches, chat templates, token rows), each cut to its last
     max_prompt_tokens tokens (0 = whole)."""
-    from draftforge.eval.prompts import load_prompts as read
+    from draftforge.data.prompts import load_prompts as read
 
     prompts = read(bench, target.tokenizer, num_prompts=n, chat="auto", context_length=target.max_context,
                    max_new_tokens=max_new_tokens)

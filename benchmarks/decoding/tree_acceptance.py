@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
     add_flags(p, num_prompts=16, max_new_tokens=64, out="runs/tree_acceptance.json")
     add_dtype_flag(p)
     a = p.parse_args(argv)
-    from draftforge.eval.prompts import load_prompts
+    from draftforge.data.prompts import load_prompts
 
     target, drafter = load_models(a)
     prompts = [q.input_ids for q in load_prompts(a.bench, target.tokenizer, num_prompts=a.num_prompts)]

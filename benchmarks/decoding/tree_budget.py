@@ -179,7 +179,7 @@ def main(argv=None) -> int:
 
 
 def _main(argv=None) -> int:
-    from draftforge.eval.prompts import load_prompts
+    from draftforge.data.prompts import load_prompts
 
     args = parse_args(argv)
     target, drafter = load_models(args)
