@@ -164,12 +164,10 @@ def load_models(args, drafter: bool = True):
 
 
 def add_dtype_flag(parser) -> None:
-    """--dtype as `draftforge eval` has it: auto (default) is bf16 where the device computes it natively."""
-    from draftforge.runtime import DTYPE_CHOICES
+    """--dtype as `draftforge eval` has it (runtime.add_dtype_flag): auto is bf16 where the device computes it."""
+    from draftforge.runtime import add_dtype_flag as add
 
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="model dtype: auto (default) = bfloat16 where the device computes it natively, else "
-                             "float32")
+    add(parser)
 
 
 def chosen_dtype(args, device: str = "cpu"):
