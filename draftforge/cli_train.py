@@ -64,7 +64,10 @@ def configure_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="a draftforge run directory (holds recipe.yaml and checkpoints/)")
     p.add_argument("--out", required=True, help="where to write model.safetensors, config.json, tokenizer, "
                                                  "draftforge.json")
-    p.add_argument("--checkpoint", help="a specific checkpoint dir (default: the latest intact one)")
+    p.add_argument("--checkpoint", help="a specific checkpoint dir (default: the latest intact one, or for a run "
+                                        "with train.keep_best the best eval's weights in RUN_DIR/best)")
+    p.add_argument("--last", action="store_true", help="a train.keep_best run: export the latest checkpoint's "
+                                                       "weights instead of the best eval's")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export at --out")
 
 
@@ -74,6 +77,7 @@ def run_export(args) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / "recipe.yaml").is_file():
         raise CheckpointError(f"{run_dir} is not a draftforge run directory (no recipe.yaml)")
-    out = export_checkpoint(run_dir, Path(args.out), checkpoint=args.checkpoint, overwrite=args.overwrite)
+    out = export_checkpoint(run_dir, Path(args.out), checkpoint=args.checkpoint, overwrite=args.overwrite,
+                            last=args.last)
     print(f"exported {run_dir} -> {out}")
     return 0

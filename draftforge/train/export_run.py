@@ -1,7 +1,9 @@
 """`draftforge export RUN_DIR --out DIR`: turn a run's checkpoint into an exported checkpoint.
 
 The model is rebuilt from the run's own recipe (no data is read), its weights are loaded from
-the checkpoint's safetensors, and it is written with `draftforge.export.export_model`.
+the checkpoint's safetensors, and it is written with `draftforge.export.export_model`. A run with
+`train.keep_best` exports the kept weights (RUN_DIR/best/), as the run's own export at the end of training
+does, unless a checkpoint is named or `last=True`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from draftforge.errors import CheckpointError
 from draftforge.train import checkpoint as ckpt
 
 
-def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None, overwrite: bool = False) -> Path:
+def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None, overwrite: bool = False,
+                      last: bool = False, say=print) -> Path:
     from draftforge.recipe import recipe_from_dict
     from draftforge.train import task_builder
     from draftforge.train.distributed import load_fitting_state
@@ -37,6 +40,14 @@ def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None
     load_fitting_state(spec.model, load_file(str(weights)), str(weights))
     state = ckpt.read_loop_state(src)
     metrics = _final_metrics(run_dir, state["step"])
+    kept = None if checkpoint or last else _kept_best(run_dir, recipe, state["step"])
+    if kept is not None:
+        from draftforge.train.best import BestKeeper
+
+        kept = BestKeeper(recipe.train.keep_best, run_dir, state["step"]).load_into(spec.model)
+        metrics["kept"] = kept
+        say(f"exporting the weights of step {kept['step']}, the best {kept['metric']} ({kept['value']:.4g}; "
+            f"train.keep_best), not {src.name}'s (--last exports those)")
     meta = {"task": recipe.task, "target": recipe.model.target, "recipe": recipe.to_dict(), "metrics": metrics,
             "checkpoint": src.name}
     return spec.export(spec.model, out, meta, overwrite=overwrite)
@@ -71,6 +82,14 @@ def _latest_checkpoint(run_dir: Path) -> Path:
         hint = hint if done else "train the run again (draftforge train RECIPE --overwrite)"
         raise CheckpointError(f"every checkpoint in {where} is corrupted, so there is nothing to export; "
                               f"{hint}") from None
+
+
+def _kept_best(run_dir: Path, recipe, step: int) -> dict | None:
+    """The best/ record a keep_best run made at or before `step` (the one its own export would use), or None."""
+    from draftforge.train.best import BestKeeper
+
+    metric = recipe.train.keep_best
+    return BestKeeper(metric, run_dir, step).record if metric else None
 
 
 def _final_metrics(run_dir: Path, step: int) -> dict:

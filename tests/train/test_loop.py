@@ -168,6 +168,18 @@ def test_keep_best_exports_the_best_evals_weights_and_survives_resume(tmp_path, 
     kept, exported = load_file(str(at_best / "model.safetensors")), load_file(str(full.export_dir / "model.safetensors"))
     shared = set(kept) & set(exported)
     assert shared and all(torch.equal(kept[k], exported[k]) for k in shared)
+    # `draftforge export RUN_DIR` exports what the run's own export did (the kept weights); --last the last step's
+    from draftforge.train.export_run import export_checkpoint
+
+    again = export_checkpoint(full.run_dir, tmp_path / "again", say=lambda *a: None)
+    assert json.loads((again / "draftforge.json").read_text())["metrics"]["kept"]["step"] == best
+    assert all(torch.equal(load_file(str(again / "model.safetensors"))[k], exported[k]) for k in exported)
+    last = export_checkpoint(full.run_dir, tmp_path / "last", last=True)
+    at_last = load_file(str(ckpt.latest_valid(full.run_dir) / "model.safetensors"))
+    last_w = load_file(str(last / "model.safetensors"))
+    assert "kept" not in json.loads((last / "draftforge.json").read_text())["metrics"]
+    assert all(torch.equal(at_last[k], last_w[k]) for k in set(at_last) & set(last_w))
+    assert not all(torch.equal(last_w[k], exported[k]) for k in exported)
 
     values_b = tiny_recipe(tmp_path / "b", tiny_corpus_dir, tiny_tokenizer_dir, **train)
     values_b["optim"].update(lr=1.0, schedule="constant", warmup_steps=0)
