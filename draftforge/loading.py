@@ -45,12 +45,17 @@ def missing_local_path(source) -> Path | None:
     return path
 
 
+def _named(key: str) -> str:
+    """How an error names where a path came from: a command-line flag as itself, else the recipe key."""
+    return key if key.startswith("--") else f"recipe key '{key}'"
+
+
 def check_local(source: str, key: str) -> str:
-    """`source`, or RecipeError naming `key` when it is a local path that does not exist (not the Hub's
-    "Repo id must be in the form ..." that transformers says about it)."""
+    """`source`, or RecipeError naming `key` (a recipe key, or a flag such as --target) when it is a local path
+    that does not exist (not the Hub's "Repo id must be in the form ..." that transformers says about it)."""
     missing = missing_local_path(source)
     if missing is not None:
-        raise RecipeError(f"recipe key '{key}': directory {missing} does not exist")
+        raise RecipeError(f"{_named(key)}: directory {missing} does not exist")
     return source
 
 
@@ -62,7 +67,7 @@ def load_config(path: str, key: str):
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise RecipeError(f"recipe key '{key}': cannot read a model config from {path!r} ({e})") from None
+        raise RecipeError(f"{_named(key)}: cannot read a model config from {path!r} ({e})") from None
 
 
 def local_model_dir(source, what: str = "model") -> Path | None:

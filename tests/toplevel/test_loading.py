@@ -154,3 +154,16 @@ def test_one_line_in_our_words_once_per_process(monkeypatch, capsys):
         build_model("mamba2", VOCAB, size="tiny")
     err = capsys.readouterr().err
     assert err.count("[draftforge] CPU: Mamba layers run transformers' PyTorch path") == 1, err
+
+
+def test_a_missing_path_is_named_by_where_it_came_from(tmp_path):
+    from draftforge.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=r"^recipe key 'model.target': directory .*nope does not exist"):
+        loading.load_config(str(tmp_path / "nope"), "model.target")
+    with pytest.raises(RecipeError, match=r"^--target: directory .*nope does not exist") as e:
+        loading.load_config(str(tmp_path / "nope"), "--target")
+    assert "recipe key" not in str(e.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RecipeError, match=r"^--target: cannot read a model config"):
+        loading.load_config(str(tmp_path / "empty"), "--target")
