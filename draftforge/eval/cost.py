@@ -12,6 +12,13 @@ from the curve (linear between measured points; a row count the grid missed is t
 AR predicts 1 by construction. What the model leaves out (prefill, sampling and bookkeeping: the report's
 "other" share) is why measured can fall short of predicted. (STree, arXiv:2505.14969 §4, models a
 hybrid's t(N) the same way.)
+
+A chain's rounds also say what a shorter chain would have done: a draft at depth d is accepted or not by the
+same test whatever follows it (greedy match, or speculative sampling's min(1, p/q), arXiv:2211.17192 §2.3),
+so cutting round r at γ' keeps min(a_r, γ') accepted drafts and one bonus/correction token, verifies
+min(d_r, γ') + 1 rows and drafts min(d_r, γ') steps. `shorter_chains` predicts every γ' up to the chain's
+length from those rounds; with a weak drafter a short chain often wins, because drafting and the rising part of
+t(N) cost more than the drafts that are rarely reached bring.
 """
 
 from __future__ import annotations
@@ -91,13 +98,32 @@ def predict(summary: dict, records, curve: dict[int, float]) -> dict:
     tau = summary["tau"] or 0.0
     predicted = tau * t1 / (verify_s + draft_s)
     measured = summary.get("speedup")
+    shorter = shorter_chains(records, curve, draft_s / steps if steps else 0.0)
     return {
         "tau": tau, "rows_per_round": statistics.fmean(rows), "verify_s_per_round": verify_s,
         "verify_over_t1": verify_s / t1, "draft_steps_per_round": steps, "draft_s_per_round": draft_s,
         "draft_step_s": draft_s / steps if steps else None, "predicted_speedup": predicted,
         "measured_speedup": measured,
         "measured_over_predicted": measured / predicted if measured and predicted else None,
+        "shorter_chains": shorter,
+        "best_chain_length": max(shorter, key=shorter.get) if shorter else None,
     }
+
+
+def shorter_chains(records, curve: dict[int, float], draft_step_s: float) -> dict[int, float]:
+    """γ' -> predicted speedup of the same rounds cut at γ' (module docstring), for every γ' up to the longest
+    chain drafted; {} unless every round drafted a chain (as many drafts as depths) and some drafted 2 or more."""
+    rounds = [(a, d) for r in records for a, d in zip(r.stats.accepted_per_round, r.stats.drafted_per_round)]
+    proposed = sum(sum(r.stats.proposed_by_position) for r in records)
+    longest = max((d for _, d in rounds), default=0)
+    if longest < 2 or proposed != sum(d for _, d in rounds) or 1 not in curve:
+        return {}
+    out = {}
+    for g in range(1, longest + 1):
+        tau = statistics.fmean(1 + min(a, g) for a, _ in rounds)
+        cost_s = statistics.fmean(t_of(curve, min(d, g) + 1) + draft_step_s * min(d, g) for _, d in rounds)
+        out[g] = tau * curve[1] / cost_s
+    return out
 
 
 def curve_markdown(cost: dict) -> list[str]:
@@ -130,4 +156,13 @@ def prediction_markdown(results: list[dict]) -> list[str]:
         lines.append(f"| {r['method']} | {r['temperature']:g} | {c['tau']:.2f} | {c['rows_per_round']:.1f} | "
                      f"{c['verify_over_t1']:.2f} | {c['draft_steps_per_round']:.1f} | {step} | "
                      f"{c['predicted_speedup']:.2f}× | {meas} | {ratio} |")
+    cut = [r for r in rows if r["cost_model"].get("shorter_chains")]
+    if cut:
+        lines += ["", "The same chain rounds cut at γ' drafts (predicted speedup; the best γ' in bold):", ""]
+        for r in cut:
+            c = r["cost_model"]
+            best = c["best_chain_length"]
+            each = ", ".join((f"**{g}: {v:.2f}×**" if int(g) == best else f"{g}: {v:.2f}×")
+                             for g, v in c["shorter_chains"].items())
+            lines.append(f"- {r['method']} T={r['temperature']:g}: {each}")
     return lines

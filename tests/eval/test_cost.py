@@ -38,3 +38,29 @@ def test_prediction_by_hand():
 def test_rows_beyond_the_grid_are_named_for_timing():
     assert cost.missing_rows(CURVE, [record([12, 3], [1, 1], 0.0)]) == [13]
     assert cost.missing_rows(CURVE, [record([3], [1], 0.0)]) == []
+
+
+def test_shorter_chains_by_hand():
+    # rounds (accepted, drafted): (3, 3), (1, 3), (2, 7); 7 ms of drafting over 13 steps
+    recs = [record([3, 3], [3, 1], 0.004), record([7], [2], 0.003)]
+    summary = {"tau": 9 / 3, "time": {"draft_s": 0.007}, "speedup": 2.1}
+    got = cost.predict(summary, recs, CURVE)
+    step = 0.007 / 13
+    cut = got["shorter_chains"]
+    assert sorted(cut) == list(range(1, 8))
+    # γ' = 1: every round keeps min(a, 1) = 1 draft + 1 token (τ 2), verifies 2 rows, drafts 1 step
+    assert cut[1] == pytest.approx(2 * 0.030 / (0.031 + step))
+    # γ' = 2: min(a, 2) = 2, 1, 2 -> τ 8/3; 3 rows each (t(3) = 0.0315)
+    assert cut[2] == pytest.approx(8 / 3 * 0.030 / (0.0315 + 2 * step))
+    # γ' = 7: the rounds as they ran (rows 4, 4, 8; 3, 3, 7 steps): the method's own prediction
+    assert cut[7] == pytest.approx(got["predicted_speedup"])
+    assert got["best_chain_length"] == max(cut, key=cut.get)
+    lines = cost.prediction_markdown([{"method": "chain", "temperature": 0.0, "cost_model": got}])
+    assert any(line.startswith("- chain T=0: 1: ") and f"**{got['best_chain_length']}: " in line for line in lines)
+
+
+def test_a_tree_gets_no_shorter_chains():
+    tree = record([12], [3], 0.002)
+    tree.stats.proposed_by_position = [1, 1, 1, 1]  # 12 drafts over 4 depths: not a chain
+    assert cost.predict({"tau": 4.0, "time": {"draft_s": 0.002}}, [tree], CURVE)["shorter_chains"] == {}
+    assert cost.predict({"tau": 1.0, "time": {"draft_s": 0.0}}, [record([1], [1], 0.0)], CURVE)["shorter_chains"] == {}
