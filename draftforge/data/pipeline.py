@@ -81,7 +81,8 @@ def describe(bd: BlockData) -> str:
         return f"data: streaming {s['format']} blocks of {bd.block_size} tokens (eval: held-out {s['eval_fraction']:.1%})"
     return (f"data: {s['blocks']:,} blocks x {bd.block_size} = {s['tokens']:,} tokens "
             f"({s['loss_tokens']:,} with loss, padding {s['padding_fraction']:.2%}) from {s['documents']:,} "
-            f"{s['format']} documents; {s['rows_skipped']:,}/{s['rows_read']:,} rows skipped; "
+            f"{'token rows' if s['format'] == 'tokens' else s['format'] + ' documents'}; "
+            f"{s['rows_skipped']:,}/{s['rows_read']:,} rows skipped; "
             f"eval: {s['eval_blocks']:,} blocks from {s['eval_documents']:,} documents")
 
 
