@@ -298,7 +298,10 @@ class LogitsCache:
 
     def check_rows_file(self, path) -> None:
         """DataError unless `path` holds the bytes the cache was harvested from (size + mtime, else sha256)."""
-        want, path = self.manifest["rows"], Path(path).resolve()
+        want, path = self.manifest["rows"], Path(path).expanduser().resolve()
+        if not path.is_file():
+            raise DataError(f"data source {path} does not exist; it should be the rows file logits cache {self.dir} "
+                            f"was harvested from ({want['path']}, {want['count']:,} rows)")
         st = path.stat()
         if st.st_size == want["bytes"] and st.st_mtime_ns == want["mtime_ns"] and str(path) == want["path"]:
             return

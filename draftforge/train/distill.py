@@ -113,7 +113,8 @@ def check_distill(recipe: Recipe) -> None:
         return
     require(data.format == "tokens", "data.format",
             "distill.logits_cache holds a target's distributions over token rows: set data.format: tokens")
-    require(len(data.sources) == 1 and Path(data.sources[0]).is_file(), "data.sources",
+    # one file, not a folder or a list (a missing file is the data loader's error, named there)
+    require(len(data.sources) == 1 and not Path(data.sources[0]).expanduser().is_dir(), "data.sources",
             "with distill.logits_cache, give exactly the rows file the cache was harvested from")
     require(not data.streaming, "data.streaming", "a logits cache is read row by row: set data.streaming: false")
 

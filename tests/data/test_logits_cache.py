@@ -363,6 +363,9 @@ def test_a_damaged_cache_or_other_rows_are_refused(tmp_path, target_dir, rows_fi
     other_rows = write_rows(tmp_path / "other.jsonl", seed=1)
     _refused(cached_recipe(tmp_path, target_dir, other_rows, cache_dir), DataError,
              "is not the rows file logits cache")
+    # a recipe naming its rows file validates without it (a shipped recipe); training then names what is missing
+    _refused(cached_recipe(tmp_path, target_dir, tmp_path / "gone.jsonl", cache_dir), DataError,
+             r"gone.jsonl does not exist; it should be the rows file logits cache .* was harvested from")
     long_rows = tmp_path / "long.jsonl"  # one row of 100 tokens: a 128-token block needs positions past 63
     long_rows.write_text(rows_file.read_text() + json.dumps({"input_ids": list(range(3, 103))}) + "\n")
     _harvest(target_dir, long_rows, tmp_path / "short-cache")
@@ -394,6 +397,9 @@ def test_recipe_rules_of_a_cached_run(tmp_path, target_dir, rows_file, cache_dir
     values = cached_recipe(tmp_path, target_dir, rows_file, cache_dir)
     values["data"]["format"] = "text"
     with pytest.raises(RecipeError, match="data.format"):
+        recipe_from_dict(values)
+    values = cached_recipe(tmp_path, target_dir, tmp_path, cache_dir)  # a folder, not the rows file
+    with pytest.raises(RecipeError, match="give exactly the rows file"):
         recipe_from_dict(values)
 
 
