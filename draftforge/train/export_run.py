@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from draftforge.errors import CheckpointError
 from draftforge.train import checkpoint as ckpt
+from draftforge.train.best import BestKeeper
 
 
 def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None, overwrite: bool = False,
@@ -40,11 +41,10 @@ def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None
     load_fitting_state(spec.model, load_file(str(weights)), str(weights))
     state = ckpt.read_loop_state(src)
     metrics = _final_metrics(run_dir, state["step"])
-    kept = None if checkpoint or last else _kept_best(run_dir, recipe, state["step"])
+    # train.keep_best: the kept weights (RUN_DIR/best, recorded at or before this checkpoint), as the run's own export
+    metric = None if checkpoint or last else recipe.train.keep_best
+    kept = BestKeeper(metric, run_dir, state["step"]).load_into(spec.model) if metric else None
     if kept is not None:
-        from draftforge.train.best import BestKeeper
-
-        kept = BestKeeper(recipe.train.keep_best, run_dir, state["step"]).load_into(spec.model)
         metrics["kept"] = kept
         say(f"exporting the weights of step {kept['step']}, the best {kept['metric']} ({kept['value']:.4g}; "
             f"train.keep_best), not {src.name}'s (--last exports those)")
@@ -82,14 +82,6 @@ def _latest_checkpoint(run_dir: Path) -> Path:
         hint = hint if done else "train the run again (draftforge train RECIPE --overwrite)"
         raise CheckpointError(f"every checkpoint in {where} is corrupted, so there is nothing to export; "
                               f"{hint}") from None
-
-
-def _kept_best(run_dir: Path, recipe, step: int) -> dict | None:
-    """The best/ record a keep_best run made at or before `step` (the one its own export would use), or None."""
-    from draftforge.train.best import BestKeeper
-
-    metric = recipe.train.keep_best
-    return BestKeeper(metric, run_dir, step).record if metric else None
 
 
 def _final_metrics(run_dir: Path, step: int) -> dict:
