@@ -28,7 +28,7 @@ phase "data: 902 code-completion rows + $MORE_PROMPTS more instruction answers (
 [ -s "$OUT/more_prompts.jsonl" ] || sed -n "1201,$((1200 + MORE_PROMPTS))p" "$OUT/train_prompts.jsonl" > "$OUT/more_prompts.jsonl"
 gen() { python -m draftforge generate --target "$TARGET" --temperature 0 --batch-size 16 --threads 1 "$@"; }
 gen --prompts "$OUT/code_prompts.jsonl" --max-new-tokens 128 --out "$OUT/code_rows.jsonl" &
-gen --prompts "$OUT/more_prompts.jsonl" --max-new-tokens 192 --out "$OUT/more_rows.jsonl" &
+gen --prompts "$OUT/more_prompts.jsonl" -n "$MORE_PROMPTS" --max-new-tokens 192 --out "$OUT/more_rows.jsonl" &
 wait
 if [ ! -s "$OUT/all_rows.jsonl" ]; then  # one rows file (a logits cache belongs to one), with the target's sidecar
   cat "$OUT/sft_rows.jsonl" "$OUT/code_rows.jsonl" "$OUT/more_rows.jsonl" > "$OUT/all_rows.jsonl.tmp"
