@@ -41,8 +41,11 @@ def cli_interrupted(argv: list[str], root: Path, repo: Path, after: str, timeout
     import signal
     import time
 
+    # SIGINT back to its default in the child: under `nohup ... &` (CI in the background) it is inherited ignored,
+    # and Python then installs no KeyboardInterrupt handler, so the Ctrl-C under test would never arrive
     proc = subprocess.Popen([sys.executable, "-m", "draftforge", *argv], cwd=root / "cwd", env=cli_env(root, repo),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     head, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = proc.stderr.readline()

@@ -108,7 +108,7 @@ def test_ctrl_c_in_a_real_eval_says_no_report_and_writes_none(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "draftforge", "eval", "--target", paths["target"], "--bench",
                              prompts, "--methods", "ar", "--max-new-tokens", "64", "--repeats", "3", "--out",
                              str(out), "--cost-repeats", "1", "--no-plots"], stderr=subprocess.PIPE, text=True,
-                            env=env)
+                            env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not inherited ignored
     err = []
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:  # wait until it times: models loaded, prompts read, pass under way
