@@ -4,7 +4,8 @@
 # then one τ–γ sweep on held-out instructions: EAGLE-2's N, C2T's β, the ablation heads, and the
 # transfer of the Mamba-trained head to the Llama drafter.
 # Needs runs/smollm2/mamba2-sft and llama-sft (benchmarks/pipelines/smollm2_pipeline.sh SKIP_EVAL=1).
-# Environment: HARVEST_PROMPTS [32], EVAL_PROMPTS [3], NEW_TOKENS [64]. Greedy only (both methods are).
+# Environment: HARVEST_PROMPTS [32], EVAL_PROMPTS [3], NEW_TOKENS [64], SKIP_EVAL [0] (stop after training).
+# Greedy only (both methods are).
 source "$(dirname "$0")/common.sh"  # strict mode, cd to the repository root, OMP_NUM_THREADS=1, phase
 HARVEST_PROMPTS="${HARVEST_PROMPTS:-32}"; EVAL_PROMPTS="${EVAL_PROMPTS:-3}"; NEW_TOKENS="${NEW_TOKENS:-64}"
 OUT=runs/smollm2; TARGET="$HOME/.cache/draftforge/smollm2"
@@ -24,6 +25,7 @@ for f in PHd PH Pd Hd; do
     --set "c2t.features=$f" --set train.max_steps=1500 > "$OUT/c2t-$f.log" 2>&1
 done
 
+[ "${SKIP_EVAL:-0}" = 1 ] && { phase "done (SKIP_EVAL=1)"; exit 0; }
 phase "sweep: EAGLE-2 N, C2T β, ablation heads (Mamba2 drafter); the same head on the Llama drafter (transfer)"
 python -m benchmarks.decoding.tree_budget --target "$TARGET" --drafter "$MAMBA" --bench instructions --c2t "$OUT/c2t-PHd/export" \
   --c2t-head "PH=$OUT/c2t-PH/export" --c2t-head "Pd=$OUT/c2t-Pd/export" --c2t-head "Hd=$OUT/c2t-Hd/export" \

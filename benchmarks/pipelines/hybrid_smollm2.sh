@@ -10,7 +10,8 @@
 #   3. STree's runtime model t(N) fitted from measured verifications, its predicted speedups next to 1.'s
 #      (benchmarks/decoding/hybrid_runtime.py).
 # Needs `draftforge target smollm2` and runs/smollm2/mamba2-sft/export + sft_rows.jsonl
-# (benchmarks/pipelines/smollm2_pipeline.sh). Environment: NUM_PROMPTS [6] per bench, NEW_TOKENS [64].
+# (benchmarks/pipelines/smollm2_pipeline.sh). Environment: NUM_PROMPTS [6] per bench, NEW_TOKENS [64], DRAFTER_THREADS [2]
+# (torch threads of the drafter's distillation: 1 when anything else runs on a 2-core machine).
 # Finished runs are kept (delete runs/hybrid/smollm2* to redo them). Two timed processes at a time, 1 thread each.
 source "$(dirname "$0")/common.sh"  # strict mode, cd to the repository root, OMP_NUM_THREADS=1, phase
 NUM_PROMPTS="${NUM_PROMPTS:-6}"; NEW_TOKENS="${NEW_TOKENS:-64}"
@@ -25,7 +26,7 @@ phase "target: the SmolLM2 hybrid (convert, distil the new mixers against SmolLM
   > "$OUT/hybrid_compare.json" 2> "$OUT/hybrid_compare.log"
 
 phase "drafter: the SmolLM2 Mamba2 drafter distilled from the hybrid (KL, τ = 1)"
-[ -f "$DRAFTER/draftforge.json" ] || OMP_NUM_THREADS=2 python -m draftforge train recipes/hybrid/smollm2_drafter.yaml \
+[ -f "$DRAFTER/draftforge.json" ] || OMP_NUM_THREADS="${DRAFTER_THREADS:-2}" python -m draftforge train recipes/hybrid/smollm2_drafter.yaml \
   --overwrite > "$OUT/drafter_distill.log" 2>&1
 grep -h "done:" "$OUT/drafter_distill.log" || true
 

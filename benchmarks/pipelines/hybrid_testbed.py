@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import add_dtype_flag
 from tests.fixtures.tokenizers import testbed_bpe
 
 
@@ -109,7 +110,7 @@ def parse_args(argv=None):
     m.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="fixed-length outputs (default on)")
     m.add_argument("--device", default="cpu")
-    m.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    add_dtype_flag(m)
     m.add_argument("--eval-out", help="report directory (default runs/hybrid-eval/<tree>)")
     return p.parse_args(argv)
 
