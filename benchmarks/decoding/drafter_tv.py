@@ -8,7 +8,8 @@ top-1 agreement, entropies H(p), H(q), and the drafter temperature scale s that 
 (q ∝ softmax(logits / (s·T)); s < 1 = the drafter is under-confident). Chain τ from mean α uses
 (1 - α^(γ+1)) / (1 - α) (Leviathan et al. 2023, Eq. 1).
 
-It also checks the harness: the Mamba drafter's q from its decode path (lean single-token step
+Both models run at --dtype (default auto: bf16 where the CPU computes it natively, as `draftforge eval` runs
+them; `--dtype float32` for the tables measured before the flag existed). It also checks the harness: the Mamba drafter's q from its decode path (lean single-token step
 after a multi-token prompt encode) must equal q from one full forward over the same tokens.
 
     python -m benchmarks.decoding.drafter_tv --target /tmp/h1dl/cache/smollm2 --drafter runs/smollm2/mamba2-sft/export \
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.common import add_flags, drafters_parser, print_drafters, write_json
+from benchmarks.common import add_dtype_flag, add_flags, chosen_dtype, drafters_parser, print_drafters, write_json
 
 SCALES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)
 
@@ -64,27 +65,29 @@ def position_stats(p_TV, logits_TV, temperature: float) -> dict:
             "best_scale": best, "alpha_at_best_scale": by_scale[best], "alpha_by_scale": by_scale}
 
 
-def run(target_dir, drafter_dirs, bench, num_prompts, max_new_tokens, temperature, gamma, seed=0) -> dict:
+def run(target_dir, drafter_dirs, bench, num_prompts, max_new_tokens, temperature, gamma, seed=0, dtype=None) -> dict:
+    """dtype: the torch dtype both models run in (None: each checkpoint's own)."""
     from draftforge.decode.loading import load_drafter, load_target
     from draftforge.data.prompts import load_prompts
 
-    target = load_target(target_dir)
+    target = load_target(target_dir, dtype=dtype)
     tok = target.tokenizer
     prompts = [p.input_ids for p in load_prompts(bench, tok, num_prompts=num_prompts)]
     torch.manual_seed(seed)
-    seqs = []
+    seqs, pad = [], getattr(tok, "pad_token_id", None)  # no tokenizer: prompts given as ids
     with torch.inference_mode():
         for ids in prompts:
             out = target.model.generate(torch.tensor([ids]), do_sample=True, temperature=temperature, top_k=0,
-                                        top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id)
+                                        top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad)
             seqs.append(out[0].tolist())
         p_rows = [(target.model(input_ids=torch.tensor([s])).logits[0, len(ids) - 1: -1].float() / temperature)
                   .softmax(-1) for ids, s in zip(prompts, seqs)]
     p_TV = torch.cat(p_rows)
     result = {"target": target_dir, "bench": bench, "num_prompts": len(prompts), "positions": p_TV.shape[0],
+              "dtype": str(target.model.dtype).removeprefix("torch."),
               "temperature": temperature, "gamma": gamma, "drafters": {}}
     for d in drafter_dirs:
-        drafter = load_drafter(d, target)
+        drafter = load_drafter(d, target, dtype=dtype)
         logits_TV = torch.cat([drafter_logits(drafter, s, len(ids)) for ids, s in zip(prompts, seqs)])
         stats = position_stats(p_TV, logits_TV, temperature)
         a = stats["alpha"]
@@ -103,10 +106,12 @@ def main(argv=None) -> dict:
     add_flags(p, temperature=1.0)
     p.add_argument("--chain-length", type=int, default=5, help="γ for the τ estimate")
     p.add_argument("--out", default="benchmarks/results/drafter_tv.json")
+    add_dtype_flag(p)
     a = p.parse_args(argv)
     if a.temperature <= 0:
         p.error("--temperature must be > 0 (TV between distributions)")
-    result = run(a.target, a.drafter, a.bench, a.num_prompts, a.max_new_tokens, a.temperature, a.chain_length)
+    result = run(a.target, a.drafter, a.bench, a.num_prompts, a.max_new_tokens, a.temperature, a.chain_length,
+                 dtype=chosen_dtype(a))
     print(f"{result['num_prompts']} prompts, {result['positions']} sampled target positions at T={a.temperature}")
     print_drafters(result, ["α=1-TV", "top-1", "H(p)", "H(q)", "best s", "α at best s", f"τ(γ={a.chain_length})",
                             "decode-path Δlogit"],

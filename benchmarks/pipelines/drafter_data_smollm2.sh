@@ -79,7 +79,7 @@ done
 mkdir -p "$OUT/drafter-data"
 for bench in instructions humaneval; do
   [ -s "$OUT/drafter-data/tv-$bench.json" ] || python -m benchmarks.decoding.drafter_tv --target "$TARGET" \
-    "${drafters[@]}" --bench "$bench" --num-prompts "$TV_PROMPTS" --max-new-tokens 64 \
+    "${drafters[@]}" --bench "$bench" --num-prompts "$TV_PROMPTS" --max-new-tokens 64 --dtype float32 \
     --out "$OUT/drafter-data/tv-$bench.json" > "$OUT/drafter-data/tv-$bench.log" 2>&1 &
 done
 wait

@@ -49,7 +49,7 @@ for bench in humaneval instructions; do
   suite "$bench" mamba "$OUT/mamba2-sft/export" & suite "$bench" transformer "$OUT/llama-sft/export" & wait
 done
 python -m benchmarks.decoding.drafter_tv --target "$TARGET" --drafter "$OUT/mamba2-sft/export" --drafter "$OUT/llama-sft/export" \
-  --num-prompts 4 --max-new-tokens 64 --out "$OUT/drafter_tv.json" > "$OUT/drafter_tv.log" 2>&1
+  --num-prompts 4 --max-new-tokens 64 --dtype float32 --out "$OUT/drafter_tv.json" > "$OUT/drafter_tv.log" 2>&1
 python -m benchmarks.micro.drafter_context --drafter "$OUT/mamba2-sft/export" --drafter "$OUT/llama-sft/export" \
   --contexts 1024 4096 8000 --steps 8 --out "$OUT/drafter_context.json"
 for f in "$OUT"/eval-*.log; do echo "--- $f"; grep '^|' "$f" || tail -5 "$f"; done

@@ -34,3 +34,20 @@ def test_mamba_decode_path_equals_full_forward():
     stepped = drafter_tv.stepped_logits(drafter, seq, 8)
     assert stepped.shape == full.shape == (12, 64)
     torch.testing.assert_close(stepped, full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_drafter_equal_to_its_target_has_alpha_one_at_the_dtype_asked(tmp_path, dtype):
+    import json
+
+    from tests.fixtures.decode import tiny_llama
+
+    tiny_llama(vocab=64).save_pretrained(tmp_path / "llama")
+    bench = tmp_path / "p.jsonl"
+    bench.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in ([5, 17, 42], [3, 8, 12, 61])))
+    result = drafter_tv.main(["--target", str(tmp_path / "llama"), "--drafter", str(tmp_path / "llama"),
+                              "--bench", str(bench), "--max-new-tokens", "6", "--dtype", dtype,
+                              "--out", str(tmp_path / "tv.json")])
+    stats = result["drafters"][str(tmp_path / "llama")]
+    assert result["dtype"] == dtype and result["positions"] == 12
+    assert stats["alpha"] == pytest.approx(1.0, abs=1e-6) and stats["top1"] == 1.0
