@@ -179,6 +179,41 @@ def chosen_dtype(args, device: str = "cpu"):
     return choice.torch_dtype
 
 
+def versus_ar(target, prompts, ar_outputs, outputs, stats=None) -> dict:
+    """The T=0 self-check of `draftforge eval` (draftforge/eval/selfcheck.py) for a benchmark's greedy outputs:
+    per prompt identical to AR's, a near-tie (the first differing position is within the measured rounding of
+    a one-row vs a multi-row forward there; bf16), or a defect. prompts: token-id lists; outputs: one token list
+    per prompt (a method's last repeat); stats: their DecodeStats (the row counts to probe), else 2 rows.
+    `ok` is True when nothing is a defect; fp32 outputs are expected bitwise equal, and a near-tie there is
+    still reported as one."""
+    from draftforge.eval.selfcheck import classify, first_divergence
+
+    drafted = [d + 1 for s in stats or [] for d in s.drafted_per_round if d > 0]
+    rows = sorted({2, *([int(statistics.median(drafted)), max(drafted)] if drafted else [])})
+    out = {"identical": 0, "near_ties": 0, "defects": 0, "total": len(outputs), "divergences": []}
+    for ids, ref, mine in zip(prompts, ar_outputs, outputs):
+        i = first_divergence(list(ref), list(mine))
+        if i is None:
+            out["identical"] += 1
+            continue
+        if i >= len(ref):  # the method went on past AR's end: no rounding explains that
+            found = {"verdict": "defect", "position": i}
+        else:
+            other = mine[i] if i < len(mine) else None
+            found = {**classify(target, list(ids), list(ref[:i]), ref[i], other, rows), "position": i}
+        out["near_ties" if found["verdict"] == "near_tie" else "defects"] += 1
+        out["divergences"].append(found)
+    out["ok"] = out["defects"] == 0
+    return out
+
+
+def versus_ar_cell(check: dict) -> str:
+    """'4/6 (2 near-tie)' / '6/6' / '3/6 (1 near-tie, 2 DEFECT)' for a table."""
+    notes = [f"{check['near_ties']} near-tie"] if check["near_ties"] else []
+    notes += [f"{check['defects']} DEFECT"] if check["defects"] else []
+    return f"{check['identical']}/{check['total']}" + (f" ({', '.join(notes)})" if notes else "")
+
+
 def digest_cli(doc: str, make, compare) -> int:
     """The regression digests' command line: `--out FILE` runs make(FILE), `--compare A B` runs compare(A, B)
     (each returns the exit status: 1 where the digests differ)."""

@@ -2,7 +2,8 @@
 
 Every decoder (AR; each EESD export at each fixed K) runs over the same held-out prompts, greedy, in a
 rotating order per repeat; tokens/s is the median over repeats of all new tokens / all generate() time.
-Also τ (tokens per target forward), v_d, r_d and HM (EESD App. D), and a lossless check against AR.
+Also τ (tokens per target forward), v_d, r_d and HM (EESD App. D), and the eval's T=0 self-check against AR
+(identical, near-tie in bf16, or defect: benchmarks.common.versus_ar; exit 1 on a defect).
 
     python -m benchmarks.decoding.eesd_bench --target DIR --export layer=runs/n2/export --export head=runs/head/export \
         --k 3 --k 5 --bench instructions --num-prompts 6 --max-new-tokens 96 --repeats 3 --out r.json
@@ -13,11 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
 
-from benchmarks.common import add_dtype_flag, add_flags, chosen_dtype
+from benchmarks.common import add_dtype_flag, add_flags, chosen_dtype, versus_ar, versus_ar_cell
 
 
 def run_all(decoders: dict, prompts, max_new: int, repeats: int) -> dict:
@@ -63,7 +65,7 @@ def summarize(raw: dict) -> dict:
     return rows
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     from draftforge.decode import build_decoder, load_drafter, load_target
     from draftforge.data.prompts import load_prompts
 
@@ -88,16 +90,22 @@ def main(argv=None) -> None:
             decoders[f"{name} K={k}"] = build_decoder("eesd", target, drafter, chain_length=k)
     print(f"[eesd-bench] {len(prompts)} prompts x {args.max_new_tokens} tokens x {args.repeats} repeats, "
           f"{torch.get_num_threads()} thread(s), decoders: {', '.join(decoders)}", flush=True)
-    rows = summarize(run_all(decoders, prompts, args.max_new_tokens, args.repeats))
-    print("| decoder | τ | v_d | r_d | HM % | tok/s | speedup | draft share | lossless |")
+    raw = run_all(decoders, prompts, args.max_new_tokens, args.repeats)
+    rows = summarize(raw)
+    for name, r in raw.items():
+        rows[name]["versus_ar"] = (None if name == "ar" else
+                                   versus_ar(target, prompts, raw["ar"]["outputs"], r["outputs"], r["stats"]))
+    print("| decoder | τ | v_d | r_d | HM % | tok/s | speedup | draft share | = AR |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
+        same = versus_ar_cell(r["versus_ar"]) if r["versus_ar"] else "–"
         print(f"| {name} | {r['tau']:.2f} | {r['v_d']:.2f} | {r['r_d']:.2f} | {r['hm']:.1f} | "
-              f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['draft_share']:.2f} | {r['lossless']} |")
+              f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['draft_share']:.2f} | {same} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
+    return 0 if all(r["versus_ar"] is None or r["versus_ar"]["ok"] for r in rows.values()) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

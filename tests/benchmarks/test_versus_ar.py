@@ -1,0 +1,49 @@
+"""benchmarks.common.versus_ar: the eval's T=0 self-check for the benchmark scripts (eesd_bench, length_control,
+tree_budget), on a tiny Llama whose top-2 tokens after the prompt are tied by construction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.common import versus_ar, versus_ar_cell
+from draftforge.decode import load_target
+from draftforge.decode.engine import DecodeStats
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    model = LlamaForCausalLM(cfg).eval()
+    prompt = [5, 17, 42, 9, 33, 12]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+        a, b = torch.topk(logits, 2).indices.tolist()
+        model.lm_head.weight[b] = model.lm_head.weight[a]  # tie the top-2
+        far = int(logits.argmin())
+    path = tmp_path_factory.mktemp("tied") / "target"
+    model.save_pretrained(path)
+    return load_target(str(path), dtype=torch.bfloat16), prompt, a, b, far
+
+
+def test_identical_near_tie_defect_and_early_stop_each_counted(tied):
+    target, prompt, a, b, far = tied
+    ar = [[a, 7, 8]] * 4
+    mine = [[a, 7, 8], [b, 7, 8], [far, 7, 8], [a, 7]]  # same, tie flipped, far token, stopped early
+    stats = [DecodeStats(drafted_per_round=[3])] * 4
+    check = versus_ar(target, [prompt] * 4, ar, mine, stats)
+    assert (check["identical"], check["near_ties"], check["defects"], check["total"]) == (1, 1, 2, 4)
+    assert [d["verdict"] for d in check["divergences"]] == ["near_tie", "defect", "defect"]
+    assert check["divergences"][0]["gap"] == 0.0 and check["divergences"][0]["rows_probed"][-1] == len(prompt)
+    assert not check["ok"] and versus_ar_cell(check) == "1/4 (1 near-tie, 2 DEFECT)"
+
+
+def test_a_near_tie_alone_is_ok(tied):
+    target, prompt, a, b, _ = tied
+    check = versus_ar(target, [prompt, prompt], [[a], [a]], [[a], [b]])
+    assert check["ok"] and versus_ar_cell(check) == "1/2 (1 near-tie)"
