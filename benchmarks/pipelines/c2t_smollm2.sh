@@ -4,10 +4,12 @@
 # then one τ–γ sweep on held-out instructions: EAGLE-2's N, C2T's β, the ablation heads, and the
 # transfer of the Mamba-trained head to the Llama drafter.
 # Needs runs/smollm2/mamba2-sft and llama-sft (benchmarks/pipelines/smollm2_pipeline.sh SKIP_EVAL=1).
-# Environment: HARVEST_PROMPTS [32], EVAL_PROMPTS [3], NEW_TOKENS [64], SKIP_EVAL [0] (stop after training).
+# Environment: HARVEST_PROMPTS [32], NEW_TOKENS [64] per harvested answer, EVAL_PROMPTS [6], EVAL_TOKENS [128] per
+# swept answer, SKIP_EVAL [0] (stop after training).
 # Greedy only (both methods are).
 source "$(dirname "$0")/common.sh"  # strict mode, cd to the repository root, OMP_NUM_THREADS=1, phase
-HARVEST_PROMPTS="${HARVEST_PROMPTS:-32}"; EVAL_PROMPTS="${EVAL_PROMPTS:-3}"; NEW_TOKENS="${NEW_TOKENS:-64}"
+HARVEST_PROMPTS="${HARVEST_PROMPTS:-32}"; EVAL_PROMPTS="${EVAL_PROMPTS:-6}"; NEW_TOKENS="${NEW_TOKENS:-64}"
+EVAL_TOKENS="${EVAL_TOKENS:-128}"
 OUT=runs/smollm2; TARGET="$HOME/.cache/draftforge/smollm2"
 MAMBA="$OUT/mamba2-sft/export"; LLAMA="$OUT/llama-sft/export"
 
@@ -30,11 +32,11 @@ phase "sweep: EAGLE-2 N, C2T β, ablation heads (Mamba2 drafter); the same head 
 python -m benchmarks.decoding.tree_budget --target "$TARGET" --drafter "$MAMBA" --bench instructions --c2t "$OUT/c2t-PHd/export" \
   --c2t-head "PH=$OUT/c2t-PH/export" --c2t-head "Pd=$OUT/c2t-Pd/export" --c2t-head "Hd=$OUT/c2t-Hd/export" \
   --ns 4,8,16,32 --betas 0.3,0.5,0.7 --ablation-betas 0.5 --eagle-top-k 10 --eagle-depth 5 \
-  --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$NEW_TOKENS" --repeats 2 --out "$OUT/tree_budget_mamba" \
+  --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --repeats 2 --out "$OUT/tree_budget_mamba" \
   > "$OUT/tree_budget_mamba.log" 2>&1 &
 python -m benchmarks.decoding.tree_budget --target "$TARGET" --drafter "$LLAMA" --bench instructions --c2t "$OUT/c2t-PHd/export" \
   --ns 4,8,16,32 --betas 0.3,0.5,0.7 --eagle-top-k 10 --eagle-depth 5 \
-  --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$NEW_TOKENS" --repeats 2 --out "$OUT/tree_budget_llama" \
+  --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --repeats 2 --out "$OUT/tree_budget_llama" \
   > "$OUT/tree_budget_llama.log" 2>&1
 wait
 grep '^|' "$OUT/tree_budget_mamba.log" "$OUT/tree_budget_llama.log" || tail -5 "$OUT"/tree_budget_*.log

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # EESD on SmolLM2-135M-Instruct, the paper's ablation in one command (docs/results/eesd.md):
-# exit heads at N = 3 (main), N = 2 and N = 6, a head-only exit (N = 3, no exit layer) and an exit layer
-# trained without self-distilled data (N = 3, stdlib text only); then
+# exit heads at N = 3 (main), N = 2 and N = 6, a head-only exit (N = 3, no exit layer), an exit layer
+# trained without self-distilled data (N = 3, stdlib text only) and the N = 3 exit trained 5x longer; then
 #   1. the exports side by side at fixed K (benchmarks/decoding/eesd_bench.py): τ, v_d, r_d, HM, tok/s, speedup;
 #   2. draft-length control on the N = 3 drafter: K in {3, 5, 10}, Beta-TS, Cali-TS (with the θ predictor
 #      harvested for it), SpecDec++ (benchmarks/decoding/length_control.py).
 # Needs runs/smollm2/sft_rows.jsonl (its greedy rows) and corpus_train.jsonl (benchmarks/pipelines/smollm2_pipeline.sh).
-# Environment: STEPS [100] training steps per exit head; EVAL_PROMPTS [3]; NEW_TOKENS [128]. Finished runs
+# Environment: STEPS [100] training steps per exit head (LONG_STEPS [500] for the longer N = 3); EVAL_PROMPTS [6];
+# NEW_TOKENS [128]. Finished runs
 # are kept (delete runs/smollm2/eesd-* to retrain). Two trainings at a time, 1 thread each.
 source "$(dirname "$0")/common.sh"  # strict mode, cd to the repository root, OMP_NUM_THREADS=1, phase
-STEPS="${STEPS:-100}"; EVAL_PROMPTS="${EVAL_PROMPTS:-3}"; NEW_TOKENS="${NEW_TOKENS:-128}"
+STEPS="${STEPS:-100}"; LONG_STEPS="${LONG_STEPS:-500}"; EVAL_PROMPTS="${EVAL_PROMPTS:-6}"; NEW_TOKENS="${NEW_TOKENS:-128}"
 OUT=runs/smollm2; TARGET="$HOME/.cache/draftforge/smollm2"
 
 eesd() {  # run name, then --set overrides
@@ -27,10 +28,11 @@ import json, sys
 rows = [l for l in open('$OUT/sft_rows.jsonl') if json.loads(l)['temperature'] == 0]
 open('$OUT/eesd_rows.jsonl', 'w').writelines(rows); print(len(rows), 'greedy rows')"
 
-phase "train: five exit heads, two at a time ($STEPS steps each)"
+phase "train: five exit heads, two at a time ($STEPS steps each), then N = 3 for $LONG_STEPS steps"
 eesd eesd-n3 & eesd eesd-n2 --set eesd.exit_after_layer=2 & wait
 eesd eesd-n6 --set eesd.exit_after_layer=6 & eesd eesd-n3-headonly --set eesd.exit_layer=false & wait
-eesd eesd-n3-nosd "${NO_SD[@]}"
+eesd eesd-n3-nosd "${NO_SD[@]}" & eesd eesd-n3-long --set "train.max_steps=$LONG_STEPS" --set train.eval_every=100 \
+  --set train.save_every=100 & wait
 grep -h "done:" "$OUT"/eesd-*.log || true
 
 phase "θ predictor for the N = 3 drafter (Cali-TS): held-out answers, harvest, train"
@@ -47,7 +49,8 @@ python -m draftforge generate --target "$TARGET" --prompts "$OUT/theta_prompts.j
 phase "eval 1: the exports side by side at K = 3 (held-out instructions, greedy)"
 python -m benchmarks.decoding.eesd_bench --target "$TARGET" --export "N3=$OUT/eesd-n3/export" --export "N2=$OUT/eesd-n2/export" \
   --export "N6=$OUT/eesd-n6/export" --export "N3 head-only=$OUT/eesd-n3-headonly/export" \
-  --export "N3 no self-distill=$OUT/eesd-n3-nosd/export" --k 3 --bench instructions \
+  --export "N3 no self-distill=$OUT/eesd-n3-nosd/export" --export "N3 $LONG_STEPS steps=$OUT/eesd-n3-long/export" \
+  --k 3 --bench instructions \
   --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$NEW_TOKENS" --repeats 3 --out "$OUT/eesd_bench.json" \
   > "$OUT/eesd_bench.log" 2>&1 &
 phase "eval 2: fixed K vs Beta-TS vs Cali-TS vs SpecDec++ on the N = 3 drafter"

@@ -10,11 +10,12 @@
 #   3. STree's runtime model t(N) fitted from measured verifications, its predicted speedups next to 1.'s
 #      (benchmarks/decoding/hybrid_runtime.py).
 # Needs `draftforge target smollm2` and runs/smollm2/mamba2-sft/export + sft_rows.jsonl
-# (benchmarks/pipelines/smollm2_pipeline.sh). Environment: NUM_PROMPTS [6] per bench, NEW_TOKENS [64], DRAFTER_THREADS [2]
+# (benchmarks/pipelines/smollm2_pipeline.sh). Environment: NUM_PROMPTS [6] per bench, EVAL_TOKENS [128] per timed answer,
+# NEW_TOKENS [64] per answer of the untimed τ runs, DRAFTER_THREADS [2]
 # (torch threads of the drafter's distillation: 1 when anything else runs on a 2-core machine).
 # Finished runs are kept (delete runs/hybrid/smollm2* to redo them). Two timed processes at a time, 1 thread each.
 source "$(dirname "$0")/common.sh"  # strict mode, cd to the repository root, OMP_NUM_THREADS=1, phase
-NUM_PROMPTS="${NUM_PROMPTS:-6}"; NEW_TOKENS="${NEW_TOKENS:-64}"
+NUM_PROMPTS="${NUM_PROMPTS:-6}"; NEW_TOKENS="${NEW_TOKENS:-64}"; EVAL_TOKENS="${EVAL_TOKENS:-128}"
 OUT=runs/hybrid; TARGET=$OUT/smollm2/export; DRAFTER=$OUT/smollm2-drafter/export
 
 phase "target: the SmolLM2 hybrid (convert, distil the new mixers against SmolLM2)"
@@ -34,7 +35,7 @@ grep -h "done:" "$OUT/drafter_distill.log" || true
 testbed() {  # bench, report dir, more hybrid_testbed.py flags
   local bench=$1 out=$2; shift 2
   python -m benchmarks.pipelines.hybrid_testbed --target "$TARGET" --drafter "$DRAFTER" --bench "$bench" --tree stree13 \
-    --num-prompts "$NUM_PROMPTS" --max-new-tokens "$NEW_TOKENS" --eval-out "$out" "$@" > "$out.log" 2>&1
+    --num-prompts "$NUM_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --eval-out "$out" "$@" > "$out.log" 2>&1
 }
 phase "eval 1: AR vs chain vs stree13 vs UCB, instructions and HumanEval side by side"
 testbed instructions "$OUT/eval-instructions" & testbed humaneval "$OUT/eval-humaneval" & wait
