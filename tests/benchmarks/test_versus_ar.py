@@ -28,11 +28,12 @@ def tied(tmp_path_factory):
         far = int(logits.argmin())
     path = tmp_path_factory.mktemp("tied") / "target"
     model.save_pretrained(path)
-    return load_target(str(path), dtype=torch.bfloat16), prompt, a, b, far
+    return str(path), prompt, a, b, far
 
 
 def test_identical_near_tie_defect_and_early_stop_each_counted(tied):
-    target, prompt, a, b, far = tied
+    path, prompt, a, b, far = tied
+    target = load_target(path, dtype=torch.bfloat16)
     ar = [[a, 7, 8]] * 4
     mine = [[a, 7, 8], [b, 7, 8], [far, 7, 8], [a, 7]]  # same, tie flipped, far token, stopped early
     stats = [DecodeStats(drafted_per_round=[3])] * 4
@@ -43,7 +44,9 @@ def test_identical_near_tie_defect_and_early_stop_each_counted(tied):
     assert not check["ok"] and versus_ar_cell(check) == "1/4 (1 near-tie, 2 DEFECT)"
 
 
-def test_a_near_tie_alone_is_ok(tied):
-    target, prompt, a, b, _ = tied
-    check = versus_ar(target, [prompt, prompt], [[a], [a]], [[a], [b]])
-    assert check["ok"] and versus_ar_cell(check) == "1/2 (1 near-tie)"
+def test_a_near_tie_is_ok_in_bf16_but_any_difference_fails_in_fp32(tied):
+    path, prompt, a, b, _ = tied
+    for dtype, ok in ((torch.bfloat16, True), (torch.float32, False)):
+        check = versus_ar(load_target(path, dtype=dtype), [prompt, prompt], [[a], [a]], [[a], [b]])
+        assert (check["near_ties"], check["defects"], check["ok"]) == (1, 0, ok)
+        assert versus_ar_cell(check) == "1/2 (1 near-tie)"
