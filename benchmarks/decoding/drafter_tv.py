@@ -9,8 +9,9 @@ top-1 agreement, entropies H(p), H(q), and the drafter temperature scale s that 
 (1 - α^(γ+1)) / (1 - α) (Leviathan et al. 2023, Eq. 1).
 
 Both models run at --dtype (default auto: bf16 where the CPU computes it natively, as `draftforge eval` runs
-them; `--dtype float32` for the tables measured before the flag existed). It also checks the harness: the Mamba drafter's q from its decode path (lean single-token step
-after a multi-token prompt encode) must equal q from one full forward over the same tokens.
+them; `--dtype float32` for the tables measured before the flag existed). It also checks the harness: the Mamba
+drafter's q from its decode path (lean single-token step after a multi-token prompt encode) must equal q from one
+full forward over the same tokens.
 
     python -m benchmarks.decoding.drafter_tv --target /tmp/h1dl/cache/smollm2 --drafter runs/smollm2/mamba2-sft/export \
         --drafter runs/smollm2/llama-sft/export --bench instructions --num-prompts 8 --temperature 1
