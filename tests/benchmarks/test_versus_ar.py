@@ -9,26 +9,14 @@ import torch
 from benchmarks.common import versus_ar, versus_ar_cell
 from draftforge.decode import load_target
 from draftforge.decode.engine import DecodeStats
+from tests.fixtures.decode import TIED_PROMPT, save_tied_top2_llama
 
 
 @pytest.fixture(scope="module")
 def tied(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
-    model = LlamaForCausalLM(cfg).eval()
-    prompt = [5, 17, 42, 9, 33, 12]
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt])).logits[0, -1]
-        a, b = torch.topk(logits, 2).indices.tolist()
-        model.lm_head.weight[b] = model.lm_head.weight[a]  # tie the top-2
-        far = int(logits.argmin())
     path = tmp_path_factory.mktemp("tied") / "target"
-    model.save_pretrained(path)
-    return str(path), prompt, a, b, far
+    a, b, far = save_tied_top2_llama(path)
+    return str(path), list(TIED_PROMPT), a, b, far
 
 
 def test_identical_near_tie_defect_and_early_stop_each_counted(tied):

@@ -61,20 +61,11 @@ def test_cpu_flag_probe_reads_proc_cpuinfo():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.fixtures.decode import TIED_PROMPT, save_tied_top2_llama
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
-    model = LlamaForCausalLM(cfg).eval()
-    prompt = [5, 17, 42, 9, 33, 12]
-    with torch.no_grad():
-        top = torch.topk(model(torch.tensor([prompt])).logits[0, -1], 2).indices.tolist()
-        model.lm_head.weight[top[1]] = model.lm_head.weight[top[0]]  # tie the top-2 by construction
     path = tmp_path_factory.mktemp("tied") / "target"
-    model.save_pretrained(path)
-    return str(path), prompt, top
+    a, b, _ = save_tied_top2_llama(path)  # top-2 tied by construction
+    return str(path), list(TIED_PROMPT), [a, b]
 
 
 def records_at(prompt_id, ar_tokens, other_tokens, drafted=(3,)):
