@@ -186,23 +186,16 @@ def versus_ar(target, prompts, ar_outputs, outputs, stats=None) -> dict:
     per prompt (a method's last repeat); stats: their DecodeStats (the row counts to probe), else 2 rows.
     `ok` is False on any defect and, as the eval's self-check rules, in fp32 on any difference at all (there the
     harness is bitwise lossless; the difference is still classified, for the report)."""
-    from draftforge.eval.selfcheck import classify, first_divergence
+    from draftforge.decode.base import DecodeStats
+    from draftforge.eval.metrics import RunRecord
+    from draftforge.eval.selfcheck import self_check
 
-    drafted = [d + 1 for s in stats or [] for d in s.drafted_per_round if d > 0]
-    rows = sorted({2, *([int(statistics.median(drafted)), max(drafted)] if drafted else [])})
-    out = {"identical": 0, "near_ties": 0, "defects": 0, "total": len(outputs), "divergences": []}
-    for ids, ref, mine in zip(prompts, ar_outputs, outputs):
-        i = first_divergence(list(ref), list(mine))
-        if i is None:
-            out["identical"] += 1
-            continue
-        if i >= len(ref):  # the method went on past AR's end: no rounding explains that
-            found = {"verdict": "defect", "position": i}
-        else:
-            other = mine[i] if i < len(mine) else None
-            found = {**classify(target, list(ids), list(ref[:i]), ref[i], other, rows), "position": i}
-        out["near_ties" if found["verdict"] == "near_tie" else "defects"] += 1
-        out["divergences"].append(found)
+    ids = {str(k): list(p) for k, p in enumerate(prompts)}
+    stats = list(stats) if stats else [DecodeStats() for _ in outputs]
+    mine = [RunRecord("method", 0.0, 0, str(k), len(ids[str(k)]), list(o), s)
+            for k, (o, s) in enumerate(zip(outputs, stats))]
+    ar = [RunRecord("ar", 0.0, 0, str(k), len(ids[str(k)]), list(r), DecodeStats()) for k, r in enumerate(ar_outputs)]
+    out = self_check(mine, ar, ids, target)  # the eval's own count and classifier, one prompt per record
     model = getattr(target, "model", None)
     fp32 = model is not None and next(model.parameters()).dtype == torch.float32
     out["ok"] = out["defects"] == 0 and not (fp32 and out["identical"] < out["total"])
