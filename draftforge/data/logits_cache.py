@@ -204,38 +204,77 @@ def read_manifest(cache_dir: Path) -> dict:
     return manifest
 
 
-class LogitsCache:
-    """A complete, verified cache: per-row positions and per-entry gathers, read through memory maps."""
+# what every cache of a chain must share (the target, its tokenizer, the stored distribution's shape)
+CHAIN_KEYS = ("target_fingerprint", "tokenizer_fingerprint", "top_k", "max_len", "vocab_size", "draft_vocab")
 
-    def __init__(self, cache_dir):
-        self.dir = Path(cache_dir)
-        self.manifest = m = read_manifest(self.dir)
-        if not m.get("complete"):
-            raise DataError(f"the logits cache in {self.dir} is incomplete ({len(m.get('shards', []))} of "
-                            f"{m.get('num_shards', '?')} shards): {RESUME_FIX}")
-        for entry in m["shards"]:  # sizes and hashes: a damaged shard is named before training starts
-            problem = shard_problem(self.dir, entry)
-            if problem:
-                raise DataError(f"logits cache shard {problem}; {RESUME_FIX}")
+
+def _chained(manifest: dict, key: str):
+    value = manifest.get(key)
+    if key == "draft_vocab" and isinstance(value, dict):  # the ids, not where they were counted
+        return value.get("size"), value.get("sha256")
+    return value
+
+
+class LogitsCache:
+    """A complete, verified cache: per-row positions and per-entry gathers, read through memory maps.
+
+    Several cache directories, one per rows file of data.sources, read as one cache over those files' rows in
+    order (rows added later get a cache of their own instead of a harvest of everything again); they must share
+    the target, the tokenizer, k, max_len and the draft vocabulary."""
+
+    def __init__(self, cache_dirs):
+        dirs = [Path(d) for d in (cache_dirs if isinstance(cache_dirs, (list, tuple)) else [cache_dirs])]
+        if not dirs:
+            raise DataError("no logits cache given")
+        self.dirs, self.manifests = dirs, [read_manifest(d) for d in dirs]
+        self.dir, self.manifest = dirs[0], self.manifests[0]
+        self.name = " + ".join(str(d) for d in dirs)
+        self.maps, row_starts, sizes, offset = [], [], [], 0
+        for cache_dir, m in zip(dirs, self.manifests):
+            if not m.get("complete"):
+                raise DataError(f"the logits cache in {cache_dir} is incomplete ({len(m.get('shards', []))} of "
+                                f"{m.get('num_shards', '?')} shards): {RESUME_FIX}")
+            for entry in m["shards"]:  # sizes and hashes: a damaged shard is named before training starts
+                problem = shard_problem(cache_dir, entry)
+                if problem:
+                    raise DataError(f"logits cache shard {problem}; {RESUME_FIX}")
+            self._check_layout(cache_dir, m, [_memmaps(cache_dir / e["file"]) for e in m["shards"]])
+            self.maps += [_memmaps(cache_dir / e["file"]) for e in m["shards"]]
+            row_starts += [offset + e["rows"][0] for e in m["shards"]]
+            offset += m["rows"]["count"]
+        self._check_chain()
+        m = self.manifest
         self.k, self.max_len, self.vocab_size = m["top_k"], m["max_len"], m["vocab_size"]
-        self.num_rows = m["rows"]["count"]
-        self.maps = [_memmaps(self.dir / e["file"]) for e in m["shards"]]
-        self.row_starts = np.array([e["rows"][0] for e in m["shards"]] + [self.num_rows], dtype=np.int64)
+        self.num_rows = offset
+        self.positions = sum(m["rows"]["positions"] for m in self.manifests)
+        self.row_starts = np.array(row_starts + [self.num_rows], dtype=np.int64)
         sizes = [len(mm["position"]) for mm in self.maps]
         self.entry_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self._check_layout()
 
-    def _check_layout(self) -> None:
-        m = self.manifest
-        for entry, mm in zip(m["shards"], self.maps):
+    @staticmethod
+    def _check_layout(cache_dir: Path, m: dict, maps: list[dict]) -> None:
+        k = m["top_k"]
+        for entry, mm in zip(m["shards"], maps):
             a, b = entry["rows"]
             ok = len(mm["row_ptr"]) == b - a + 1 and int(mm["row_ptr"][-1]) == len(mm["position"])
-            ok = ok and mm["ids"].shape == (len(mm["position"]), self.k)
+            ok = ok and mm["ids"].shape == (len(mm["position"]), k)
             if not ok:
-                raise DataError(f"logits cache shard {self.dir / entry['file']} does not hold rows {a}..{b} with "
-                                f"top-{self.k} entries as its manifest says; {RESUME_FIX}")
-        if int(self.row_starts[0]) != 0 or np.any(np.diff(self.row_starts) <= 0):
-            raise DataError(f"the shards of {self.dir} do not cover rows 0..{self.num_rows} in order; harvest again")
+                raise DataError(f"logits cache shard {cache_dir / entry['file']} does not hold rows {a}..{b} with "
+                                f"top-{k} entries as its manifest says; {RESUME_FIX}")
+        starts = [e["rows"][0] for e in m["shards"]] + [m["rows"]["count"]]
+        if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
+            raise DataError(f"the shards of {cache_dir} do not cover rows 0..{m['rows']['count']} in order; "
+                            "harvest again")
+
+    def _check_chain(self) -> None:
+        first = self.manifest
+        for cache_dir, m in zip(self.dirs[1:], self.manifests[1:]):
+            differ = [key for key in CHAIN_KEYS if _chained(m, key) != _chained(first, key)]
+            if differ:
+                raise CompatibilityError(f"logits caches {self.dirs[0]} and {cache_dir} differ in {', '.join(differ)}; "
+                                         "the caches of one run must come from one target and tokenizer, with one "
+                                         "--top-k, --max-len and --draft-vocab: harvest the odd one again with the "
+                                         "first one's settings")
 
     @property
     def draft_vocab(self) -> list[int] | None:
@@ -296,23 +335,29 @@ class LogitsCache:
                                      f"train against {self.manifest.get('target')}")
         return "its files differ, but its weights match (loaded once to compare)"
 
-    def check_rows_file(self, path) -> None:
-        """DataError unless `path` holds the bytes the cache was harvested from (size + mtime, else sha256)."""
-        want, path = self.manifest["rows"], Path(path).expanduser().resolve()
-        if not path.is_file():
-            raise DataError(f"data source {path} does not exist; it should be the rows file logits cache {self.dir} "
-                            f"was harvested from ({want['path']}, {want['count']:,} rows)")
-        st = path.stat()
-        if st.st_size == want["bytes"] and st.st_mtime_ns == want["mtime_ns"] and str(path) == want["path"]:
-            return
-        if st.st_size != want["bytes"] or sha256_file(path) != want["sha256"]:
-            raise DataError(f"data source {path} is not the rows file logits cache {self.dir} was harvested from "
-                            f"({want['path']}, {want['bytes']:,} bytes, sha256 {want['sha256'][:12]}; this one has "
-                            f"{st.st_size:,} bytes): train on those rows, or harvest again on these")
+    def check_rows_files(self, paths) -> None:
+        """DataError unless each of `paths` holds the bytes its cache was harvested from (size + mtime, else sha256)."""
+        if len(paths) != len(self.dirs):
+            raise DataError(f"{len(paths)} rows files in data.sources but {len(self.dirs)} logits caches in "
+                            "distill.logits_cache: give one cache per rows file, in the same order")
+        for cache_dir, m, path in zip(self.dirs, self.manifests, paths):
+            want, path = m["rows"], Path(path).expanduser().resolve()
+            if not path.is_file():
+                raise DataError(f"data source {path} does not exist; it should be the rows file logits cache "
+                                f"{cache_dir} was harvested from ({want['path']}, {want['count']:,} rows)")
+            st = path.stat()
+            if st.st_size == want["bytes"] and st.st_mtime_ns == want["mtime_ns"] and str(path) == want["path"]:
+                continue
+            if st.st_size != want["bytes"] or sha256_file(path) != want["sha256"]:
+                raise DataError(f"data source {path} is not the rows file logits cache {cache_dir} was harvested "
+                                f"from ({want['path']}, {want['bytes']:,} bytes, sha256 {want['sha256'][:12]}; this "
+                                f"one has {st.st_size:,} bytes): train on those rows, or harvest again on these")
 
 
-def open_cache(path) -> LogitsCache:
-    return LogitsCache(Path(os.path.expanduser(str(path))))
+def open_cache(paths) -> LogitsCache:
+    """One cache directory, or a list of them (one per rows file) read as one."""
+    paths = paths if isinstance(paths, (list, tuple)) else [paths]
+    return LogitsCache([Path(os.path.expanduser(str(p))) for p in paths])
 
 
 # ---------------------------------------------------------------- blocks for distill
@@ -324,13 +369,13 @@ def cached_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: in
 
     from draftforge.data.pipeline import BlockData, _special_ids, split_documents
 
-    cache.check_rows_file(cfg.sources[0])
-    rows = read_token_rows(cfg.sources[0], tokenizer)
+    cache.check_rows_files(cfg.sources)
+    rows = [row for source in cfg.sources for row in read_token_rows(source, tokenizer)]
     check_ids_below(rows, vocab_size)
     check_rows_match(cache, rows, block_size)
     usable = [i for i, row in enumerate(rows) if not row["bad"]]
     if not usable:
-        raise DataError(f"no usable rows in {cfg.sources[0]}: give each row at least one token with loss")
+        raise DataError(f"no usable rows in {', '.join(cfg.sources)}: give each row at least one token with loss")
     if cfg.max_documents is not None:
         usable = usable[: cfg.max_documents]
     train_idx, eval_idx = split_documents(datasets.Dataset.from_dict({"row": usable}), cfg.eval_fraction, seed)
@@ -345,23 +390,23 @@ def cached_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: in
         stats.update(eval_documents=eval_stats["documents"], eval_blocks=eval_stats["blocks"])
         eval_ds = eval_ds if len(eval_ds) else None
     if len(train) == 0:
-        raise DataError(f"no training blocks from {cfg.sources[0]}: every row lost its loss tokens to the block size")
+        raise DataError(f"no training blocks from {', '.join(cfg.sources)}: every row lost its loss tokens to the block size")
     return BlockData(train=train, eval=eval_ds, stats=stats, block_size=block_size)
 
 
 def check_rows_match(cache: LogitsCache, rows: list[dict], block_size: int) -> None:
     """The same rows, the same loss positions, and a cache long enough for the block (else DataError)."""
     if len(rows) != cache.num_rows:
-        raise DataError(f"the rows file has {len(rows):,} rows but logits cache {cache.dir} holds {cache.num_rows:,}; "
-                        "train on the rows it was harvested from")
+        raise DataError(f"the rows files have {len(rows):,} rows but logits cache {cache.name} holds "
+                        f"{cache.num_rows:,}; train on the rows it was harvested from")
     for i, row in enumerate(rows):
         have, _ = cache.row_positions(i)
         want = loss_positions(row["labels"], cache.max_len)
         if len(have) != len(want) or not np.array_equal(have, want):
-            raise DataError(f"{row['where']}: its loss positions are not those logits cache {cache.dir} holds for row "
-                            f"{i} ({len(want)} vs {len(have)}); the rows changed since the harvest: harvest again")
+            raise DataError(f"{row['where']}: its loss positions are not those logits cache {cache.name} holds for "
+                            f"row {i} ({len(want)} vs {len(have)}); the rows changed since the harvest: harvest again")
         if block_size > cache.max_len and len(loss_positions(row["labels"], block_size)) > len(want):
-            raise DataError(f"logits cache {cache.dir} was harvested with --max-len {cache.max_len}, but "
+            raise DataError(f"logits cache {cache.name} was harvested with --max-len {cache.max_len}, but "
                             f"train.block_size is {block_size} and {row['where']} has loss positions past "
                             f"{cache.max_len - 1}; harvest with --max-len {block_size} or lower train.block_size")
 

@@ -67,9 +67,17 @@ class DistillConfig:
     kl_weight: float = doc(1.0, "weight of KL(p_target ‖ p_student) with loss kl or mix (STree's recipe: 1.0)")
     tvd_weight: float = doc(1.0, "weight of TVD = 1 − Σ min(p_target, p_student) with loss tvd or mix")
     ce_weight: float = doc(0.0, "weight of the next-token CE on the data, added to any loss (STree's recipe: 0.0)")
-    logits_cache: str | None = doc(None, "a `draftforge harvest logits` directory: the loss reads the target's "
-                                         "stored top-k distribution and the teacher is never loaded; needs "
-                                         "data.format: tokens with the harvested rows file as the one source")
+    logits_cache: str | list[str] | None = doc(None, "a `draftforge harvest logits` directory: the loss reads the "
+                                                     "target's stored top-k distribution and the teacher is never "
+                                                     "loaded; needs data.format: tokens with the harvested rows file "
+                                                     "as the source (a list: one cache per rows file of data.sources, "
+                                                     "in order, from one target and harvest settings)")
+
+    def cache_dirs(self) -> list[str]:
+        """The logits cache directories, one per rows file ([] without a cache)."""
+        if not self.logits_cache:
+            return []
+        return [self.logits_cache] if isinstance(self.logits_cache, str) else list(self.logits_cache)
     embeddings_from_target: bool = doc(False, "start the student's input embeddings (and a tied head) from the "
                                               "target's; needs the same hidden size")
     trainable: list[str] = doc([], "train only parameters whose name contains one of these strings (e.g. [mamba] "
@@ -113,9 +121,12 @@ def check_distill(recipe: Recipe) -> None:
         return
     require(data.format == "tokens", "data.format",
             "distill.logits_cache holds a target's distributions over token rows: set data.format: tokens")
-    # one file, not a folder or a list (a missing file is the data loader's error, named there)
-    require(len(data.sources) == 1 and not Path(data.sources[0]).expanduser().is_dir(), "data.sources",
-            "with distill.logits_cache, give exactly the rows file the cache was harvested from")
+    # files, not folders, one per cache (a missing file is the data loader's error, named there)
+    caches = options.cache_dirs()
+    require(len(data.sources) == len(caches) and not any(Path(s).expanduser().is_dir() for s in data.sources),
+            "data.sources", "with distill.logits_cache, give exactly the rows file each cache was harvested from "
+            f"(one per cache, in order; {len(caches)} cache{'s' if len(caches) > 1 else ''}, "
+            f"{len(data.sources)} source{'s' if len(data.sources) != 1 else ''})")
     require(not data.streaming, "data.streaming", "a logits cache is read row by row: set data.streaming: false")
 
 
@@ -241,7 +252,7 @@ def check_cache_vocab(cache, model, d2t_N: torch.Tensor | None):
     from draftforge.models.draft_vocab import target_to_draft
 
     width, cached = model.get_output_embeddings().weight.shape[0], cache.draft_vocab
-    where = f"logits cache {cache.dir}"
+    where = f"logits cache {cache.name}"
     if d2t_N is not None and cache.k > len(d2t_N):
         raise CompatibilityError(f"{where} keeps the target's top-{cache.k} per position, more ids than the student's "
                                  f"draft vocabulary of {len(d2t_N)}: a reduced head learns the teacher restricted to "
@@ -274,7 +285,7 @@ def build_cached_task(recipe: Recipe, accelerator, options: DistillConfig):
     from draftforge.train.lm import build_lm_task
     from draftforge.train.parts import load_tokenizer
 
-    cache = open_cache(options.logits_cache)
+    cache = open_cache(options.cache_dirs())
     cache.check_tokenizer(load_tokenizer(recipe))
     how = cache.check_target(recipe.model.target)
 
@@ -285,13 +296,15 @@ def build_cached_task(recipe: Recipe, accelerator, options: DistillConfig):
     d2t_N = d2t_of(spec.model)
     t2d_V = check_cache_vocab(cache, spec.model, d2t_N)
     _freeze(spec, options, accelerator)
-    accelerator.print(f"[draftforge] distill: teacher = logits cache {cache.dir} (top-{cache.k}, "
-                      f"{cache.manifest['rows']['positions']:,} positions; target {recipe.model.target}: {how}; "
+    accelerator.print(f"[draftforge] distill: teacher = logits cache {cache.name} (top-{cache.k}, "
+                      f"{cache.positions:,} positions; target {recipe.model.target}: {how}; "
                       f"never loaded), loss {options.loss}: {_weights_text(options)}")
     spec.loss, spec.count = make_cached_loss(options, d2t_N), cached_count
     spec.collate = cached_collate(spec.collate, cache, t2d_V)
     spec.derive_metrics = partial(derive_acceptance, cost=(options.draft_cost, options.verify_cost))
-    spec.export_metadata.update(distilled_from=recipe.model.target, logits_cache=str(cache.dir))
+    caches = [str(d) for d in cache.dirs]
+    spec.export_metadata.update(distilled_from=recipe.model.target,
+                                logits_cache=caches[0] if len(caches) == 1 else caches)
     _report_at_export(spec, recipe, accelerator)
     return spec
 

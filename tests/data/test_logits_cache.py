@@ -274,6 +274,65 @@ def test_harvest_resumes_after_a_kill_to_the_same_bytes_and_redoes_a_truncated_s
     assert _shard_bytes(out) == _shard_bytes(cache_dir)
 
 
+# ---------------------------------------------------------------- rows added later: one cache per rows file
+
+def _split_rows(tmp_path: Path, rows_file: Path, at: int = 10) -> tuple[Path, Path]:
+    """The rows before and after `at`: at a shard boundary (shard_rows 5), so each harvest batches the rows as one
+    harvest of the whole file does, and the teacher's logits agree bitwise."""
+    lines = rows_file.read_text().splitlines(keepends=True)
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text("".join(lines[:at]))
+    second.write_text("".join(lines[at:]))
+    return first, second
+
+
+def test_two_caches_read_as_one_equal_one_harvest_of_both_files(tmp_path, target_dir, rows_file, cache_dir,
+                                                                tiny_tokenizer_dir):
+    """The oracle: a harvest over the concatenated rows file. Blocks (ids, labels, cache entries) and every stored
+    teacher entry they point at are the same, bitwise, when the two halves come with a cache each."""
+    from transformers import AutoTokenizer
+
+    first, second = _split_rows(tmp_path, rows_file)
+    _harvest(target_dir, first, tmp_path / "c1")
+    _harvest(target_dir, second, tmp_path / "c2")
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    cfg = DataConfig(sources=[str(first), str(second)], format="tokens", eval_fraction=0.2)
+    chained = open_cache([tmp_path / "c1", tmp_path / "c2"])
+    assert chained.num_rows == 12 and chained.positions == open_cache(cache_dir).positions
+    got = cached_block_data(cfg, tok, 64, 0, len(tok), chained)
+    one = open_cache(cache_dir)
+    want = cached_block_data(DataConfig(sources=[str(rows_file)], format="tokens", eval_fraction=0.2), tok, 64, 0,
+                             len(tok), one)
+    for split in ("train", "eval"):
+        a, b = getattr(got, split), getattr(want, split)
+        assert a["input_ids"] == b["input_ids"] and a["labels"] == b["labels"] and a["cache"] == b["cache"]
+        entries = [e for row in a["cache"] for e in row if e >= 0]
+        x, y = chained.gather(entries), one.gather(entries)
+        assert all((x[name] == y[name]).all() for name in x)
+    assert len(entries) > 0 and got.stats == want.stats
+
+
+def test_chained_caches_that_do_not_belong_together_are_refused(tmp_path, tiny_tokenizer_dir, target_dir,
+                                                                rows_file, cache_dir):
+    first, second = _split_rows(tmp_path, rows_file)
+    _harvest(target_dir, first, tmp_path / "c1")
+    _harvest(target_dir, second, tmp_path / "c2")
+    values = cached_recipe(tmp_path, target_dir, first, cache_dir)
+    values["data"]["sources"] = [str(first), str(second)]
+    values["distill"]["logits_cache"] = [str(tmp_path / "c1")]  # two rows files, one cache
+    with pytest.raises(RecipeError, match="one per cache, in order; 1 cache, 2 sources"):
+        recipe_from_dict(values)
+    values["distill"]["logits_cache"] = [str(tmp_path / "c2"), str(tmp_path / "c1")]  # swapped
+    _refused(values, DataError, "first.jsonl is not the rows file logits cache .*c2 was harvested from")
+    _harvest(target_dir, second, tmp_path / "k4", top_k=4)
+    values["distill"]["logits_cache"] = [str(tmp_path / "c1"), str(tmp_path / "k4")]
+    _refused(values, CompatibilityError, "differ in top_k; the caches of one run must come from one target")
+    other = _save_target(tmp_path / "other-target", tiny_tokenizer_dir, seed=4)
+    _harvest(other, second, tmp_path / "other")
+    values["distill"]["logits_cache"] = [str(tmp_path / "c1"), str(tmp_path / "other")]
+    _refused(values, CompatibilityError, "differ in target_fingerprint")
+
+
 # ---------------------------------------------------------------- distill on the cache
 
 def cached_recipe(tmp_path, target, rows, cache, **options) -> dict:
