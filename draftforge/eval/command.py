@@ -84,6 +84,10 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "gains little from more and loses several-fold when another process keeps a core busy)")
     p.add_argument("--cost-repeats", type=int, default=5,
                    help="timed passes per verification size for the report's cost model (default 5; 0 = skip)")
+    p.add_argument("--tune-chain-length", action="store_true",
+                   help="before timing, run chain at --chain-length on the warm-up prompts (untimed), predict "
+                        "every shorter length from those rounds with the cost model, and time chain at the best "
+                        "one, per temperature (the report lists the predictions; needs --cost-repeats > 0)")
     p.add_argument("--allow-vocab-mismatch", action="store_true",
                    help="run a drafter whose tokenizer differs from the target's (see draftforge.decode docs)")
     p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
@@ -125,7 +129,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         top_p=args.top_p, top_k=args.top_k, tree_draws=args.tree_draws,
         num_prompts=args.num_prompts, repeats=args.repeats, warmup=args.warmup, ignore_eos=args.ignore_eos,
         chat_template=args.chat_template, device=args.device, dtype=args.dtype, drafter_dtype=args.drafter_dtype,
-        threads=args.threads, cost_repeats=args.cost_repeats,
+        threads=args.threads, cost_repeats=args.cost_repeats, tune_chain_length=args.tune_chain_length,
         allow_vocab_mismatch=args.allow_vocab_mismatch, cuda_graphs=args.cuda_graphs, seed=args.seed,
         out_dir=args.out, answers=args.answers, plots=not args.no_plots, strict_selfcheck=not args.no_strict_selfcheck,
     )

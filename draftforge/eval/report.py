@@ -172,6 +172,11 @@ def markdown_table(report: dict) -> str:
     cost = report.get("cost_model") or {}
     if cost.get("curve_s"):
         lines += ["", *curve_markdown(cost), "", *prediction_markdown(report["results"])]
+    for temp, t in (cost.get("chain_tuning") or {}).items():
+        each = ", ".join(f"{g}: {v:.2f}×" for g, v in t["predicted"].items())
+        lines.append(f"chain length tuned (--tune-chain-length), T={float(temp):g}: chain {t['probed_length']} on "
+                     f"{len(t['prompts'])} warm-up prompt(s), {t['rounds']} rounds, cut at each length predicts "
+                     f"{each or 'nothing (no round drafted 2 or more)'}; timed at {t['chosen']}.")
     for s in report.get("skipped", []):
         if s.get("asked", True):  # a default baseline that cannot run is in report.json only
             lines.append(f"skipped {s['method']}: {s['reason']}")

@@ -60,6 +60,9 @@ class EvalConfig:
     drafter_dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None  # None: as dtype
     threads: int | None = None  # torch intra-op threads (None: 1, or OMP_NUM_THREADS when set)
     cost_repeats: int = 5  # timed passes of each verification shape for the cost model (0: no cost model)
+    # before timing, per temperature: run chain at its chain_length on the warm-up prompts (untimed), cut those
+    # rounds at every shorter length with the cost model (cost.shorter_chains), time chain at the best one
+    tune_chain_length: bool = False
     allow_vocab_mismatch: bool = False
     cuda_graphs: Literal["auto", "on", "off"] = "auto"  # Mamba drafter decode steps as CUDA graphs (auto: on CUDA)
     seed: int = 0
@@ -99,6 +102,10 @@ def validate(cfg: EvalConfig) -> dict[str, method_registry.MethodOptions]:
         raise RecipeError(f"--threads must be >= 1, got {cfg.threads}")
     if cfg.cost_repeats < 0:
         raise RecipeError(f"--cost-repeats must be >= 0, got {cfg.cost_repeats}")
+    if cfg.tune_chain_length and ("chain" not in cfg.methods or not cfg.cost_repeats):
+        raise RecipeError("--tune-chain-length picks chain's draft length with the cost model: run the chain method "
+                          f"(--methods ...,chain) with --cost-repeats > 0 (methods: {', '.join(cfg.methods)}, "
+                          f"--cost-repeats {cfg.cost_repeats})")
     # "on" without CUDA fails here, before minutes of target loading (resolution needs no GPU).
     use_cuda_graphs(cfg.cuda_graphs, cfg.device)
     for m in tuple(cfg.methods) + tuple(cfg.baselines or ()):
@@ -241,22 +248,54 @@ def _timed_pass(cfg, method, dec, prompts, params, rep, eos, records, memory, to
               f"memory +{mem['bytes'] / 2**20:.1f} MiB over {mem['start_bytes'] / 2**20:.0f} MiB")
 
 
-def _timed_runs(cfg, decoders, prompts, eos, tokenizer=None) -> tuple[list, dict, list]:
+def _timed_runs(cfg, decoders, prompts, eos, tokenizer=None, per_temperature=None) -> tuple[list, dict, list]:
     """Records, memory per method@T (metrics.PassMemory of its timed passes), and the method order used in
-    each repeat.
+    each repeat. per_temperature: {T: {method: decoder}} replacing a method's decoder at T (a tuned chain).
 
     The order rotates across repeats; before each timed pass the decoder is reset and warmed up."""
     records, memory, orders = [], {}, []
     for temp in cfg.temperatures:
         params = sampling_params(cfg, temp)  # built once per temperature, passed down to every decoder
+        at_t = {**decoders, **(per_temperature or {}).get(temp, {})}
         for rep in range(cfg.repeats):
-            order = rotated(list(decoders), rep)
+            order = rotated(list(at_t), rep)
             orders.append({"temperature": temp, "repeat": rep, "order": order})
             _log(cfg, f"T={temp:g} repeat {rep + 1}/{cfg.repeats}: method order {', '.join(order)}")
             for method in order:
-                _reset_and_warm(cfg, decoders[method], prompts, params, eos)
-                _timed_pass(cfg, method, decoders[method], prompts, params, rep, eos, records, memory, tokenizer)
+                _reset_and_warm(cfg, at_t[method], prompts, params, eos)
+                _timed_pass(cfg, method, at_t[method], prompts, params, rep, eos, records, memory, tokenizer)
     return records, memory, orders
+
+
+def _tune_chain_length(cfg, decoders, target, drafter, options, prompts, curve, eos) -> tuple[dict, dict]:
+    """Per temperature: chain at its chain_length G over the warm-up prompts (first turns, untimed, after one
+    warm-up call), its rounds cut at every γ' <= G (cost.shorter_chains), and a chain decoder at the best γ'
+    (the shortest among equals). Returns ({T: {"chain": decoder}}, {T: what was probed and chosen})."""
+    import dataclasses
+
+    probe = max(cfg.warmup, 1)
+    length = options["chain"].chain_length
+    swaps, tuning = {}, {}
+    for temp in cfg.temperatures:
+        params = sampling_params(cfg, temp)
+        dec = decoders["chain"]
+        _run_one(dec, prompts[0].input_ids, cfg, params, 0, eos)  # warm-up: first calls run slower
+        records = [metrics.RunRecord("chain", temp, -1, p.prompt_id, len(p.input_ids), [], res.stats)
+                   for i, p in enumerate(prompts[:probe])
+                   for res in [_run_one(dec, p.input_ids, cfg, params, i, eos)]]
+        steps = sum(sum(r.stats.proposed_by_position) for r in records)
+        draft_step_s = sum(r.stats.draft_time_s for r in records) / steps if steps else 0.0
+        predicted = cost.shorter_chains(records, curve, draft_step_s)
+        best = max(predicted, key=lambda g: (round(predicted[g], 6), -g)) if predicted else length
+        tuning[temp] = {"probed_length": length, "prompts": [p.prompt_id for p in prompts[:probe]],
+                        "rounds": sum(r.stats.target_forwards for r in records), "draft_step_s": draft_step_s,
+                        "predicted": predicted, "chosen": best}
+        _log(cfg, f"T={temp:g} --tune-chain-length: chain {length} on {probe} prompt(s) predicts "
+                  + ", ".join(f"{g}: {v:.2f}x" for g, v in predicted.items()) + f"; timing chain {best}")
+        if best != length:
+            chosen = dataclasses.replace(options["chain"], chain_length=best)
+            swaps[temp] = {"chain": decode_api.build_decoder("chain", target, drafter, options=chosen)}
+    return swaps, tuning
 
 
 def _summaries(cfg, records, memory, prompts, target, curve) -> list[dict]:
@@ -406,12 +445,18 @@ def run_eval(cfg: EvalConfig) -> dict:
         decoders, skipped = _build_decoders(cfg, target, drafter, options)
         hf_policy = _hf_policy(decoders)  # read before the runs: a "heuristic" schedule changes it as it goes
         curve = _cost_curve(cfg, target, prompts, options)
-        records, memory, orders = _timed_runs(cfg, decoders, prompts, _eos_id(cfg, target), target.tokenizer)
+        swaps, tuning = ({}, None) if not cfg.tune_chain_length else _tune_chain_length(
+            cfg, decoders, target, drafter, options, prompts, curve, _eos_id(cfg, target))
+        records, memory, orders = _timed_runs(cfg, decoders, prompts, _eos_id(cfg, target), target.tokenizer, swaps)
         extra_rows = cost.missing_rows(curve, records) if curve else []
         if extra_rows:  # a dynamic method verified more rows than the grid: time those too, scaled to the
             late = cost.verify_curve(target, list(prompts[0].input_ids), [1] + extra_rows, cfg.cost_repeats)
             curve.update({n: late[n] * curve[1] / late[1] for n in extra_rows})  # first curve's t(1)
         results = _summaries(cfg, records, memory, prompts, target, curve)
+        for row in results:  # the length each method's rounds drafted
+            if row["method"] == "chain":
+                row["chain_length"] = (tuning or {}).get(row["temperature"], {}).get(
+                    "chosen", options["chain"].chain_length)
     finally:
         torch.set_num_threads(before)  # an in-process caller (a test) keeps its own setting
     dtype = _model_dtype(target.model)
@@ -425,7 +470,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         "manifest": _manifest(cfg, dtype, results, drafter, orders, _hf_policy(decoders, hf_policy), regime),
         "cost_model": {"curve_s": curve, "what": f"{type(target).__name__}, prompt of "
                                                 f"{len(prompts[0].input_ids) if prompts else 0} tokens, a chain of "
-                                                f"N-1 drafts, median of {cfg.cost_repeats}"},
+                                                f"N-1 drafts, median of {cfg.cost_repeats}", "chain_tuning": tuning},
         "prompts": [{"prompt_id": p.prompt_id, "category": p.category, "num_tokens": len(p.input_ids),
                      "chat_template": p.used_chat_template, "turns": len(p.turns or [None])} for p in prompts],
         "results": results,

@@ -130,3 +130,41 @@ def test_eval_bf16_reports_agreement_instead_of_failing(models, tmp_path):
     assert rep["manifest"]["dtype"] == "bfloat16"
     sc = next(r for r in rep["results"] if r["method"] == "chain")["self_check"]
     assert sc["total"] == 2 and 0 <= sc["near_ties"] <= sc["total"] - sc["identical"] and sc["near_tie_checked"]
+
+
+@pytest.mark.parametrize("slope, chosen", [(0.0, 4), (1.0, 1)], ids=["flat-curve", "each-row-costs-a-token"])
+def test_tune_chain_length_times_the_length_the_cost_model_picks(models, tmp_path, monkeypatch, slope, chosen):
+    """The drafter is the target, so at T=0 every draft is accepted and τ(γ) = 1 + γ. With a flat verification
+    curve every extra draft is nearly free and chain 4 wins; when each row costs as much as a token, a round of
+    γ drafts costs at least (1 + γ)·t(1) and brings 1 + γ tokens, so drafting only loses and the shortest chain
+    (1) wins. The timed chain drafts exactly the chosen length and its output is still the target's."""
+    from draftforge.eval import cost
+
+    root, paths = models
+    monkeypatch.setattr(cost, "verify_curve", lambda target, ids, rows, repeats: {n: 0.01 * (1 + slope * (n - 1))
+                                                                                  for n in rows})
+    bench = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    rep = run_eval(EvalConfig(target=paths["target"], drafter=paths["target"], bench=bench, max_new_tokens=12,
+                              methods=("ar", "chain"), baselines=(), method_options={"chain": {"chain_length": 4}},
+                              tune_chain_length=True, out_dir=str(tmp_path / "out"), quiet=True, plots=False,
+                              dtype="float32"))
+    tuning = rep["cost_model"]["chain_tuning"][0.0]
+    assert tuning["probed_length"] == 4 and sorted(tuning["predicted"]) == [1, 2, 3, 4]
+    assert tuning["chosen"] == chosen == max(tuning["predicted"], key=tuning["predicted"].get)
+    timed = [r for r in rep["records"] if r["method"] == "chain"]
+    assert max(d for r in timed for d in r["stats"]["drafted_per_round"]) == chosen
+    row = next(r for r in rep["results"] if r["method"] == "chain")
+    assert row["chain_length"] == chosen and row["self_check"]["identical"] == 2
+    assert f"timed at {chosen}." in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_tune_chain_length_needs_the_chain_and_the_cost_model(models, tmp_path):
+    from draftforge.errors import RecipeError
+
+    root, paths = models
+    bench = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    for kw in ({"methods": ("ar", "tree")}, {"methods": ("ar", "chain"), "cost_repeats": 0}):
+        with pytest.raises(RecipeError, match="--tune-chain-length picks chain's draft length"):
+            run_eval(EvalConfig(target=paths["target"], drafter=paths["target"], bench=bench, tune_chain_length=True,
+                                out_dir=str(tmp_path / "out"), quiet=True, **kw))
+    assert not (tmp_path / "out").exists()
