@@ -2,7 +2,8 @@
 # Drafters that accept more, on SmolLM2-135M-Instruct (docs/results/drafter-data.md): the Mamba2 drafter of
 # smollm2_pipeline.sh (SFT on the target's greedy tokens) against the same drafter distilled from the target's
 # stored top-32 distributions (KL, then TVD = 1 - alpha), then on more in-domain data (902 code completions of
-# stdlib function headers + 1,200 more instruction answers), then a width/depth sweep; α, top-1 and τ of each
+# stdlib function headers + 1,200 more instruction answers), then a width/depth sweep, then longer runs with and
+# without 1,702 answers the target sampled at T = 1 (each rows file its own cache); α, top-1 and τ of each
 # on held-out instructions and HumanEval (benchmarks/decoding/drafter_tv.py, exact counts, no clock), each
 # size's drafter step timed through the harness (benchmarks/micro/drafter_context.py).
 #
@@ -10,11 +11,12 @@
 #
 # Environment (defaults in brackets): CACHE [~/.cache/draftforge]; MORE_PROMPTS [1200] extra instruction
 # prompts answered; STEPS [250] distill steps on the SFT rows, SCALE_STEPS [500] on all rows, SWEEP_STEPS [120]
-# per sweep size; TV_PROMPTS [16] per bench. Every phase resumes or is skipped when its output exists:
+# per sweep size; LONG_STEPS [1500] for the two longer runs; TV_PROMPTS [16] per bench. Every phase resumes or is skipped when its output exists:
 # generate resumes row by row, a harvest continues with --resume, a finished run is kept (delete
 # runs/smollm2/<run> to retrain it), a measured drafter is not measured again. CPU budget on a 2-core Zen 5,
 # 1 thread per process, two processes at a time: generation ~45 min, harvests ~10 min per 1,200 rows,
-# distill ~3.5 s per step of 16 x 256 tokens, drafter_tv ~2 min per drafter and bench.
+# distill ~3.5 s per step of 16 x 256 tokens (~1.5 s with one other process), drafter_tv ~2 min per drafter
+# and bench; the T = 1 answers ~35 min, their harvests ~10 min, the two longer runs ~45 min side by side.
 source "$(dirname "$0")/common.sh"  # strict mode, cd to the repository root, OMP_NUM_THREADS=1, phase
 CACHE="${CACHE:-$HOME/.cache/draftforge}"; MORE_PROMPTS="${MORE_PROMPTS:-1200}"; STEPS="${STEPS:-250}"
 SCALE_STEPS="${SCALE_STEPS:-500}"; SWEEP_STEPS="${SWEEP_STEPS:-120}"; TV_PROMPTS="${TV_PROMPTS:-16}"
@@ -70,6 +72,25 @@ done
 train llama-distill-kl --set "model.init_from=$OUT/llama-pretrain"
 wait
 
+phase "sampled answers: the target at T=1 on 800 new instructions and the code prompts, each file its own cache"
+# α at T = 1 is measured on contexts the target *sampled*; every row above is greedy. These rows put sampled
+# contexts into training; each rows file gets a cache of its own (distill.logits_cache as a list), so the
+# 3,302 rows above are not harvested again.
+[ -s "$OUT/t1_prompts.jsonl" ] || sed -n "2401,3200p" "$OUT/train_prompts.jsonl" > "$OUT/t1_prompts.jsonl"
+gen --prompts "$OUT/t1_prompts.jsonl" --temperature 1 --max-new-tokens 192 --out "$OUT/instr_t1_rows.jsonl" &
+gen --prompts "$OUT/code_prompts.jsonl" --temperature 1 --max-new-tokens 128 --seed 1 --out "$OUT/code_t1_rows.jsonl" &
+wait
+harvest "$OUT/code_t1_rows.jsonl" "$OUT/logits-code-t1" & harvest "$OUT/instr_t1_rows.jsonl" "$OUT/logits-instr-t1" &
+wait
+LONG_STEPS="${LONG_STEPS:-1500}"  # the same schedule stretched: steps alone, then steps + sampled rows
+train mamba2-distill-all-long "${all[@]}" --set "train.max_steps=$LONG_STEPS" --set train.eval_every=100 \
+  --set train.save_every=100 &
+train mamba2-distill-t1 --set "distill.loss=$LOSS" --set "train.max_steps=$LONG_STEPS" --set train.eval_every=100 \
+  --set train.save_every=100 \
+  --set "data.sources=[$OUT/all_rows.jsonl,$OUT/code_t1_rows.jsonl,$OUT/instr_t1_rows.jsonl]" \
+  --set "distill.logits_cache=[$OUT/logits-all,$OUT/logits-code-t1,$OUT/logits-instr-t1]" &
+wait
+
 phase "measure: α, top-1 and τ per drafter on held-out instructions and HumanEval; step time per drafter"
 drafters=()
 for run in mamba2-sft mamba2-distill-kl mamba2-distill-tvd mamba2-distill-all mamba2-size-2x256 mamba2-size-4x256 \
@@ -86,4 +107,15 @@ wait
 [ -s "$OUT/drafter-data/step.json" ] || python -m benchmarks.micro.drafter_context "${drafters[@]}" --contexts 256 \
   --steps 32 --out "$OUT/drafter-data/step.json" > "$OUT/drafter-data/step.log" 2>&1
 cat "$OUT/drafter-data/tv-instructions.log" "$OUT/drafter-data/tv-humaneval.log" "$OUT/drafter-data/step.log"
+long=()  # the longer runs in the dtype eval decodes in (bf16 here), against the 500-step one
+for run in mamba2-distill-all mamba2-distill-all-long mamba2-distill-t1; do
+  [ -f "$OUT/$run/export/config.json" ] && long+=(--drafter "$OUT/$run/export")
+done
+for bench in instructions humaneval; do
+  [ -s "$OUT/drafter-data/tv-long-$bench.json" ] || python -m benchmarks.decoding.drafter_tv --target "$TARGET" \
+    "${long[@]}" --bench "$bench" --num-prompts "$TV_PROMPTS" --max-new-tokens 64 \
+    --out "$OUT/drafter-data/tv-long-$bench.json" > "$OUT/drafter-data/tv-long-$bench.log" 2>&1 &
+done
+wait
+cat "$OUT/drafter-data/tv-long-instructions.log" "$OUT/drafter-data/tv-long-humaneval.log"
 phase "done"

@@ -229,7 +229,7 @@ class LogitsCache:
         self.dirs, self.manifests = dirs, [read_manifest(d) for d in dirs]
         self.dir, self.manifest = dirs[0], self.manifests[0]
         self.name = " + ".join(str(d) for d in dirs)
-        self.maps, row_starts, sizes, offset = [], [], [], 0
+        self.maps, row_starts, offset = [], [], 0
         for cache_dir, m in zip(dirs, self.manifests):
             if not m.get("complete"):
                 raise DataError(f"the logits cache in {cache_dir} is incomplete ({len(m.get('shards', []))} of "
@@ -238,8 +238,9 @@ class LogitsCache:
                 problem = shard_problem(cache_dir, entry)
                 if problem:
                     raise DataError(f"logits cache shard {problem}; {RESUME_FIX}")
-            self._check_layout(cache_dir, m, [_memmaps(cache_dir / e["file"]) for e in m["shards"]])
-            self.maps += [_memmaps(cache_dir / e["file"]) for e in m["shards"]]
+            maps = [_memmaps(cache_dir / e["file"]) for e in m["shards"]]
+            self._check_layout(cache_dir, m, maps)
+            self.maps += maps
             row_starts += [offset + e["rows"][0] for e in m["shards"]]
             offset += m["rows"]["count"]
         self._check_chain()
