@@ -172,6 +172,15 @@ def markdown_table(report: dict) -> str:
     cost = report.get("cost_model") or {}
     if cost.get("curve_s"):
         lines += ["", *curve_markdown(cost), "", *prediction_markdown(report["results"])]
+    after = cost.get("after_runs")
+    if after:
+        t1 = after["t1_before_s"]
+        ar = ", ".join(f"T={t}: {v * 1e3:.1f} ms ({v / t1:.2f} t(1))" for t, v in after.get("ar_forward_s", {}).items())
+        ar = f"; AR's own forward in its timed passes: {ar}" if ar else ""
+        lines.append(f"t(1) re-timed after the runs: {after['t1_s'] * 1e3:.1f} ms ({after['t1_s'] / t1 - 1:+.0%} "
+                     f"against before){ar}. When either is far from t(1) the machine's pace moved during the run "
+                     "(another process, throttling) and the predictions, priced on the first curve, are off by as "
+                     "much.")
     for temp, t in (cost.get("chain_tuning") or {}).items():
         each = ", ".join(f"{g}: {v:.2f}×" for g, v in t["predicted"].items())
         lines.append(f"chain length tuned (--tune-chain-length), T={float(temp):g}: chain {t['probed_length']} on "

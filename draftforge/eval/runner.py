@@ -448,11 +448,16 @@ def run_eval(cfg: EvalConfig) -> dict:
         swaps, tuning = ({}, None) if not cfg.tune_chain_length else _tune_chain_length(
             cfg, decoders, target, drafter, options, prompts, curve, _eos_id(cfg, target))
         records, memory, orders = _timed_runs(cfg, decoders, prompts, _eos_id(cfg, target), target.tokenizer, swaps)
-        extra_rows = cost.missing_rows(curve, records) if curve else []
-        if extra_rows:  # a dynamic method verified more rows than the grid: time those too, scaled to the
+        after = None
+        if curve:  # t(1) again, to see whether the machine's pace moved during the runs, and any row count a
+            extra_rows = cost.missing_rows(curve, records)  # dynamic method verified beyond the grid, scaled to
             late = cost.verify_curve(target, list(prompts[0].input_ids), [1] + extra_rows, cfg.cost_repeats)
-            curve.update({n: late[n] * curve[1] / late[1] for n in extra_rows})  # first curve's t(1)
+            curve.update({n: late[n] * curve[1] / late[1] for n in extra_rows})  # the first curve's t(1)
+            after = {"t1_s": late[1], "t1_before_s": curve[1]}
         results = _summaries(cfg, records, memory, prompts, target, curve)
+        if after is not None:  # AR's own forward in its timed passes, against the t(1) it is priced at
+            after["ar_forward_s"] = {f"{r['temperature']:g}": r["time"]["verify_s"] / r["target_forwards"]
+                                     for r in results if r["method"] == "ar" and r["target_forwards"]}
         for row in results:  # the length each method's rounds drafted
             if row["method"] == "chain":
                 row["chain_length"] = (tuning or {}).get(row["temperature"], {}).get(
@@ -470,7 +475,8 @@ def run_eval(cfg: EvalConfig) -> dict:
         "manifest": _manifest(cfg, dtype, results, drafter, orders, _hf_policy(decoders, hf_policy), regime),
         "cost_model": {"curve_s": curve, "what": f"{type(target).__name__}, prompt of "
                                                 f"{len(prompts[0].input_ids) if prompts else 0} tokens, a chain of "
-                                                f"N-1 drafts, median of {cfg.cost_repeats}", "chain_tuning": tuning},
+                                                f"N-1 drafts, median of {cfg.cost_repeats}", "chain_tuning": tuning,
+                       "after_runs": after},
         "prompts": [{"prompt_id": p.prompt_id, "category": p.category, "num_tokens": len(p.input_ids),
                      "chat_template": p.used_chat_template, "turns": len(p.turns or [None])} for p in prompts],
         "results": results,

@@ -302,6 +302,29 @@ def test_cost_model_times_every_planned_row_count_and_predicts_by_hand(bench, tm
     assert "| method | T | τ | rows / round |" in (tmp_path / "out" / "report.md").read_text()
 
 
+def test_the_curve_is_timed_again_after_the_runs_and_ar_pace_is_set_beside_it(bench, tmp_path, monkeypatch):
+    """The second timing of t(1) (20% slower here) and AR's own forward (0.01 s a token in the fake AR, 0.5 t(1))
+    are reported, so a run whose machine changed pace midway says so."""
+    from draftforge.eval import cost
+
+    calls = []
+
+    def curve(target, ids, rows, repeats):
+        calls.append(rows)
+        return {n: 0.02 * (1.2 if len(calls) > 1 else 1.0) * (1 + 0.1 * (n - 1)) for n in rows}
+
+    monkeypatch.setattr(runner, "decode_api", FakeAPI())
+    monkeypatch.setattr(cost, "verify_curve", curve)
+    rep = run_eval(cfg_for(bench, tmp_path, plots=False, cost_repeats=2))
+    after = rep["cost_model"]["after_runs"]
+    assert len(calls) == 2 and calls[1] == [1]  # the chain's 6 rows were on the grid: only t(1) again
+    assert after["t1_s"] == pytest.approx(0.024) and after["t1_before_s"] == pytest.approx(0.02)
+    assert after["ar_forward_s"] == {"0": pytest.approx(0.01)}
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "t(1) re-timed after the runs: 24.0 ms (+20% against before); AR's own forward" in md
+    assert "T=0: 10.0 ms (0.50 t(1))" in md
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(temperatures=(0.0, -0.5)), "temperature must be >= 0"),
     (dict(method_options={"tree": {"tree": (3, 0, 1)}}), "every width >= 1"),
