@@ -6,7 +6,8 @@ the same warping. For each prompt the target *samples* a continuation at T; both
 prompt + continuation teacher-forced and we report, over continuation positions: mean α = 1 - TV,
 top-1 agreement, entropies H(p), H(q), and the drafter temperature scale s that would minimise TV
 (q ∝ softmax(logits / (s·T)); s < 1 = the drafter is under-confident). Chain τ from mean α uses
-(1 - α^(γ+1)) / (1 - α) (Leviathan et al. 2023, Eq. 1).
+(1 - α^(γ+1)) / (1 - α) (Leviathan et al. 2023, Eq. 1). "top-1 greedy" is the same agreement along the target's
+*greedy* continuation of the same prompts: the contexts a T = 0 decode drafts in (one draft's greedy acceptance).
 
 Both models run at --dtype (default auto: bf16 where the CPU computes it natively, as `draftforge eval` runs
 them; `--dtype float32` for the tables measured before the flag existed). It also checks the harness: the Mamba
@@ -83,6 +84,8 @@ def run(target_dir, drafter_dirs, bench, num_prompts, max_new_tokens, temperatur
             seqs.append(out[0].tolist())
         p_rows = [(target.model(input_ids=torch.tensor([s])).logits[0, len(ids) - 1: -1].float() / temperature)
                   .softmax(-1) for ids, s in zip(prompts, seqs)]
+        greedy = [target.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens,
+                                        pad_token_id=pad)[0].tolist() for ids in prompts]
     p_TV = torch.cat(p_rows)
     result = {"target": target_dir, "bench": bench, "num_prompts": len(prompts), "positions": p_TV.shape[0],
               "dtype": str(target.model.dtype).removeprefix("torch."),
@@ -91,6 +94,9 @@ def run(target_dir, drafter_dirs, bench, num_prompts, max_new_tokens, temperatur
         drafter = load_drafter(d, target, dtype=dtype)
         logits_TV = torch.cat([drafter_logits(drafter, s, len(ids)) for ids, s in zip(prompts, seqs)])
         stats = position_stats(p_TV, logits_TV, temperature)
+        hits = [(drafter_logits(drafter, s, len(ids)).argmax(-1) == torch.tensor(s[len(ids):])).float()
+                for ids, s in zip(prompts, greedy)]
+        stats["top1_greedy"] = float(torch.cat(hits).mean())
         a = stats["alpha"]
         stats["chain_tau_from_alpha"] = (1 - a ** (gamma + 1)) / (1 - a) if a < 1 else gamma + 1.0
         stepped = [stepped_logits(drafter, s, len(ids)) for ids, s in zip(prompts[:2], seqs[:2])]
@@ -114,9 +120,9 @@ def main(argv=None) -> dict:
     result = run(a.target, a.drafter, a.bench, a.num_prompts, a.max_new_tokens, a.temperature, a.chain_length,
                  dtype=chosen_dtype(a))
     print(f"{result['num_prompts']} prompts, {result['positions']} sampled target positions at T={a.temperature}")
-    print_drafters(result, ["α=1-TV", "top-1", "H(p)", "H(q)", "best s", "α at best s", f"τ(γ={a.chain_length})",
+    print_drafters(result, ["α=1-TV", "top-1", "top-1 greedy", "H(p)", "H(q)", "best s", "α at best s", f"τ(γ={a.chain_length})",
                             "decode-path Δlogit"],
-                   lambda s: [f"{s['alpha']:.3f}", f"{s['top1']:.3f}", f"{s['H_p']:.2f}", f"{s['H_q']:.2f}",
+                   lambda s: [f"{s['alpha']:.3f}", f"{s['top1']:.3f}", f"{s['top1_greedy']:.3f}", f"{s['H_p']:.2f}", f"{s['H_q']:.2f}",
                               f"{s['best_scale']:.2f}", f"{s['alpha_at_best_scale']:.3f}",
                               f"{s['chain_tau_from_alpha']:.2f}",
                               f"{s.get('decode_path_max_abs_logit_diff', float('nan')):.1e}"])

@@ -51,3 +51,30 @@ def test_a_drafter_equal_to_its_target_has_alpha_one_at_the_dtype_asked(tmp_path
     stats = result["drafters"][str(tmp_path / "llama")]
     assert result["dtype"] == dtype and result["positions"] == 12
     assert stats["alpha"] == pytest.approx(1.0, abs=1e-6) and stats["top1"] == 1.0
+    # along the target's greedy continuation the drafter (the target itself) picks every next token; in bf16 the
+    # one-token-at-a-time generate and the drafter's one full forward may round a near-tie apart
+    assert stats["top1_greedy"] == 1.0 if dtype == "float32" else stats["top1_greedy"] >= 11 / 12
+
+
+def test_top1_greedy_counts_the_drafters_misses_along_the_greedy_continuation(tmp_path):
+    import json
+
+    from tests.fixtures.decode import tiny_llama
+
+    tiny_llama(vocab=64, seed=0).save_pretrained(tmp_path / "target")
+    tiny_llama(vocab=64, seed=1).save_pretrained(tmp_path / "other")
+    bench = tmp_path / "p.jsonl"
+    bench.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in ([5, 17, 42], [3, 8, 12, 61])))
+    result = drafter_tv.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "other"),
+                              "--bench", str(bench), "--max-new-tokens", "6", "--dtype", "float32",
+                              "--out", str(tmp_path / "tv.json")])
+    from transformers import AutoModelForCausalLM
+
+    target, other = (AutoModelForCausalLM.from_pretrained(tmp_path / n) for n in ("target", "other"))
+    hits = []
+    for ids in ([5, 17, 42], [3, 8, 12, 61]):  # by hand: the target's greedy tokens, the other's argmax before each
+        seq = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=6, pad_token_id=0)[0]
+        guess = other(input_ids=seq[None]).logits[0, len(ids) - 1: -1].argmax(-1)
+        hits += (guess == seq[len(ids):]).tolist()
+    assert result["drafters"][str(tmp_path / "other")]["top1_greedy"] == pytest.approx(sum(hits) / 12)
+    assert sum(hits) < 12  # two random models disagree somewhere, so the count is not trivially 1
