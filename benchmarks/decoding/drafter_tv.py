@@ -120,10 +120,10 @@ def main(argv=None) -> dict:
     result = run(a.target, a.drafter, a.bench, a.num_prompts, a.max_new_tokens, a.temperature, a.chain_length,
                  dtype=chosen_dtype(a))
     print(f"{result['num_prompts']} prompts, {result['positions']} sampled target positions at T={a.temperature}")
-    print_drafters(result, ["α=1-TV", "top-1", "top-1 greedy", "H(p)", "H(q)", "best s", "α at best s", f"τ(γ={a.chain_length})",
-                            "decode-path Δlogit"],
-                   lambda s: [f"{s['alpha']:.3f}", f"{s['top1']:.3f}", f"{s['top1_greedy']:.3f}", f"{s['H_p']:.2f}", f"{s['H_q']:.2f}",
-                              f"{s['best_scale']:.2f}", f"{s['alpha_at_best_scale']:.3f}",
+    print_drafters(result, ["α=1-TV", "top-1", "top-1 greedy", "H(p)", "H(q)", "best s", "α at best s",
+                            f"τ(γ={a.chain_length})", "decode-path Δlogit"],
+                   lambda s: [f"{s['alpha']:.3f}", f"{s['top1']:.3f}", f"{s['top1_greedy']:.3f}", f"{s['H_p']:.2f}",
+                              f"{s['H_q']:.2f}", f"{s['best_scale']:.2f}", f"{s['alpha_at_best_scale']:.3f}",
                               f"{s['chain_tau_from_alpha']:.2f}",
                               f"{s.get('decode_path_max_abs_logit_diff', float('nan')):.1e}"])
     return write_json(a.out, result)

@@ -391,7 +391,8 @@ def cached_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: in
         stats.update(eval_documents=eval_stats["documents"], eval_blocks=eval_stats["blocks"])
         eval_ds = eval_ds if len(eval_ds) else None
     if len(train) == 0:
-        raise DataError(f"no training blocks from {', '.join(cfg.sources)}: every row lost its loss tokens to the block size")
+        raise DataError(f"no training blocks from {', '.join(cfg.sources)}: every row lost its loss tokens to the "
+                        "block size")
     return BlockData(train=train, eval=eval_ds, stats=stats, block_size=block_size)
 
 

@@ -449,10 +449,12 @@ def run_eval(cfg: EvalConfig) -> dict:
             cfg, decoders, target, drafter, options, prompts, curve, _eos_id(cfg, target))
         records, memory, orders = _timed_runs(cfg, decoders, prompts, _eos_id(cfg, target), target.tokenizer, swaps)
         after = None
-        if curve:  # t(1) again, to see whether the machine's pace moved during the runs, and any row count a
-            extra_rows = cost.missing_rows(curve, records)  # dynamic method verified beyond the grid, scaled to
+        if curve:
+            # t(1) again (did the machine's pace move during the runs?), and every row count a dynamic method
+            # verified beyond the grid, scaled to the first curve's t(1)
+            extra_rows = cost.missing_rows(curve, records)
             late = cost.verify_curve(target, list(prompts[0].input_ids), [1] + extra_rows, cfg.cost_repeats)
-            curve.update({n: late[n] * curve[1] / late[1] for n in extra_rows})  # the first curve's t(1)
+            curve.update({n: late[n] * curve[1] / late[1] for n in extra_rows})
             after = {"t1_s": late[1], "t1_before_s": curve[1]}
         results = _summaries(cfg, records, memory, prompts, target, curve)
         if after is not None:  # AR's own forward in its timed passes, against the t(1) it is priced at

@@ -72,12 +72,6 @@ class DistillConfig:
                                                      "loaded; needs data.format: tokens with the harvested rows file "
                                                      "as the source (a list: one cache per rows file of data.sources, "
                                                      "in order, from one target and harvest settings)")
-
-    def cache_dirs(self) -> list[str]:
-        """The logits cache directories, one per rows file ([] without a cache)."""
-        if not self.logits_cache:
-            return []
-        return [self.logits_cache] if isinstance(self.logits_cache, str) else list(self.logits_cache)
     embeddings_from_target: bool = doc(False, "start the student's input embeddings (and a tied head) from the "
                                               "target's; needs the same hidden size")
     trainable: list[str] = doc([], "train only parameters whose name contains one of these strings (e.g. [mamba] "
@@ -87,6 +81,12 @@ class DistillConfig:
                                  "chain τ (γ = 5) into the logged predicted_speedup that train.keep_best can select by")
     verify_cost: float = doc(1.0, "one verification of γ + 1 = 6 rows over one target token, t(6)/t(1) (the eval "
                                   "report's t(N)/t(1) curve; SmolLM2 in bf16 on a Zen 5 core: 1.11)")
+
+    def cache_dirs(self) -> list[str]:
+        """The logits cache directories, one per rows file ([] without a cache)."""
+        if not self.logits_cache:
+            return []
+        return [self.logits_cache] if isinstance(self.logits_cache, str) else list(self.logits_cache)
 
     def weights(self) -> dict[str, float]:
         """The loss's terms and their weights (names as the metrics: kl, tvd, ce_target, ce)."""
