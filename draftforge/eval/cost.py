@@ -98,7 +98,7 @@ def predict(summary: dict, records, curve: dict[int, float]) -> dict:
     tau = summary["tau"] or 0.0
     predicted = tau * t1 / (verify_s + draft_s)
     measured = summary.get("speedup")
-    shorter = shorter_chains(records, curve, draft_s / steps if steps else 0.0)
+    shorter = shorter_chains(records, curve, draft_step_s(records))
     return {
         "tau": tau, "rows_per_round": statistics.fmean(rows), "verify_s_per_round": verify_s,
         "verify_over_t1": verify_s / t1, "draft_steps_per_round": steps, "draft_s_per_round": draft_s,
@@ -108,6 +108,12 @@ def predict(summary: dict, records, curve: dict[int, float]) -> dict:
         "shorter_chains": shorter,
         "best_chain_length": max(shorter, key=shorter.get) if shorter else None,
     }
+
+
+def draft_step_s(records) -> float:
+    """Seconds of one drafter step: the records' drafting time over the draft positions they proposed (0: none)."""
+    steps = sum(sum(r.stats.proposed_by_position) for r in records)
+    return sum(r.stats.draft_time_s for r in records) / steps if steps else 0.0
 
 
 def shorter_chains(records, curve: dict[int, float], draft_step_s: float) -> dict[int, float]:

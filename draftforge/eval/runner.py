@@ -283,8 +283,7 @@ def _tune_chain_length(cfg, decoders, target, drafter, options, prompts, curve, 
         records = [metrics.RunRecord("chain", temp, -1, p.prompt_id, len(p.input_ids), [], res.stats)
                    for i, p in enumerate(prompts[:probe])
                    for res in [_run_one(dec, p.input_ids, cfg, params, i, eos)]]
-        steps = sum(sum(r.stats.proposed_by_position) for r in records)
-        draft_step_s = sum(r.stats.draft_time_s for r in records) / steps if steps else 0.0
+        draft_step_s = cost.draft_step_s(records)
         predicted = cost.shorter_chains(records, curve, draft_step_s)
         best = max(predicted, key=lambda g: (round(predicted[g], 6), -g)) if predicted else length
         tuning[temp] = {"probed_length": length, "prompts": [p.prompt_id for p in prompts[:probe]],
