@@ -21,19 +21,19 @@ import torch
 from transformers import DynamicCache
 
 from benchmarks.common import memory_mb, print_table, time_ms, tiny_model, write_json
+from draftforge.hfcompat import cache_kwargs
 
 
 @torch.inference_mode()
 def measure(model, ctx: int, steps: int, repeats: int, device) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (1, ctx), device=device)
-    cache_key = "cache_params" if model.config.model_type == "mamba" else "past_key_values"
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     mem_before = memory_mb(device)
     cache = DynamicCache(config=model.config)
-    model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_key: cache})  # no ctx x V logits
+    model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))  # no ctx x V logits
     tok = ids[:, -1:]
-    times = time_ms(lambda: model(input_ids=tok, use_cache=True, **{cache_key: cache}), device, repeats,
+    times = time_ms(lambda: model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache)), device, repeats,
                     calls=steps, warmup=1)
     state_mb = sum(t.numel() * t.element_size() for t in _cache_tensors(cache)) / 2**20
     return {"context": ctx, "ms_per_token": statistics.median(times), "ms_min": min(times), "ms_max": max(times),

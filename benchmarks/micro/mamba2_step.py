@@ -26,6 +26,7 @@ from draftforge.decode.cuda_graphs import StaticStep
 from draftforge.decode.ssm_state import layer_states
 from draftforge.eval.report import atomic_write_text
 from draftforge.models.mamba import build_mamba
+from draftforge.hfcompat import cache_kwargs
 
 SIZES = {  # name: (preset, overrides, vocab)
     "tiny": ("tiny", {}, 8192),  # the demo's drafter: width 128, 2 layers, state 32, head_dim 32
@@ -43,7 +44,7 @@ def build(size: str, dtype) -> torch.nn.Module:
 def prefilled_states(model, batch: int, prompt_len: int):
     ids_BT = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
     cache = DynamicCache(config=model.config)
-    model(input_ids=ids_BT, cache_params=cache, use_cache=True)
+    model(input_ids=ids_BT, use_cache=True, **cache_kwargs(model, cache))
     return layer_states(cache)
 
 

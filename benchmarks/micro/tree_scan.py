@@ -18,6 +18,7 @@ from transformers.cache_utils import DynamicCache
 
 from benchmarks.common import add_flags, median_ms, print_table, tiny_model, write_json
 from draftforge.decode.mamba2_tree import full_binary_parents, leaf_paths, mamba2_tree_logits
+from draftforge.hfcompat import cache_kwargs, output_cache
 
 
 def build_model(args):
@@ -48,7 +49,7 @@ def bench_depth(model, cache, depth: int, args) -> dict:
         return mamba2_tree_logits(model, tree_ids_1N, parents, cache, impl=impl)[0]
 
     def unrolled(leaf_cache):
-        return model(leaf_ids_LD, cache_params=leaf_cache, use_cache=True).logits
+        return model(leaf_ids_LD, use_cache=True, **cache_kwargs(model, leaf_cache)).logits
 
     # Correctness on the way: every leaf path's logits agree between the two.
     packed_logits = packed(None)[0]
@@ -83,7 +84,7 @@ def main(argv=None) -> None:
     model = build_model(args)
     prefix_1T = torch.randint(0, args.vocab, (1, args.prefix), device=args.device)
     with torch.no_grad():
-        cache = model(prefix_1T, use_cache=True).cache_params
+        cache = output_cache(model(prefix_1T, use_cache=True))
     rows = [bench_depth(model, cache, depth, args) for depth in args.depths]
 
     path_kind = "kernel" if args.device.startswith("cuda") and args.impl != "ref" else "reference"

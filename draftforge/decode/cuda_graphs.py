@@ -27,6 +27,7 @@ import torch
 from transformers import Mamba2ForCausalLM
 
 from draftforge.errors import DraftforgeError
+from draftforge.hfcompat import cache_kwargs
 from draftforge.models.mamba2_step import Mamba2Step, States, cache_over
 
 MODES = ("auto", "on", "off")
@@ -97,7 +98,8 @@ class StaticStep:
         """logits [B,V]; with `hidden`, (logits, final-normed hidden state [B,D])."""
         if self.lean is not None:
             return self.lean(self.ids_B1, self.states, return_hidden=hidden)
-        out = self.model(input_ids=self.ids_B1, cache_params=self.cache, use_cache=True, output_hidden_states=hidden)
+        out = self.model(input_ids=self.ids_B1, use_cache=True, output_hidden_states=hidden,
+                         **cache_kwargs(self.model, self.cache))
         return (out.logits[:, -1], out.hidden_states[-1][:, -1]) if hidden else out.logits[:, -1]
 
     @torch.inference_mode()

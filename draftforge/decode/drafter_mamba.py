@@ -25,6 +25,7 @@ from draftforge.decode.ssm_state import StateBank, copy_states, layer_states
 from draftforge.decode.tree import DraftTree
 from draftforge.decode.tree_shape import TreeShape
 from draftforge.errors import DraftforgeError
+from draftforge.hfcompat import cache_kwargs
 
 
 class MambaDrafter(Drafter):
@@ -71,8 +72,8 @@ class MambaDrafter(Drafter):
         """Multi-token encode with a throw-away cache (eager), then copy its states into the live buffer."""
         prompt_cache = DynamicCache(config=self.model.config)
         ids_1T = torch.tensor([seq], device=self.model.device)
-        out = self.model(input_ids=ids_1T, cache_params=prompt_cache, use_cache=True, logits_to_keep=1,
-                         output_hidden_states=hidden)
+        out = self.model(input_ids=ids_1T, use_cache=True, logits_to_keep=1, output_hidden_states=hidden,
+                         **cache_kwargs(self.model, prompt_cache))
         logits_V = out.logits[0, -1]
         self.last_hidden_D = out.hidden_states[-1][0, -1] if hidden else None
         states = layer_states(prompt_cache)

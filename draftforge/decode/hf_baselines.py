@@ -17,6 +17,7 @@ from draftforge.decode.methods import Method, MethodOptions, option, register_me
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.targets import Target, is_recurrent_model
 from draftforge.errors import DraftforgeError
+from draftforge.hfcompat import cache_param, passed_cache
 
 
 class HFAssistedDecoder(Decoder):
@@ -123,11 +124,11 @@ def _draft_vocab_hook(drafter) -> tuple:
 
 def _timing_hooks(model, log: list):
     """Record (cached length, query length, seconds) of every forward of `model`."""
-    state = {}
+    state, name = {}, cache_param(model)
 
     def pre(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        cache = kwargs.get("past_key_values")
+        cache = passed_cache(kwargs, name)
         state["start"] = (cache.get_seq_length() if cache is not None else 0, ids.shape[1], clock(model.device))
 
     def post(module, args, kwargs, output):

@@ -24,6 +24,7 @@ from draftforge.decode.mamba2_tree import cache_states, mixer_tree_forward, repl
 from draftforge.decode.targets import Target, Verification, max_context
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
 from draftforge.errors import CompatibilityError
+from draftforge.hfcompat import cache_kwargs, cache_param, passed_cache
 from draftforge.kernels.tree_scan import MAX_KERNEL_NODES, pack_tree
 
 # model_type -> what it is; the harness verifies trees on these (Mamba2 mixers + optional attention).
@@ -59,9 +60,12 @@ def check_hybrid_model(model) -> None:
     if model_type not in SUPPORTED_TYPES:
         raise CompatibilityError(f"target {model_type!r} keeps recurrent state in layers the harness does not know; "
                                  f"supported SSM/hybrid targets: {supported_list()}; and any decoder-only Transformer.")
-    if not find_mixers(model):
+    mixers = find_mixers(model)
+    if not mixers:
         raise CompatibilityError(f"target {model_type!r} has no Mamba2 mixer with the parts the tree scan reads "
                                  "(in_proj, conv1d, dt_bias, A_log, D, norm, out_proj)")
+    for mixer in mixers.values():  # the tree forward replaces theirs: it must know where the cache arrives
+        cache_param(mixer)
 
 
 def find_mixers(model) -> dict[int, torch.nn.Module]:
@@ -106,11 +110,9 @@ class HybridTarget(Target):
     def _forward(self, tokens, positions, mask_11QK=None, hidden=False):
         """Run the model on `tokens` continuing the cache; logits [Q, V] (and last hidden [Q, D])."""
         kwargs = dict(input_ids=torch.tensor([tokens], device=self.device), use_cache=True,
-                      output_hidden_states=hidden)
-        if self.ssm_only:
-            kwargs["cache_params"] = self.cache
-        else:
-            kwargs.update(past_key_values=self.cache, position_ids=torch.tensor([positions], device=self.device),
+                      output_hidden_states=hidden, **cache_kwargs(self.model, self.cache))
+        if not self.ssm_only:
+            kwargs.update(position_ids=torch.tensor([positions], device=self.device),
                           attention_mask=None if mask_11QK is None else
                           {"full_attention": mask_11QK, "linear_attention": None})
         out = self.model(**kwargs)
@@ -175,12 +177,17 @@ def tree_mixers(mixers: dict[int, torch.nn.Module], packed, impl: str):
     """Route each mixer's forward through the tree scan for one model call; yields {layer: scan cache}.
 
     The states are read from the cache the model passes in and never written (verification is
-    side-effect free for the SSM layers; `commit` replays them)."""
+    side-effect free for the SSM layers; `commit` replays them). The cache arrives under the name the installed
+    transformers' mixer signature gives it (`cache` from 5.24, `cache_params` before), read once per mixer here;
+    a call under another name is refused rather than scanned from an empty state."""
     scans: dict = {}
 
     def make(layer_idx, mixer):
-        def tree_forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
-            conv, ssm = cache_states(cache_params, layer_idx) if _has_state(cache_params, layer_idx) else (None, None)
+        name = cache_param(mixer)  # CompatibilityError if the signature names no cache
+
+        def tree_forward(hidden_states, attention_mask=None, **kwargs):
+            cache = passed_cache(kwargs, name)
+            conv, ssm = cache_states(cache, layer_idx) if _has_state(cache, layer_idx) else (None, None)
             out_BND, scans[layer_idx] = mixer_tree_forward(mixer, hidden_states, packed, conv, ssm, impl)
             return out_BND
         return tree_forward

@@ -14,6 +14,7 @@ import torch
 
 from draftforge.decode.tree import root_path  # noqa: F401  (tests and benchmarks use it from here)
 from draftforge.errors import CompatibilityError
+from draftforge.hfcompat import cache_kwargs
 from draftforge.kernels.tree_scan import TreeScanCache, TreeScanWeights, pack_tree, tree_scan, tree_scan_replay
 
 _MIXER_PARTS = ("in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj", "n_groups", "head_dim")
@@ -147,5 +148,5 @@ def unrolled_mixer_outputs(mixer, config, hidden_BND, parents_BN, conv_state=Non
         for path in leaf_paths(parents_BN[b]):
             take = lambda s: None if s is None else s[b : b + 1]  # noqa: E731
             cache = seeded_cache(config, mixer.layer_idx, take(conv_state), take(ssm_state))
-            out_BND[b, path] = mixer(hidden_BND[b : b + 1, path], cache_params=cache)[0]
+            out_BND[b, path] = mixer(hidden_BND[b : b + 1, path], **cache_kwargs(mixer, cache))[0]
     return out_BND

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
 from draftforge.errors import CompatibilityError
+from draftforge.hfcompat import cache_kwargs, output_cache
 
 SSM_MODEL_TYPES = ("mamba", "mamba2")
 HYBRID_MODEL_TYPES = ("bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba", "zamba2", "jamba",
@@ -55,12 +56,12 @@ class CachedLM:
             position_ids=position_ids_1Q,
             cache_position=cache_position_Q,
             attention_mask=mask_11QK,
-            past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
             output_hidden_states=hidden,
+            **cache_kwargs(self.model, self.cache),
         )
-        self.cache = out.past_key_values
+        self.cache = output_cache(out)
         self.length += q
         logits_QV = out.logits[0].float() if out.logits.dtype in (torch.float16, torch.bfloat16) else out.logits[0]
         return (logits_QV, out.hidden_states[-1][0]) if hidden else logits_QV

@@ -20,6 +20,7 @@ import torch
 from transformers.masking_utils import create_causal_mask
 
 from draftforge.errors import CompatibilityError, RecipeError
+from draftforge.hfcompat import cache_kwargs
 
 # model_type -> note; their decoder layers share one call signature (hidden, mask, position
 # embeddings, position ids, cache) and the model keeps embed_tokens / layers / norm / rotary_emb.
@@ -93,16 +94,17 @@ def frozen_fingerprint(parts: TargetParts, n: int) -> str:
 
 def causal_mask(config, hidden_BTD, position_ids_BT, cache=None, layer_idx: int = 0):
     """The mask transformers' model would build, sized against cache layer `layer_idx` (None: causal SDPA)."""
-    return create_causal_mask(config=config, inputs_embeds=hidden_BTD, attention_mask=None, past_key_values=cache,
-                              position_ids=position_ids_BT, layer_idx=layer_idx)
+    return create_causal_mask(config=config, inputs_embeds=hidden_BTD, attention_mask=None,
+                              position_ids=position_ids_BT, layer_idx=layer_idx,
+                              **cache_kwargs(create_causal_mask, cache))
 
 
 def run_layers(layers, hidden_BTD, position_ids_BT, position_embeddings, mask, cache=None):
     """Run decoder layers in order as the target's model does (each writes its own cache layer)."""
     for layer in layers:
         hidden_BTD = layer(hidden_BTD, attention_mask=mask, position_ids=position_ids_BT,
-                           position_embeddings=position_embeddings, past_key_values=cache,
-                           use_cache=cache is not None)
+                           position_embeddings=position_embeddings, use_cache=cache is not None,
+                           **cache_kwargs(layer, cache))
     return hidden_BTD
 
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from draftforge.errors import DraftforgeError
+from draftforge.hfcompat import cache_kwargs
 
 States = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (conv_BCK, ssm_BHPN)
 _NO_LIMIT = (0.0, float("inf"))
@@ -184,7 +185,7 @@ def mamba2_step_ref(model, ids_B1: torch.Tensor, states: States, return_hidden: 
 
     Note: transformers' single-token path does not clamp dt to `time_step_limit` (Mamba2Step does).
     """
-    out = model(input_ids=ids_B1.reshape(-1, 1), cache_params=cache_over(model.config, states), use_cache=True,
-                output_hidden_states=return_hidden)
+    out = model(input_ids=ids_B1.reshape(-1, 1), use_cache=True, output_hidden_states=return_hidden,
+                **cache_kwargs(model, cache_over(model.config, states)))
     logits_BV = out.logits[:, -1]
     return (logits_BV, out.hidden_states[-1][:, -1]) if return_hidden else logits_BV

@@ -23,6 +23,7 @@ from draftforge.errors import CompatibilityError, DraftforgeError, RecipeError
 from draftforge.models.early_exit import ExitHead, Trunk, split_target
 from tests.fixtures.decode import greedy_reference, tiny_llama
 from tests.fixtures.plans import PlanController
+from draftforge.hfcompat import cache_param, passed_cache
 
 VOCAB, LAYERS = 16, 4
 PROMPTS = [[4], [3, 5, 7], [(7 * i + 3) % VOCAB for i in range(23)]]
@@ -136,11 +137,15 @@ def _greedy():
 
 
 def count_rows(layers, log):
-    """Hooks adding (layer, rows, cache object) per forward of each layer."""
+    """Hooks adding (layer, rows, cache object) per forward of each layer. The cache is read under the name the
+    installed transformers' layer signature gives it (cache_param raises if it names none), and a call under
+    another name fails (passed_cache), so a rename cannot turn this into a check of `None is None`."""
+    name = cache_param(layers[0])
+
     def hook(idx):
         def fn(module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
-            log.append((idx, hidden.shape[1], kwargs.get("past_key_values")))
+            log.append((idx, hidden.shape[1], passed_cache(kwargs, name)))
         return fn
     return [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
 

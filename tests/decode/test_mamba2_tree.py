@@ -21,6 +21,7 @@ from draftforge.decode.mamba2_tree import (
     unrolled_mixer_outputs,
 )
 from draftforge.errors import CompatibilityError
+from draftforge.hfcompat import cache_kwargs, output_cache
 
 # Max |tree − oracle| / max |oracle|, per activation dtype (the oracle runs in the same dtype).
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}  # bf16 measured ~6e-3
@@ -135,7 +136,7 @@ def test_replay_equals_scanning_the_path(node):
     with torch.no_grad():
         _, scan_cache = mixer_tree_forward(mixer, hidden_BND, parents, conv, ssm, impl="ref")
         cache = seeded_cache(config, 0, conv, ssm)
-        mixer(hidden_BND[:, root_path(parents, node)], cache_params=cache)
+        mixer(hidden_BND[:, root_path(parents, node)], **cache_kwargs(mixer, cache))
     conv_got, ssm_got = replay_states(scan_cache, node)
     assert rel_err(conv_got, cache.get_conv_state(0)) < TOL[torch.float32]
     assert rel_err(ssm_got, cache.get_recurrent_state(0)) < TOL[torch.float32]
@@ -152,15 +153,15 @@ def check_model_tree_logits_and_replay(impl: str, device: str = "cpu") -> None:
     parents = full_binary_parents(3)
     tree_ids_1N = torch.randint(0, config.vocab_size, (1, 7), device=device)
     with torch.no_grad():
-        cache = model(prefix_1T, use_cache=True).cache_params
+        cache = output_cache(model(prefix_1T, use_cache=True))
         logits_1NV, scan_caches = mamba2_tree_logits(model, tree_ids_1N, parents, cache, impl=impl)
         for path in leaf_paths(parents):
             full = model(torch.cat([prefix_1T, tree_ids_1N[:, path]], 1), use_cache=True)
             assert rel_err(logits_1NV[0, path], full.logits[0, 5:]) < 1e-4
             for layer, scan_cache in enumerate(scan_caches):
                 conv, ssm = replay_states(scan_cache, path[-1])
-                assert rel_err(conv, full.cache_params.get_conv_state(layer)) < 1e-5
-                assert rel_err(ssm, full.cache_params.get_recurrent_state(layer)) < 1e-4
+                assert rel_err(conv, output_cache(full).get_conv_state(layer)) < 1e-5
+                assert rel_err(ssm, output_cache(full).get_recurrent_state(layer)) < 1e-4
 
 
 def test_model_tree_logits_and_replay_match_sequences():

@@ -16,6 +16,7 @@ from transformers import DynamicCache, Mamba2Config, Mamba2ForCausalLM
 from draftforge.decode.ssm_state import layer_states
 from draftforge.errors import DraftforgeError
 from draftforge.models.mamba2_step import Mamba2Step, mamba2_step_ref
+from draftforge.hfcompat import cache_kwargs
 
 VOCAB = 40
 # (rtol, atol) per dtype. transformers returns float32 logits and keeps SSM states in float32 for every model
@@ -51,7 +52,7 @@ def prefilled(model, batch: int = 1, ids_BT: torch.Tensor | None = None):
         ids_BT = torch.randint(0, VOCAB, (batch, 6), generator=torch.Generator().manual_seed(1))
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids_BT, cache_params=cache, use_cache=True)
+        model(input_ids=ids_BT, use_cache=True, **cache_kwargs(model, cache))
     states = layer_states(cache)
     return [(c.clone(), s.clone()) for c, s in states], [(c.clone(), s.clone()) for c, s in states]
 
