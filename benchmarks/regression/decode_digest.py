@@ -1,7 +1,9 @@
 """Decode digest: the proof a harness refactor moved nothing (same tokens, same accepted drafts per round).
 
 Tiny float64 models built from tests/fixtures/decode.py (seeded), Mamba2 and Transformer drafters,
-chain / tree / UCB, T=0 and T=1, three prompts. Run it on two checkouts (from each one's root) and compare:
+chain / tree / UCB, T=0 and T=1, three prompts; then an attention-free Mamba2 target and a Bamba hybrid
+(tests/fixtures/hybrid.py, float32: the tree-scan path) with a Mamba2 drafter, chain and tree, T=0 and T=1
+(keys "mamba2-target/..." and "bamba-target/..."). Run it on two checkouts (from each one's root) and compare:
 
     python -m benchmarks.regression.decode_digest --out /tmp/new.json
     (cd OLD_CHECKOUT && PYTHONPATH=.:NEW_CHECKOUT python -m benchmarks.regression.decode_digest --out /tmp/old.json)
@@ -38,6 +40,28 @@ def digest() -> dict:
                 for i, prompt in enumerate([[1], [3, 5, 7], list(range(2, 14))]):
                     res = dec.generate(prompt, max_new_tokens=20, temperature=temp, seed=i)
                     out[f"{kind}/{method}/T{temp:g}/{i}"] = [res.tokens, res.stats.accepted_per_round]
+    out.update(ssm_targets())
+    return out
+
+
+def ssm_targets() -> dict:
+    """The Mamba2 and hybrid targets' decodes (each model's own forward; the harness's tree scan and replay)."""
+    import torch
+
+    from draftforge.decode import build_decoder, load_drafter, load_target
+    from tests.fixtures.decode import tiny_mamba2
+    from tests.fixtures.hybrid import tiny_bamba, tiny_mamba2_target
+
+    out = {}
+    for name, make in [("mamba2-target", tiny_mamba2_target), ("bamba-target", tiny_bamba)]:
+        target = load_target(make(vocab=48))
+        drafter = load_drafter(tiny_mamba2(vocab=48, seed=7), target)
+        for method, opts in [("chain", {"chain_length": 4}), ("tree", {"tree": (3, 2, 1)})]:
+            dec = build_decoder(method, target, drafter, **opts)
+            for temp in (0.0, 1.0):
+                for i, prompt in enumerate([[1], [3, 5, 7], list(range(2, 14))]):
+                    res = dec.generate(prompt, max_new_tokens=20, temperature=temp, seed=i)
+                    out[f"{name}/mamba2/{method}/T{temp:g}/{i}"] = [res.tokens, res.stats.accepted_per_round]
     return out
 
 
