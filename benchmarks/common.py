@@ -179,10 +179,11 @@ def chosen_dtype(args, device: str = "cpu"):
     return choice.torch_dtype
 
 
-def versus_ar(target, prompts, ar_outputs, outputs, stats=None) -> dict:
+def versus_ar(target, prompts, ar_outputs, outputs, stats=None, check_ar_tokens: bool = True) -> dict:
     """The T=0 self-check of `draftforge eval` (draftforge/eval/selfcheck.py) for a benchmark's greedy outputs:
-    per prompt identical to AR's, a near-tie (the first differing position is within the measured rounding of
-    a one-row vs a multi-row forward there; bf16), or a defect. prompts: token-id lists; outputs: one token list
+    per prompt identical to AR's, a near-tie (at the first differing position the two tokens' logits are within
+    the rounding the model's own plain forward shows there against float32; bf16), or a defect; AR's own tokens
+    are checked against that plain forward too (`check_ar_tokens`; off only for hand-made AR outputs). prompts: token-id lists; outputs: one token list
     per prompt (a method's last repeat); stats: their DecodeStats (the row counts to probe), else 2 rows.
     `ok` is False on any defect and, as the eval's self-check rules, in fp32 on any difference at all (there the
     harness is bitwise lossless; the difference is still classified, for the report)."""
@@ -195,7 +196,7 @@ def versus_ar(target, prompts, ar_outputs, outputs, stats=None) -> dict:
     mine = [RunRecord("method", 0.0, 0, str(k), len(ids[str(k)]), list(o), s)
             for k, (o, s) in enumerate(zip(outputs, stats))]
     ar = [RunRecord("ar", 0.0, 0, str(k), len(ids[str(k)]), list(r), DecodeStats()) for k, r in enumerate(ar_outputs)]
-    out = self_check(mine, ar, ids, target)  # the eval's own count and classifier, one prompt per record
+    out = self_check(mine, ar, ids, target, check_ar_tokens)  # the eval's own count and classifier
     model = getattr(target, "model", None)
     fp32 = model is not None and next(model.parameters()).dtype == torch.float32
     out["ok"] = out["defects"] == 0 and not (fp32 and out["identical"] < out["total"])

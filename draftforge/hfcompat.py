@@ -59,6 +59,7 @@ def output_cache(out):
     """The cache a forward returned (`.cache` from transformers 5.24, `.past_key_values` / `.cache_params`
     before)."""
     for name in CACHE_NAMES:
-        if name in out.keys():
-            return out[name]
+        cache = getattr(out, name, None)
+        if cache is not None:
+            return cache
     return None

@@ -1,29 +1,42 @@
 """The T=0 self-check: each prompt's speculative output against AR's in the same run, and, where they differ,
 whether the difference is rounding (a near-tie) or a defect.
 
-A multi-row forward (a verification) sums in another order than a one-row forward (an AR step), and the
-KV entries it leaves differ in the same way, so in reduced precision the same position gets slightly
-different logits, and where two tokens are within that difference of each other the two decodes may
-legitimately part. At the first differing position we measure that difference on the very prefix: AR's
-own logits there (prompt prefill, then one row per generated token, exactly as AR ran) against the same
-logits computed in chunks (the prefix prefilled at once, then a verification of each row count the method
-used), noise = max |Δlogit| over the vocabulary and those computations. AR chose a, the method b in a
-computation within `noise` of AR's, so a flip needs l(a) − l(b) ≤ 2·noise; logits are rounded to the
-model's dtype, so one rounding step (2 eps · |logit|) is the least tolerance. Inside it is a **near-tie**,
-outside a **defect** (the harness changed the output). fp32 stays bitwise: any difference fails the run.
+In reduced precision a verification forward (many rows) sums in another order than an AR step (one row), so two
+correct decodes may part where two logits are within rounding of each other. The tolerance for that is measured
+**without the code under test**: at the first differing position the prefix goes through the model's own plain
+forward (transformers alone: no harness cache, tree scan or multi-row verify), once in float32 (the reference r)
+and twice in the run's dtype (the whole prefix at once, and with its last token as a cached step); noise = the
+largest |Δlogit| of those two from r. AR chose a, the method b: a near-tie needs |r(a) − r(b)| ≤ tolerance =
+2·noise, at least one rounding step of the dtype at |r(a)| and at most `CEILING_STEPS` rounding steps at the
+logits' scale (a gap larger than the dtype's rounding of logits that size can explain is a defect whatever was
+measured; float32 counts in float16's steps, see CEILING_STEPS), **and** the harness's own logits there (AR's one-row computation, and the prefix verified in the row
+counts the method used) within that ceiling of r. Anything else is a **defect** (the harness changed the output).
+fp32 stays bitwise: any difference fails the run. AR itself is checked the same way: its tokens against the
+plain forward's argmax over the prompt and AR's output (one teacher-forced forward per prompt), so a harness
+that computes AR wrongly too cannot pass by agreeing with itself.
 Each turn of a multi-turn question is a prompt of its own, compared only where its context (the conversation
 with the method's own earlier answers) is AR's: after an earlier turn's near-tie it is not (`context_differs`).
 
-Legend: V vocabulary.
+Legend: V vocabulary, T tokens.
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
+import weakref
 
 import torch
 
 from draftforge.decode.tree import DraftTree
+from draftforge.hfcompat import cache_kwargs, output_cache
+
+# The hard ceiling, in rounding steps of the dtype at the logits' scale (max |r|). Measured on SmolLM2-135M in
+# bf16 (docs/results/bf16.md, "The self-check's tolerance"): the model's own forward and the harness's stayed
+# within 1.9 such steps of fp32 (0.70 logits at max |r| 19-38); a forward that dropped the SSM state was 26 steps
+# off. In float32 two correct algorithms of one SSM layer (chunked scan vs recurrent step) already differ by
+# hundreds of float32 steps (1.8e-4 on a tiny Bamba), so dtypes finer than float16 count in float16's steps.
+CEILING_STEPS = 8
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -64,12 +77,57 @@ def ar_logits(target, prompt: list[int], generated: list[int]) -> torch.Tensor:
     return logits_NV[0].float().cpu()
 
 
-def rounding_step(target, logit: float) -> float:
-    """Twice the spacing of the model dtype's numbers at |logit| (logits come out rounded to it)."""
+def _dtype(target) -> torch.dtype:
     model = getattr(target, "model", None)
     dtype = next(model.parameters()).dtype if model is not None else torch.float32
-    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
-    return 2 * eps * max(1.0, abs(logit))
+    return dtype if dtype.is_floating_point else torch.float32
+
+
+def rounding_step(target, logit: float) -> float:
+    """Twice the spacing of the model dtype's numbers at |logit| (logits come out rounded to it)."""
+    return 2 * torch.finfo(_dtype(target)).eps * max(1.0, abs(logit))
+
+
+_FP32_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fp32(model):
+    """The model itself when it is float32, else one float32 copy of it (made once; its weights are the same
+    numbers, exactly representable, so it computes the same function with less rounding)."""
+    if next(model.parameters()).dtype == torch.float32:
+        return model
+    if model not in _FP32_COPIES:
+        _FP32_COPIES[model] = copy.deepcopy(model).float().eval()
+    return _FP32_COPIES[model]
+
+
+@torch.inference_mode()
+def plain_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits [T, V] (float32) of every position of `ids` from the model's own forward: one call, no cache."""
+    return model(input_ids=torch.tensor([ids], device=model.device)).logits[0].float()
+
+
+@torch.inference_mode()
+def plain_step_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits [V] after `ids` from the model's own forward, the last token a cached one-row step (transformers'
+    own cache; another summation order than `plain_logits`, with no harness code either)."""
+    if len(ids) < 2:
+        return plain_logits(model, ids)[-1]
+    out = model(input_ids=torch.tensor([ids[:-1]], device=model.device), use_cache=True)
+    step = model(input_ids=torch.tensor([ids[-1:]], device=model.device), use_cache=True,
+                 **cache_kwargs(model, output_cache(out)))
+    return step.logits[0, -1].float()
+
+
+def reference(target, prefix: list[int]) -> dict:
+    """The independent evidence at `prefix`: fp32 logits r [V] and the run dtype's noise against them."""
+    model = target.model
+    r_V = plain_logits(_fp32(model), prefix)[-1].cpu()
+    runs = [plain_logits(model, prefix)[-1].cpu(), plain_step_logits(model, prefix).cpu()]
+    noise = max(float((x - r_V).abs().max()) for x in runs)
+    step_eps = max(torch.finfo(_dtype(target)).eps, torch.finfo(torch.float16).eps)
+    ceiling = CEILING_STEPS * 2 * step_eps * max(1.0, float(r_V.abs().max()))
+    return {"r_V": r_V, "noise": noise, "ceiling": ceiling}
 
 
 def rows_to_probe(records) -> list[int]:
@@ -82,19 +140,45 @@ def rows_to_probe(records) -> list[int]:
 
 def classify(target, prompt: list[int], generated: list[int], ar_token: int, other: int | None,
              rows: list[int]) -> dict:
-    """The evidence at one divergence: logit gap of the two tokens, top-2 margin, measured noise, verdict."""
+    """The evidence at one divergence: the two tokens' gap in the fp32 reference, the tolerance from the plain
+    forward's noise, how far the harness's own logits there are from the reference, and the verdict."""
     prefix = prompt + generated
+    ref = reference(target, prefix)
+    r_V = ref["r_V"]
     ar_V = ar_logits(target, prompt, generated)
     probes = sorted({1, *rows, len(prefix)})
-    noise = max(float((ar_V - logits_after(target, prefix, n)).abs().max()) for n in probes)
-    top2 = torch.topk(ar_V, 2).values
-    out = {"ar_token": ar_token, "other_token": other, "noise": noise, "rows_probed": probes,
-           "top2_margin": float(top2[0] - top2[1])}
+    harness = [ar_V] + [logits_after(target, prefix, n) for n in probes]
+    harness_dev = max(float((x - r_V).abs().max()) for x in harness)
+    top2 = torch.topk(r_V, 2).values
+    out = {"ar_token": ar_token, "other_token": other, "noise": ref["noise"], "ceiling": ref["ceiling"],
+           "harness_deviation": harness_dev, "rows_probed": probes, "top2_margin": float(top2[0] - top2[1])}
     if other is None:  # one output stopped early: no rounding explains a missing token
         return {**out, "gap": None, "tolerance": None, "verdict": "defect"}
-    gap = float(ar_V[ar_token] - ar_V[other])
-    tolerance = max(2 * noise, rounding_step(target, float(ar_V[ar_token])))
-    return {**out, "gap": gap, "tolerance": tolerance, "verdict": "near_tie" if abs(gap) <= tolerance else "defect"}
+    gap = float(r_V[ar_token] - r_V[other])
+    tolerance = min(max(2 * ref["noise"], rounding_step(target, float(r_V[ar_token]))), ref["ceiling"])
+    tie = abs(gap) <= tolerance and harness_dev <= ref["ceiling"]
+    return {**out, "gap": gap, "tolerance": tolerance, "verdict": "near_tie" if tie else "defect"}
+
+
+_AR_CHECKED: dict = {}
+
+
+def check_ar(target, context: list[int], tokens: list[int]) -> dict | None:
+    """AR's own tokens against the model's plain forward (teacher-forced over context + tokens): None where each
+    is that forward's argmax, else the classified first position where it is not (AR = a, plain forward = b)."""
+    key = (id(target.model), tuple(context), tuple(tokens))
+    if key not in _AR_CHECKED:
+        found = None
+        if tokens:
+            logits_TV = plain_logits(target.model, context + tokens[:-1])[len(context) - 1 :]
+            picks = logits_TV.argmax(-1).tolist()
+            i = next((k for k, (t, p) in enumerate(zip(tokens, picks)) if t != p), None)
+            if i is not None:
+                found = {"position": i, **classify(target, context, tokens[:i], tokens[i], picks[i], [1])}
+        if len(_AR_CHECKED) > 4096:
+            _AR_CHECKED.clear()
+        _AR_CHECKED[key] = found
+    return _AR_CHECKED[key]
 
 
 def _key(record) -> tuple[str, int]:
@@ -106,14 +190,15 @@ def _label(key: tuple[str, int]) -> str:
     return key[0] if key[1] == 0 else f"{key[0]}#turn{key[1] + 1}"
 
 
-def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=None) -> dict:
+def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=None, check_ar_tokens: bool = True) -> dict:
     """Prompts (each turn of a multi-turn one counted alone) identical to AR in every repeat, and each differing
     one classified (needs `target`).
 
     Only a prompt's first differing record is examined: after it the two contexts differ anyway. A later turn is
     compared only when its context (the conversation with the method's own earlier answers) is AR's; where an
     earlier turn parted from AR it is not, and the turn counts under `context_differs`, neither identical nor a
-    defect (the earlier turn's own verdict says why)."""
+    defect (the earlier turn's own verdict says why). With `check_ar_tokens` (and a target), AR's own tokens are
+    checked against the model's plain forward too (`check_ar`); its defects count among `defects`."""
     ar_by_key = {}
     for r in ar_records:
         ar_by_key.setdefault(_key(r), r)
@@ -140,9 +225,19 @@ def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=Non
                 found["verdict"] = "unchecked" if target is None else "defect"
             divergences.append(found)
         identical[key] = identical.get(key, True) and same
+    ar_divergences = []
+    if check_ar_tokens and target is not None:
+        for key in identical:  # AR's own output against the plain forward, once per compared prompt
+            ar = ar_by_key[key]
+            found = check_ar(target, prompt_ids[key[0]] if ar.context is None else ar.context, ar.tokens)
+            if found is not None:
+                ar_divergences.append({"prompt_id": key[0], "turn": key[1], **found})
     verdicts = [d["verdict"] for d in divergences]
+    ar_verdicts = [d["verdict"] for d in ar_divergences]
     return {"identical": sum(identical.values()), "total": len(identical),
-            "near_ties": verdicts.count("near_tie"), "defects": verdicts.count("defect"),
+            "near_ties": verdicts.count("near_tie"), "defects": verdicts.count("defect") + ar_verdicts.count("defect"),
+            "ar_near_ties": ar_verdicts.count("near_tie"), "ar_defects": ar_verdicts.count("defect"),
+            "ar_divergences": ar_divergences,
             "context_differs": len(other_context - set(identical)),
             "mismatched_prompts": [_label((d["prompt_id"], d["turn"])) for d in divergences],
             "divergences": divergences, "near_tie_checked": target is not None}

@@ -4,6 +4,7 @@ and manifest as for Transformer targets, plus tokens computed and states held pe
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from draftforge.eval.runner import EvalConfig, run_eval
@@ -54,3 +55,32 @@ def test_bf16_eval_on_a_hybrid_target_has_no_defect(tmp_path):
         if sc is not None:
             assert sc["defects"] == 0 and sc["identical"] + sc["near_ties"] == sc["total"] == 2
     assert rep["cost_model"]["curve_s"] and all(r["cost_model"] for r in rep["results"])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("kind", ["mamba2", "bamba"])
+def test_a_tree_forward_that_drops_the_ssm_state_fails_the_self_check(tmp_path, monkeypatch, capsys, kind, dtype):
+    """What transformers 5.24's rename did to the harness: every verification scanned from an empty SSM state.
+    The self-check's tolerance comes from the model's own plain forward, not from the broken code, so it must
+    report defects and `draftforge eval` exit 2, in bf16 as in fp32."""
+    from draftforge import cli
+    from draftforge.decode import hybrid_target
+    from tests.fixtures.hybrid import tiny_mamba2_target
+
+    target, drafter = tmp_path / kind, tmp_path / "drafter"
+    model = (tiny_bamba if kind == "bamba" else tiny_mamba2_target)(vocab=64)
+    with torch.no_grad():  # logits at a trained model's scale (|logit| ~ 10), not a random model's ~0.3
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 30)
+    model.save_pretrained(target)
+    tiny_mamba2(vocab=64).save_pretrained(drafter)
+    bench = tmp_path / "p.jsonl"
+    bench.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    monkeypatch.setattr(hybrid_target, "cache_states", lambda cache, layer_idx: (None, None))
+    out = tmp_path / "out"
+    code = cli.main(["eval", "--target", str(target), "--drafter", str(drafter), "--bench", str(bench),
+                     "--methods", "ar,chain", "--dtype", dtype, "--max-new-tokens", "12", "--out", str(out),
+                     "--no-plots", "--cost-repeats", "1"])
+    assert code == 2 and "defect(s)" in capsys.readouterr().err
+    chain = next(r for r in json.loads((out / "report.json").read_text())["results"] if r["method"] == "chain")
+    assert chain["self_check"]["defects"] >= 1

@@ -1,5 +1,7 @@
 """Eval metrics against hand computation."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -123,19 +125,41 @@ def test_first_divergence():
     assert selfcheck.first_divergence([1, 2], [1, 2, 9]) == 2
 
 
+class FixedLogitsModel(torch.nn.Module):
+    """The model's own forward (the self-check's independent reference): logits_V at every position, plus
+    `step_jitter` on token 9 in a step fed with a cache (another summation order, as a real model's)."""
+
+    def __init__(self, logits_V, step_jitter=0.0, dtype=torch.float32):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.logits_V, self.step_jitter = logits_V, step_jitter
+
+    @property
+    def device(self):
+        return self.w.device
+
+    def forward(self, input_ids, cache=None, use_cache=False):
+        logits = self.logits_V.clone().expand(1, input_ids.shape[1], -1).clone()
+        if cache is not None:
+            logits[..., 9] += self.step_jitter
+        return SimpleNamespace(logits=logits, cache="cache" if use_cache else None)
+
+
 class FixedLogitsTarget:
-    """Every verification row gets logits_V, plus `jitter` on token 9 when more than one row is verified."""
+    """Every verification row gets logits_V (+ `offset` everywhere), plus `jitter` on token 9 when more than one row
+    is verified; its model's own forward gives logits_V (+ `step_jitter` on token 9 in a cached step)."""
 
     device = "cpu"
 
-    def __init__(self, logits_V, jitter=0.0):
-        self.logits_V, self.jitter, self.calls = logits_V, jitter, []
+    def __init__(self, logits_V, jitter=0.0, step_jitter=0.0, offset=0.0, dtype=torch.float32):
+        self.logits_V, self.jitter, self.offset, self.calls = logits_V, jitter, offset, []
+        self.model = FixedLogitsModel(logits_V, step_jitter, dtype)
 
     def prefill(self, seq):
         self.calls.append(("prefill", list(seq)))
 
     def verify(self, last, tree):
-        rows = torch.stack([self.logits_V.clone() for _ in range(1 + len(tree))])
+        rows = torch.stack([self.logits_V.clone() + self.offset for _ in range(1 + len(tree))])
         if len(tree):
             rows[:, 9] += self.jitter
         return rows
@@ -155,7 +179,7 @@ def test_self_check_counts_prompts_identical_in_every_repeat():
     logits = torch.zeros(10)  # token 4 and 9 tie exactly, 6 is far above 7
     logits[4] = logits[9] = 2.0
     logits[6] = 5.0
-    sc = selfcheck.self_check(method, ar, ids, FixedLogitsTarget(logits))
+    sc = selfcheck.self_check(method, ar, ids, FixedLogitsTarget(logits), check_ar_tokens=False)
     assert (sc["identical"], sc["total"]) == (1, 3)
     assert sorted(sc["mismatched_prompts"]) == ["b", "c"]
     assert (sc["near_ties"], sc["defects"]) == (1, 1)  # b: 4 vs 9 tie; c: 6 vs 7 is a real difference
@@ -164,23 +188,53 @@ def test_self_check_counts_prompts_identical_in_every_repeat():
     assert by_prompt["c"]["gap"] == pytest.approx(5.0) and by_prompt["c"]["top2_margin"] == pytest.approx(3.0)
 
 
-def test_near_tie_is_judged_against_the_measured_row_noise():
-    """A gap of 0.01 is a near-tie when one- and multi-row logits differ by 0.01, a defect when they agree."""
+def test_near_tie_is_judged_against_the_noise_of_the_models_own_forward():
+    """A bf16 model (one rounding step at 2.0 is 2 * 2**-7 * 2 = 0.03, the ceiling 8 steps at max |r| = 2 is 0.25):
+    a gap of 0.1 is a near-tie when the model's own one-shot and cached-step logits differ by 0.1, a defect when
+    they agree, however much the harness's own one-row and multi-row logits differ (the code under test sets no
+    tolerance)."""
     logits = torch.zeros(10)
-    logits[4], logits[9] = 2.0, 1.99
+    logits[4], logits[9] = 2.0, 1.9
     ar = [rec("ar", DecodeStats(), pid="a", tokens=[4])]
     spec = [rec("chain", DecodeStats(drafted_per_round=[3]), pid="a", tokens=[9])]
-    noisy = selfcheck.self_check(spec, ar, {"a": [0, 1, 2, 3]}, FixedLogitsTarget(logits, jitter=0.01))
-    exact = selfcheck.self_check(spec, ar, {"a": [0, 1, 2, 3]}, FixedLogitsTarget(logits, jitter=0.0))
-    assert noisy["divergences"][0]["noise"] == pytest.approx(0.01) and noisy["near_ties"] == 1
+    ids = {"a": [0, 1, 2, 3]}
+
+    def check(**fake):
+        return selfcheck.self_check(spec, ar, ids, FixedLogitsTarget(logits, dtype=torch.bfloat16, **fake),
+                                    check_ar_tokens=False)
+
+    noisy, exact, harness_noisy = check(step_jitter=0.1), check(), check(jitter=0.1)
+    assert noisy["divergences"][0]["noise"] == pytest.approx(0.1) and noisy["near_ties"] == 1
+    assert noisy["divergences"][0]["tolerance"] == pytest.approx(0.2)
     assert exact["divergences"][0]["noise"] == 0.0 and exact["defects"] == 1
+    assert exact["divergences"][0]["tolerance"] == pytest.approx(2 * 2**-7 * 2.0)  # the floor: one step at r(a)
+    assert harness_noisy["divergences"][0]["noise"] == 0.0 and harness_noisy["defects"] == 1
+    assert harness_noisy["divergences"][0]["harness_deviation"] == pytest.approx(0.1)
     assert noisy["divergences"][0]["rows_probed"] == [1, 2, 4]  # bulk prefill + 1 row, 2, the method's 1 + 3 drafts
+
+
+def test_a_harness_whose_logits_leave_the_reference_beyond_the_ceiling_is_a_defect_even_on_a_tie():
+    """Tokens 4 and 9 tie exactly in the reference, but the harness's logits there are 3.0 off it: more than
+    CEILING_STEPS rounding steps of fp32 at the logits' scale can explain, so the flip is a defect."""
+    logits = torch.zeros(10)
+    logits[4] = logits[9] = 2.0
+    ar = [rec("ar", DecodeStats(), pid="a", tokens=[4])]
+    spec = [rec("chain", DecodeStats(drafted_per_round=[3]), pid="a", tokens=[9])]
+    ids = {"a": [0, 1, 2]}
+    fine = selfcheck.self_check(spec, ar, ids, FixedLogitsTarget(logits), check_ar_tokens=False)
+    off = selfcheck.self_check(spec, ar, ids, FixedLogitsTarget(logits, offset=3.0), check_ar_tokens=False)
+    assert fine["near_ties"] == 1 and fine["divergences"][0]["gap"] == 0.0
+    d = off["divergences"][0]
+    assert off["defects"] == 1 and d["gap"] == 0.0 and d["harness_deviation"] == pytest.approx(3.0)
+    eps = torch.finfo(torch.float16).eps  # float32 counts in float16's steps
+    assert d["ceiling"] == pytest.approx(selfcheck.CEILING_STEPS * 2 * eps * 2.0)  # by hand: max |r| = 2
 
 
 def test_a_missing_token_is_a_defect_and_no_target_means_unchecked():
     ar = [rec("ar", DecodeStats(), pid="a", tokens=[1, 2])]
     short = [rec("chain", DecodeStats(), pid="a", tokens=[1])]
-    assert selfcheck.self_check(short, ar, {"a": [0]}, FixedLogitsTarget(torch.zeros(10)))["defects"] == 1
+    assert selfcheck.self_check(short, ar, {"a": [0]}, FixedLogitsTarget(torch.zeros(10)),
+                                check_ar_tokens=False)["defects"] == 1
     unchecked = selfcheck.self_check(short, ar, {"a": [0]})
     assert unchecked["divergences"][0]["verdict"] == "unchecked" and not unchecked["near_tie_checked"]
 

@@ -11,20 +11,25 @@ import torch
 
 from draftforge.decode.base import DecodeResult, DecodeStats
 from draftforge.errors import CompatibilityError, DataError, RecipeError
-from draftforge.eval import command, runner
+from draftforge.eval import command, runner, selfcheck
 from draftforge.eval.runner import EvalConfig, SelfCheckError, run_eval
 
 V = 16
 
 
 class FakeModel(torch.nn.Module):
-    def __init__(self, dtype=torch.float32):
+    def __init__(self, dtype=torch.float32, logits_V=None):
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.logits_V = torch.zeros(V) if logits_V is None else logits_V
         self.config = SimpleNamespace(max_position_embeddings=64, eos_token_id=None)
 
-    def forward(self, ids):  # all logits equal: every disagreement is a near-tie
-        return SimpleNamespace(logits=torch.zeros(ids.shape[0], ids.shape[1], V))
+    @property
+    def device(self):
+        return self.w.device
+
+    def forward(self, input_ids, cache=None, use_cache=False):  # all logits equal: every disagreement is a near-tie
+        return SimpleNamespace(logits=self.logits_V.expand(input_ids.shape[0], input_ids.shape[1], V), cache=cache)
 
 
 class FakeTarget:
@@ -94,7 +99,7 @@ class FakeAPI:
 
     def load_target(self, path, device="cpu", dtype=None):
         self.loaded.append(path)
-        self.target = FakeTarget(FakeModel(self.dtype), self.logits_V)
+        self.target = FakeTarget(FakeModel(self.dtype, self.logits_V), self.logits_V)
         return self.target
 
     def load_drafter(self, path, target, device="cpu", dtype=None, allow_vocab_mismatch=False, cuda_graphs="auto"):
@@ -281,6 +286,7 @@ def test_bf16_mismatch_beyond_the_measured_noise_is_a_defect(bench, tmp_path, mo
     the run in bf16 too (the exit code of `draftforge eval` is then non-zero)."""
     monkeypatch.setattr(runner, "decode_api", FakeAPI(dtype=torch.bfloat16, broken={"chain"},
                                                       logits_V=torch.arange(V, dtype=torch.float32)))
+    monkeypatch.setattr(selfcheck, "check_ar", lambda *a: None)  # the fake AR is no model's greedy output
     with pytest.raises(SelfCheckError, match=r"chain: 0/3 prompts identical, 0 near-tie\(s\), 3 defect\(s\)"):
         run_eval(cfg_for(bench, tmp_path, plots=False))
     assert "0/3 (0 near-tie, 3 DEFECT)" in (tmp_path / "out" / "report.md").read_text()
