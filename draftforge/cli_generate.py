@@ -45,9 +45,14 @@ def run(args) -> int:
     from transformers import AutoTokenizer
 
     from draftforge.data.generate import check_settings, chat_jobs, generate_rows, random_start_jobs, summary_lines
+    from draftforge.errors import DataError
+    from draftforge.fsutil import output_problem
     from draftforge.loading import load_causal_lm
 
     check_settings(args.temperature, args.max_new_tokens, args.batch_size)  # seconds before the model loads
+    problem = output_problem(args.out, "file")
+    if problem:
+        raise DataError(f"--out {args.out}: {problem}; give --out the JSONL file the rows go to")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -61,10 +61,14 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from draftforge.errors import RecipeError
+    from draftforge.fsutil import output_problem
     from draftforge.runtime import choose_threads
 
     if args.threads is not None and args.threads < 1:
         raise RecipeError(f"--threads must be >= 1, got {args.threads}")
+    problem = output_problem(args.out, "dir")
+    if problem:  # before minutes of model loading and harvesting
+        raise RecipeError(f"--out {args.out}: {problem}; give --out a directory for the harvest")
     print(f"[draftforge] {choose_threads(args.threads)}", file=sys.stderr)
     if args.what == "theta":
         from draftforge.data import harvest_theta

@@ -23,7 +23,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="override a recipe field, e.g. --set optim.lr=3e-4 (repeatable; value parsed as YAML)")
     what = p.add_mutually_exclusive_group()  # both at once silently resumed
     what.add_argument("--resume", action="store_true", help="continue from the latest intact checkpoint of output_dir")
-    what.add_argument("--overwrite", action="store_true", help="replace a run already in output_dir")
+    what.add_argument("--overwrite", action="store_true",
+                      help="replace the draftforge run in output_dir (a directory marked .draftforge-run, kept until "
+                           "the new run's first checkpoint); a folder of other files, the current directory, its "
+                           "parents, home and / are never replaced")
     p.add_argument("--help-recipe", metavar="TASK", nargs="?", const="pretrain",
                    help="print every recipe field of TASK (default pretrain) with its default and doc, and the "
                         "registered tasks, then exit")

@@ -104,3 +104,23 @@ def read_json(path: Path, redo: str):
         return json.loads(Path(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path} is corrupt ({err}); {redo}") from None
+
+
+def output_problem(path: str | Path, kind: str) -> str | None:
+    """Why `path` cannot be written as an output `kind` ("dir" or "file"), else None: checked before any model
+    loads, so that a command never measures for minutes and then fails to save. A missing path is fine when its
+    nearest existing ancestor is a writable directory."""
+    path = Path(path).expanduser()
+    if path.exists():
+        if kind == "dir" and not path.is_dir():
+            return f"{path} is a file, not a directory"
+        if kind == "file" and path.is_dir():
+            return f"{path} is a directory, not a file"
+        where = path if path.is_dir() else path.parent
+    else:
+        where = next((p for p in path.parents if p.exists()), Path("."))
+        if not where.is_dir():
+            return f"{where} is a file, so {path} cannot be created"
+    if not os.access(where, os.W_OK | os.X_OK):
+        return f"{where} is not writable"
+    return None

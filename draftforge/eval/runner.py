@@ -23,6 +23,7 @@ from draftforge.decode.sampling import SamplingParams
 from draftforge.errors import DraftforgeError, RecipeError
 from draftforge.eval import answers as answers_mod
 from draftforge.eval import cost, metrics, selfcheck
+from draftforge.eval.output import check_out, save_or_rescue
 from draftforge.eval.manifest import ASSISTED_POLICY_KEYS, assisted_policy, build_manifest
 from draftforge.data.prompts import answer_text, encode_prompts, encode_turn, load_prompt_rows, report_categories
 from draftforge.runtime import announce, choose_threads, resolve_dtype
@@ -117,10 +118,13 @@ def validate(cfg: EvalConfig) -> dict[str, method_registry.MethodOptions]:
 
 
 def check_paths(cfg: EvalConfig) -> None:
-    """A --target / --drafter that names a missing local directory fails before any model loads."""
+    """A --target / --drafter that names a missing local directory, or an --out that cannot take the report,
+    fails before any model loads."""
     from draftforge.decode.loading import lookup_options
     from draftforge.errors import CheckpointError
     from draftforge.loading import missing_local_path
+
+    check_out(cfg.out_dir)
 
     for flag, value in (("--target", cfg.target), ("--drafter", cfg.drafter)):
         if value is None or not isinstance(value, str) or (flag == "--drafter" and lookup_options(value)):
@@ -486,7 +490,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         "answers": answer_files,
         "records": [r.to_dict() for r in records],
     }
-    paths = report_mod.write_reports(report, cfg.out_dir, plots=cfg.plots)
+    paths = save_or_rescue(report, cfg.out_dir, lambda rep: report_mod.write_reports(rep, cfg.out_dir, plots=cfg.plots))
     report["files"] = paths
     _enforce_self_check(cfg, results, dtype, paths)
     return report

@@ -5,6 +5,11 @@ written until `claim`, which the loop calls after the recipe, the data and the m
 With --overwrite the previous run is moved aside at `claim`, removed once the new run has committed
 its first checkpoint (`settle`), and put back if the new run fails before that (`abandon`). A run
 killed before its first checkpoint resumes from step 0 with --resume.
+
+--overwrite only ever replaces a run draftforge wrote: a directory is a run when it holds RUN_MARKER
+(written at `claim`) or, for runs from before that marker, the checkpoint marker. Anything else is
+refused with or without --overwrite, and the current directory, its parents, the home directory and
+/ are refused outright.
 """
 
 from __future__ import annotations
@@ -20,6 +25,35 @@ from draftforge.train import checkpoint as ckpt
 
 NEW, REPLACE, RESUME, RESTART = "new", "replace", "resume", "restart"
 MARKER = ".has-checkpoints"  # written beside recipe.yaml at the first checkpoint
+RUN_MARKER = ".draftforge-run"  # written at claim: this directory is a run draftforge made
+
+
+def is_run_dir(path: Path) -> bool:
+    """A directory draftforge wrote as a run (the only kind --overwrite may replace)."""
+    return path.is_dir() and ((path / RUN_MARKER).is_file() or (path / MARKER).is_file())
+
+
+def _protected(path: Path) -> str | None:
+    """Why `path` may never be replaced (the current directory, a parent of it, home, /), else None."""
+    here, home, target = Path.cwd().resolve(), Path.home().resolve(), path.resolve()
+    if target == Path(target.anchor):
+        return "the filesystem root"
+    if target == here or target in here.parents:
+        return "the current directory" if target == here else "a parent of the current directory"
+    if target == home or target in home.parents:
+        return "your home directory" if target == home else "a parent of your home directory"
+    return None
+
+
+def _aside(path: Path) -> Path:
+    """Where --overwrite keeps the replaced run until the new one has a checkpoint."""
+    resolved = path.resolve()
+    return resolved.with_name(f".{resolved.name}.replaced")
+
+
+def _some_entries(path: Path, n: int = 3) -> str:
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 class RunDir:
@@ -49,9 +83,21 @@ class RunDir:
         if self.path.exists() and not self.path.is_dir():
             raise DraftforgeError(f"output_dir {self.path} exists and is not a directory; choose another output_dir")
         if self.path.is_dir() and any(self.path.iterdir()):
+            if not is_run_dir(self.path):
+                raise DraftforgeError(f"output_dir {self.path} holds files draftforge did not write "
+                                      f"({_some_entries(self.path)}); draftforge never replaces them, not even with "
+                                      "--overwrite: choose another output_dir")
             if not overwrite:
                 raise DraftforgeError(f"output directory {self.path} already holds a run; pass --resume to continue "
                                       "it, --overwrite to replace it, or choose another output_dir")
+            why = _protected(self.path)
+            if why:
+                raise DraftforgeError(f"--overwrite would replace {self.path}, {why}; draftforge never does: "
+                                      "choose another output_dir")
+            aside = _aside(self.path)
+            if aside.exists() and not is_run_dir(aside):
+                raise DraftforgeError(f"{aside} is in the way of --overwrite (it is not a run draftforge set "
+                                      "aside); move it, then run again")
             return REPLACE
         return NEW
 
@@ -60,12 +106,14 @@ class RunDir:
         self.acc.wait_for_everyone()  # every process has checked before the main process writes
         if self.acc.is_main_process:
             if self.mode == REPLACE:
-                self.aside = self.path.with_name(f".{self.path.name}.replaced")
-                if self.aside.exists():  # left by a run killed before its first checkpoint
+                self.aside = _aside(self.path)
+                if self.aside.exists():  # a run set aside by one killed before its first checkpoint (checked)
                     shutil.rmtree(self.aside)
                 self.path.rename(self.aside)
             self.created = not self.path.exists()
             self.path.mkdir(parents=True, exist_ok=True)
+            (self.path / RUN_MARKER).write_text("a draftforge training run: `draftforge train --overwrite` may "
+                                                "replace this directory\n")
             if self.mode != RESUME:
                 (self.path / "recipe.yaml").write_text(dump_recipe(self.recipe))
             for name, text in (files or {}).items():

@@ -1,0 +1,74 @@
+"""--overwrite only ever replaces a run draftforge wrote: a folder of the user's own files, the current directory,
+its parents, home and / are refused (with or without --overwrite), and nothing of theirs is touched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from draftforge.errors import DraftforgeError
+from draftforge.recipe import recipe_from_dict
+from draftforge.train import run
+from draftforge.train.rundir import RUN_MARKER, is_run_dir
+from tests.train.test_loop import tiny_recipe
+
+
+def _users_folder(path: Path) -> dict[str, str]:
+    (path / "data").mkdir(parents=True)
+    files = {"my_code.py": "print('mine')\n", "data/notes.txt": "keep me\n"}
+    for name, text in files.items():
+        (path / name).write_text(text)
+    return files
+
+
+def _unchanged(path: Path, files: dict[str, str]) -> bool:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()) == sorted(files) and all(
+        (path / n).read_text() == t for n, t in files.items())
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_folder_of_the_users_files_is_refused_and_kept(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, overwrite):
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=1)
+    files = _users_folder(Path(values["output_dir"]))
+    with pytest.raises(DraftforgeError, match=r"holds files draftforge did not write \(data/, my_code.py\).*not "
+                                              r"even with --overwrite"):
+        run(recipe_from_dict(values), overwrite=overwrite)
+    assert _unchanged(Path(values["output_dir"]), files)
+
+
+def test_a_run_is_marked_and_replaced_with_overwrite(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=1)
+    first = run(recipe_from_dict(values))
+    assert (first.run_dir / RUN_MARKER).is_file() and is_run_dir(first.run_dir)
+    assert run(recipe_from_dict(values), overwrite=True).step == 1
+
+
+@pytest.mark.parametrize("where", ["cwd", "parent", "home"])
+def test_overwrite_never_replaces_the_current_directory_its_parents_or_home(
+        tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, monkeypatch, where):
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=1)
+    done = run(recipe_from_dict(values)).run_dir  # a real run, so only the location can be the reason
+    inside = done / "sub"
+    inside.mkdir()
+    monkeypatch.chdir(inside if where == "parent" else done)
+    if where == "home":
+        monkeypatch.setenv("HOME", str(done))
+        monkeypatch.chdir(tmp_path)
+    output_dir = {"cwd": ".", "parent": "..", "home": str(done)}[where]
+    why = {"cwd": "the current directory", "parent": "a parent of the current directory", "home": "your home"}[where]
+    before = sorted(p.name for p in done.iterdir())
+    with pytest.raises(DraftforgeError, match=f"--overwrite would replace .*, {why}"):
+        run(recipe_from_dict({**values, "output_dir": output_dir}), overwrite=True)
+    assert sorted(p.name for p in done.iterdir()) == before
+
+
+def test_a_users_folder_where_the_old_run_would_be_set_aside_is_not_deleted(
+        tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=1)
+    run(recipe_from_dict(values))
+    aside = tmp_path / ".run.replaced"
+    files = _users_folder(aside)
+    with pytest.raises(DraftforgeError, match=r"\.run\.replaced is in the way of --overwrite"):
+        run(recipe_from_dict(values), overwrite=True)
+    assert _unchanged(aside, files) and is_run_dir(tmp_path / "run")
