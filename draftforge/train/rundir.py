@@ -24,6 +24,7 @@ from draftforge.recipe import dump_recipe
 from draftforge.train import checkpoint as ckpt
 
 NEW, REPLACE, RESUME, RESTART = "new", "replace", "resume", "restart"
+EXTENSIBLE_KEYS = {"train.max_steps"}  # may change on --resume: recorded in history.jsonl, the schedule recomputed
 MARKER = ".has-checkpoints"  # written beside recipe.yaml at the first checkpoint
 RUN_MARKER = ".draftforge-run"  # written at claim: this directory is a run draftforge made
 
@@ -59,6 +60,7 @@ def _some_entries(path: Path, n: int = 3) -> str:
 class RunDir:
     def __init__(self, recipe, acc, *, resume: bool, overwrite: bool):
         self.recipe, self.acc, self.path = recipe, acc, Path(recipe.output_dir)
+        self.changes: dict[str, list] = {}  # key -> [saved, now]: what a resumed run changed (EXTENSIBLE_KEYS)
         self.mode = self._check(resume, overwrite)
         self.aside: Path | None = None
         self.claimed = False  # claim() wrote the run's first files
@@ -70,11 +72,23 @@ class RunDir:
         if resume:
             if not saved.is_file():
                 raise CheckpointError(f"--resume: {self.path} holds no run (no recipe.yaml); start without --resume")
-            diff = ckpt.recipe_differences(yaml.safe_load(saved.read_text()), self.recipe.to_dict())
+            saved_values = yaml.safe_load(saved.read_text())
+            diff = ckpt.recipe_differences(saved_values, self.recipe.to_dict())
+            extended = [k for k in diff if k in EXTENSIBLE_KEYS]
+            diff = [k for k in diff if k not in EXTENSIBLE_KEYS]
             if diff:
                 raise CheckpointError(f"--resume: the recipe differs from the run in {self.path} in "
-                                      f"{', '.join(diff)}; resume with the same recipe or use a new output_dir")
-            if ckpt.list_checkpoints(self.path):
+                                      f"{', '.join(diff)}; resume with the same recipe or use a new output_dir "
+                                      f"(a resumed run may change only {', '.join(sorted(EXTENSIBLE_KEYS))} and "
+                                      "the cadence fields: eval/save/log_every, keep_checkpoints, trackers, export)")
+            old, new = ckpt.flatten(saved_values), ckpt.flatten(self.recipe.to_dict())
+            self.changes = {k: [old.get(k), new.get(k)] for k in extended}
+            checkpoints = ckpt.list_checkpoints(self.path)
+            reached = int(checkpoints[0].name[len(ckpt.PREFIX):]) if checkpoints else 0
+            if "train.max_steps" in self.changes and self.recipe.train.max_steps <= reached:
+                raise CheckpointError(f"--resume: train.max_steps {self.recipe.train.max_steps} is not past step "
+                                      f"{reached}, which the run in {self.path} has reached; give a larger value")
+            if checkpoints:
                 return RESUME
             if (self.path / MARKER).exists():  # not a run killed early: its checkpoints were removed
                 raise CheckpointError(f"--resume: no checkpoint in {self.path / 'checkpoints'}, although this run "
@@ -116,10 +130,38 @@ class RunDir:
                                                 "replace this directory\n")
             if self.mode != RESUME:
                 (self.path / "recipe.yaml").write_text(dump_recipe(self.recipe))
+            elif self.changes:
+                self._record_changes()
             for name, text in (files or {}).items():
                 (self.path / name).write_text(text)
         self.claimed = True
         self.acc.wait_for_everyone()
+
+    def _record_changes(self) -> None:
+        """A resumed run that changed max_steps: say what happens to the learning rate, append the change to
+        history.jsonl, and make recipe.yaml the recipe the run now follows (a later --resume compares with it)."""
+        import dataclasses
+        import json
+        import time
+
+        from draftforge.fsutil import atomic_write_text
+        from draftforge.train.optim import lr_lambda
+
+        reached = int(ckpt.list_checkpoints(self.path)[0].name[len(ckpt.PREFIX):])
+        note = ""
+        if "train.max_steps" in self.changes:
+            before, after = self.changes["train.max_steps"]
+            was = dataclasses.replace(self.recipe, train=dataclasses.replace(self.recipe.train, max_steps=before))
+            lr = self.recipe.optim.lr
+            note = (f"train.max_steps {before} -> {after}: the {self.recipe.optim.schedule} learning-rate schedule is "
+                    f"recomputed over {after} steps (warm-up unchanged), so at step {reached} the learning rate "
+                    f"moves from {lr * lr_lambda(was)(reached):.3g} to {lr * lr_lambda(self.recipe)(reached):.3g}")
+            self.acc.print(f"[draftforge] --resume: {note}")
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "resumed_at_step": reached, "changed": self.changes,
+                 "note": note}
+        with open(self.path / "history.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(entry) + "\n")
+        atomic_write_text(self.path / "recipe.yaml", dump_recipe(self.recipe))
 
     def settle(self) -> None:
         """The run has a checkpoint (call after each save): the run it replaced can go."""
