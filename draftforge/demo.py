@@ -186,7 +186,7 @@ def _eval(testbed: Path, paths, drafter: str, out: Path, quick: bool, num_prompt
     return run_eval(EvalConfig(target=str(testbed / "target"), drafter=drafter, bench=str(paths.prompts),
                                num_prompts=3 if quick else num_prompts, max_new_tokens=16 if quick else max_new_tokens,
                                methods=("ar", "chain", "tree"), temperatures=(0.0,), repeats=EVAL_REPEATS,
-                               out_dir=str(out / "eval"), plots=not quick))
+                               out_dir=str(out / "eval"), plots=True))  # the PNGs the README lists, quick too
 
 
 def run_demo(testbed: Path, out: Path, *, quick: bool = False, num_prompts: int = 20, max_new_tokens: int = 64,

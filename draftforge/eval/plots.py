@@ -25,8 +25,11 @@ def _legend(ax) -> None:
 
 def _figure(plt, width: float, title: str, subtitle: str):
     # constrained layout keeps axis labels, rotated ticks and the title inside the canvas
+    import textwrap
+
     fig, ax = plt.subplots(figsize=(width, 4.0), layout="constrained")
-    ax.set_title(f"{title}\n{subtitle}", fontsize=10)
+    chars = int(width * 11)  # about what one line of 10 pt text holds across the figure
+    ax.set_title("\n".join(textwrap.fill(t, chars) for t in (title, subtitle)), fontsize=10)
     return fig, ax
 
 
@@ -102,11 +105,19 @@ def plot_acceptance(results: list[dict], path: Path, where: str = "") -> None:
     _save(plt, fig, path)
 
 
+def bench_name(bench) -> str:
+    """A prompt set's short name for a title: a named bench as it is, a file by its stem (an absolute path made
+    the titles wider than the figure), at most 40 characters."""
+    text = str(bench)
+    name = Path(text).stem if ("/" in text or text.endswith((".jsonl", ".json"))) else text
+    return name if len(name) <= 40 else name[:39] + "…"
+
+
 def write_plots(report: dict, out_dir: str | Path) -> dict[str, str]:
     """The plots that have data (an AR-only run drafts nothing: no τ histogram, no acceptance), titled with
     the prompt set."""
     out, results = Path(out_dir), report["results"]
-    where = f" · {report['config']['bench']} ({len(report.get('prompts', []))} prompts)"
+    where = f" · {bench_name(report['config']['bench'])} ({len(report.get('prompts', []))} prompts)"
     drafted = any(r["method"] != "ar" and r.get("tau_histogram") for r in results)
     plots = {"plot_speedup": ("speedup.png", plot_speedup, any(r["speedup"] is not None for r in results)),
              "plot_tau_histogram": ("tau_histogram.png", plot_tau_histogram, drafted),

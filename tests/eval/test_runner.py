@@ -400,3 +400,19 @@ def test_command_rejects_bad_tree_and_temperature_text():
         command.parse_tree("3,x")
     with pytest.raises(RecipeError, match="expects numbers"):
         command.parse_floats(["0,hot"], "--temperature")
+
+
+def test_plot_titles_name_the_prompt_set_briefly_and_fit_the_figure(tmp_path):
+    """An absolute prompt path made titles wider than the figure (cut at both ends): titles use its short name,
+    and the drawn title stays inside the canvas."""
+    from draftforge.eval.plots import _figure, _pyplot, bench_name
+
+    assert bench_name("/very/long/absolute/path/to/data/prompts/testbed_heldout.jsonl") == "testbed_heldout"
+    assert bench_name("instructions") == "instructions" and len(bench_name("x" * 90)) == 40
+    plt = _pyplot()
+    fig, ax = _figure(plt, 5.0, "Speedup over AR (same run, same prompts) · testbed_heldout (20 prompts)",
+                      "bar: ratio of median tok/s · whisker: min–max over repeats")
+    fig.canvas.draw()
+    box, canvas = ax.title.get_window_extent(), fig.bbox
+    plt.close(fig)
+    assert box.x0 >= canvas.x0 and box.x1 <= canvas.x1

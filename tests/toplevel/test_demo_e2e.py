@@ -41,4 +41,5 @@ def test_demo_quick_pipeline(tmp_path):
             sc = r["self_check"]
             assert sc["identical"] == sc["total"] > 0, r
     assert (tmp_path / "out" / "eval" / "report.md").is_file()
+    assert (tmp_path / "out" / "eval" / "speedup.png").read_bytes()[:4] == b"\x89PNG"  # the README lists the PNGs
     assert torch.isfinite(torch.tensor(summary["drafter_sft"]["final_loss"]))
