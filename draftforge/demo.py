@@ -177,7 +177,8 @@ def speedup_spread(report: dict) -> str:
         lo, hi = ((per_pass["min"], per_pass["max"]) if per_pass.get("min") is not None else
                   (tps["min"] / base["max"], tps["max"] / base["min"]))
         parts.append(f"{r['method']} {r['speedup']:.2f}× ({lo:.2f}–{hi:.2f}×)")
-    return f"speedup, median of {report['manifest']['repeats']} timed passes (range): " + ", ".join(parts)
+    line = f"speedup, median of {report['manifest']['repeats']} timed passes (range): " + ", ".join(parts)
+    return line + (f" (warning: {report['pace_warning']})" if report.get("pace_warning") else "")
 
 
 def _eval(testbed: Path, paths, drafter: str, out: Path, quick: bool, num_prompts: int, max_new_tokens: int):

@@ -63,8 +63,8 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "recursive rejection sampling; STree's, default) or iid (with replacement, SpecInfer's "
                         "multi-step speculative sampling). Both are exact; distinct siblings are never duplicates")
     p.add_argument("--num-prompts", type=int, help="use only the first N prompts (default: all)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="timed passes; the report gives min/median/max tok/s (default 1; use 3+ for timings)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed passes, methods rotated; the report gives min/median/max tok/s (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="prompts run untimed per method before timing (default 1)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--chat-template", choices=("auto", "always", "never"), default="auto",
@@ -144,4 +144,6 @@ def run(args: argparse.Namespace) -> int:
     print()
     for kind, path in report["files"].items():
         print(f"{kind}: {path}")
+    if report.get("pace_warning"):
+        print(f"warning: {report['pace_warning']}")
     return 0

@@ -23,6 +23,7 @@ t(N) cost more than the drafts that are rarely reached bring.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -39,22 +40,34 @@ def _clock(device) -> float:
     return time.perf_counter()
 
 
+SAMPLE_S = 0.005  # a timed sample of t(N) spans at least this long (tiny models: several verifications averaged)
+
+
 @torch.inference_mode()
 def verify_curve(target, prompt_ids: list[int], rows: list[int], repeats: int = 5) -> dict[int, float]:
-    """Median seconds of one verification of N rows, for each N in `rows` (first pass untimed)."""
+    """Median seconds of one verification of N rows, for each N in `rows`. The first pass is untimed and sets how
+    many verifications each sample averages (enough to span SAMPLE_S: a sub-millisecond forward timed once is
+    mostly clock and scheduler noise); row counts are rotated across passes."""
     rows = sorted(set(rows))
     times: dict[int, list[float]] = {n: [] for n in rows}
+    calls = {n: 1 for n in rows}
     device = target.device
+
+    def once(n: int) -> float:
+        target.prefill(prompt_ids)
+        t0 = _clock(device)
+        target.verify(prompt_ids[-1], chain_tree([prompt_ids[-1]] * (n - 1)))
+        dt = _clock(device) - t0
+        target.commit([])
+        return dt
+
     for rep in range(repeats + 1):
         order = rows[rep % len(rows):] + rows[: rep % len(rows)]  # no row count always first
         for n in order:
-            target.prefill(prompt_ids)
-            t0 = _clock(device)
-            target.verify(prompt_ids[-1], chain_tree([prompt_ids[-1]] * (n - 1)))
-            dt = _clock(device) - t0
-            target.commit([])
-            if rep:
-                times[n].append(dt)
+            if not rep:
+                calls[n] = max(1, min(50, math.ceil(SAMPLE_S / max(once(n), 1e-6))))
+                continue
+            times[n].append(sum(once(n) for _ in range(calls[n])) / calls[n])
     return {n: statistics.median(v) for n, v in times.items()}
 
 
@@ -172,3 +185,32 @@ def prediction_markdown(results: list[dict]) -> list[str]:
                              for g, v in c["shorter_chains"].items())
             lines.append(f"- {r['method']} T={r['temperature']:g}: {each}")
     return lines
+
+
+PACE_TOLERANCE = 1.15  # AR's passes, or t(1) before and after, further apart than this: the report says so
+
+
+def pace_warning(records, after: dict | None) -> str | None:
+    """One line when the machine's pace moved more than a comparison of methods timed at different moments can
+    absorb: AR's tokens/s over its timed passes (every temperature and repeat: the same work each time) spread by
+    more than PACE_TOLERANCE, or t(1) re-timed after the runs off by as much. None when it held still."""
+    passes: dict[tuple, list[float]] = {}
+    for r in records:
+        if r.method == "ar":
+            passes.setdefault((r.temperature, r.repeat), [0, 0.0])
+            passes[(r.temperature, r.repeat)][0] += r.stats.new_tokens
+            passes[(r.temperature, r.repeat)][1] += r.stats.total_time_s
+    rates = [n / s for n, s in passes.values() if s > 0]
+    found = []
+    if len(rates) > 1 and max(rates) / min(rates) > PACE_TOLERANCE:
+        found.append(f"AR ran at {min(rates):.1f}–{max(rates):.1f} tok/s over its {len(rates)} timed passes "
+                     f"({max(rates) / min(rates):.2f}×)")
+    if after and after.get("t1_s") and after.get("t1_before_s"):
+        ratio = after["t1_s"] / after["t1_before_s"]
+        if not 1 / PACE_TOLERANCE <= ratio <= PACE_TOLERANCE:
+            found.append(f"t(1) was {after['t1_before_s'] * 1e3:.1f} ms before the runs and "
+                         f"{after['t1_s'] * 1e3:.1f} ms after ({ratio - 1:+.0%})")
+    if not found:
+        return None
+    return ("the machine's pace moved during this run: " + "; ".join(found) + ". Speedups of methods timed at "
+            "different moments can be off by as much: re-run on a quiet machine, or with more --repeats.")

@@ -303,7 +303,8 @@ def write_reports(report: dict, out_dir: str | Path, *, plots: bool = True) -> d
         from draftforge.eval.plots import write_plots
 
         plot_paths = write_plots(report, out)
-    md = ["# draftforge eval", "", heading_markdown(report), "", markdown_table(report), "", acceptance_markdown(report), "",
+    pace = [f"**Warning:** {report['pace_warning']}", ""] if report.get("pace_warning") else []
+    md = ["# draftforge eval", "", heading_markdown(report), "", *pace, markdown_table(report), "", acceptance_markdown(report), "",
           category_markdown(report), "", plots_markdown(plot_paths), protocol_markdown(report), "", definitions_markdown(), "",
           "Command: `" + report["manifest"]["command"] + "`", ""]
     atomic_write_text(out / "report.md", "\n".join(md))

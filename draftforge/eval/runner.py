@@ -488,6 +488,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         "skipped": skipped,
         "target_notes": sorted(getattr(target, "notes", ())),
         "answers": answer_files,
+        "pace_warning": cost.pace_warning(records, after),
         "records": [r.to_dict() for r in records],
     }
     paths = save_or_rescue(report, cfg.out_dir, lambda rep: report_mod.write_reports(rep, cfg.out_dir, plots=cfg.plots))
