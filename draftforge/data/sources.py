@@ -13,6 +13,9 @@ not be decoded and re-tokenized: BPE would merge or split them differently). A r
 its producer, so it raises DataError naming file:line instead of being skipped. The tokenizer that made
 them is checked from their sidecar before they are read (data/provenance.py); a folder or glob source
 skips those sidecars.
+
+A local file that is not text (random bytes, an image; rule in data/textcheck.py) is refused naming it; a
+folder or glob source skips such files with one notice. .jsonl.gz is the one compressed form read.
 """
 
 from __future__ import annotations
@@ -20,15 +23,23 @@ from __future__ import annotations
 import contextlib
 import glob
 import gzip
+import itertools
 import json
 import os
-import zlib
 from pathlib import Path
 
 import datasets
 
 from draftforge.data.chat import IGNORE_INDEX
 from draftforge.data.provenance import TRAIN_FIX, check_row_files, is_sidecar
+from draftforge.data.textcheck import (
+    GZIP_ERRORS,
+    check_text_file,
+    first_bad_utf8_line,
+    gzip_error,
+    is_gzipped_jsonl,
+    text_files_only,
+)
 from draftforge.errors import DataError
 
 FORMATS = ("text", "chat", "tokens")
@@ -127,24 +138,27 @@ def is_hf_name(spec: str) -> bool:
     return not looks_like_path
 
 
-def resolve_local_files(spec: str, file_glob: str) -> list[Path]:
-    """A file, a folder (files matching `file_glob`, sorted) or a glob (sorted)."""
+def resolve_local_files(spec: str, file_glob: str, quiet: bool = False) -> list[Path]:
+    """A file, a folder (files matching `file_glob`, sorted) or a glob (sorted); only text files (and .parquet):
+    a file source that is not text is refused, a folder or glob skips them with a notice (none if `quiet`)."""
     path = Path(os.path.expanduser(spec))
     if _GLOB_CHARS & set(spec):
         files = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True))
         files = [f for f in files if f.is_file() and not is_sidecar(f)]
         if not files:
             raise DataError(f"data source glob {spec!r} matches no files; check the pattern")
-        return files
+        root = Path(*itertools.takewhile(lambda part: not _GLOB_CHARS & set(part), path.parts))
+        return text_files_only(files, spec, root, quiet)
     if not path.exists():
         raise DataError(f"data source {spec!r} does not exist; give an existing file, folder or glob "
                         "(or a Hugging Face dataset name, optionally prefixed 'hf:')")
     if path.is_file():
+        check_text_file(path)
         return [path]
     files = sorted(p for p in path.glob(file_glob) if p.is_file() and not p.name.startswith(".") and not is_sidecar(p))
     if not files:
         raise DataError(f"data folder {spec!r} has no files matching file_glob {file_glob!r}")
-    return files
+    return text_files_only(files, spec, path, quiet)
 
 
 def iter_file_rows(path: Path):
@@ -153,13 +167,25 @@ def iter_file_rows(path: Path):
         yield row
 
 
+def row_suffix(path: Path) -> str | None:
+    """How a file is read: ".jsonl" (.jsonl.gz too), ".json", ".parquet", or None (a text file, one document)."""
+    suffix = ".jsonl" if is_gzipped_jsonl(path) else path.suffix.lower()
+    return suffix if suffix in ROW_FILE_SUFFIXES else None
+
+
+def _not_utf8(path, line_no: int) -> DataError:
+    return DataError(f"{path}:{line_no}: not UTF-8 text; save the file as UTF-8 (or fix or remove that line)")
+
+
 def iter_jsonl(path: str | Path):
     """(line number, parsed value) per non-blank line of a JSONL file (.jsonl.gz too).
 
-    The one JSONL reader: a malformed line raises DataError naming file:line.
+    The one JSONL reader: a binary file, a malformed line or a line that is not UTF-8 raises DataError naming
+    the file (and line).
     """
     path = Path(path)
-    opener = gzip.open if path.suffix.lower() == ".gz" else open
+    check_text_file(path)
+    opener = gzip.open if is_gzipped_jsonl(path) else open
     try:
         with opener(path, "rt", encoding="utf-8") as f:
             for line_no, line in enumerate(f, start=1):
@@ -170,18 +196,25 @@ def iter_jsonl(path: str | Path):
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}:{line_no}: malformed JSON line ({e.msg}); fix or remove it") from None
                 yield line_no, value
-    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
-        raise DataError(f"{path}: not a readable gzip file ({e}); fetch or compress it again") from None
+    except GZIP_ERRORS as e:
+        raise gzip_error(path, e) from None
+    except UnicodeDecodeError:  # decoded a chunk at a time: the line is found again from the bytes
+        raise _not_utf8(path, first_bad_utf8_line(path)) from None
 
 
 def iter_located_rows(path: Path):
     """(where, raw row) pairs; `where` is "file:line" for JSONL, "file row i" otherwise (for error messages)."""
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
+    suffix = row_suffix(path)
+    if suffix == ".jsonl":  # iter_jsonl checks the file is text
         yield from ((f"{path}:{line_no}", row) for line_no, row in iter_jsonl(path))
-    elif suffix == ".json":
+        return
+    check_text_file(path)
+    if suffix == ".json":
+        data = path.read_bytes()
         try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
+            rows = json.loads(data.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise _not_utf8(path, data.count(b"\n", 0, e.start) + 1) from None
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{e.lineno}: malformed JSON ({e.msg}); fix the file") from None
         if not isinstance(rows, list):
@@ -207,15 +240,15 @@ def _generate_rows(files, fmt, text_field, signature):
         for where, row in iter_located_rows(Path(name)):
             if not isinstance(row, dict):
                 row = {}
-            if Path(name).suffix.lower() not in ROW_FILE_SUFFIXES and fmt == "text":
+            if row_suffix(Path(name)) is None and fmt == "text":
                 row = {text_field: row["text"]}
             yield normalize_row(row, fmt, text_field, where)
 
 
 def _count_rows(path: Path, fmt: str) -> int:
-    suffix = path.suffix.lower()
+    suffix = row_suffix(path)
     if fmt == "tokens":  # validate every row here: an error raised inside the datasets builder loses its message
-        if suffix not in ROW_FILE_SUFFIXES:
+        if suffix is None:
             raise DataError(f"{path}: format=tokens reads .jsonl/.json/.parquet rows of input_ids, not raw files")
         return sum(1 for where, row in iter_located_rows(path)
                    if normalize_tokens(row if isinstance(row, dict) else {}, where) is not None)
@@ -245,6 +278,8 @@ def no_datasets_bars():
 def load_local(files: list[Path], fmt: str, text_field: str) -> datasets.Dataset:
     """Local files -> a normalized Dataset, cached by datasets (keyed on paths, sizes, mtimes)."""
     names = [str(f.resolve()) for f in files]
+    for f in files:  # here, not in the datasets builder: it may run in another process and loses the message
+        check_text_file(f)
     # Read JSON/JSONL eagerly once so a malformed line is reported with its location
     # here, not from deep inside the datasets builder (which also rejects zero rows).
     if sum(_count_rows(f, fmt) for f in files) == 0:
@@ -295,5 +330,5 @@ def check_token_sources(cfg, tokenizer) -> None:
         if is_hf_name(spec):
             outside.append(f"dataset {spec}")
         else:
-            files += resolve_local_files(spec, cfg.file_glob)
+            files += resolve_local_files(spec, cfg.file_glob, quiet=True)  # load_sources gives the notice
     check_row_files(files, tokenizer, TRAIN_FIX, outside)
