@@ -21,8 +21,9 @@ from pathlib import Path
 
 from draftforge.runtime import choose_threads, resolve_dtype
 
-TESTBED = "~/.cache/draftforge/testbed"
+TESTBED_CACHE = "~/.cache/draftforge/testbed"  # --testbed's default: where the testbed is built and cached
 OUT = "runs/demo"
+TESTBED = f"{OUT}/testbed"  # what the tiny recipes name: the demo links it to the testbed it used (quick or full)
 # The demo runs recipes/tiny/*.yaml, read from the source tree beside this package (a checkout or an
 # editable install; recipes/ is not package data), with their testbed and output paths re-rooted.
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "tiny"
@@ -40,6 +41,21 @@ def tiny_recipe(name: str, testbed: str = TESTBED, out: str = OUT) -> dict:
         raise DraftforgeError(f"the demo reads its recipes from {RECIPES}, which this installation lacks; "
                               "run it from a source checkout (pip install -e .)")
     return _reroot(yaml.safe_load(path.read_text()), {TESTBED: str(testbed), OUT: str(out)})
+
+
+def link_testbed(out: Path, testbed: Path, say) -> None:
+    """OUT/testbed -> the testbed this demo uses, so that the tiny recipes and the README's next commands find
+    its target and corpus after a quick demo as after a full one. Only a link the demo made is replaced."""
+    link = out / "testbed"
+    if link.is_symlink():
+        link.unlink()
+    elif link.exists():
+        say(f"note: {link} exists and is not the demo's link; the tiny recipes' paths will not follow this testbed")
+        return
+    try:
+        link.symlink_to(Path(testbed).expanduser().resolve(), target_is_directory=True)
+    except OSError as e:  # a filesystem without symlinks: the demo itself needs none
+        say(f"note: could not link {link} to {testbed} ({e}); the tiny recipes name {link}")
 
 
 def _reroot(value, roots: dict[str, str]):
@@ -210,6 +226,7 @@ def _run_demo(testbed: Path, out: Path, quick: bool, num_prompts: int, max_new_t
     if quick:  # never let a smoke-run target be reused by a full demo
         testbed = testbed / "quick"
     out.mkdir(parents=True, exist_ok=True)
+    link_testbed(out, testbed, say)
     say(f"== testbed in {testbed} (tokenizer, stdlib corpus, held-out prompts); {threads_note}")
     with _phase(seconds, "testbed"):
         paths = ensure_testbed(testbed, max_files=12 if quick else None)
@@ -246,7 +263,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                      "how much faster speculative decoding with it is than plain decoding, checking that every "
                      "greedy output is the target's own. The testbed is cached, so a second run is quicker.")
     p.epilog = "then: draftforge eval --help (measure your own drafter), draftforge train --help-recipe pretrain"
-    p.add_argument("--testbed", default=TESTBED, help="where the tokenizer, corpus and tiny target are cached "
+    p.add_argument("--testbed", default=TESTBED_CACHE, help="where the tokenizer, corpus and tiny target are cached "
                                                       "(default %(default)s)")
     p.add_argument("--out", default=OUT, help="where the drafter runs, exports and eval report go")
     p.add_argument("--quick", action="store_true", help="smallest settings (a smoke test, ~1 min; numbers mean little)")

@@ -11,7 +11,7 @@ al. 2023 §3) for a chain of length γ without running the harness.
 It also counts how many continuations survive decode -> re-tokenize unchanged (the old demo
 stored distillation rows as text), which says whether text rows teach ids the target never emits.
 
-    python -m benchmarks.decoding.drafter_agreement --target ~/.cache/draftforge/testbed/target \
+    python -m benchmarks.decoding.drafter_agreement --target runs/demo/testbed/target \
         --drafter runs/demo/drafter-sft/export [--drafter other/export ...] --out agreement.json
 Legend: T = sequence length, V = vocab.
 """

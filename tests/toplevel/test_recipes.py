@@ -54,4 +54,5 @@ def test_overrides_and_paths(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     r = load_recipe(RECIPES / "tiny" / "pretrain.yaml", ["optim.lr=1e-4", "train.max_steps=7"])
     assert r.optim.lr == 1e-4 and r.train.max_steps == 7
-    assert r.model.target == f"{tmp_path}/.cache/draftforge/testbed/target"  # ~ expanded
+    assert r.model.target == "runs/demo/testbed/target"  # the demo's link to the testbed it used
+    assert load_recipe(RECIPES / "tiny" / "pretrain.yaml", ["model.target=~/t"]).model.target == f"{tmp_path}/t"
