@@ -240,6 +240,13 @@ def quiet_known_notices() -> None:
         return
     for name, text in _QUIET:
         logging.getLogger(name).addFilter(_DropText(text))
+    # transformers' "Loading weights" / "Writing model shards" bars: the commands say what they load and save in
+    # their own words (read once at transformers' import; unless the user set it)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     _state["quiet"] = True
 
 

@@ -122,9 +122,9 @@ def resolve_precision(requested: str, *, flags: set[str] | None = None) -> str:
 
 def announce(choice: DtypeChoice, what: str = "models", say=None) -> None:
     """One line on stderr: the dtype and why; slow emulation is said, never hidden."""
-    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    say = say or (lambda line: print(f"[draftforge] {line}", file=sys.stderr, flush=True))  # a caller's say prefixes
     warn = " WARNING: expect it to run slower than float32" if choice.slow else ""
-    say(f"[draftforge] {what} run in {choice.name} ({choice.reason}).{warn}")
+    say(f"{what} run in {choice.name} ({choice.reason}).{warn}")
 
 
 def choose_threads(threads: int | None) -> str:

@@ -198,7 +198,7 @@ def _tokenize_desc(fmt: str, n_docs: int, block_size: int) -> str:
     """The bar's label: token rows are only cut to the block, so they are not called "tokenizing"."""
     if fmt == "tokens":
         return f"cutting {n_docs:,} token rows to {block_size} tokens"
-    what = "conversations" if fmt == "chat" else "documents"
+    what = ("conversation" if fmt == "chat" else "document") + ("" if n_docs == 1 else "s")
     return f"tokenizing {n_docs:,} {what}"
 
 

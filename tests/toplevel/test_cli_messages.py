@@ -122,3 +122,23 @@ def test_ctrl_c_in_a_real_eval_says_no_report_and_writes_none(tmp_path):
     assert proc.returncode == 130, text[-2000:]
     assert "interrupted: no report was written for this run" in text
     assert not (out / "report.json").exists() and not (out / "report.md").exists()
+
+
+def test_eval_speaks_in_its_own_words_once(random_models, tmp_path):
+    """No transformers "Loading weights" bars, no doubled "[eval] [draftforge]" prefixes, no FutureWarning about a
+    renamed cache argument: one line per step, in draftforge's words."""
+    import subprocess
+    import sys
+
+    from benchmarks.decoding import spec_decode
+
+    bench = spec_decode.write_random_prompts(tmp_path / "p.jsonl", 2)
+    proc = subprocess.run([sys.executable, "-m", "draftforge", "eval", "--target", random_models["target"],
+                           "--drafter", random_models["mamba_drafter"], "--bench", bench, "--methods", "ar,chain",
+                           "--max-new-tokens", "6", "--repeats", "1", "--cost-repeats", "1", "--no-plots",
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    err = proc.stderr
+    assert "Loading weights" not in err and "Writing model shards" not in err
+    assert "[eval] [draftforge]" not in err and "[eval] target run in" in err
+    assert "FutureWarning" not in err and "deprecated" not in err
