@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -123,6 +124,20 @@ def _data_files(d: Path, corpus: Path) -> None:
     (d / "empty_prompts.jsonl").write_text("")
     (d / "no_prompt_field.jsonl").write_text('{"question": "x"}\n')
     (d / "not_a_wheel.whl").write_text("this is not a zip file\n")
+    # issue 35: the user's own files where a run would go, and data that is not text
+    (d / "userdir" / "data").mkdir(parents=True, exist_ok=True)
+    (d / "userdir" / "my_code.py").write_text("print('mine')\n")
+    (d / "userdir" / "data" / "notes.txt").write_text("keep me\n")
+    noise = random.Random(35).randbytes(4096)
+    (d / "random.bin").write_bytes(noise)
+    (d / "random.txt").write_bytes(noise)
+    png = b"\x89PNG\r\n\x1a\n" + noise[:512]
+    (d / "binary.jsonl").write_bytes(png)
+    (d / "pngonly").mkdir(exist_ok=True)
+    (d / "pngonly" / "logo.png").write_bytes(png)
+    (d / "mixed").mkdir(exist_ok=True)
+    (d / "mixed" / "logo.png").write_bytes(png)
+    (d / "mixed" / "code.py").write_text(json.loads(corpus.read_text().splitlines()[0])["text"] * 4)
 
 
 def build(root: Path, repo: Path, log=print, train: bool = True) -> dict:
@@ -134,6 +149,7 @@ def build(root: Path, repo: Path, log=print, train: bool = True) -> dict:
     d = root / "in"
     for sub in ("in", "home", "cwd", "runs"):
         (root / sub).mkdir(parents=True, exist_ok=True)
+    (root / "cwd" / "notes.txt").write_text("the user's file in the directory draftforge runs from\n")
     log("fixtures: tokenizer + corpus from the stdlib, tiny targets")
     tokenizer = train_tokenizer(d / "tokenizer", vocab_size=512, max_files=12)
     corpus = write_corpus_jsonl(d / "corpus.jsonl", "train", max_files=12)
