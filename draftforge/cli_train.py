@@ -17,7 +17,11 @@ EPILOG = """examples:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.epilog = EPILOG
+    from draftforge.tasks import get_task, task_names  # light: the registry imports no task
+
+    width = max(len(n) for n in task_names())
+    p.epilog = EPILOG + "\ntasks (a recipe's `task:`):\n" + "\n".join(
+        f"  {n:<{width}}  {get_task(n).doc}" for n in task_names())
     p.add_argument("recipe", nargs="?", help="YAML recipe (see recipes/ and recipes/tiny/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe field, e.g. --set optim.lr=3e-4 (repeatable; value parsed as YAML)")

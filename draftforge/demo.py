@@ -265,7 +265,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.epilog = "then: draftforge eval --help (measure your own drafter), draftforge train --help-recipe pretrain"
     p.add_argument("--testbed", default=TESTBED_CACHE, help="where the tokenizer, corpus and tiny target are cached "
                                                       "(default %(default)s)")
-    p.add_argument("--out", default=OUT, help="where the drafter runs, exports and eval report go")
+    p.add_argument("--out", default=OUT, help="where the drafter runs, exports and eval report go (default %(default)s)")
     p.add_argument("--quick", action="store_true", help="smallest settings (a smoke test, ~1 min; numbers mean little)")
     p.add_argument("--num-prompts", type=int, default=20, help="held-out prompts in the eval (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default %(default)s)")

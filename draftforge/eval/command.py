@@ -29,6 +29,13 @@ def parse_floats(values: list[str] | None, flag: str) -> tuple[float, ...]:
 parse_tree = parse_widths  # '3,2,2,1' -> (3, 2, 2, 1); 'stree13', 'parents:0,0/0' -> TreeShape
 
 
+def _first_sentence(text: str, limit: int = 96) -> str:
+    """A method's help on one line of the --help listing, cut at a word (the whole text: docs/evaluation.md)."""
+    if len(text) <= limit:
+        return text
+    return text[: limit - 1].rsplit(" ", 1)[0].rstrip(",;:(") + " …"
+
+
 def parse_list(values: list[str] | None) -> tuple[str, ...]:
     return tuple(p.strip() for v in values or [] for p in v.split(",") if p.strip())
 
@@ -37,17 +44,20 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `draftforge eval` flags to parser."""
     p = parser
     p.add_argument("--target", required=True, help="target model: HF id or local path (the model being sped up)")
-    p.add_argument("--drafter", help="drafter: exported draftforge checkpoint, HF Mamba or small causal LM")
+    p.add_argument("--drafter", help="drafter: an exported draftforge checkpoint, an HF Mamba or small causal LM, "
+                                     "or prompt-lookup (n-gram copying from the prompt, no model)")
     p.add_argument("--bench", required=True,
                    help=f"a named prompt set ({', '.join(BENCHES)}) or a prompt file: Spec-Bench/MT-bench "
                         "question.jsonl ('turns'), or JSONL with 'prompt'/'text'/'messages'/'input_ids'")
     p.add_argument("--temperature", action="append", metavar="T",
                    help="sampling temperature; repeat or give a comma list to run several (default 0 = greedy)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
-    names = ", ".join(f"{m.name} ({m.help})" for m in method_registry.METHODS.values())
     p.add_argument("--methods", action="append", metavar="M",
-                   help=f"decoding methods, comma list or repeated, from: {names}. Default ar,chain,tree; "
-                        "ar is always run as the baseline")
+                   help="decoding methods, comma list or repeated (default ar,chain,tree; ar always runs as the "
+                        "baseline): the methods are listed below, and in docs/evaluation.md")
+    width = max(len(m.name) for m in method_registry.METHODS.values())
+    p.epilog = "methods (--methods):\n" + "\n".join(
+        f"  {m.name:<{width}}  {_first_sentence(m.help)}" for m in method_registry.METHODS.values())
     for option in method_registry.OPTIONS.values():  # each method's options dataclass, as registered
         used_by = ", ".join(method_registry.readers(option.name))
         choices = method_registry.literal_choices(option.type)  # a Literal field: argparse lists its values
@@ -69,7 +79,9 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--chat-template", choices=("auto", "always", "never"), default="auto",
                    help="auto: chat prompts ('turns'/'messages') use the target's chat template if it has one")
-    p.add_argument("--out", default="eval_out", help="directory for report.json, report.md and PNG plots")
+    p.add_argument("--out", default="eval_out",
+                   help="directory for report.json, report.md and PNG plots, checked before any model loads "
+                        "(default eval_out)")
     p.add_argument("--answers", metavar="DIR",
                    help="also write Spec-Bench answer files into DIR: one JSONL per method and temperature "
                         "(<target>-<method>-<dtype>-temp-<T>.jsonl, Spec-Bench's model_answer layout, every turn of "
