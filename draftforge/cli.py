@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from draftforge import __version__
+from draftforge.argcheck import precheck
 from draftforge.errors import DraftforgeError
 from draftforge.loading import quiet_known_notices
 
@@ -70,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     # Before any command can import deepspeed: it logs its CPU-accelerator notice while being imported.
     quiet_known_notices()
     only = next((a for a in argv if a in COMMANDS), None)
+    try:  # plain flags checked before the command's module (torch, transformers) is imported
+        precheck(only, argv)
+    except DraftforgeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     parser = build_parser(only)
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):

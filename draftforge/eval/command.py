@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from draftforge.argcheck import EVAL_DEFAULTS, floats
 from draftforge.decode import methods as method_registry
 from draftforge.decode.checks import parse_widths
 from draftforge.decode.sampling import TREE_DRAWS
@@ -13,17 +14,7 @@ from draftforge.eval.runner import EvalConfig, run_eval
 from draftforge.runtime import DTYPE_CHOICES, add_device_flag, add_dtype_flag
 
 
-def parse_floats(values: list[str] | None, flag: str) -> tuple[float, ...]:
-    """Accept repeated flags and comma lists alike: --temperature 0 --temperature 0.7,1."""
-    out = []
-    for v in values or []:
-        for part in str(v).split(","):
-            if part.strip():
-                try:
-                    out.append(float(part))
-                except ValueError:
-                    raise RecipeError(f"{flag} expects numbers, got {part!r}") from None
-    return tuple(out)
+parse_floats = floats  # one reader of --temperature 0,1 for the light precheck and the command
 
 
 parse_tree = parse_widths  # '3,2,2,1' -> (3, 2, 2, 1); 'stree13', 'parents:0,0/0' -> TreeShape
@@ -42,7 +33,7 @@ def parse_list(values: list[str] | None) -> tuple[str, ...]:
 
 def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `draftforge eval` flags to parser."""
-    p = parser
+    p, D = parser, EVAL_DEFAULTS  # the defaults the light precheck (draftforge/argcheck.py) assumes too
     p.add_argument("--target", required=True, help="target model: HF id or local path (the model being sped up)")
     p.add_argument("--drafter", help="drafter: an exported draftforge checkpoint, an HF Mamba or small causal LM, "
                                      "or prompt-lookup (n-gram copying from the prompt, no model)")
@@ -51,7 +42,8 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "question.jsonl ('turns'), or JSONL with 'prompt'/'text'/'messages'/'input_ids'")
     p.add_argument("--temperature", action="append", metavar="T",
                    help="sampling temperature; repeat or give a comma list to run several (default 0 = greedy)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    p.add_argument("--max-new-tokens", type=int, default=D["max_new_tokens"],
+                   help=f"tokens generated per prompt (default {D['max_new_tokens']})")
     p.add_argument("--methods", action="append", metavar="M",
                    help="decoding methods, comma list or repeated (default ar,chain,tree; ar always runs as the "
                         "baseline): the methods are listed below, and in docs/evaluation.md")
@@ -66,16 +58,17 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--baseline", action="append", metavar="B",
                    help="extra baselines, comma list or repeated: ar, hf_assisted (default: ar, plus "
                         "hf_assisted when the drafter is a Transformer)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass for T > 0 (default 1.0)")
-    p.add_argument("--top-k", type=int, default=0, help="top-k sampling for T > 0, 0 = off (default)")
+    p.add_argument("--top-p", type=float, default=D["top_p"], help="nucleus sampling mass for T > 0 (default 1.0)")
+    p.add_argument("--top-k", type=int, default=D["top_k"], help="top-k sampling for T > 0, 0 = off (default)")
     p.add_argument("--tree-draws", choices=TREE_DRAWS, default="distinct",
                    help="how a tree's sibling drafts are drawn at T > 0: distinct (without replacement, verified by "
                         "recursive rejection sampling; STree's, default) or iid (with replacement, SpecInfer's "
                         "multi-step speculative sampling). Both are exact; distinct siblings are never duplicates")
     p.add_argument("--num-prompts", type=int, help="use only the first N prompts (default: all)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="timed passes, methods rotated; the report gives min/median/max tok/s (default 3)")
-    p.add_argument("--warmup", type=int, default=1, help="prompts run untimed per method before timing (default 1)")
+    p.add_argument("--repeats", type=int, default=D["repeats"],
+                   help=f"timed passes, methods rotated; the report gives min/median/max tok/s (default {D['repeats']})")
+    p.add_argument("--warmup", type=int, default=D["warmup"],
+                   help=f"prompts run untimed per method before timing (default {D['warmup']})")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--chat-template", choices=("auto", "always", "never"), default="auto",
                    help="auto: chat prompts ('turns'/'messages') use the target's chat template if it has one")
@@ -94,7 +87,7 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int,
                    help="torch intra-op threads on CPU (default 1, or OMP_NUM_THREADS when set: batch-1 decoding "
                         "gains little from more and loses several-fold when another process keeps a core busy)")
-    p.add_argument("--cost-repeats", type=int, default=5,
+    p.add_argument("--cost-repeats", type=int, default=D["cost_repeats"],
                    help="timed passes per verification size for the report's cost model (default 5; 0 = skip)")
     p.add_argument("--tune-chain-length", action="store_true",
                    help="before timing, run chain at --chain-length on the warm-up prompts (untimed), predict "

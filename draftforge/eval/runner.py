@@ -20,6 +20,7 @@ import draftforge.decode as decode_api
 from draftforge.decode import methods as method_registry
 from draftforge.decode.cuda_graphs import use_cuda_graphs
 from draftforge.decode.sampling import SamplingParams
+from draftforge.argcheck import check_eval_settings
 from draftforge.errors import DraftforgeError, RecipeError
 from draftforge.eval import answers as answers_mod
 from draftforge.eval import cost, metrics, selfcheck
@@ -82,27 +83,12 @@ CHOICES = {name: c for name, tp in get_type_hints(EvalConfig).items() if (c := m
 
 def validate(cfg: EvalConfig) -> dict[str, method_registry.MethodOptions]:
     """Reject impossible settings before any model is loaded; return each method's checked options."""
-    if not cfg.temperatures:
-        raise RecipeError("give at least one --temperature")
-    for t in cfg.temperatures:
-        if t < 0:
-            raise RecipeError(f"--temperature must be >= 0 (0 means greedy), got {t}")
-    if cfg.max_new_tokens < 1:
-        raise RecipeError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
-    if cfg.repeats < 1 or cfg.warmup < 0:
-        raise RecipeError(f"--repeats must be >= 1 and warm-up >= 0, got {cfg.repeats} and {cfg.warmup}")
-    if cfg.num_prompts is not None and cfg.num_prompts < 1:
-        raise RecipeError(f"--num-prompts must be >= 1, got {cfg.num_prompts}")
-    if not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
-        raise RecipeError(f"--top-p must be in (0, 1] and --top-k >= 0, got {cfg.top_p} and {cfg.top_k}")
+    check_eval_settings(cfg.temperatures, cfg.max_new_tokens, cfg.repeats, cfg.warmup, cfg.num_prompts, cfg.top_p,
+                        cfg.top_k, cfg.threads, cfg.cost_repeats)  # the rules the CLI also checks before importing
     for name, choices in CHOICES.items():  # the Literal fields: dtype, tree_draws, chat_template, ...
         value = getattr(cfg, name)
         if value is not None and value not in choices:
             raise RecipeError(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}, got {value!r}")
-    if cfg.threads is not None and cfg.threads < 1:
-        raise RecipeError(f"--threads must be >= 1, got {cfg.threads}")
-    if cfg.cost_repeats < 0:
-        raise RecipeError(f"--cost-repeats must be >= 0, got {cfg.cost_repeats}")
     if cfg.tune_chain_length and ("chain" not in cfg.methods or not cfg.cost_repeats):
         raise RecipeError("--tune-chain-length picks chain's draft length with the cost model: run the chain method "
                           f"(--methods ...,chain) with --cost-repeats > 0 (methods: {', '.join(cfg.methods)}, "

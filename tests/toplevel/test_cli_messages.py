@@ -142,3 +142,22 @@ def test_eval_speaks_in_its_own_words_once(random_models, tmp_path):
     assert "Loading weights" not in err and "Writing model shards" not in err
     assert "[eval] [draftforge]" not in err and "[eval] target run in" in err
     assert "FutureWarning" not in err and "deprecated" not in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--temperature", "0,x"], "--temperature expects numbers, got 'x'"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--repeats", "two"], "--repeats expects an integer, got 'two'"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+])
+def test_eval_refuses_plain_bad_flags_before_importing_torch(flags, message):
+    """Checked by draftforge/argcheck.py before the eval module (torch, transformers) is imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from draftforge.cli import main; rc = main(['eval', '--target', 't', '--bench', 'b'] + "
+            f"{flags!r}); print('torch' in sys.modules, 'transformers' in sys.modules); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout.split() == ["False", "False"], proc.stdout + proc.stderr
+    assert proc.stderr.count("error:") == 1 and message in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,88 @@
+"""The checks of eval's and generate's plain settings, importable without torch or transformers.
+
+`check_eval_settings` is what `run_eval` checks first (eval/runner.py `validate`), and `precheck` runs the same rules
+on the command line before the command's module (and with it torch, transformers and every method) is imported: a
+negative temperature or a zero count is refused in milliseconds instead of after seconds of imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from draftforge.errors import RecipeError
+
+
+def check_eval_settings(temperatures, max_new_tokens: int, repeats: int, warmup: int, num_prompts: int | None,
+                        top_p: float, top_k: int, threads: int | None, cost_repeats: int) -> None:
+    """RecipeError naming the flag for the first impossible value."""
+    if not temperatures:
+        raise RecipeError("give at least one --temperature")
+    for t in temperatures:
+        if t < 0:
+            raise RecipeError(f"--temperature must be >= 0 (0 means greedy), got {t}")
+    if max_new_tokens < 1:
+        raise RecipeError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if repeats < 1 or warmup < 0:
+        raise RecipeError(f"--repeats must be >= 1 and warm-up >= 0, got {repeats} and {warmup}")
+    if num_prompts is not None and num_prompts < 1:
+        raise RecipeError(f"--num-prompts must be >= 1, got {num_prompts}")
+    if not 0 < top_p <= 1 or top_k < 0:
+        raise RecipeError(f"--top-p must be in (0, 1] and --top-k >= 0, got {top_p} and {top_k}")
+    if threads is not None and threads < 1:
+        raise RecipeError(f"--threads must be >= 1, got {threads}")
+    if cost_repeats < 0:
+        raise RecipeError(f"--cost-repeats must be >= 0, got {cost_repeats}")
+
+
+def floats(values: list[str] | None, flag: str) -> tuple[float, ...]:
+    """Repeated flags and comma lists alike: --temperature 0 --temperature 0.7,1."""
+    out = []
+    for v in values or []:
+        for part in str(v).split(","):
+            if part.strip():
+                try:
+                    out.append(float(part))
+                except ValueError:
+                    raise RecipeError(f"{flag} expects numbers, got {part!r}") from None
+    return tuple(out)
+
+
+def _number(kind, text: str | None, flag: str, default):
+    if text is None:
+        return default
+    try:
+        return kind(text)
+    except ValueError:
+        raise RecipeError(f"{flag} expects {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+
+
+def _light_parser(flags: dict[str, str]) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    for flag, action in flags.items():
+        p.add_argument(flag, action=action)
+    return p
+
+
+EVAL_FLAGS = {"--temperature": "append", "--max-new-tokens": "store", "--repeats": "store", "--warmup": "store",
+              "--num-prompts": "store", "--top-p": "store", "--top-k": "store", "--threads": "store",
+              "--cost-repeats": "store"}
+# the eval command's defaults for the flags above (eval/command.py declares the same)
+EVAL_DEFAULTS = {"max_new_tokens": 128, "repeats": 3, "warmup": 1, "top_p": 1.0, "top_k": 0, "cost_repeats": 5}
+
+
+def _precheck_eval(argv: list[str]) -> None:
+    args, _ = _light_parser(EVAL_FLAGS).parse_known_args(argv)
+    d = EVAL_DEFAULTS
+    check_eval_settings(
+        floats(args.temperature, "--temperature") or (0.0,),
+        _number(int, args.max_new_tokens, "--max-new-tokens", d["max_new_tokens"]),
+        _number(int, args.repeats, "--repeats", d["repeats"]), _number(int, args.warmup, "--warmup", d["warmup"]),
+        _number(int, args.num_prompts, "--num-prompts", None), _number(float, args.top_p, "--top-p", d["top_p"]),
+        _number(int, args.top_k, "--top-k", d["top_k"]), _number(int, args.threads, "--threads", None),
+        _number(int, args.cost_repeats, "--cost-repeats", d["cost_repeats"]))
+
+
+def precheck(command: str | None, argv: list[str]) -> None:
+    """The light checks of `command`'s plain flags (eval for now); a --help on the line skips them."""
+    if command == "eval" and not {"-h", "--help"} & set(argv):
+        _precheck_eval(argv)
