@@ -82,6 +82,24 @@ def _check_destination(out_dir: Path, identity: dict, overwrite: bool) -> None:
                               f"target {existing.get('target')!r}); choose another --out or pass --overwrite")
 
 
+GENERATE_PY = '''"""Written by `draftforge export`: transformers' generate() runs speculative decoding with this drafter.
+
+    out = target.generate(**inputs, custom_generate="{export}", trust_remote_code=True, max_new_tokens=128)
+
+Needs draftforge installed where it runs; drafter= overrides the drafter directory below (if the export moved),
+method= / method_options= choose the draftforge method (default chain). See docs/use-your-drafter.md in draftforge.
+"""
+
+from draftforge.decode.hf_generate import generate_from_export
+
+DRAFTER_DIR = {export!r}
+
+
+def generate(model, **kwargs):
+    return generate_from_export(model, DRAFTER_DIR, **kwargs)
+'''
+
+
 def export_model(model: torch.nn.Module, tokenizer, out_dir, *, metadata: dict, overwrite: bool = False) -> Path:
     """Write model + tokenizer + draftforge.json into `out_dir` atomically (temp dir beside it, then rename)."""
     out_dir = Path(out_dir).resolve()
@@ -102,7 +120,9 @@ def export_model(model: torch.nn.Module, tokenizer, out_dir, *, metadata: dict, 
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     return write_model_dir(_mergeable_model(model), tokenizer, out_dir,
-                           {METADATA_FILE: json.dumps(record, indent=2, sort_keys=True) + "\n"})
+                           {METADATA_FILE: json.dumps(record, indent=2, sort_keys=True) + "\n",
+                            # transformers' generate(custom_generate=THIS_DIR, trust_remote_code=True) runs it
+                            "custom_generate/generate.py": GENERATE_PY.format(export=str(out_dir))})
 
 
 def write_model_dir(model, tokenizer, out_dir: Path, extra_files: dict[str, str] | None = None) -> Path:
@@ -112,6 +132,7 @@ def write_model_dir(model, tokenizer, out_dir: Path, extra_files: dict[str, str]
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
         for name, text in (extra_files or {}).items():
+            (tmp_dir / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp_dir / name).write_text(text, encoding="utf-8")
 
     return write_dir_atomically(Path(out_dir), fill)

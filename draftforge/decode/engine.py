@@ -76,11 +76,15 @@ class Decoder(ABC):
         """Forget adaptive state between measured runs (eval calls it before each timed repeat)."""
 
     def generate(self, input_ids, *, max_new_tokens: int, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos_token_id=None,
-                 tree_draws="distinct", params: SamplingParams | None = None) -> DecodeResult:
+                 tree_draws="distinct", params: SamplingParams | None = None, on_tokens=None) -> DecodeResult:
+        """on_tokens(emitted) -> bool, where the decoder supports it (SpeculativeDecoder): called after each round
+        with the tokens it emitted; True stops the decode there (stop strings, a streamer's consumer)."""
         if params is None:
             params = SamplingParams(float(temperature), float(top_p), int(top_k), tree_draws)
         elif (temperature, top_p, top_k, tree_draws) != (0.0, 1.0, 0, "distinct"):
             raise DraftforgeError("give the sampling settings either as params=SamplingParams(...) or as keywords")
+        if on_tokens is not None:
+            return self.decode(input_ids, max_new_tokens, params, seed, eos_token_id, on_tokens=on_tokens)
         return self.decode(input_ids, max_new_tokens, params, seed, eos_token_id)
 
     @abstractmethod
@@ -98,7 +102,7 @@ class SpeculativeDecoder(Decoder):
         """Forget adaptive state between measured runs (e.g. UCB's arm statistics)."""
         self.controller.reset()
 
-    def decode(self, input_ids, max_new_tokens, params, seed, eos_token_id) -> DecodeResult:
+    def decode(self, input_ids, max_new_tokens, params, seed, eos_token_id, on_tokens=None) -> DecodeResult:
         seq = check_prompt(input_ids, self.target, max_new_tokens)
         if self.target.max_context is not None:  # positions past the context are undefined for the target
             max_new_tokens = min(max_new_tokens, self.target.max_context - len(seq))
@@ -116,7 +120,8 @@ class SpeculativeDecoder(Decoder):
             emitted = self._round(seq, max_new_tokens - len(out), params, generator, eos, stats)
             seq += emitted
             out += emitted
-            if emitted[-1] in eos:
+            stop = on_tokens is not None and on_tokens(emitted)  # told every round, the last one too
+            if emitted[-1] in eos or stop:
                 break
         stats.new_tokens = len(out)
         stats.total_time_s = clock(device) - t_start

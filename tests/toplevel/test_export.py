@@ -73,10 +73,15 @@ def test_lora_adapters_are_merged_and_caller_model_untouched(tokenizer, tmp_path
         assert not torch.allclose(_logits(peft_model, ids_BT), expected)
 
 
+def _files(root):
+    """Every file of an export (custom_generate/ included) -> its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
 def test_failure_mid_export_leaves_nothing_and_keeps_earlier_export(tokenizer, tmp_path, monkeypatch):
     model = _model(tokenizer)
     out = export_model(model, tokenizer, tmp_path / "export", metadata=META)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = _files(out)
 
     def crash(*args, **kwargs):
         raise RuntimeError("disk full")
@@ -87,7 +92,7 @@ def test_failure_mid_export_leaves_nothing_and_keeps_earlier_export(tokenizer, t
     with pytest.raises(RuntimeError, match="disk full"):
         export_model(model, tokenizer, out, metadata={**META, "task": "sft"}, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temp dirs, no half "fresh"
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert _files(out) == before
 
 
 def test_overwrite_protection(tokenizer, tmp_path):

@@ -1,0 +1,169 @@
+"""transformers' generate() with draftforge drafters (draftforge/decode/hf_generate.py). Oracle: the target's own
+generate() without a drafter, fp32 greedy, token for token; for stop strings, generate(stop_strings=...) itself; for
+a streamer, the tokens it returned."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import draftforge
+from draftforge.errors import CompatibilityError
+from tests.fixtures.decode import noisy_copy, tiny_llama, tiny_mamba2
+
+PROMPTS = [[5, 17, 42, 9], [3, 88, 12, 61, 7, 30, 2]]
+
+
+def _tokenizer():
+    from tests.conftest import _data_tokenizer
+
+    return _data_tokenizer()
+
+
+VOCAB = len(_tokenizer())  # the drafters' vocabulary: the target's tokenizer's
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return _tokenizer()
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tok):
+    path = tmp_path_factory.mktemp("target")
+    model = tiny_llama(vocab=len(tok), layers=2, hidden=32)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def eesd_export(target, tok, tmp_path_factory):
+    from draftforge.decode import load_target
+    from draftforge.models.early_exit import ExitHead, split_target
+    from draftforge.models.early_exit_export import save_exit_head, target_identity
+
+    parts = split_target(load_target(target).model)
+    return str(save_exit_head(ExitHead.from_target(parts, 1), target_identity(parts, 1), tok,
+                              tmp_path_factory.mktemp("exit") / "exit", {"task": "eesd", "target": "t"}))
+
+
+def plain(model, ids, **kw):
+    x = torch.tensor([ids])
+    return model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, **kw)
+
+
+def spec(model, ids, **kw):
+    x = torch.tensor([ids])
+    return model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                          custom_generate=draftforge.speculative_generate, **kw)
+
+
+DRAFTERS = {
+    "mamba2": (lambda t: tiny_mamba2(vocab=VOCAB), [("chain", {"chain_length": 4}), ("tree", {"tree": (3, 2, 1)})]),
+    "transformer": (lambda t: noisy_copy(t, noise=0.05), [("chain", {"chain_length": 3}), ("ucb", {})]),
+    "prompt-lookup": (lambda t: "prompt-lookup", [("chain", {"chain_length": 3})]),
+}
+
+
+@pytest.mark.parametrize("kind", list(DRAFTERS))
+def test_greedy_equals_generate_for_every_drafter_kind(target, kind):
+    make, methods = DRAFTERS[kind]
+    drafter = make(target)
+    for method, options in methods:
+        for ids in PROMPTS:
+            for eos in (None, plain(target, ids, max_new_tokens=12)[0, len(ids) + 5].item()):
+                want = plain(target, ids, max_new_tokens=24, eos_token_id=eos)
+                got = spec(target, ids, max_new_tokens=24, eos_token_id=eos, drafter=drafter, method=method,
+                           method_options=options)
+                assert torch.equal(got, want), (kind, method, ids, eos)
+
+
+def test_an_eesd_exit_drafts_for_its_own_target(target, eesd_export):
+    for ids in PROMPTS:
+        got = spec(target, ids, max_new_tokens=16, drafter=eesd_export, method="eesd",
+                   method_options={"chain_length": 3})
+        assert torch.equal(got, plain(target, ids, max_new_tokens=16))
+
+
+class Collect:
+    """A streamer that keeps what it is given (transformers' BaseStreamer interface)."""
+
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, value):
+        self.puts.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_the_streamer_receives_exactly_the_returned_tokens(target):
+    stream = Collect()
+    ids = PROMPTS[1]
+    out = spec(target, ids, max_new_tokens=20, drafter=tiny_mamba2(vocab=VOCAB), stream=stream)
+    assert stream.puts[0] == ids and stream.ended  # the prompt first, as generate() streams it
+    assert sum(stream.puts[1:], []) == out[0, len(ids):].tolist()
+
+
+def test_stop_strings_stop_where_generate_stops(target, tok):
+    ids = PROMPTS[0]
+    free = plain(target, ids, max_new_tokens=30)[0, len(ids):].tolist()
+    stop = re.findall(r"[A-Za-z]{4,}", tok.decode(free))[0]  # a word the greedy answer reaches (whole characters)
+    want = plain(target, ids, max_new_tokens=30, stop_strings=[stop], tokenizer=tok)
+    got = spec(target, ids, max_new_tokens=30, drafter="prompt-lookup", stop=[stop], stop_tokenizer=tok)
+    assert want.shape[1] < len(ids) + 30 and torch.equal(got, want)
+
+
+def test_an_exports_own_custom_generate_directory(target, tok, tmp_path):
+    """draftforge export writes custom_generate/generate.py: generate(custom_generate=EXPORT, trust_remote_code=True)
+    with the usual argument names (streamer, tokenizer, stop_strings, return_dict_in_generate)."""
+    from transformers import TextIteratorStreamer
+
+    from draftforge.export import export_model
+
+    export = export_model(tiny_mamba2(vocab=VOCAB), tok, tmp_path / "export", metadata={"task": "sft", "target": "t"})
+    assert (export / "custom_generate" / "generate.py").is_file()
+    ids = PROMPTS[1]
+    x = torch.tensor([ids])
+    streamer = TextIteratorStreamer(tok, skip_prompt=True)
+    out = target.generate(x, custom_generate=str(export), trust_remote_code=True, max_new_tokens=20,
+                          streamer=streamer, return_dict_in_generate=True, method="tree",
+                          method_options={"tree": (2, 2)})
+    want = plain(target, ids, max_new_tokens=20)
+    assert torch.equal(out.sequences, want)
+    assert "".join(streamer) == tok.decode(want[0, len(ids):])
+    stop = re.findall(r"[A-Za-z]{4,}", tok.decode(want[0, len(ids):]))[0]
+    stopped = target.generate(x, custom_generate=str(export), trust_remote_code=True, max_new_tokens=20,
+                              tokenizer=tok, stop_strings=[stop])
+    assert torch.equal(stopped, plain(target, ids, max_new_tokens=20, stop_strings=[stop], tokenizer=tok))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_beams": 2}, "beam search"),
+    ({"repetition_penalty": 1.3}, "repetition_penalty=1.3 is not supported"),
+    ({"min_new_tokens": 3}, "min_new_tokens=3 is not supported"),
+    ({"num_return_sequences": 2, "do_sample": True}, "one sequence per prompt"),
+])
+def test_what_the_harness_cannot_verify_is_refused_in_one_line(target, kwargs, message):
+    with pytest.raises(CompatibilityError, match=message):
+        target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=5, custom_generate=draftforge.speculative_generate,
+                        drafter="prompt-lookup", **{"do_sample": False, **kwargs})
+
+
+def test_batches_padding_and_foreign_drafters_are_refused(target):
+    gen = draftforge.speculative_generate
+    with pytest.raises(CompatibilityError, match=r"batch size 1\); got input_ids of shape \(2, 4\)"):
+        target.generate(torch.tensor([PROMPTS[0]] * 2), max_new_tokens=5, custom_generate=gen, drafter="prompt-lookup")
+    x = torch.tensor([PROMPTS[0]])
+    with pytest.raises(CompatibilityError, match="padding"):
+        target.generate(x, attention_mask=torch.tensor([[0, 1, 1, 1]]), max_new_tokens=5, custom_generate=gen,
+                        drafter="prompt-lookup")
+    with pytest.raises(CompatibilityError, match=f"vocab sizes differ: target .* has {VOCAB}, drafter .* has 48"):
+        target.generate(x, max_new_tokens=5, custom_generate=gen, drafter=tiny_mamba2(vocab=48))
+    with pytest.raises(CompatibilityError, match="give drafter="):
+        target.generate(x, max_new_tokens=5, custom_generate=gen)
