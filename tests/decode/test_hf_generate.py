@@ -167,3 +167,15 @@ def test_batches_padding_and_foreign_drafters_are_refused(target):
         target.generate(x, max_new_tokens=5, custom_generate=gen, drafter=tiny_mamba2(vocab=48))
     with pytest.raises(CompatibilityError, match="give drafter="):
         target.generate(x, max_new_tokens=5, custom_generate=gen)
+
+
+@pytest.mark.parametrize("make", ["mamba2", "bamba"])
+def test_ssm_and_hybrid_targets(make):
+    """A Mamba2 or Bamba target: the tree-scan harness inside transformers' generate(), greedy identical."""
+    from tests.fixtures.hybrid import tiny_bamba, tiny_mamba2_target
+
+    model = (tiny_bamba if make == "bamba" else tiny_mamba2_target)(vocab=48)
+    for ids in ([5, 17, 42, 9], [3, 8, 12, 31, 7]):
+        got = spec(model, ids, max_new_tokens=16, drafter=tiny_mamba2(vocab=48), method="tree",
+                   method_options={"tree": (2, 2, 1)})
+        assert torch.equal(got, plain(model, ids, max_new_tokens=16)), (make, ids)
