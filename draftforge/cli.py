@@ -26,6 +26,8 @@ COMMANDS = {
                                          "for Cali-TS; logits: a target's top-k distributions for distill)"),
     "generate": ("draftforge.cli_generate", "a target's own answers (greedy and sampled) as token rows for SFT, resumable"),
     "target": ("draftforge.cli_target", "prepare a real target offline (smollm2) or its instruction prompts (prompts)"),
+    "chat": ("draftforge.cli_chat", "talk to a target through your drafter: answers stream as they are accepted, "
+                                    "with tok/s, τ and the speedup over plain decoding after each"),
 }
 # What Ctrl-C leaves behind differs per command, so each says how to go on; others print "interrupted".
 INTERRUPTED = {

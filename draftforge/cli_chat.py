@@ -1,0 +1,148 @@
+"""`draftforge chat`: talk to a target through your drafter, and watch it work.
+
+  draftforge chat --target DIR --drafter EXPORT [--method tree --tree 3,2,2,1] [--temperature 0]
+
+Each answer streams as the target accepts it: drafted tokens the target accepted in one colour, the target's own
+token that ends each round (its correction, or the bonus after a fully accepted draft) in another (where the
+terminal shows colour; NO_COLOR or a pipe turns it off). After each answer: tokens/s, τ (tokens per target
+forward) and the speedup against plain decoding of the same conversation, timed in the same session (--no-ar
+skips that). An empty line, /quit or end of input ends the session with a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from draftforge.runtime import add_device_flag, add_dtype_flag
+
+ACCEPTED, OWN, RESET = "\033[32m", "\033[1m", "\033[0m"  # green: accepted drafts; bold: the target's token
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__.split("\n\n", 1)[1]
+    p.add_argument("--target", required=True, help="target model directory (with its tokenizer)")
+    p.add_argument("--drafter", required=True, help="drafter export directory, or prompt-lookup")
+    p.add_argument("--method", default="chain", help="draftforge method: chain (default), tree, ucb, eesd, ...")
+    p.add_argument("--chain-length", type=int, help="drafts per round for chain / eesd (the method's default if unset)")
+    p.add_argument("--tree", help="tree shape for --method tree, e.g. 3,2,2,1 or stree13")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
+    p.add_argument("--no-ar", action="store_true", help="do not time plain decoding after each answer")
+    p.add_argument("--system", help="a system message for the chat template")
+    add_dtype_flag(p)
+    add_device_flag(p)
+    p.add_argument("--threads", type=int, help="torch threads (default 1, or OMP_NUM_THREADS)")
+
+
+def _options(args) -> dict:
+    from draftforge.decode.checks import parse_widths
+
+    out = {}
+    if args.chain_length is not None:
+        out["chain_length"] = args.chain_length
+    if args.tree is not None:
+        out["tree"] = parse_widths(args.tree)
+    return out
+
+
+def _encode(tokenizer, messages: list[dict]) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a BatchEncoding in transformers 5
+        return [int(t) for t in ids]
+    return tokenizer.encode("\n".join(m["content"] for m in messages) + "\n")
+
+
+class Printer:
+    """Prints an answer as it grows: only whole characters (a byte-level token may end mid-character)."""
+
+    def __init__(self, tokenizer, color: bool, out=sys.stdout):
+        self.tokenizer, self.color, self.out = tokenizer, color, out
+        self.tokens, self.shown = [], 0
+
+    def add(self, tokens: list[int], own_last: bool) -> None:
+        for i, tok in enumerate(tokens):
+            self.tokens.append(tok)
+            text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                continue  # wait for the rest of the character
+            new, self.shown = text[self.shown:], len(text)
+            if self.color and new:
+                new = f"{OWN if own_last and i == len(tokens) - 1 else ACCEPTED}{new}{RESET}"
+            self.out.write(new)
+        self.out.flush()
+
+    def finish(self) -> None:
+        """The answer ended: print what was held back waiting for a character's last bytes."""
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        self.out.write(text[self.shown:] + "\n")
+        self.out.flush()
+
+
+def run(args) -> int:
+    import torch
+
+    from draftforge.decode import build_decoder, load_drafter, load_target
+    from draftforge.errors import RecipeError
+    from draftforge.runtime import announce, choose_threads, resolve_dtype
+
+    if args.max_new_tokens < 1 or args.temperature < 0:
+        raise RecipeError("--max-new-tokens must be >= 1 and --temperature >= 0")
+    print(f"[draftforge] {choose_threads(args.threads)}", file=sys.stderr)
+    dtype = resolve_dtype(args.dtype, args.device)
+    announce(dtype, "target and drafter")
+    target = load_target(args.target, device=args.device, dtype=dtype.torch_dtype)
+    if target.tokenizer is None:
+        raise RecipeError(f"--target {args.target} has no tokenizer files; chat needs text")
+    drafter = load_drafter(args.drafter, target, device=args.device, dtype=dtype.torch_dtype)
+    spec = build_decoder(args.method, target, drafter, **_options(args))
+    ar = None if args.no_ar else build_decoder("ar", target)
+    color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    eos = target.tokenizer.eos_token_id
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    totals = {"answers": 0, "tokens": 0, "seconds": 0.0, "ar_seconds": 0.0, "ar_tokens": 0, "forwards": 0}
+    print(f"chat: {args.method} with {args.drafter}; an empty line or /quit ends the session", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if sys.stdin.isatty() else "")
+        except EOFError:
+            break
+        if not line.strip() or line.strip() == "/quit":
+            break
+        messages.append({"role": "user", "content": line})
+        ids = _encode(target.tokenizer, messages)
+        printer = Printer(target.tokenizer, color)
+        seed = int(torch.randint(0, 2**31 - 1, ()))
+
+        def on_tokens(emitted: list[int]) -> bool:
+            printer.add(emitted, own_last=True)
+            return False
+
+        res = spec.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=seed,
+                            eos_token_id=eos, on_tokens=on_tokens)
+        printer.finish()
+        stats = res.stats
+        tau = stats.new_tokens / max(stats.target_forwards, 1)
+        line = f"[{stats.new_tokens} tokens, {stats.new_tokens / stats.total_time_s:.1f} tok/s, τ {tau:.2f}"
+        totals.update(answers=totals["answers"] + 1, tokens=totals["tokens"] + stats.new_tokens,
+                      seconds=totals["seconds"] + stats.total_time_s,
+                      forwards=totals["forwards"] + stats.target_forwards)
+        if ar is not None:
+            base = ar.generate(ids, max_new_tokens=max(stats.new_tokens, 1), temperature=args.temperature, seed=seed,
+                               eos_token_id=[])  # the same number of tokens, plainly
+            ar_rate = base.stats.new_tokens / base.stats.total_time_s
+            totals.update(ar_seconds=totals["ar_seconds"] + base.stats.total_time_s,
+                          ar_tokens=totals["ar_tokens"] + base.stats.new_tokens)
+            line += f"; plain decoding {ar_rate:.1f} tok/s: {stats.new_tokens / stats.total_time_s / ar_rate:.2f}×"
+        print(line + "]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": target.tokenizer.decode(res.tokens, skip_special_tokens=True)})
+    if totals["answers"]:
+        rate = totals["tokens"] / totals["seconds"]
+        summary = (f"chat: {totals['answers']} answers, {totals['tokens']} tokens, {rate:.1f} tok/s, "
+                   f"τ {totals['tokens'] / max(totals['forwards'], 1):.2f}")
+        if totals["ar_tokens"]:
+            summary += f", {rate / (totals['ar_tokens'] / totals['ar_seconds']):.2f}× plain decoding"
+        print(summary, file=sys.stderr)
+    return 0
