@@ -2,8 +2,7 @@
 about the machine (versions, device, threads) that go into check.json, and the peak bf16 FLOP/s behind MFU.
 
 A lent GPU machine has torch, Triton, transformers, accelerate and peft but no draftforge install: from the
-repository root `import draftforge` works, but `draftforge.kernels` is the top-level `kernels/` folder mapped
-by the install (pyproject's package-dir), so `ensure_kernels_importable` maps it the same way in-process.
+repository root `import draftforge` (and `draftforge.kernels`, which lives in the package) works as it is.
 """
 
 from __future__ import annotations
@@ -28,20 +27,13 @@ TRANSFORMERS_FLOOR = (5, 23)  # pyproject's floor: draftforge needs transformers
 
 
 def ensure_kernels_importable() -> str:
-    """Make `draftforge.kernels` importable (the repository's `kernels/` package) when no install maps it;
-    returns where it comes from."""
+    """Where `draftforge.kernels` comes from (draftforge/kernels/ in the package, also when run from the repository
+    root without an install)."""
     try:
         found = importlib.util.find_spec("draftforge.kernels")
     except ImportError:  # draftforge itself does not import: the steps that need it will say so
         return "draftforge does not import"
-    if found is not None:
-        return "installed package"
-    import draftforge
-
-    kernels = importlib.import_module("kernels")
-    sys.modules["draftforge.kernels"] = kernels
-    draftforge.kernels = kernels
-    return "repository kernels/ mapped in-process (no install)"
+    return str(Path(found.origin).parent) if found is not None and found.origin else "not found"
 
 
 def peak_bf16_flops(device_name: str | None) -> tuple[float | None, str]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download the wheels a lent GPU machine lacks, here where pip reaches the package index, for the machine's
 # Python 3.12 on manylinux x86_64. The machine has torch (CUDA), triton, transformers, accelerate and peft but no
-# network; draftforge runs there from the repository root (benchmarks/gpu/env.py maps its kernels/ package).
+# network; draftforge runs there from the repository root, no install needed.
 #
 #   bash benchmarks/gpu/wheels.sh                  # every wheel, into .whl/ (about 70 MB: pyarrow alone is 55)
 #   bash benchmarks/gpu/wheels.sh --dir DIR        # into DIR (start from an empty one)

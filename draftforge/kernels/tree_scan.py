@@ -13,7 +13,7 @@ nodes of its path, then the accepted prefix's conv state), not its packed neighb
 ``tree_scan_ref`` is the spec (plain PyTorch, any size). ``tree_scan`` runs the whole layer scan
 (ancestor conv1d, softplus(dt + bias), the path decay Acum and the SSM contraction) in **one
 Triton launch**, from the mixer's raw in_proj slices and the tree's index tensors
-(``kernels/tree_pack.py``, built once per tree and shared by every layer). Nothing per node is
+(``draftforge/kernels/tree_pack.py``, built once per tree and shared by every layer). Nothing per node is
 written besides ``y``: ``tree_scan_replay`` recomputes the SSM and conv state after an accepted
 path from the cached raw inputs, in O(path length) (STree's "activation replay").
 
