@@ -179,3 +179,19 @@ def test_ssm_and_hybrid_targets(make):
         got = spec(model, ids, max_new_tokens=16, drafter=tiny_mamba2(vocab=48), method="tree",
                    method_options={"tree": (2, 2, 1)})
         assert torch.equal(got, plain(model, ids, max_new_tokens=16)), (make, ids)
+
+
+def test_sampling_settings_reach_the_harness(target):
+    """do_sample with temperature / top_k / top_p and a seed: the harness's own sampled decode with those settings
+    (whose exactness tests/decode/test_sampling.py checks against enumerated distributions), token for token."""
+    from draftforge.decode import build_decoder, load_drafter, load_target
+
+    drafter = tiny_mamba2(vocab=VOCAB)
+    x = torch.tensor([PROMPTS[0]])
+    got = target.generate(x, attention_mask=torch.ones_like(x), do_sample=True, temperature=0.7, top_k=20, top_p=0.9,
+                          max_new_tokens=16, custom_generate=draftforge.speculative_generate, drafter=drafter,
+                          method="chain", seed=3)
+    t = load_target(target)
+    dec = build_decoder("chain", t, load_drafter(drafter, t))
+    want = dec.generate(PROMPTS[0], max_new_tokens=16, temperature=0.7, top_k=20, top_p=0.9, seed=3, eos_token_id=[])
+    assert got[0, len(PROMPTS[0]):].tolist() == want.tokens
