@@ -102,9 +102,11 @@ def _fp32(model):
 
 
 @torch.inference_mode()
-def plain_logits(model, ids: list[int]) -> torch.Tensor:
-    """Logits [T, V] (float32) of every position of `ids` from the model's own forward: one call, no cache."""
-    return model(input_ids=torch.tensor([ids], device=model.device)).logits[0].float()
+def plain_logits(model, ids: list[int], keep: int = 0) -> torch.Tensor:
+    """Logits [T, V] (float32) of `ids` from the model's own forward, one call, no cache; with `keep`, only the last
+    `keep` positions' (a long prompt's T x V logits would be computed and held for nothing)."""
+    kwargs = {"logits_to_keep": keep} if keep else {}
+    return model(input_ids=torch.tensor([ids], device=model.device), **kwargs).logits[0].float()
 
 
 @torch.inference_mode()
@@ -112,7 +114,7 @@ def plain_step_logits(model, ids: list[int]) -> torch.Tensor:
     """Logits [V] after `ids` from the model's own forward, the last token a cached one-row step (transformers'
     own cache; another summation order than `plain_logits`, with no harness code either)."""
     if len(ids) < 2:
-        return plain_logits(model, ids)[-1]
+        return plain_logits(model, ids, keep=1)[-1]
     out = model(input_ids=torch.tensor([ids[:-1]], device=model.device), use_cache=True)
     step = model(input_ids=torch.tensor([ids[-1:]], device=model.device), use_cache=True,
                  **cache_kwargs(model, output_cache(out)))
@@ -122,8 +124,8 @@ def plain_step_logits(model, ids: list[int]) -> torch.Tensor:
 def reference(target, prefix: list[int]) -> dict:
     """The independent evidence at `prefix`: fp32 logits r [V] and the run dtype's noise against them."""
     model = target.model
-    r_V = plain_logits(_fp32(model), prefix)[-1].cpu()
-    runs = [plain_logits(model, prefix)[-1].cpu(), plain_step_logits(model, prefix).cpu()]
+    r_V = plain_logits(_fp32(model), prefix, keep=1)[-1].cpu()
+    runs = [plain_logits(model, prefix, keep=1)[-1].cpu(), plain_step_logits(model, prefix).cpu()]
     noise = max(float((x - r_V).abs().max()) for x in runs)
     step_eps = max(torch.finfo(_dtype(target)).eps, torch.finfo(torch.float16).eps)
     ceiling = CEILING_STEPS * 2 * step_eps * max(1.0, float(r_V.abs().max()))
@@ -160,25 +162,25 @@ def classify(target, prompt: list[int], generated: list[int], ar_token: int, oth
     return {**out, "gap": gap, "tolerance": tolerance, "verdict": "near_tie" if tie else "defect"}
 
 
-_AR_CHECKED: dict = {}
+_AR_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(context, tokens): result}
 
 
 def check_ar(target, context: list[int], tokens: list[int]) -> dict | None:
     """AR's own tokens against the model's plain forward (teacher-forced over context + tokens): None where each
-    is that forward's argmax, else the classified first position where it is not (AR = a, plain forward = b)."""
-    key = (id(target.model), tuple(context), tuple(tokens))
-    if key not in _AR_CHECKED:
+    is that forward's argmax, else the classified first position where it is not (AR = a, plain forward = b).
+    Remembered per model, so every method's self-check of one run checks AR once."""
+    done = _AR_CHECKED.setdefault(target.model, {})
+    key = (tuple(context), tuple(tokens))
+    if key not in done:
         found = None
         if tokens:
-            logits_TV = plain_logits(target.model, context + tokens[:-1])[len(context) - 1 :]
+            logits_TV = plain_logits(target.model, context + tokens[:-1], keep=len(tokens))
             picks = logits_TV.argmax(-1).tolist()
             i = next((k for k, (t, p) in enumerate(zip(tokens, picks)) if t != p), None)
             if i is not None:
                 found = {"position": i, **classify(target, context, tokens[:i], tokens[i], picks[i], [1])}
-        if len(_AR_CHECKED) > 4096:
-            _AR_CHECKED.clear()
-        _AR_CHECKED[key] = found
-    return _AR_CHECKED[key]
+        done[key] = found
+    return done[key]
 
 
 def _key(record) -> tuple[str, int]:

@@ -138,8 +138,8 @@ class FixedLogitsModel(torch.nn.Module):
     def device(self):
         return self.w.device
 
-    def forward(self, input_ids, cache=None, use_cache=False):
-        logits = self.logits_V.clone().expand(1, input_ids.shape[1], -1).clone()
+    def forward(self, input_ids, cache=None, use_cache=False, logits_to_keep=0):
+        logits = self.logits_V.clone().expand(1, logits_to_keep or input_ids.shape[1], -1).clone()
         if cache is not None:
             logits[..., 9] += self.step_jitter
         return SimpleNamespace(logits=logits, cache="cache" if use_cache else None)

@@ -28,8 +28,9 @@ class FakeModel(torch.nn.Module):
     def device(self):
         return self.w.device
 
-    def forward(self, input_ids, cache=None, use_cache=False):  # all logits equal: every disagreement is a near-tie
-        return SimpleNamespace(logits=self.logits_V.expand(input_ids.shape[0], input_ids.shape[1], V), cache=cache)
+    def forward(self, input_ids, cache=None, use_cache=False, logits_to_keep=0):  # equal logits: a near-tie
+        rows = logits_to_keep or input_ids.shape[1]
+        return SimpleNamespace(logits=self.logits_V.expand(input_ids.shape[0], rows, V), cache=cache)
 
 
 class FakeTarget:
