@@ -48,8 +48,6 @@ def vllm_python(given: str | None) -> tuple[str | None, str]:
 
 def harness(target_dir: str, drafter_dir: str | None, prompts: list[list[int]], max_new: int, k: int, dtype):
     """draftforge's AR, prompt lookup and chain (with the drafter) on the same prompts: tokens, tok/s, τ."""
-    import torch
-
     from draftforge.decode import build_decoder, load_drafter, load_target
 
     target = load_target(target_dir, dtype=dtype)
@@ -74,7 +72,6 @@ def harness(target_dir: str, drafter_dir: str | None, prompts: list[list[int]], 
                      "tau": sum(map(len, tokens)) / max(forwards, 1),
                      # vLLM's definition: 1 + accepted drafts / rounds that drafted
                      "acceptance_length": 1 + accepted / drafting_rounds if drafting_rounds else None}
-    del torch
     return out
 
 

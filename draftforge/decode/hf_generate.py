@@ -68,6 +68,9 @@ def _decoder(model, drafter, method: str, options: dict, tokenizer):
     """The harness for (model, drafter, method, options), built once and reused across generate() calls."""
     if drafter is None:
         raise _refuse("give drafter= (a drafter directory, a loaded model, a draftforge Drafter or 'prompt-lookup')")
+    if method.startswith("hf_"):
+        raise _refuse(f"method {method!r} is transformers' own generation: call generate() with assistant_model= or "
+                      "prompt_lookup_num_tokens= instead of custom_generate")
     cache = _CACHE.setdefault(model, {})
     if "target" not in cache:
         cache["target"] = load_target(model, device=model.device, tokenizer=_target_tokenizer(model, tokenizer))
@@ -132,7 +135,8 @@ def speculative_generate(model, input_ids, logits_processor=None, stopping_crite
         cut = None
         for i, tok in enumerate(emitted):
             seq.append(tok)
-            if stops is not None and bool(stops(torch.tensor([seq]), None)[0]):
+            # the criteria read only the last maximum_token_len ids: hand over no more (this runs per token)
+            if stops is not None and bool(stops(torch.tensor([seq[-stops.maximum_token_len:]]), None)[0]):
                 cut = i + 1
                 break
         chunk = emitted if cut is None else emitted[:cut]

@@ -167,6 +167,8 @@ def test_batches_padding_and_foreign_drafters_are_refused(target):
         target.generate(x, max_new_tokens=5, custom_generate=gen, drafter=tiny_mamba2(vocab=48))
     with pytest.raises(CompatibilityError, match="give drafter="):
         target.generate(x, max_new_tokens=5, custom_generate=gen)
+    with pytest.raises(CompatibilityError, match="'hf_assisted' is transformers' own generation"):
+        target.generate(x, max_new_tokens=5, custom_generate=gen, drafter="prompt-lookup", method="hf_assisted")
 
 
 @pytest.mark.parametrize("make", ["mamba2", "bamba"])
