@@ -37,13 +37,13 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args) -> dict:
-    from draftforge.decode.checks import parse_widths
+    from draftforge.decode import parse_tree
 
     out = {}
     if args.chain_length is not None:
         out["chain_length"] = args.chain_length
     if args.tree is not None:
-        out["tree"] = parse_widths(args.tree)
+        out["tree"] = parse_tree(args.tree)
     return out
 
 

@@ -11,20 +11,20 @@ import dataclasses
 import difflib
 import types
 import typing
-from dataclasses import MISSING, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from draftforge.errors import RecipeError
+from draftforge.options import field_rows, literal_choices, one_of, option
+from draftforge.runtime import PRECISIONS
 
 
-def doc(default: Any, text: str):
-    """A dataclass field with a default and a one-line doc."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": text})
-    return field(default=default, metadata={"doc": text})
+def doc(default: Any, text: str, **how):
+    """A recipe field: `option` (draftforge/options.py), the one way every setting is declared."""
+    return option(default, text, **how)
 
 
 @dataclass
@@ -79,7 +79,7 @@ class ModelConfig:
                                              "the training data")
     embed_from_target: bool = doc(False, "start the embedding (and head) from the target's: a copy at equal width, "
                                          "else its top principal directions (fresh models only)")
-    lora: LoraConfig = field(default_factory=LoraConfig, metadata={"doc": "LoRA options (sft)"})
+    lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA options (sft)"})
 
     def check(self, at: str) -> None:
         require(bool(self.tokenizer or self.target or self.init_from), f"{at}.tokenizer",
@@ -123,8 +123,9 @@ class TrainConfig:
     global_batch_size: int = doc(32, "sequences per optimizer step = micro_batch_size x accumulation x processes")
     micro_batch_size: int = doc(8, "sequences per forward on one process")
     block_size: int = doc(512, "tokens per training sequence")
-    precision: str = doc("auto", "'auto' (bf16 autocast where bf16 is native: CUDA with bf16, CPUs with "
-                                 "AVX512-BF16 or AMX; else fp32), 'fp32', 'bf16' or 'fp16'")
+    precision: PRECISIONS = doc("auto", "'auto' (bf16 autocast where bf16 is native: CUDA with bf16, CPUs with "
+                                        "AVX512-BF16 or AMX; else fp32), 'fp32', 'bf16' or 'fp16' (or float32, "
+                                        "bfloat16, float16: the words eval's --dtype takes)")
     eval_every: int = doc(200, "eval loss every N steps (0: only at the end)")
     eval_batches: int = doc(8, "micro-batches of held-out data per eval")
     save_every: int = doc(500, "checkpoint every N steps (a final one is always written)")
@@ -145,8 +146,6 @@ class TrainConfig:
             require(getattr(self, key) >= 0, f"{at}.{key}", "must be >= 0")
         require(self.global_batch_size % self.micro_batch_size == 0, f"{at}.global_batch_size",
                  f"{self.global_batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}")
-        require(self.precision in ("auto", "fp32", "bf16", "fp16"), f"{at}.precision",
-                 f"must be auto, fp32, bf16 or fp16, got {self.precision!r}")
 
 
 @dataclass
@@ -154,10 +153,10 @@ class Recipe:
     task: str = doc("pretrain", "what to train: a registered task (pretrain, sft, ...; --help-recipe lists them)")
     plugins: list[str] = doc([], "modules to import before the task is looked up (they register tasks of their own)")
     output_dir: str = doc("runs/draftforge", "run directory: resolved recipe, checkpoints, logs, export")
-    model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "the model being trained"})
-    data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "training data"})
-    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"doc": "optimizer and LR schedule"})
-    train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "loop settings"})
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "the model being trained"})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "training data"})
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "optimizer and LR schedule"})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "loop settings"})
     # The task's own section (e.g. `eesd:`), validated by the dataclass the task registered; None
     # for tasks without one. In YAML and in to_dict() it sits under the task's name.
     task_options: Any = field(default=None, metadata={"section": True})
@@ -223,6 +222,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         return dict(value)
     if tp is Any:
         return value
+    choices = literal_choices(tp)
+    if choices:
+        return one_of(value, f"recipe key '{key}'", choices)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -255,7 +257,12 @@ def _build(cls: type, values: dict, prefix: str = "") -> Any:
             hint = f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(names)})"
             raise RecipeError(f"unknown recipe key '{dotted}'{hint}")
         kwargs[k] = _convert(v, hints[k], dotted)
-    return cls(**kwargs)
+    built = cls(**kwargs)
+    for f in dataclasses.fields(cls):  # a field's own check (option(check=...)), once, naming the dotted key
+        check, value = f.metadata.get("check"), getattr(built, f.name)
+        if check is not None and value is not None:
+            setattr(built, f.name, check(value, f"recipe key '{prefix + '.' if prefix else ''}{f.name}'"))
+    return built
 
 
 # ---------------------------------------------------------------- loading
@@ -349,15 +356,4 @@ def task_field_docs(task: str) -> list[tuple[str, str, str]]:
 
 def field_docs(cls: type = Recipe, prefix: str = "") -> list[tuple[str, str, str]]:
     """(dotted key, default, doc) for every leaf field, for --help-recipe."""
-    rows = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.metadata.get("section"):
-            continue
-        key = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(hints[f.name]):
-            rows.extend(field_docs(hints[f.name], key + "."))
-            continue
-        default = f.default if f.default is not MISSING else f.default_factory()
-        rows.append((key, repr(default), f.metadata.get("doc", "")))
-    return rows
+    return field_rows(cls, prefix, skip=lambda f: bool(f.metadata.get("section")))

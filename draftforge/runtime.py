@@ -13,8 +13,14 @@ import os
 import platform
 import sys
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# One set of words for a numeric regime, the same in a recipe's train.precision and in --dtype / --drafter-dtype:
+# each short name means its long one. `resolve_dtype` is the one resolver of both.
+PRECISIONS = Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
+DTYPE_CHOICES = get_args(PRECISIONS)
+LONG_NAME = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+SHORT_NAME = {long: short for short, long in LONG_NAME.items()}
 # CPU flags (Linux /proc/cpuinfo names) under which oneDNN runs bf16 matrix products in hardware
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
@@ -93,6 +99,7 @@ def resolve_dtype(requested: str | None, device="cpu", *, flags: set[str] | None
     requested = requested or "auto"
     if requested not in DTYPE_CHOICES:
         raise RecipeError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {requested!r}")
+    requested = LONG_NAME.get(requested, requested)
     native, why = native_bf16(device, flags)
     if requested == "auto":
         return DtypeChoice("bfloat16", f"auto: {why}") if native else DtypeChoice("float32", f"auto: {why}")
@@ -108,16 +115,16 @@ def resolve_dtype(requested: str | None, device="cpu", *, flags: set[str] | None
 
 
 def resolve_precision(requested: str, *, flags: set[str] | None = None) -> str:
-    """train.precision: `auto` is bf16 autocast where bf16 is native (CUDA with bf16, AVX512-BF16 / AMX CPUs),
-    else fp32. Measured on a Zen 5 CPU (benchmarks/micro/train_throughput.py --compare precision, 200 steps, 1
-    thread): bf16 trained the tiny Llama 1.44x and the tiny Mamba2 1.10x faster than fp32, final losses within
-    0.01% of fp32's."""
-    if requested != "auto":
-        return requested
-    import torch
+    """train.precision as Accelerate names it (fp32 | bf16 | fp16), through `resolve_dtype` on the device training
+    will use: `auto` is bf16 autocast where bf16 is native (CUDA with bf16, AVX512-BF16 / AMX CPUs), else fp32.
+    Measured on a Zen 5 CPU (benchmarks/micro/train_throughput.py --compare precision, 200 steps, 1 thread): bf16
+    trained the tiny Llama 1.44x and the tiny Mamba2 1.10x faster than fp32, final losses within 0.01% of fp32's."""
+    device = "cpu"
+    if (requested or "auto") == "auto":
+        import torch
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return "bf16" if native_bf16(device, flags)[0] else "fp32"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return SHORT_NAME[resolve_dtype(requested, device, flags=flags).name]
 
 
 def announce(choice: DtypeChoice, what: str = "models", say=None) -> None:

@@ -32,7 +32,7 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 from benchmarks.common import add_flags, print_table, write_json
-from draftforge.decode.checks import parse_widths
+from draftforge.decode import parse_tree
 from draftforge.decode.methods import per_method
 from draftforge.eval import metrics, runner
 from draftforge.eval.manifest import command_line
@@ -139,7 +139,7 @@ def config_from(args, target: str, drafter: str | None, bench: str) -> runner.Ev
         target=target, drafter=drafter, bench=bench, methods=methods, baselines=(), num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, temperatures=(args.temperature,), repeats=1, warmup=args.warmup,
         ignore_eos=True, method_options=per_method(
-            {"chain_length": args.chain_length, "tree": parse_widths(args.tree) if args.tree else None}, methods)[0],
+            {"chain_length": args.chain_length, "tree": parse_tree(args.tree) if args.tree else None}, methods)[0],
         device=args.device, dtype=args.dtype, threads=args.threads, cost_repeats=0, plots=False, quiet=True,
         out_dir=str(Path(args.out).parent), command=command_line())
 

@@ -90,7 +90,7 @@ def predict(report: dict, model: dict, t1: float | None = None) -> list[dict]:
 
 def main(argv=None) -> dict:
     from draftforge.decode import load_target
-    from draftforge.decode.checks import parse_widths
+    from draftforge.decode import parse_tree
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True, help="target model directory (SSM, hybrid or Transformer)")
@@ -107,7 +107,7 @@ def main(argv=None) -> dict:
         p.error("--max-n must be >= 4: the quadratic is fitted over N = 2..max-n")
     target = load_target(args.target, dtype=chosen_dtype(args))
     trees = {f"chain{n}": chain(n - 1) for n in range(1, args.max_n + 1)}
-    trees.update({f"tree {w}": tree_of(parse_widths(w)) for w in args.tree})
+    trees.update({f"tree {w}": tree_of(parse_tree(w)) for w in args.tree})
     print(f"timing {len(trees)} verification shapes x {args.repeats} repeats on {type(target).__name__}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
     times = time_verifications(target, trees, args.repeats, args.prompt_len)

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import add_flags
-from draftforge.decode.checks import parse_widths
+from draftforge.decode import parse_tree
 from draftforge.decode.methods import per_method
 from draftforge.eval.manifest import command_line
 from draftforge.eval.report import atomic_write_text, markdown_table
@@ -81,7 +81,7 @@ def parse_args(argv=None):
 
 def run_suite(args, target: str, drafters: dict[str, str | None], bench: str) -> dict:
     temps = tuple(float(t) for t in args.temperatures.split(","))
-    tree = parse_widths(args.tree)
+    tree = parse_tree(args.tree)
     plan = {
         "mamba": (drafters.get("mamba"), ("ar", "chain", "tree", "ucb"), ("ar",)),
         "transformer": (drafters.get("transformer"), ("ar", "chain", "tree"), ("ar", "hf_assisted")),

@@ -27,14 +27,14 @@ from benchmarks.common import add_dtype_flag, add_flags, load_models, print_tabl
 
 def configs(trees: list[str], temperatures: list[float], chain_length: int):
     """(label, method, options, T, tree_draws): the chain per T, each tree at T = 0 and with both draws at T > 0."""
-    from draftforge.decode.checks import parse_widths
+    from draftforge.decode import parse_tree
 
     out = []
     for t in temperatures:
         out.append((f"chain {chain_length}", "chain", {"chain_length": chain_length}, t, "distinct"))
         for tree in trees:
             draws = ["distinct"] if t == 0 else ["distinct", "iid"]
-            out += [(f"tree {tree}", "tree", {"tree": parse_widths(tree)}, t, d) for d in draws]
+            out += [(f"tree {tree}", "tree", {"tree": parse_tree(tree)}, t, d) for d in draws]
     return out
 
 

@@ -160,7 +160,7 @@ def graph_vs_eager(size: dict, device: str, graph_factory) -> dict:
     stand-in in tests), then one whole draft() both ways; the graphed logits compared with the eager ones."""
     import torch
 
-    from draftforge.decode.checks import parse_widths
+    from draftforge.decode import parse_tree
     from draftforge.decode.drafter_mamba import MambaDrafter
     from draftforge.decode.sampling import SamplingParams
     from draftforge.models.mamba import build_mamba
@@ -168,7 +168,7 @@ def graph_vs_eager(size: dict, device: str, graph_factory) -> dict:
     torch.manual_seed(0)
     dtype = getattr(torch, size["dtype"])
     model = build_mamba("mamba2", size["vocab"], size=size["size"]).to(device=device, dtype=dtype).eval()
-    shape = parse_widths(size["tree"])
+    shape = parse_tree(size["tree"])
     seq = list(range(1, size["prefix"] + 1))
     rows = [step_row(model, batch, seq, size, device, graph_factory) for batch in [len(n) for n in shape.fed]]
     drafters = {name: MambaDrafter(model, size["vocab"], cuda_graphs=mode, graph_factory=factory)

@@ -18,7 +18,7 @@ import torch
 from benchmarks.common import add_flags, median_ms, print_table, tiny_model, write_json
 from draftforge.decode.cuda_graphs import CudaGraph, StaticStep
 from draftforge.decode.drafter_mamba import MambaDrafter
-from draftforge.decode.checks import parse_widths
+from draftforge.decode import parse_tree
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.tree_shape import as_shape
 
@@ -67,7 +67,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--out", default="cuda_graphs.json")
     args = p.parse_args()
-    device, widths = torch.device(args.device), parse_widths(args.tree)
+    device, widths = torch.device(args.device), parse_tree(args.tree)
     graphs = device.type == "cuda"
     if not graphs:
         print("CUDA graphs need a CUDA device: timing the eager static-buffer path only.")

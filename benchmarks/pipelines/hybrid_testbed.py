@@ -59,7 +59,7 @@ def make_target(vocab: int, sharpen: float, seed: int):
 
 def measure(args) -> dict:
     """AR vs chain vs the static tree vs UCB on a saved target + drafter (one run_eval, one AR baseline)."""
-    from draftforge.decode.checks import parse_widths
+    from draftforge.decode import parse_tree
     from draftforge.decode.methods import per_method
     from draftforge.eval.manifest import command_line
     from draftforge.eval.report import markdown_table
@@ -67,7 +67,7 @@ def measure(args) -> dict:
 
     if not args.drafter or not args.bench:
         raise SystemExit("--target needs --drafter (a Mamba/Mamba2 drafter) and --bench (a prompt file or 'humaneval')")
-    shape = parse_widths(args.tree)
+    shape = parse_tree(args.tree)
     methods = tuple(args.methods.split(","))
     print(f"[hybrid_testbed] tree {shape.name}: {shape.size} drafts + root, depth {shape.depth}, "
           f"parents {shape.parents}", file=sys.stderr)

@@ -7,8 +7,9 @@ checks take (value, flag), as a method option's `check` is called (decode/method
 
 from __future__ import annotations
 
-from draftforge.decode.tree_shape import OTHER_FORMS, PARENTS_PREFIX, TREE_PRESETS, TreeShape, as_shape, parse_tree
+from draftforge.decode.tree_shape import TreeShape, parse_tree, widths_shape
 from draftforge.errors import DraftforgeError, RecipeError
+from draftforge.options import one_of  # noqa: F401  (the choice check, with the method checks)
 
 # ---------------------------------------------------------------- values
 
@@ -45,43 +46,25 @@ def unit_interval(value, where: str, open_: bool = False) -> float:
     return float(value)
 
 
-def one_of(value, where: str, choices):
-    if value not in choices:
-        raise RecipeError(f"{where} must be one of {', '.join(choices)}, got {value!r}")
-    return value
-
-
 # ---------------------------------------------------------------- tree widths (--tree and its kin)
 
 
-def parse_widths(text: str, flag: str = "--tree") -> TreeShape:
-    """'3,2,2,1', 'parents:0,0,0/0,0,1' or a preset ('stree13') -> its TreeShape; checked."""
-    text = str(text).strip()
-    if text in TREE_PRESETS or text.startswith(PARENTS_PREFIX):
-        try:
-            return parse_tree(text)
-        except DraftforgeError as e:
-            raise RecipeError(f"{flag} {text!r}: {e}") from None
-    try:
-        widths = tuple(int(p) for p in text.split(",") if p.strip())
-    except ValueError:
-        raise RecipeError(f"{flag} expects comma-separated integers like 3,2,2,1, got {text!r} (or give "
-                          f"{OTHER_FORMS})") from None
-    return check_widths(widths, flag)
-
-
 def check_widths(widths, where: str = "tree") -> TreeShape:
-    """A widths tuple checked and made a TreeShape, a TreeShape (checked when built) as is, a string parsed as
-    --tree reads it."""
+    """A tree option's value as its TreeShape: a TreeShape as is, text read by `parse_tree`, widths checked."""
     if isinstance(widths, TreeShape):
         return widths
     if isinstance(widths, str):
-        return parse_widths(widths, where)
-    try:
-        return as_shape(widths)
-    except (DraftforgeError, TypeError):
-        raise RecipeError(f"{where} {tuple(widths)}: every tree width must be >= 1, i.e. a positive integer "
-                          "(a tree needs every width >= 1, e.g. 3,2,2,1)") from None
+        return parse_tree(widths, where)
+    return widths_shape(widths, where)
+
+
+def parse_widths(text: str, flag: str = "--tree") -> TreeShape:
+    """Deprecated: `parse_tree(text, flag)` (draftforge/decode/tree_shape.py) is the one reader of a tree's text."""
+    import warnings
+
+    warnings.warn("draftforge.decode.checks.parse_widths is parse_tree now (draftforge.decode.parse_tree); the old "
+                  "name goes in the next release", DeprecationWarning, stacklevel=2)
+    return parse_tree(text, flag)
 
 
 # ---------------------------------------------------------------- what the target and drafter allow

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftforge.decode.checks import check_tree_context, check_widths, non_negative, parse_widths, positive_int
+from draftforge.decode.checks import check_tree_context, check_widths, non_negative, positive_int
+from draftforge.decode.tree_shape import parse_tree
 from draftforge.decode.control import DEFAULT_UCB_TREES, FixedChain, FixedTree, NoDraft, UCBTree
 from draftforge.decode.engine import SpeculativeDecoder
 from draftforge.decode.methods import Method, MethodOptions, option, register_method
@@ -24,7 +25,7 @@ class TreeOptions(MethodOptions):
     tree: TreeShape = option(
         (3, 2, 2, 1), "static tree: children per node at each depth, e.g. 3,2,2,1 (default); or parent lists per "
         "layer, each node's parent index among the previous layer's nodes, e.g. parents:0,0,0/0,0,1/0,0,1/0,0,0; "
-        "or a preset: stree13 (STree's 13-token config A, that parent list)", check=check_widths, parse=parse_widths)
+        "or a preset: stree13 (STree's 13-token config A, that parent list)", check=check_widths, parse=parse_tree)
 
 
 def _check_trees(trees, flag: str) -> tuple[TreeShape, ...]:
@@ -36,7 +37,7 @@ class UCBOptions(MethodOptions):
     ucb_trees: tuple[TreeShape, ...] = option(
         DEFAULT_UCB_TREES, "a UCB candidate tree like 4,2,1 (or any --tree form); repeat for each arm (default: 5 "
         "shapes from a chain of 5 to 3,2,2,1)", check=_check_trees,
-        parse=lambda text: parse_widths(text, "--ucb-trees"), repeat=True)
+        parse=lambda text: parse_tree(text, "--ucb-trees"), repeat=True)
     ucb_lambda: float = option(0.1, "UCB exploration weight λ_UCB (default 0.1)", check=non_negative)
     lambda_gamma: float | None = option(
         None, "draft-cost weight λ_γ in the UCB reward (default: T_draft/T_target measured online)",

@@ -22,25 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import types
 import typing
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from draftforge.decode.checks import one_of
 from draftforge.errors import DraftforgeError, RecipeError
+from draftforge.options import build_checked, check_fields, flag_of, help_of, literal_choices, option, reader
+
+__all__ = ["Method", "MethodOptions", "NoOptions", "OptionInfo", "build", "get_method", "literal_choices",
+           "method_names", "option", "per_method", "readers", "register_method", "resolve_options", "suggest"]
 
 # ---------------------------------------------------------------- options
-
-
-def option(default: Any, help: str, *, check: Callable | None = None, parse: Callable[[str], Any] | None = None,
-           flag: str | None = None, repeat: bool = False):
-    """A method-option field: its default, a one-line help, and optionally `check(value, flag)` -> the checked
-    value (or RecipeError), `parse(text)` for the flag's text (default: from the field's type), the flag
-    (default: --the-name) and `repeat` (the flag is given once per item of a tuple value)."""
-    meta = {"help": help, "check": check, "parse": parse, "flag": flag, "repeat": repeat}
-    return field(default=default, metadata=meta)
-
+# `option`, `literal_choices` and the checks are draftforge/options.py's: one dialect for every setting.
 
 @dataclass(frozen=True)
 class OptionInfo:
@@ -62,43 +55,17 @@ class OptionInfo:
             raise RecipeError(f"{self.flag}: cannot read {text!r} ({self.help})") from None
 
 
-def _reader(tp) -> Callable[[str], Any]:
-    """int / float / str from an annotation (Optional[X] reads as X; Literal and others as str)."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        tp = next(a for a in typing.get_args(tp) if a is not type(None))
-    return {int: int, float: float}.get(tp, str)
-
-
 @dataclass(frozen=True)
 class MethodOptions:
     """Base of every method's options: building one checks each value (None = the field's default)."""
 
     def __post_init__(self):
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is None:
-                continue
-            flag = _flag(f)
-            check = f.metadata.get("check")
-            choices = literal_choices(hints[f.name])
-            if choices:
-                value = one_of(value, flag, choices)
-            if check is not None:
-                value = check(value, flag)
-            object.__setattr__(self, f.name, value)
+        check_fields(self)
 
     @classmethod
     def from_dict(cls, given: dict, method: str = "") -> MethodOptions:
         """Values by option name (None = default); an unknown name is refused with 'did you mean'."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in given:
-            if key not in names:
-                close = difflib.get_close_matches(str(key), names, n=1)
-                hint = (f"did you mean {close[0]!r}?" if close else
-                        f"it reads {', '.join(names)}" if names else "it has no options")
-                raise RecipeError(f"unknown option {key!r} for method {method or cls.__name__!r}: {hint}")
-        return cls(**{k: v for k, v in given.items() if v is not None})
+        return build_checked(cls, given, "option", f" for method {method or cls.__name__!r}")
 
 
 @dataclass(frozen=True)
@@ -106,22 +73,10 @@ class NoOptions(MethodOptions):
     """A method without options (ar, hf_assisted)."""
 
 
-def _flag(f: dataclasses.Field) -> str:
-    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-
-
-def literal_choices(tp) -> tuple | None:
-    """The values of a Literal[...] annotation (also inside Optional), else None."""
-    for t in (tp, *typing.get_args(tp)):
-        if typing.get_origin(t) is Literal:
-            return typing.get_args(t)
-    return None
-
-
 def option_infos(cls: type[MethodOptions]) -> list[OptionInfo]:
     hints = typing.get_type_hints(cls)
-    return [OptionInfo(f.name, _flag(f), f.metadata.get("help", ""), f.default, hints[f.name],
-                       bool(f.metadata.get("repeat")), f.metadata.get("parse") or _reader(hints[f.name]))
+    return [OptionInfo(f.name, flag_of(f), help_of(f), f.default, hints[f.name],
+                       bool(f.metadata.get("repeat")), f.metadata.get("parse") or reader(hints[f.name]))
             for f in dataclasses.fields(cls)]
 
 

@@ -68,19 +68,6 @@ class DraftTree:
         return max(self.depths, default=0)
 
 
-def tree_from_levels(level_tokens: list[list[int]], widths: tuple[int, ...]) -> tuple[list[int], list[int], list[int]]:
-    """Flatten per-depth token lists (depth i has B_i entries) into BFS tokens/parents/depths."""
-    tokens, parents, depths, offset_prev = [], [], [], None
-    for i, toks in enumerate(level_tokens):
-        offset = len(tokens)
-        for row, tok in enumerate(toks):
-            tokens.append(int(tok))
-            parents.append(-1 if i == 0 else offset_prev + row // widths[i])
-            depths.append(i + 1)
-        offset_prev = offset
-    return tokens, parents, depths
-
-
 def ancestor_matrix(parents: list[int]) -> torch.Tensor:
     """anc_NN[i, j] = True when node j is node i or one of its ancestors (the tree scan's mask, one tree)."""
     return ancestor_mask(torch.tensor([parents]))[0]

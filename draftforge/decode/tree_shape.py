@@ -27,7 +27,7 @@ from functools import cached_property, lru_cache
 import torch
 
 from draftforge.decode.tree import config_name, level_sizes, validate_widths
-from draftforge.errors import DraftforgeError
+from draftforge.errors import DraftforgeError, RecipeError
 
 PARENTS_PREFIX = "parents:"
 
@@ -223,15 +223,32 @@ def as_shape(tree) -> TreeShape:
     return tree if isinstance(tree, TreeShape) else TreeShape.from_widths(tuple(tree))
 
 
-def parse_tree(text) -> TreeShape:
-    """'3,2,2,1', 'parents:0,0,0/0,0,1' or a preset name -> its TreeShape. DraftforgeError if bad."""
+def parse_tree(text, flag: str = "--tree") -> TreeShape:
+    """The one reader of a tree's text: '3,2,2,1' (widths), 'parents:0,0,0/0,0,1' or a preset name ('stree13') ->
+    its TreeShape, checked. A RecipeError naming `flag` says what is wrong."""
     text = str(text).strip()
     if text in TREE_PRESETS:
         return TreeShape(TREE_PRESETS[text], label=text)
-    try:
-        if text.startswith(PARENTS_PREFIX):
+    if text.startswith(PARENTS_PREFIX):
+        try:
             body = text[len(PARENTS_PREFIX):]
             return TreeShape(tuple(tuple(int(p) for p in layer.split(",") if p.strip()) for layer in body.split("/")))
-        return TreeShape.from_widths(tuple(int(p) for p in text.split(",") if p.strip()))
+        except ValueError:
+            raise RecipeError(f"{flag} {text!r}: cannot read the tree {text!r}; give {TREE_FORMS}") from None
+        except DraftforgeError as e:
+            raise RecipeError(f"{flag} {text!r}: {e}") from None
+    try:
+        widths = tuple(int(p) for p in text.split(",") if p.strip())
     except ValueError:
-        raise DraftforgeError(f"cannot read the tree {text!r}; give {TREE_FORMS}") from None
+        raise RecipeError(f"{flag} expects comma-separated integers like 3,2,2,1, got {text!r} (or give "
+                          f"{OTHER_FORMS})") from None
+    return widths_shape(widths, flag)
+
+
+def widths_shape(widths, where: str = "tree") -> TreeShape:
+    """Widths (N1..Nγ) -> their TreeShape, or a RecipeError naming `where` when a width is not >= 1."""
+    try:
+        return as_shape(tuple(widths))
+    except (DraftforgeError, TypeError):
+        raise RecipeError(f"{where} {tuple(widths)}: every tree width must be >= 1, i.e. a positive integer "
+                          "(a tree needs every width >= 1, e.g. 3,2,2,1)") from None

@@ -6,7 +6,6 @@ import argparse
 
 from draftforge.argcheck import EVAL_DEFAULTS, floats
 from draftforge.decode import methods as method_registry
-from draftforge.decode.checks import parse_widths
 from draftforge.decode.sampling import TREE_DRAWS
 from draftforge.errors import RecipeError
 from draftforge.data.prompts import BENCHES
@@ -15,9 +14,6 @@ from draftforge.runtime import DTYPE_CHOICES, add_device_flag, add_dtype_flag
 
 
 parse_floats = floats  # one reader of --temperature 0,1 for the light precheck and the command
-
-
-parse_tree = parse_widths  # '3,2,2,1' -> (3, 2, 2, 1); 'stree13', 'parents:0,0/0' -> TreeShape
 
 
 def _first_sentence(text: str, limit: int = 96) -> str:

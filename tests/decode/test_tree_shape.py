@@ -35,7 +35,7 @@ def test_stree13_is_the_papers_config_a():
     assert STREE13.parents == [-1, -1, -1, 0, 0, 1, 3, 3, 4, 6, 6, 6]
     assert (STREE13.size, STREE13.depth, STREE13.widths, STREE13.name) == (12, 4, None, "stree13")
     assert parse_tree("parents:0,0,0/0,0,1/0,0,1/0,0,0") == STREE13
-    assert command.parse_tree("stree13") == STREE13 == command.parse_tree(" parents:0,0,0/0,0,1/0,0,1/0,0,0 ")
+    assert parse_tree("stree13") == STREE13 == parse_tree(" parents:0,0,0/0,0,1/0,0,1/0,0,0 ")
 
 
 @pytest.mark.parametrize("text,parents,widths", [
@@ -52,8 +52,8 @@ def test_parent_lists_parse_to_breadth_first_parent_arrays(text, parents, widths
 
 
 def test_widths_parse_to_the_tree_shape_of_their_parent_lists():
-    assert command.parse_tree("3,1,1,1") == TreeShape.from_widths((3, 1, 1, 1))
-    assert command.parse_tree("3,1,1,1").widths == (3, 1, 1, 1)
+    assert parse_tree("3,1,1,1") == TreeShape.from_widths((3, 1, 1, 1))
+    assert parse_tree("3,1,1,1").widths == (3, 1, 1, 1)
     assert TreeShape.from_widths((3, 2)).parents == [-1, -1, -1, 0, 0, 1, 1, 2, 2]
     assert TreeShape.from_widths((3, 2)) == parse_tree("parents:0,0,0/0,0,1,1,2,2")
     uniform = StaticTree(parse_tree("parents:0,0/0,0,1,1"))  # drafted exactly like widths (2, 2)
@@ -85,7 +85,7 @@ def test_drafting_indices_of_stree13():
 ])
 def test_bad_tree_text_gets_one_clear_error(text, match):
     with pytest.raises(RecipeError, match=match) as err:
-        command.parse_tree(text)
+        parse_tree(text)
     assert "--tree" in str(err.value)
     args = command.configure(argparse.ArgumentParser()).parse_args(["--target", "t", "--bench", "b", "--tree", text])
     with pytest.raises(RecipeError, match=match):

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from draftforge.decode import parse_tree
 from draftforge.decode.base import DecodeResult, DecodeStats
 from draftforge.errors import CompatibilityError, DataError, RecipeError
 from draftforge.eval import command, runner, selfcheck
@@ -396,9 +397,9 @@ def test_command_refuses_an_option_no_running_method_reads(bench):
 
 def test_command_rejects_bad_tree_and_temperature_text():
     with pytest.raises(RecipeError, match="every tree width must be >= 1"):
-        command.parse_tree("3,-1")
+        parse_tree("3,-1")
     with pytest.raises(RecipeError, match="comma-separated integers"):
-        command.parse_tree("3,x")
+        parse_tree("3,x")
     with pytest.raises(RecipeError, match="expects numbers"):
         command.parse_floats(["0,hot"], "--temperature")
 

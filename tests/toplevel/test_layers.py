@@ -15,7 +15,7 @@ from tests.fixtures.imports import in_circles
 
 PACKAGE = Path(draftforge.__file__).parent
 LAYERS = {
-    "errors": 0, "fsutil": 0, "hfcompat": 0, "argcheck": 0, "runtime": 0, "loading": 0, "testbed": 0,
+    "errors": 0, "options": 0, "fsutil": 0, "hfcompat": 0, "argcheck": 0, "runtime": 0, "loading": 0, "testbed": 0,
     "recipe": 1, "tasks": 1, "export": 1,
     "models": 2, "smollm2": 2, "kernels": 2,
     "data": 3, "decode": 3,
