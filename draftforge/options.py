@@ -23,13 +23,14 @@ from draftforge.errors import RecipeError
 
 def option(default: Any = MISSING, help: str = "", *, check: Callable | None = None,
            parse: Callable[[str], Any] | None = None, flag: str | None = None, repeat: bool = False,
-           cli: bool = True):
+           cli: bool = True, metavar: str | None = None):
     """A setting: a dataclass field with its default (a list or dict default is copied per instance; MISSING =
     required), a one-line help and optionally `check(value, where)` -> the checked value (or RecipeError),
     `parse(text)` for its flag's text (default: from the annotation), its flag (default --the-name; a bool whose
     flag starts with --no- stores False), `repeat` (the flag is given once per item of a tuple value) and
-    `cli=False` for a setting that has no flag."""
-    meta = {"help": help, "check": check, "parse": parse, "flag": flag, "repeat": repeat, "cli": cli}
+    `cli=False` for a setting that has no flag; `metavar` names its value in --help."""
+    meta = {"help": help, "check": check, "parse": parse, "flag": flag, "repeat": repeat, "cli": cli,
+            "metavar": metavar}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -139,32 +140,43 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, defaults: dict | No
     for f in cli_fields(cls):
         flag, tp = flag_of(f), hints[f.name]
         default = (defaults or {}).get(f.name, default_of(f))
-        shown = "" if default in (MISSING, None, False, True, ()) else f" (default {default})"
+        text = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        shown = "" if default in (MISSING, None, False, True, ()) else f" (default {text})"
         kw: dict[str, Any] = {"dest": f.name, "help": help_of(f) + shown}
         if tp is bool or tp == "bool":
             kw["action"] = "store_false" if flag.startswith("--no-") else "store_true"
         else:
             choices = literal_choices(tp)
             kw.update(action="append" if f.metadata.get("repeat") else "store", choices=choices,
-                      metavar=None if choices else "VALUE")
+                      metavar=None if choices else _metavar(f, tp))
             kw["required"] = default is MISSING
         target.add_argument(flag, **kw)
-        parser.set_defaults(**{f.name: None if default is MISSING else default})
+        if not f.metadata.get("repeat"):  # a repeated flag starts empty; values_from_args gives its default
+            parser.set_defaults(**{f.name: None if default is MISSING else default})
+
+
+def _metavar(f: dataclasses.Field, tp) -> str:
+    read = reader(tp)
+    return f.metadata.get("metavar") or {int: "N", float: "X"}.get(read) or f.name.split("_")[-1].upper().removesuffix("S")
 
 
 def values_from_args(args: argparse.Namespace, cls: type) -> dict:
-    """The flags of `cls` read back from parsed `args`, each text through the field's reader: {name: value}."""
+    """The flags of `cls` read back from parsed `args`, each text through the field's reader: {name: value}. A
+    repeated flag gives a tuple (a reader that returns a tuple, such as a comma list, adds its items); a flag not
+    given gives the declared default."""
     hints = typing.get_type_hints(cls)
     out = {}
     for f in cli_fields(cls):
         raw = getattr(args, f.name, None)
-        tp = hints[f.name]
-        if raw is None or tp is bool or isinstance(raw, bool):
-            out[f.name] = raw
-            continue
-        read = f.metadata.get("parse") or reader(tp)
-        out[f.name] = tuple(parse_text(read, r, f) for r in raw) if f.metadata.get("repeat") else \
-            parse_text(read, raw, f) if isinstance(raw, str) else raw
+        read = f.metadata.get("parse") or reader(hints[f.name])
+        if raw is None:
+            default = default_of(f)
+            out[f.name] = None if default is MISSING else default
+        elif f.metadata.get("repeat"):
+            items = [parse_text(read, r, f) for r in raw]
+            out[f.name] = tuple(x for item in items for x in (item if isinstance(item, tuple) else (item,)))
+        else:
+            out[f.name] = parse_text(read, raw, f) if isinstance(raw, str) else raw
     return out
 
 

@@ -150,6 +150,7 @@ def loaded(cfg: runner.EvalConfig):
     count is restored on the way out."""
     import torch
 
+    cfg = runner.validate(cfg)  # the options resolved once, as run_eval does
     before = torch.get_num_threads()
     try:
         target, drafter, regime = runner._load(cfg)

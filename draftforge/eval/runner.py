@@ -13,82 +13,120 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Literal, get_type_hints
+from dataclasses import MISSING, asdict, dataclass, replace
+from typing import Literal
 
 import draftforge.decode as decode_api
 from draftforge.decode import methods as method_registry
 from draftforge.decode.cuda_graphs import use_cuda_graphs
 from draftforge.decode.sampling import SamplingParams
-from draftforge.argcheck import check_eval_settings
+from draftforge.argcheck import EVAL_DEFAULTS, check_eval_settings, floats
 from draftforge.errors import DraftforgeError, RecipeError
 from draftforge.eval import answers as answers_mod
 from draftforge.eval import cost, metrics, selfcheck
 from draftforge.eval.output import check_out, save_or_rescue
 from draftforge.eval.manifest import ASSISTED_POLICY_KEYS, assisted_policy, build_manifest
-from draftforge.data.prompts import answer_text, encode_prompts, encode_turn, load_prompt_rows, report_categories
-from draftforge.runtime import announce, choose_threads, resolve_dtype
+from draftforge.data.prompts import BENCHES, answer_text, encode_prompts, encode_turn, load_prompt_rows, report_categories
+from draftforge.options import check_fields, option
+from draftforge.runtime import PRECISIONS, announce, choose_threads, resolve_dtype
 
 
 class SelfCheckError(DraftforgeError):
     """Greedy speculative output differed from AR beyond rounding (any dtype) or at all (fp32): not lossless."""
 
 
+def comma_list(text: str) -> tuple[str, ...]:
+    """'ar,chain' -> ('ar', 'chain'): a repeatable flag's comma list."""
+    return tuple(p.strip() for p in str(text).split(",") if p.strip())
+
+
+def float_list(text: str) -> tuple[float, ...]:
+    return floats([text], "--temperature")
+
+
+D = EVAL_DEFAULTS  # the defaults the light precheck (draftforge/argcheck.py) assumes for the same flags
+DTYPE_HELP = ("auto = bfloat16 where the device computes it natively (CUDA with bf16, CPUs with AVX512-BF16 or "
+              "AMX), else float32; fp32 / bf16 / fp16 are the same words as train.precision")
+
+
 @dataclass
 class EvalConfig:
-    target: str  # HF model id or local path of the target
-    bench: str  # prompt file: question.jsonl (turns), JSONL with prompt/text/messages/input_ids
-    drafter: str | None = None  # drafter id/path; needed by every method except "ar"
-    temperatures: tuple[float, ...] = (0.0,)  # several values run in one process
-    max_new_tokens: int = 128
-    methods: tuple[str, ...] = ("ar", "chain", "tree")  # "ar" is always added
-    baselines: tuple[str, ...] | None = None  # None: AR + hf_assisted when the drafter is a Transformer
+    """What `draftforge eval` runs: every flag of the command is one of these settings (eval/command.py generates
+    the flags from them), and `run_eval(EvalConfig(...))` takes the same from Python. `validate` checks them once
+    and returns the config with each method's options resolved."""
+
+    target: str = option(MISSING, "target model: HF id or local path (the model being sped up)")
+    bench: str = option(MISSING, f"a named prompt set ({', '.join(BENCHES)}) or a prompt file: Spec-Bench/MT-bench "
+                        "question.jsonl ('turns'), or JSONL with 'prompt'/'text'/'messages'/'input_ids'")
+    drafter: str | None = option(None, "drafter: an exported draftforge checkpoint, an HF Mamba or small causal LM, "
+                                 "or prompt-lookup (n-gram copying from the prompt, no model); every method but ar "
+                                 "needs one")
+    temperatures: tuple[float, ...] = option(
+        (0.0,), "sampling temperature; repeat or give a comma list to run several in one process (0 = greedy)",
+        flag="--temperature", repeat=True, parse=float_list, metavar="T")
+    max_new_tokens: int = option(D["max_new_tokens"], "tokens generated per prompt")
+    methods: tuple[str, ...] = option(
+        ("ar", "chain", "tree"), "decoding methods, comma list or repeated (ar always runs as the baseline): the "
+        "methods are listed below, and in docs/evaluation.md", repeat=True, parse=comma_list, metavar="M")
+    baselines: tuple[str, ...] | None = option(
+        None, "extra baselines, comma list or repeated: ar, hf_assisted (default: ar, plus hf_assisted when the "
+        "drafter is a Transformer)", flag="--baseline", repeat=True, parse=comma_list, metavar="B")
     # method -> its options: the method's options dataclass (decode/methods.py), or a dict of values by option
-    # name, e.g. {"tree": {"tree": "stree13"}, "chain": ChainOptions(chain_length=3)}; a method not named here
-    # runs with its defaults. Checked once, before any model loads (unknown names: "did you mean").
-    method_options: dict = field(default_factory=dict)
-    top_p: float = 1.0
-    top_k: int = 0
-    # T>0 tree siblings: "distinct" (without replacement, STree) or "iid" (with replacement, SpecInfer)
-    tree_draws: Literal["distinct", "iid"] = "distinct"
-    num_prompts: int | None = None  # keep only the first N prompts
-    repeats: int = 1  # timed passes over all prompts; the report gives min/median/max
-    warmup: int = 1  # prompts run untimed per method and temperature before timing
-    ignore_eos: bool = False  # always generate max_new_tokens (fixed-length benchmarks)
-    chat_template: Literal["auto", "always", "never"] = "auto"
-    device: str = "cpu"
-    # auto: bf16 where the device computes it natively, else float32 (runtime.resolve_dtype)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    drafter_dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None  # None: as dtype
-    threads: int | None = None  # torch intra-op threads (None: 1, or OMP_NUM_THREADS when set)
-    cost_repeats: int = 5  # timed passes of each verification shape for the cost model (0: no cost model)
-    # before timing, per temperature: run chain at its chain_length on the warm-up prompts (untimed), cut those
-    # rounds at every shorter length with the cost model (cost.shorter_chains), time chain at the best one
-    tune_chain_length: bool = False
-    allow_vocab_mismatch: bool = False
-    cuda_graphs: Literal["auto", "on", "off"] = "auto"  # Mamba drafter decode steps as CUDA graphs (auto: on CUDA)
-    seed: int = 0
-    out_dir: str = "eval_out"
-    answers: str | None = None  # directory for Spec-Bench answer files, one per method and T (eval/answers.py)
-    plots: bool = True
-    strict_selfcheck: bool = True  # fp32 greedy mismatch vs AR raises SelfCheckError (after writing reports)
-    command: str | None = None  # recorded in the manifest (default: sys.argv)
-    quiet: bool = False
-    extra_manifest: dict = field(default_factory=dict)
+    # name, e.g. {"tree": {"tree": "stree13"}, "chain": ChainOptions(chain_length=3)}; a method not named here runs
+    # with its defaults. `validate` resolves every running method's to its dataclass (unknown names: "did you mean").
+    method_options: dict = option({}, "each method's options", cli=False)
+    top_p: float = option(D["top_p"], "nucleus sampling mass for T > 0")
+    top_k: int = option(D["top_k"], "top-k sampling for T > 0, 0 = off")
+    tree_draws: Literal["distinct", "iid"] = option(
+        "distinct", "how a tree's sibling drafts are drawn at T > 0: distinct (without replacement, verified by "
+        "recursive rejection sampling; STree's, default) or iid (with replacement, SpecInfer's multi-step "
+        "speculative sampling). Both are exact; distinct siblings are never duplicates")
+    num_prompts: int | None = option(None, "use only the first N prompts (default: all)")
+    repeats: int = option(1, "timed passes over all prompts, methods rotated; the report gives min/median/max "
+                          "tok/s (the command's default is 3, a measurement; from Python 1, a quick call)")
+    warmup: int = option(D["warmup"], "prompts run untimed per method and temperature before timing")
+    ignore_eos: bool = option(False, "always generate --max-new-tokens tokens (fixed-length benchmarks)")
+    chat_template: Literal["auto", "always", "never"] = option(
+        "auto", "auto: chat prompts ('turns'/'messages') use the target's chat template if it has one")
+    device: str = option("cpu", "cpu, cuda or cuda:N")
+    dtype: PRECISIONS = option("auto", "model dtype: " + DTYPE_HELP + ". The T=0 self-check is bitwise in float32; "
+                               "in reduced precision a difference must be a measured near-tie")
+    drafter_dtype: PRECISIONS | None = option(None, "the drafter's dtype (default: as --dtype)")
+    threads: int | None = option(None, "torch intra-op threads on CPU (default 1, or OMP_NUM_THREADS when set: "
+                                 "batch-1 decoding gains little from more and loses several-fold when another "
+                                 "process keeps a core busy)")
+    cost_repeats: int = option(D["cost_repeats"], "timed passes per verification size for the report's cost model "
+                               "(0 = skip)")
+    tune_chain_length: bool = option(
+        False, "before timing, run chain at --chain-length on the warm-up prompts (untimed), predict every shorter "
+        "length from those rounds with the cost model, and time chain at the best one, per temperature (the "
+        "report lists the predictions; needs --cost-repeats > 0)")
+    allow_vocab_mismatch: bool = option(False, "run a drafter whose tokenizer differs from the target's")
+    cuda_graphs: Literal["auto", "on", "off"] = option(
+        "auto", "capture the Mamba drafter's per-batch-size decode steps in CUDA graphs: auto = on when --device is "
+        "CUDA, on = require CUDA, off = eager")
+    seed: int = option(0, "sampling seed; prompt i uses seed + i")
+    out_dir: str = option("eval_out", "directory for report.json, report.md and PNG plots, checked before any "
+                          "model loads", flag="--out", metavar="DIR")
+    answers: str | None = option(
+        None, "also write Spec-Bench answer files into this directory: one JSONL per method and temperature "
+        "(<target>-<method>-<dtype>-temp-<T>.jsonl, Spec-Bench's model_answer layout, every turn of a multi-turn "
+        "question), for Spec-Bench's evaluation/speed.py and equal.py; files of the same name are replaced",
+        metavar="DIR")
+    plots: bool = option(True, "skip the PNG plots", flag="--no-plots")
+    strict_selfcheck: bool = option(True, "report, instead of failing on, fp32 greedy outputs that differ from AR",
+                                    flag="--no-strict-selfcheck")
+    command: str | None = option(None, "recorded in the manifest (default: sys.argv)", cli=False)
+    quiet: bool = option(False, "no progress lines on stderr", cli=False)
+    extra_manifest: dict = option({}, "more keys for the manifest", cli=False)
 
 
-# The Literal fields' values (dtype, drafter_dtype, tree_draws, chat_template, cuda_graphs), checked in validate.
-CHOICES = {name: c for name, tp in get_type_hints(EvalConfig).items() if (c := method_registry.literal_choices(tp))}
-
-
-def validate(cfg: EvalConfig) -> dict[str, method_registry.MethodOptions]:
-    """Reject impossible settings before any model is loaded; return each method's checked options."""
+def validate(cfg: EvalConfig) -> EvalConfig:
+    """Reject impossible settings before any model is loaded; return the config with every running method's
+    options resolved to its checked dataclass (what the runner reads: it resolves nothing again)."""
     check_eval_settings(cfg.temperatures, cfg.max_new_tokens, cfg.repeats, cfg.warmup, cfg.num_prompts, cfg.top_p,
                         cfg.top_k, cfg.threads, cfg.cost_repeats)  # the rules the CLI also checks before importing
-    for name, choices in CHOICES.items():  # the Literal fields: dtype, tree_draws, chat_template, ...
-        value = getattr(cfg, name)
-        if value is not None and value not in choices:
-            raise RecipeError(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}, got {value!r}")
+    check_fields(cfg)  # the Literal settings: dtype, tree_draws, chat_template, cuda_graphs, ...
     if cfg.tune_chain_length and ("chain" not in cfg.methods or not cfg.cost_repeats):
         raise RecipeError("--tune-chain-length picks chain's draft length with the cost model: run the chain method "
                           f"(--methods ...,chain) with --cost-repeats > 0 (methods: {', '.join(cfg.methods)}, "
@@ -100,7 +138,7 @@ def validate(cfg: EvalConfig) -> dict[str, method_registry.MethodOptions]:
             raise RecipeError(f"unknown method {m!r}; {method_registry.suggest(m)}")
         if cfg.drafter is None and method_registry.METHODS[m].needs_drafter:
             raise RecipeError(f"speculative methods need --drafter ({m!r} does); give one or use --methods ar")
-    return resolve_method_options(cfg)  # every option checked here, once, before loading
+    return replace(cfg, method_options=resolve_method_options(cfg))  # every option checked here, once
 
 
 def check_paths(cfg: EvalConfig) -> None:
@@ -151,9 +189,17 @@ def _method_order(cfg: EvalConfig) -> tuple[list[str], list[str]]:
     return required, [m for m in optional if m not in required]
 
 
-def _build_decoders(cfg: EvalConfig, target, drafter, options: dict | None = None) -> tuple[dict, list[dict]]:
-    """One decoder per method (options: resolve_method_options's, resolved here when not given)."""
-    options = resolve_method_options(cfg) if options is None else options
+def resolved_options(cfg: EvalConfig) -> dict[str, method_registry.MethodOptions]:
+    """The options of a validated config (validate's return), by method; a config not validated is refused."""
+    options = cfg.method_options
+    if not all(isinstance(options.get(m), method_registry.MethodOptions) for m in sum(_method_order(cfg), [])):
+        raise TypeError("pass the config through validate(cfg) first: it resolves each method's options once")
+    return options
+
+
+def _build_decoders(cfg: EvalConfig, target, drafter) -> tuple[dict, list[dict]]:
+    """One decoder per method of a validated config."""
+    options = resolved_options(cfg)
     required, optional = _method_order(cfg)
     decoders, skipped = {}, []
     for m in required:
@@ -282,7 +328,7 @@ def _tune_chain_length(cfg, decoders, target, drafter, options, prompts, curve, 
         _log(cfg, f"T={temp:g} --tune-chain-length: chain {length} on {probe} prompt(s) predicts "
                   + ", ".join(f"{g}: {v:.2f}x" for g, v in predicted.items()) + f"; timing chain {best}")
         if best != length:
-            chosen = dataclasses.replace(options["chain"], chain_length=best)
+            chosen = replace(options["chain"], chain_length=best)
             swaps[temp] = {"chain": decode_api.build_decoder("chain", target, drafter, options=chosen)}
     return swaps, tuning
 
@@ -367,19 +413,20 @@ def _manifest(cfg, dtype, results, drafter, orders, hf_policy, regime: dict) -> 
                           extra={**extra, **cfg.extra_manifest})
 
 
-def planned_rows(cfg: EvalConfig, options: dict | None = None) -> list[int]:
-    """Row counts to time before the runs: the grid, plus every static chain and tree the methods verify."""
-    options = resolve_method_options(cfg) if options is None else options
+def planned_rows(cfg: EvalConfig) -> list[int]:
+    """Row counts to time before the runs (a validated config): the grid, plus every static chain and tree the
+    methods verify."""
+    options = resolved_options(cfg)
     rows = set(cost.GRID)
     for m in _method_order(cfg)[0]:
         rows.update(method_registry.get_method(m).rows(options[m]))
     return sorted(rows)
 
 
-def _cost_curve(cfg, target, prompts, options: dict) -> dict[int, float]:
+def _cost_curve(cfg, target, prompts) -> dict[int, float]:
     if not cfg.cost_repeats or not prompts:
         return {}
-    rows = planned_rows(cfg, options)
+    rows = planned_rows(cfg)
     if target.max_context is not None:
         rows = [n for n in rows if len(prompts[0].input_ids) + n <= target.max_context]
     _log(cfg, f"cost model: timing one verification of N = {', '.join(map(str, rows))} rows ({cfg.cost_repeats} "
@@ -417,7 +464,8 @@ def run_eval(cfg: EvalConfig) -> dict:
 
     from draftforge.eval import report as report_mod
 
-    options = validate(cfg)
+    given, cfg = cfg, validate(cfg)  # the report records the config as given; the runner reads the resolved one
+    options = cfg.method_options
     check_paths(cfg)
     if cfg.answers:  # a directory that can be written, checked before any model loads
         answers_mod.check_answers_dir(cfg.answers, say=lambda line: _log(cfg, line))
@@ -431,9 +479,9 @@ def run_eval(cfg: EvalConfig) -> dict:
         _log(cfg, f"{len(prompts)} prompts from {cfg.bench}" + (f", {turns} turns" if turns > len(prompts) else ""))
         if cfg.answers:
             answers_mod.require_tokenizer(target.tokenizer, cfg.target)
-        decoders, skipped = _build_decoders(cfg, target, drafter, options)
+        decoders, skipped = _build_decoders(cfg, target, drafter)
         hf_policy = _hf_policy(decoders)  # read before the runs: a "heuristic" schedule changes it as it goes
-        curve = _cost_curve(cfg, target, prompts, options)
+        curve = _cost_curve(cfg, target, prompts)
         swaps, tuning = ({}, None) if not cfg.tune_chain_length else _tune_chain_length(
             cfg, decoders, target, drafter, options, prompts, curve, _eos_id(cfg, target))
         records, memory, orders = _timed_runs(cfg, decoders, prompts, _eos_id(cfg, target), target.tokenizer, swaps)
@@ -461,7 +509,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         dtype=str(dtype).replace("torch.", ""), say=lambda line: _log(cfg, line))
     report = {
         "schema": "draftforge.eval/1",
-        "config": asdict(cfg),
+        "config": asdict(given),
         "conventions": report_mod.CONVENTIONS,
         "manifest": _manifest(cfg, dtype, results, drafter, orders, _hf_policy(decoders, hf_policy), regime),
         "cost_model": {"curve_s": curve, "what": f"{type(target).__name__}, prompt of "
