@@ -90,5 +90,5 @@ def check_context(tokens: int, target, flag: str) -> None:
 
 def draft_vocab_size(drafter, target) -> int:
     """Tokens the drafter can propose: its reduced draft vocabulary, else the target's vocabulary."""
-    d2t = getattr(drafter, "d2t", None)
+    d2t = drafter.d2t
     return int(d2t.numel()) if d2t is not None else int(target.vocab_size)

@@ -1,11 +1,9 @@
-"""The Drafter interface and what every drafter shares: child proposal, q rows, the stop check.
+"""The Drafter contract and what every drafter shares: child proposal, q rows, the stop check.
 
-A drafter sees the committed sequence and returns a DraftTree for a draft plan (plan.py), then is
-told which root path the target accepted. It may be bound to the target it serves (`bind`) and
-read what the last verification produced (`target.last`: logits, hidden states if asked, the
-accepted path), or share the target's modules and caches (an early-exit drafter runs the target's
-first layers on the target's own KV cache). `draft_levels` drafts static trees and chains (with an
-optional stop rule); drafters that also implement `begin` / `feed` can follow any TreeBuilder.
+A drafter returns a DraftTree for the committed sequence and a draft plan (plan.py), then is told which root
+path the target accepted. It is bound to the target that verifies it when it is loaded (`bind`; `target` then
+names that target, which `build_decoder` uses). What a drafter can do beyond static trees and chains is declared
+as a capability flag on its class (`follows_dynamic_trees`, `reads_target_hidden`), never probed with hasattr.
 
 Legend: B rows (tree nodes at one depth), W children per node, V vocabulary.
 """
@@ -13,6 +11,7 @@ Legend: B rows (tree nodes at one depth), W children per node, V vocabulary.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 
@@ -23,9 +22,19 @@ from draftforge.decode.tree_shape import TreeShape
 
 
 class Drafter(ABC):
-    """Base class: `draft` proposes a tree for `seq`, `accept(path)` rolls state to the accepted prefix."""
+    """Base class: `draft` proposes a tree for `seq`, `accept(path)` rolls state to the accepted prefix.
+
+    Required: `reset`, `draft_levels`, `accept_levels`. Capabilities (class flags the harness reads):
+    - `follows_dynamic_trees`: implements `begin` / `feed` / `accept_nodes`, so any TreeBuilder (EAGLE-2, C2T)
+      can grow its trees node by node;
+    - `reads_target_hidden`: reads the target's hidden states of the verified positions (`bind` sets
+      `target.want_hidden`; the verification then carries them in `target.last`).
+    """
 
     kind = "abstract"  # "mamba", "transformer", ... (hf_assisted needs "transformer")
+    follows_dynamic_trees: ClassVar[bool] = False
+    reads_target_hidden: ClassVar[bool] = False
+    cuda_graphs: bool | None = None  # decode steps captured as CUDA graphs (Mamba drafters; None: not applicable)
     model = None
     tokenizer = None
     target = None  # the Target this drafter serves, once bound
@@ -38,9 +47,10 @@ class Drafter(ABC):
     hidden_after_token = False
 
     def bind(self, target) -> None:
-        """Serve `target` (load_drafter calls this); a drafter that needs the target's hidden states sets
-        `target.want_hidden = True` here."""
+        """Serve `target`: the target whose verification this drafter's drafts get (load_drafter calls this)."""
         self.target = target
+        if self.reads_target_hidden:
+            target.want_hidden = True
 
     @abstractmethod
     def reset(self) -> None:
@@ -81,10 +91,19 @@ class Drafter(ABC):
     def accept_levels(self, path: list[int]) -> None:
         """accept() after draft_levels."""
 
-    # Node interface for dynamic trees (decode/dynamic.py); optional:
-    #   begin(seq) -> logits_1V                    the root's next-token logits after syncing `seq`
-    #   feed(parents, tokens, nodes) -> logits_BV  feed new nodes (parents fed before, -1 = root)
-    #   accept_nodes(nodes)                        roll back to the accepted root path (own node ids)
+    # ---- dynamic trees (decode/dynamic.py): implemented where follows_dynamic_trees is True
+
+    def begin(self, seq: list[int]) -> torch.Tensor:
+        """The root's next-token logits [1, V'] after syncing to `seq`."""
+        raise NotImplementedError(f"the {self.kind} drafter does not follow dynamic trees")
+
+    def feed(self, parents: list[int], tokens: list[int], nodes: list[int]) -> torch.Tensor:
+        """Feed new nodes (their parents were fed before; -1 = root) -> their next-token logits [B, V']."""
+        raise NotImplementedError(f"the {self.kind} drafter does not follow dynamic trees")
+
+    def accept_nodes(self, nodes: list[int]) -> None:
+        """Roll back to the accepted root path, given as this drafter's own node ids."""
+        raise NotImplementedError(f"the {self.kind} drafter does not follow dynamic trees")
 
     @property
     def steps_per_draft(self) -> str:
@@ -129,7 +148,7 @@ def draft_map(model, target_vocab: int):
 
 def wants_hidden(stop: StopRule | None) -> bool:
     """Whether a chain's stop rule reads the drafter's hidden state (else the drafter skips computing it)."""
-    return stop is not None and bool(getattr(stop, "wants_hidden", False))
+    return stop is not None and stop.wants_hidden
 
 
 def chain_stops(stop: StopRule | None, depth: int, children_BW: torch.Tensor, logits_BV: torch.Tensor,

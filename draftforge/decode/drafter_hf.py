@@ -19,6 +19,7 @@ from draftforge.decode.tree_shape import TreeShape
 
 class TransformerDrafter(Drafter):
     kind = "transformer"
+    follows_dynamic_trees = True
 
     def __init__(self, model, vocab_size: int, tokenizer=None):
         self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size

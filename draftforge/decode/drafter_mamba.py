@@ -30,6 +30,7 @@ from draftforge.hfcompat import cache_kwargs
 
 class MambaDrafter(Drafter):
     kind = "mamba"
+    follows_dynamic_trees = True
 
     def __init__(self, model, vocab_size: int, tokenizer=None, cuda_graphs: str = "auto", graph_factory=None):
         """cuda_graphs: "auto" (graphs when the model is on CUDA), "on" (CUDA required) or "off".

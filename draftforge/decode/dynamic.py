@@ -23,7 +23,7 @@ def draft_dynamic(drafter, seq: list[int], plan, params: SamplingParams, generat
     if not params.greedy and not builder.sampling_ok:
         raise DraftforgeError(f"{type(builder).__name__} chooses children deterministically, which speculative "
                               "sampling cannot verify losslessly; use it at temperature 0")
-    if not hasattr(drafter, "feed"):
+    if not drafter.follows_dynamic_trees:
         raise DraftforgeError(f"the {drafter.kind} drafter cannot follow a dynamic tree builder (it has no "
                               "begin/feed/accept_nodes)")
     logits_BV = match_vocab(drafter.begin(seq), drafter.vocab_size, drafter.d2t)

@@ -156,8 +156,8 @@ class EarlyExitDrafter(Drafter):
         self.reset()
 
     def paired_target(self, target) -> EarlyExitTarget:
-        """The early-exit target over `target`'s model (made once per target) and bind to it; methods.build
-        calls this, so every method verifies through the split forward."""
+        """The early-exit target over `target`'s model (made once per target), and bind to it: load_early_exit
+        pairs the head with its target this way, so every method verifies through the split forward."""
         if isinstance(target, EarlyExitTarget):
             paired = target
         else:
@@ -264,7 +264,7 @@ def make_eesd_decoder(target, drafter, controller, name: str = "eesd"):
     """A SpeculativeDecoder of the early-exit drafter over its paired target (refuses other drafters)."""
     if not isinstance(drafter, EarlyExitDrafter):
         raise DraftforgeError(f"method {name!r} needs an EESD exit head as drafter (an export of task eesd), got a "
-                              f"{getattr(drafter, 'kind', type(drafter).__name__)!r} drafter; use method chain for it")
+                              f"{drafter.kind!r} drafter; use method chain for it")
     return SpeculativeDecoder(name, drafter.paired_target(target), drafter, controller)
 
 

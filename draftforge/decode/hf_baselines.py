@@ -31,8 +31,8 @@ class HFAssistedDecoder(Decoder):
     name = "hf_assisted"
 
     def __init__(self, target: Target, drafter: Drafter):
-        if drafter is None or getattr(drafter, "kind", None) != "transformer":
-            kind = getattr(drafter, "kind", None)
+        if drafter is None or drafter.kind != "transformer":
+            kind = None if drafter is None else drafter.kind
             raise DraftforgeError(
                 f"hf_assisted needs a Transformer drafter (transformers cannot roll back {kind!r} state); "
                 "use method 'chain' or 'tree' for Mamba drafters"

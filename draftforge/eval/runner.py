@@ -387,7 +387,7 @@ def _enforce_self_check(cfg, results, dtype, paths) -> None:
 
 def _graphs_used(drafter) -> str:
     """What --cuda-graphs resolved to: 'on'/'off' for a Mamba drafter, 'n/a' for other drafters or none."""
-    graphed = getattr(drafter, "cuda_graphs", None)
+    graphed = None if drafter is None else drafter.cuda_graphs
     return "n/a" if graphed is None else ("on" if graphed else "off")
 
 

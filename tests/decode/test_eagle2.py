@@ -25,6 +25,7 @@ class PathDrafter(Drafter):
     """Logits are a seeded random function of (prompt, path): no state beyond a node -> path map."""
 
     kind = "fake"
+    follows_dynamic_trees = True
 
     def __init__(self, vocab=VOCAB, scale=2.5):
         self.vocab_size, self.scale, self.d2t = vocab, scale, None

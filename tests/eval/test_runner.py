@@ -105,7 +105,7 @@ class FakeAPI:
         return self.target
 
     def load_drafter(self, path, target, device="cpu", dtype=None, allow_vocab_mismatch=False, cuda_graphs="auto"):
-        return SimpleNamespace(path=path)
+        return SimpleNamespace(path=path, cuda_graphs=None)  # what a Drafter declares
 
     def build_decoder(self, method, target, drafter=None, **opts):
         if method == "hf_assisted" and not self.hf_ok:
