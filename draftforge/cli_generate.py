@@ -7,8 +7,43 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import MISSING, dataclass
 
-from draftforge.runtime import add_device_flag, add_dtype_flag, announce, resolve_dtype
+from draftforge.options import add_flags, check_fields, option, positive_int, values_from_args
+from draftforge.runtime import PRECISIONS, announce, resolve_dtype
+
+
+def float_list(text: str) -> tuple[float, ...]:
+    from draftforge.argcheck import floats
+
+    return floats([text], "--temperature")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateJob:
+    """`draftforge generate`: its flags are these settings."""
+
+    target: str = option(MISSING, "target model directory (or HF id)")
+    prompts: str | None = option(None, "JSONL of prompts ({messages} or {prompt}, e.g. from `draftforge target "
+                                 "prompts`) or a named bench", group="source")
+    random_starts: int | None = option(None, "base targets: N prompts of one random token each (EESD / LLM-QAT "
+                                       "recipe)", group="source", check=positive_int)
+    out: str = option(MISSING, "JSONL file the rows are appended to (resumed if it exists)", metavar="FILE")
+    temperature: tuple[float, ...] = option((0.0, 1.0), "answer every prompt once per temperature; 0 = greedy",
+                                            repeat=True, parse=float_list, metavar="T")
+    max_new_tokens: int = option(256, "new tokens per answer at most")
+    batch_size: int = option(8, "prompts per left-padded generate() call")
+    num_prompts: int | None = option(None, "use only the first N prompts of --prompts", aliases=("-n",),
+                                     check=positive_int)
+    seed: int = option(0, "sampling seed")
+    dtype: PRECISIONS = option("auto", "target dtype: auto = bfloat16 where the device computes it natively, else "
+                               "float32; the rows hold the answers of that dtype")
+    device: str | None = option(None, "torch device (default: cuda if available, else cpu)")
+    threads: int | None = option(None, "torch intra-op threads on CPU (default: torch's own, one per core, or "
+                                 "OMP_NUM_THREADS; use 1 when another job keeps a core busy)", check=positive_int)
+
+    def __post_init__(self):
+        check_fields(self)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -16,23 +51,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         "Answer prompts with the target (chat template when it has one) or, for a base target, continue random "
         "start tokens (greedy for 3-5 tokens, then sampled: EESD §3.2). Rows {input_ids, prompt_len, prompt_id, "
         "temperature} are appended to --out; rerunning the same command resumes a killed run.")
-    p.add_argument("--target", required=True, help="target model directory (or HF id)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompts", help="JSONL of prompts ({messages} or {prompt}, e.g. from `draftforge target "
-                                       "prompts`) or a named bench")
-    src.add_argument("--random-starts", type=int, metavar="N",
-                     help="base targets: N prompts of one random token each (EESD / LLM-QAT recipe)")
-    p.add_argument("--out", required=True, help="JSONL file the rows are appended to (resumed if it exists)")
-    p.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0],
-                   help="answer every prompt once per temperature; 0 = greedy (default: 0 1)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per answer at most (default 256)")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per left-padded generate() call (default 8)")
-    p.add_argument("-n", "--num-prompts", type=int, help="use only the first N prompts of --prompts")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    add_dtype_flag(p, "; the rows hold the answers of that dtype", what="target dtype")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--threads", type=int, help="torch intra-op threads on CPU (default: torch's own, one per core, "
-                                                "or OMP_NUM_THREADS; use 1 when another job keeps a core busy)")
+    add_flags(p, GenerateJob)
 
 
 def _context(model) -> int:
@@ -49,7 +68,8 @@ def run(args) -> int:
     from draftforge.fsutil import output_problem
     from draftforge.loading import load_causal_lm
 
-    check_settings(args.temperature, args.max_new_tokens, args.batch_size)  # seconds before the model loads
+    args = GenerateJob(**values_from_args(args, GenerateJob))  # every value checked before the model loads
+    check_settings(list(args.temperature), args.max_new_tokens, args.batch_size)
     problem = output_problem(args.out, "file")
     if problem:
         raise DataError(f"--out {args.out}: {problem}; give --out the JSONL file the rows go to")
@@ -77,7 +97,7 @@ def run(args) -> int:
         bars[0].update(n_rows)
         bars[0].set_postfix_str(f"{tokens_per_s:.1f} tok/s")
 
-    stats = generate_rows(model, tokenizer, jobs, args.out, temperatures=args.temperature,
+    stats = generate_rows(model, tokenizer, jobs, args.out, temperatures=list(args.temperature),
                           max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                           progress=progress, target=args.target)
     for bar in bars:

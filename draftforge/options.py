@@ -23,14 +23,15 @@ from draftforge.errors import RecipeError
 
 def option(default: Any = MISSING, help: str = "", *, check: Callable | None = None,
            parse: Callable[[str], Any] | None = None, flag: str | None = None, repeat: bool = False,
-           cli: bool = True, metavar: str | None = None):
+           cli: bool = True, metavar: str | None = None, aliases: tuple[str, ...] = (), group: str | None = None):
     """A setting: a dataclass field with its default (a list or dict default is copied per instance; MISSING =
     required), a one-line help and optionally `check(value, where)` -> the checked value (or RecipeError),
     `parse(text)` for its flag's text (default: from the annotation), its flag (default --the-name; a bool whose
     flag starts with --no- stores False), `repeat` (the flag is given once per item of a tuple value) and
-    `cli=False` for a setting that has no flag; `metavar` names its value in --help."""
+    `cli=False` for a setting that has no flag; `metavar` names its value in --help; `aliases`, more flags
+    for it (-n); `group`: settings of one group name are alternatives, exactly one of which must be given."""
     meta = {"help": help, "check": check, "parse": parse, "flag": flag, "repeat": repeat, "cli": cli,
-            "metavar": metavar}
+            "metavar": metavar, "aliases": aliases, "group": group}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -64,6 +65,41 @@ def reader(tp) -> Callable[[str], Any]:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
     return {int: int, float: float}.get(tp, str)
+
+
+# ---------------------------------------------------------------- value checks: check(value, where) -> value
+
+
+def positive_int(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RecipeError(f"{where} must be >= 1, got {value!r}")
+    return value
+
+
+def non_negative_int(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RecipeError(f"{where} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def non_negative(value, where: str) -> float:
+    if value is None or value < 0:
+        raise RecipeError(f"{where} must be >= 0, got {value!r}")
+    return float(value)
+
+
+def positive(value, where: str) -> float:
+    if value is None or float(value) <= 0:
+        raise RecipeError(f"{where} must be > 0, got {value!r}")
+    return float(value)
+
+
+def unit_interval(value, where: str, open_: bool = False) -> float:
+    """A value in [0, 1], or in (0, 1) with `open_`."""
+    ok = value is not None and (0.0 < float(value) < 1.0 if open_ else 0.0 <= float(value) <= 1.0)
+    if not ok:
+        raise RecipeError(f"{where} must be in {'(0, 1)' if open_ else '[0, 1]'}, got {value!r}")
+    return float(value)
 
 
 def one_of(value, where: str, choices):
@@ -134,10 +170,15 @@ def cli_fields(cls: type) -> list[dataclasses.Field]:
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, *, defaults: dict | None = None, group=None) -> None:
     """One flag per setting of `cls` (those with `cli`): its help and default from the declaration (`defaults`
-    overrides a shown default by field name), Literal values as choices, a bool as a switch."""
-    target = group or parser
+    overrides a shown default by field name), Literal values as choices, a bool as a switch, a repeated setting
+    as a flag given once or more with one or more values each (`--temperature 0 1`, `--temperature 0,1`)."""
     hints = typing.get_type_hints(cls)
+    groups: dict[str, Any] = {}
     for f in cli_fields(cls):
+        name = f.metadata.get("group")
+        if name and name not in groups:
+            groups[name] = (group or parser).add_mutually_exclusive_group(required=True)
+        target = groups[name] if name else (group or parser)
         flag, tp = flag_of(f), hints[f.name]
         default = (defaults or {}).get(f.name, default_of(f))
         text = ",".join(map(str, default)) if isinstance(default, tuple) else default
@@ -147,10 +188,12 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, defaults: dict | No
             kw["action"] = "store_false" if flag.startswith("--no-") else "store_true"
         else:
             choices = literal_choices(tp)
-            kw.update(action="append" if f.metadata.get("repeat") else "store", choices=choices,
-                      metavar=None if choices else _metavar(f, tp))
-            kw["required"] = default is MISSING
-        target.add_argument(flag, **kw)
+            kw.update(action="store", choices=choices, metavar=None if choices else _metavar(f, tp))
+            if f.metadata.get("repeat"):
+                kw.update(action="extend", nargs="+")
+            if not name:
+                kw["required"] = default is MISSING
+        target.add_argument(*f.metadata.get("aliases", ()), flag, **kw)
         if not f.metadata.get("repeat"):  # a repeated flag starts empty; values_from_args gives its default
             parser.set_defaults(**{f.name: None if default is MISSING else default})
 

@@ -9,41 +9,10 @@ from __future__ import annotations
 
 from draftforge.decode.tree_shape import TreeShape, parse_tree, widths_shape
 from draftforge.errors import DraftforgeError, RecipeError
-from draftforge.options import one_of  # noqa: F401  (the choice check, with the method checks)
+from draftforge.options import (  # noqa: F401  (the value checks every setting shares: options.py)
+    non_negative, non_negative_int, one_of, positive, positive_int, unit_interval)
 
 # ---------------------------------------------------------------- values
-
-
-def positive_int(value, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise RecipeError(f"{where} must be >= 1, got {value!r}")
-    return value
-
-
-def non_negative_int(value, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise RecipeError(f"{where} must be an integer >= 0, got {value!r}")
-    return value
-
-
-def non_negative(value, where: str) -> float:
-    if value is None or value < 0:
-        raise RecipeError(f"{where} must be >= 0, got {value!r}")
-    return float(value)
-
-
-def positive(value, where: str) -> float:
-    if value is None or float(value) <= 0:
-        raise RecipeError(f"{where} must be > 0, got {value!r}")
-    return float(value)
-
-
-def unit_interval(value, where: str, open_: bool = False) -> float:
-    """A value in [0, 1], or in (0, 1) with `open_`."""
-    ok = value is not None and (0.0 < float(value) < 1.0 if open_ else 0.0 <= float(value) <= 1.0)
-    if not ok:
-        raise RecipeError(f"{where} must be in {'(0, 1)' if open_ else '[0, 1]'}, got {value!r}")
-    return float(value)
 
 
 # ---------------------------------------------------------------- tree widths (--tree and its kin)

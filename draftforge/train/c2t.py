@@ -119,7 +119,7 @@ def build(recipe, accelerator, with_data: bool = True):
 
 
 def load_rows(recipe, cfg: C2TConfig):
-    from draftforge.data.harvest import load_harvest, summarize
+    from draftforge.harvest.c2t import load_harvest, summarize
     from draftforge.train.parts import local_tokenizer
 
     data = load_harvest(recipe.data.sources, target_fingerprint(recipe.model.target), local_tokenizer(recipe))
@@ -139,7 +139,7 @@ def target_fingerprint(target: str | None) -> str | None:
 
     if not target or not Path(target).is_dir():
         return None
-    from draftforge.data.harvest import model_fingerprint
+    from draftforge.harvest.c2t import model_fingerprint
     from draftforge.loading import load_causal_lm
 
     return model_fingerprint(load_causal_lm(target, what="target"))

@@ -59,7 +59,7 @@ def _split(rows, fraction: float, seed: int):
 
 
 def build_theta_task(recipe, accelerator, with_data: bool = True):
-    from draftforge.data.harvest_theta import load_harvest
+    from draftforge.harvest.cali_ts import load_harvest
     from draftforge.errors import RecipeError
     from draftforge.train.parts import local_tokenizer
     from draftforge.train.spec import TaskSpec

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftforge.data.harvest_logits import harvest_logits
+from draftforge.harvest.logits import harvest_logits
 from draftforge.data.logits_cache import LogitsCache, cached_block_data, open_cache
 from draftforge.errors import CompatibilityError, DataError, RecipeError
 from draftforge.recipe import DataConfig, recipe_from_dict

@@ -160,7 +160,7 @@ def _save_target(model, tokenizer, out):
 
 
 def test_c2t_harvest_records_and_checks_the_tokenizer(target, chat_tok, other_tok, tmp_path):
-    from draftforge.data import harvest as hv
+    from draftforge.harvest import c2t as hv
     from draftforge.recipe import recipe_from_dict
     from draftforge.train import run
 
@@ -188,7 +188,7 @@ def test_c2t_harvest_records_and_checks_the_tokenizer(target, chat_tok, other_to
 
 
 def test_theta_harvest_checks_its_rows_and_records_the_tokenizer(rows, chat_tok, other_tok, tmp_path):
-    from draftforge.data.harvest_theta import harvest_theta, load_harvest
+    from draftforge.harvest.cali_ts import harvest_theta, load_harvest
     from draftforge.recipe import recipe_from_dict
     from draftforge.train import run
 

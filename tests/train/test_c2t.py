@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from draftforge.cli import main as cli_main
-from draftforge.data import harvest as hv
+from draftforge.harvest import c2t as hv
 from draftforge.decode import SpeculativeDecoder, load_drafter, load_target
 from draftforge.decode.eagle2 import Eagle2Builder
 from draftforge.errors import CompatibilityError, DataError

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from draftforge.cli import main as cli_main
-from draftforge.data.harvest_theta import harvest_theta, load_harvest
+from draftforge.harvest.cali_ts import harvest_theta, load_harvest
 from draftforge.decode import StoppableChain, StopRule, build_decoder, load_drafter, load_target
 from draftforge.decode.sampling import SamplingParams
 from draftforge.errors import CompatibilityError

@@ -16,8 +16,10 @@ prompt (written through `datasets`, atomically), so a killed harvest resumes whe
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import sys
+from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 from draftforge.decode.c2t import parent_entropy
 from draftforge.decode.eagle2 import Eagle2Builder
@@ -25,6 +27,8 @@ from draftforge.decode.plan import DynamicTree
 from draftforge.decode.sampling import SamplingParams
 from draftforge.errors import CompatibilityError, DataError
 from draftforge.models.c2t import DEPTH_ORIGIN
+from draftforge.options import add_flags, check_fields, option, positive_int
+from draftforge.runtime import PRECISIONS
 
 COLUMNS = ("tree_id", "prompt_id", "node", "parent", "P", "H", "d", "label", "target", "drafter")
 META_FILE = "harvest.json"
@@ -216,3 +220,92 @@ def summarize(data) -> dict:
     trees, positives = len(data.unique("tree_id")), int(labels.sum())
     return {"rows": len(labels), "trees": trees, "positives": positives,
             "positive_rate": positives / len(labels) if len(labels) else 0.0, "tau": positives / max(trees, 1)}
+
+
+# ---------------------------------------------------------------- `draftforge harvest trees`
+
+THREADS_HELP = ("torch intra-op threads on CPU (default 1, or OMP_NUM_THREADS: batch-1 model passes lose "
+                "several-fold when a core is busy)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TreeHarvestJob:
+    """`draftforge harvest trees`: its flags are these settings."""
+
+    target: str = option(MISSING, "target model dir (HF decoder-only Transformer)")
+    drafter: str = option(MISSING, "drafter dir (Mamba, Mamba2 or Transformer)")
+    bench: str = option(MISSING, "prompt file or named set (testbed, humaneval, instructions); use training "
+                        "prompts, disjoint from the ones you evaluate on")
+    out: str = option(MISSING, "harvest directory (harvest.json + parquet shards)", metavar="DIR")
+    num_prompts: int | None = option(None, "use only the first N prompts (default: all)", check=positive_int)
+    max_new_tokens: int = option(128, "greedy tokens per prompt", check=positive_int)
+    top_k: int = option(10, "EAGLE-2 k: children per node and frontier width", check=positive_int)
+    depth: int = option(10, "EAGLE-2 code depth: draft layers = depth + 1 (the paper's dmax 11)", check=positive_int)
+    top_m: int = option(1000, "entropy over the parent's top-M tokens", check=positive_int)
+    chat_template: Literal["auto", "always", "never"] = option(
+        "auto", "auto: chat prompts use the target's chat template if it has one; always / never force it on or off")
+    ignore_eos: bool = option(False, "always generate --max-new-tokens tokens (default: stop at the target's eos)")
+    device: str = option("cpu", "cpu, cuda or cuda:N")
+    dtype: PRECISIONS = option("auto", "model dtype: auto = bfloat16 where the device computes it natively, else "
+                               "float32; recorded in harvest.json, and a resume must use the same")
+    resume: bool = option(False, "continue a harvest in --out (same target, drafter, settings); finished prompts "
+                          "are skipped")
+    threads: int | None = option(None, THREADS_HELP, check=positive_int)
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+def harvest_trees(job: TreeHarvestJob) -> dict:
+    """Harvest every prompt of `job.bench` into `job.out` (resumable); the harvest's summary."""
+    from tqdm import tqdm
+
+    from draftforge.data.prompts import load_prompts
+    from draftforge.decode import load_drafter, load_target
+    from draftforge.decode.eagle2 import check_eagle2
+    from draftforge.runtime import announce, resolve_dtype
+
+    dtype = resolve_dtype(job.dtype, job.device)
+    announce(dtype, "target and drafter")
+    target = load_target(job.target, device=job.device, dtype=dtype.torch_dtype)
+    drafter = load_drafter(job.drafter, target, device=job.device, dtype=dtype.torch_dtype)
+    check_eagle2(job.top_k, job.depth, 2, target, drafter)
+    settings = HarvestSettings(job.top_k, job.depth, job.top_m, job.max_new_tokens)
+    prompts = load_prompts(job.bench, target.tokenizer, num_prompts=job.num_prompts, chat=job.chat_template,
+                           context_length=target.max_context, max_new_tokens=job.max_new_tokens)
+    out = Path(job.out)
+    meta = {**harvest_meta(target, drafter, settings, str(job.bench)), "dtype": dtype.name}
+    open_harvest(out, meta, job.resume)
+    fingerprints, eos = (meta["target"], meta["drafter"]), ([] if job.ignore_eos else None)
+    done = sum(shard_path(out, i).is_file() for i in range(len(prompts)))
+    totals = {"trees": 0, "rows": 0, "positives": 0}
+    bar = tqdm(total=len(prompts), initial=done, desc="harvest trees", file=sys.stderr, dynamic_ncols=True)
+    for i, prompt in enumerate(prompts):
+        shard = shard_path(out, i)
+        if shard.is_file():
+            continue
+        rows = harvest_prompt(target, drafter, list(prompt.input_ids), str(prompt.prompt_id), settings,
+                              fingerprints, eos)
+        write_shard(rows, shard)
+        totals["trees"] += len(set(rows["tree_id"]))
+        totals["rows"] += len(rows["label"])
+        totals["positives"] += sum(rows["label"])
+        bar.update(1)
+        bar.set_postfix(trees=totals["trees"], tau=f"{totals['positives'] / max(totals['trees'], 1):.2f}")
+    bar.close()
+    return {"prompts": len(prompts), **summarize(load_harvest([out]))}
+
+
+def configure(p) -> None:
+    p.description = ("Grow the whole EAGLE-2 pool T1 at every step of each prompt's greedy continuation and label "
+                     "each node (1 = on the path the target accepts). Labels are exact under greedy decoding: they "
+                     "come from the target's own greedy continuation, with no tree verification.")
+    add_flags(p, TreeHarvestJob)
+
+
+def run_job(job: TreeHarvestJob) -> int:
+    summary = harvest_trees(job)
+    print(f"harvest: {summary['prompts']} prompts, {summary['trees']} trees, {summary['rows']} nodes, "
+          f"{summary['positives']} accepted ({summary['positive_rate']:.3%}), τ {summary['tau']:.2f} accepted "
+          f"drafts per tree; in {job.out}")
+    return 0

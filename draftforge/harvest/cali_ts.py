@@ -26,13 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 
 import torch
 
 from draftforge.errors import DataError, DraftforgeError
 from draftforge.fsutil import atomic_write_text, temp_dir_beside
-from draftforge.runtime import add_device_flag, add_dtype_flag, announce, resolve_dtype
+from draftforge.harvest.c2t import THREADS_HELP
+from draftforge.options import add_flags, check_fields, non_negative_int, option, positive_int
+from draftforge.runtime import PRECISIONS, announce, resolve_dtype
 
 MANIFEST = "harvest.json"
 SETTING_KEYS = ("target_fingerprint", "drafter_fingerprint", "max_offset", "anchor_stride", "max_len", "generate",
@@ -273,37 +276,47 @@ then train the predictor: draftforge train RECIPE (task: theta, data.sources: [r
 """
 
 
+@dataclass(frozen=True, kw_only=True)
+class ThetaHarvestJob:
+    """`draftforge harvest theta`: its flags are these settings."""
+
+    target: str = option(MISSING, "the target model (local path)")
+    drafter: str = option(MISSING, "the trained drafter (export dir or local path; an EESD export of this target too)")
+    data: tuple[str, ...] = option(MISSING, "JSONL rows: input_ids (token rows, prompt_len / loss_mask mark the "
+                                   "labelled part) or text; one or more, flag repeatable", repeat=True, metavar="ROWS")
+    out: str = option(MISSING, "harvest directory (shards + harvest.json)", metavar="DIR")
+    max_offset: int = option(16, "draft offsets i = 1..N per anchor (offsets past 10 share W^10)", check=positive_int)
+    anchor_stride: int = option(8, "one anchor every N positions", check=positive_int)
+    max_len: int = option(512, "cut sequences to N tokens", check=positive_int)
+    generate: int = option(0, "first continue each row greedily by N target tokens and label only those (0: the "
+                           "rows as they are)", check=non_negative_int)
+    max_sequences: int | None = option(None, "read at most N rows (default: all)", check=positive_int)
+    shard_size: int = option(64, "sequences per saved shard", check=positive_int)
+    device: str = option("cpu", "where both models run: cpu, cuda or cuda:N")
+    allow_vocab_mismatch: bool = option(False, "a drafter whose tokenizer differs from the target's: use token ids "
+                                        "as they are (as eval's flag of the same name)")
+    resume: bool = option(False, "continue a harvest in --out with the same settings")
+    overwrite: bool = option(False, "replace a harvest in --out")
+    dtype: PRECISIONS = option("auto", "model dtype: auto = bfloat16 where the device computes it natively, else "
+                               "float32; recorded, and a resume must use the same")
+    threads: int | None = option(None, THREADS_HELP, check=positive_int)
+
+    def __post_init__(self):
+        check_fields(self)
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.description, p.epilog = DESCRIPTION, EPILOG
-    p.add_argument("--target", required=True, help="the target model (local path)")
-    p.add_argument("--drafter", required=True, help="the trained drafter (export dir or local path; an EESD "
-                   "export of this target too)")
-    p.add_argument("--data", required=True, action="append", help="JSONL rows: input_ids (token rows, "
-                   "prompt_len / loss_mask mark the labelled part) or text; repeatable")
-    p.add_argument("--out", required=True, help="harvest directory (shards + harvest.json)")
-    p.add_argument("--max-offset", type=int, default=16, help="draft offsets i = 1..N per anchor (default 16; "
-                   "offsets past 10 share W^10)")
-    p.add_argument("--anchor-stride", type=int, default=8, help="one anchor every N positions (default 8)")
-    p.add_argument("--max-len", type=int, default=512, help="cut sequences to N tokens (default 512)")
-    p.add_argument("--generate", type=int, default=0, help="first continue each row greedily by N target tokens "
-                   "and label only those (default 0: the rows as they are)")
-    p.add_argument("--max-sequences", type=int, default=None, help="read at most N rows (default: all)")
-    p.add_argument("--shard-size", type=int, default=64, help="sequences per saved shard (default 64)")
-    add_device_flag(p, "where both models run: ")
-    p.add_argument("--allow-vocab-mismatch", action="store_true", help="a drafter whose tokenizer differs from the "
-                   "target's: use token ids as they are (as eval's flag of the same name)")
-    p.add_argument("--resume", action="store_true", help="continue a harvest in --out with the same settings")
-    p.add_argument("--overwrite", action="store_true", help="replace a harvest in --out")
-    add_dtype_flag(p, "; recorded, and a resume must use the same")
+    add_flags(p, ThetaHarvestJob)
 
 
-def run(args) -> int:
-    m = harvest_theta(args.target, args.drafter, args.data, args.out, max_offset=args.max_offset,
-                      anchor_stride=args.anchor_stride, max_len=args.max_len, generate=args.generate,
-                      max_sequences=args.max_sequences, shard_size=args.shard_size, resume=args.resume,
-                      overwrite=args.overwrite, device=args.device, allow_vocab_mismatch=args.allow_vocab_mismatch,
-                      dtype=args.dtype)
+def run_job(job: ThetaHarvestJob) -> int:
+    m = harvest_theta(job.target, job.drafter, list(job.data), job.out, max_offset=job.max_offset,
+                      anchor_stride=job.anchor_stride, max_len=job.max_len, generate=job.generate,
+                      max_sequences=job.max_sequences, shard_size=job.shard_size, resume=job.resume,
+                      overwrite=job.overwrite, device=job.device, allow_vocab_mismatch=job.allow_vocab_mismatch,
+                      dtype=job.dtype)
     mean = f"{m['mean_label']:.3f}" if m["mean_label"] is not None else "n/a"
     print(f"harvested {m['rows']} rows ({len(m['shards'])} shards), mean acceptance χ {mean}, "
-          f"target width {m['target_dim']}, drafter width {m['draft_dim']} -> {args.out}")
+          f"target width {m['target_dim']}, drafter width {m['draft_dim']} -> {job.out}")
     return 0

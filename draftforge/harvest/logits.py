@@ -22,7 +22,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 
 import torch
@@ -32,7 +32,9 @@ from draftforge.data.logits_cache import (DRAFT_VOCAB_FILE, FORMAT_VERSION, KIND
                                           shard_name, shard_problem, stored_weights_fingerprint, write_shard)
 from draftforge.errors import CompatibilityError, DataError, RecipeError
 from draftforge.fsutil import atomic_write_text
-from draftforge.runtime import add_device_flag, add_dtype_flag, announce, resolve_dtype
+from draftforge.harvest.c2t import THREADS_HELP
+from draftforge.options import add_flags, check_fields, option, positive_int
+from draftforge.runtime import PRECISIONS, announce, resolve_dtype
 
 ROWS_FIX = "regenerate the rows with this target, or pass --target {theirs}"
 # what a resume must share with the harvest it continues (the target's weights are compared once loaded)
@@ -386,32 +388,44 @@ data.format: tokens)
 """
 
 
+@dataclass(frozen=True, kw_only=True)
+class LogitsHarvestJob:
+    """`draftforge harvest logits`: its flags are these settings."""
+
+    target: str = option(MISSING, "the target model (local directory)")
+    data: str = option(MISSING, "one file of token rows (format: tokens), the one distill trains on", metavar="ROWS")
+    out: str = option(MISSING, "cache directory (harvest.json + shards)", metavar="DIR")
+    top_k: int = option(32, "log-probabilities kept per position", check=positive_int)
+    draft_vocab: str | None = option(None, "take the top-k over a reduced head's ids: N (the N most frequent labels "
+                                     "of --data, as model.draft_vocab: N with model.draft_vocab_from: DATA), a run "
+                                     "or export dir, or a JSON list of target ids (default: the whole vocabulary)")
+    max_len: int = option(2048, "read at most N tokens of a row (at least the train.block_size that will read the "
+                          "cache)", check=positive_int)
+    batch_size: int = option(8, "rows per teacher forward", check=positive_int)
+    shard_rows: int = option(256, "rows per shard", check=positive_int)
+    device: str = option("cpu", "cpu, cuda or cuda:N")
+    dtype: PRECISIONS = option("auto", "the target's dtype: auto = bfloat16 where the device computes it natively, "
+                               "else float32; recorded, and a resume must use the same")
+    resume: bool = option(False, "continue the harvest in --out (same settings)")
+    overwrite: bool = option(False, "replace the harvest in --out")
+    threads: int | None = option(None, THREADS_HELP, check=positive_int)
+
+    def __post_init__(self):
+        check_fields(self)
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.description, p.epilog = DESCRIPTION, EPILOG
-    p.add_argument("--target", required=True, help="the target model (local directory)")
-    p.add_argument("--data", required=True, help="one file of token rows (format: tokens), the one distill trains on")
-    p.add_argument("--out", required=True, help="cache directory (harvest.json + shards)")
-    p.add_argument("--top-k", type=int, default=32, help="log-probabilities kept per position (default 32)")
-    p.add_argument("--draft-vocab", default=None, help="take the top-k over a reduced head's ids: N (the N most "
-                   "frequent labels of --data, as model.draft_vocab: N with model.draft_vocab_from: DATA), a run "
-                   "or export dir, or a JSON list of target ids (default: the whole vocabulary)")
-    p.add_argument("--max-len", type=int, default=2048, help="read at most N tokens of a row (default 2048; at "
-                   "least the train.block_size that will read the cache)")
-    p.add_argument("--batch-size", type=int, default=8, help="rows per teacher forward (default 8)")
-    p.add_argument("--shard-rows", type=int, default=256, help="rows per shard (default 256)")
-    add_device_flag(p)
-    add_dtype_flag(p, "; recorded, and a resume must use the same", what="the target's dtype")
-    p.add_argument("--resume", action="store_true", help="continue the harvest in --out (same settings)")
-    p.add_argument("--overwrite", action="store_true", help="replace the harvest in --out")
+    add_flags(p, LogitsHarvestJob)
 
 
-def run(args) -> int:
-    m = harvest_logits(args.target, args.data, args.out, top_k=args.top_k, draft_vocab=args.draft_vocab,
-                       max_len=args.max_len, batch_size=args.batch_size, shard_rows=args.shard_rows,
-                       device=args.device, dtype=args.dtype, resume=args.resume, overwrite=args.overwrite)
+def run_job(job: LogitsHarvestJob) -> int:
+    m = harvest_logits(job.target, job.data, job.out, top_k=job.top_k, draft_vocab=job.draft_vocab,
+                       max_len=job.max_len, batch_size=job.batch_size, shard_rows=job.shard_rows,
+                       device=job.device, dtype=job.dtype, resume=job.resume, overwrite=job.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:
         size = sum(e["bytes"] for e in m["shards"])
         print(f"harvest logits: {m['rows']['count']:,} rows, {m['rows']['positions']:,} positions, top-{m['top_k']}"
               f"{' over ' + str(m['draft_vocab']['size']) + ' draft ids' if m['draft_vocab'] else ''}, "
-              f"{len(m['shards'])} shards ({size / 2**20:,.1f} MiB), {m['dtype']}; in {args.out}")
+              f"{len(m['shards'])} shards ({size / 2**20:,.1f} MiB), {m['dtype']}; in {job.out}")
     return 0
