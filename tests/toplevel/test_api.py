@@ -98,7 +98,7 @@ def test_the_pages_examples_run(page, i):
 
 # ---------------------------------------------------------------- draftforge's internals in tests/ and benchmarks/
 
-TOPS = ("decode", "data", "eval", "train", "models", "kernels")
+TOPS = ("decode", "data", "harvest", "eval", "train", "models", "kernels")
 PACKAGE = Path(draftforge.__file__).parent
 # (where, imported module prefixes, why): the first row that matches an import of an internal name is its reason.
 # "own" = the draftforge package a test folder is named after (tests/decode/ -> draftforge.decode).
@@ -112,7 +112,7 @@ REASONS = (
      "through the Python API: tests drive them as the CLI does"),
     ("tests/", ("draftforge.models", "draftforge.hfcompat", "draftforge.loading", "draftforge.kernels"),
      "tests build their tiny models, checkpoints and exports with the model code"),
-    ("tests/", ("draftforge.decode", "draftforge.data", "draftforge.eval"),
+    ("tests/", ("draftforge.decode", "draftforge.data", "draftforge.harvest", "draftforge.eval"),
      "tests that cross packages check one package against another's oracle (eval and train tests build real "
      "decoders, harvests and prompt files; fixtures hold the shared helpers)"),
     ("benchmarks/", ("draftforge.",), "benchmarks time the internals themselves (decode steps, kernels, data "
