@@ -1,15 +1,19 @@
-"""Loss-curve digest of the tiny pretrain + sft recipes: the proof a refactor moved nothing.
+"""Loss-curve digest of tiny pretrain, sft, distill and eesd runs: the proof a refactor moved nothing.
 
-Runs recipes/tiny/pretrain.yaml then recipes/tiny/sft.yaml (shortened, on a small stdlib corpus and
-tokenizer this script builds), fp32 on CPU with 1 thread, and writes every logged loss, the eval
-losses, metrics.jsonl and the exported weights' sha256. Run it on two checkouts and compare:
+Runs recipes/tiny/pretrain.yaml then recipes/tiny/sft.yaml, then recipes/tiny/distill.yaml twice (the teacher
+on the fly, then on a logits cache harvested here) and an eesd run, all shortened, on a small stdlib corpus,
+tokenizer and random Llama target this script builds, fp32 on CPU with 1 thread. It writes every logged loss,
+the eval losses, metrics.jsonl (train and eval metrics, distill's acceptance among them), and of each export
+every file's sha256 plus its JSON files (draftforge.json with distill's held-out acceptance, config.json) with
+the run's temporary path and creation time taken out. Run it on two checkouts and compare:
 
     python -m benchmarks.regression.loss_digest --out /tmp/new.json
-    (cd OLD_CHECKOUT && PYTHONPATH=.:NEW_CHECKOUT python -m benchmarks.regression.loss_digest --out /tmp/old.json)
+    cp benchmarks/regression/loss_digest.py /tmp/loss_digest.py
+    (cd OLD_CHECKOUT && PYTHONPATH=.:NEW_CHECKOUT python /tmp/loss_digest.py --out /tmp/old.json)
     python -m benchmarks.regression.loss_digest --compare /tmp/old.json /tmp/new.json
 
-In the old checkout its own `draftforge` trains; where that checkout has no `benchmarks/regression/`, Python
-takes this package from NEW_CHECKOUT.
+In the old checkout its own `draftforge` trains (the script prints which one it imported); run this file by
+path there, since `-m` would pick an older checkout's own, shorter digest.
 """
 
 from __future__ import annotations
@@ -62,11 +66,98 @@ def digest(work: Path) -> dict:
     def sha(p: Path) -> str:
         return hashlib.sha256(p.read_bytes()).hexdigest()
 
-    return {"pretrain_losses": r1.losses, "pretrain_eval": r1.eval_loss, "sft_losses": r2.losses,
-            "sft_eval": r2.eval_loss, "pretrain_metrics": (work / "pre" / "metrics.jsonl").read_text(),
-            "sft_metrics": (work / "sft" / "metrics.jsonl").read_text(),
-            "pretrain_weights": sha(work / "pre" / "export" / "model.safetensors"),
-            "sft_weights": sha(work / "sft" / "export" / "model.safetensors")}
+    out = {"pretrain_losses": r1.losses, "pretrain_eval": r1.eval_loss, "sft_losses": r2.losses,
+           "sft_eval": r2.eval_loss, "pretrain_metrics": (work / "pre" / "metrics.jsonl").read_text(),
+           "sft_metrics": (work / "sft" / "metrics.jsonl").read_text(),
+           "pretrain_weights": sha(work / "pre" / "export" / "model.safetensors"),
+           "sft_weights": sha(work / "sft" / "export" / "model.safetensors")}
+    out.update(distill_and_eesd(work, tok_dir, corpus, common))
+    return out
+
+
+def save_target(path: Path, tok_dir: Path) -> Path:
+    """A seeded random 4-layer Llama over the tokenizer's vocabulary, saved with it (teacher and eesd target)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # a peaky teacher, so a top-8 cache leaves a tail that matters
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def short_rows(corpus: Path, tok_dir: Path, out: Path, n: int = 48) -> Path:
+    """Token rows of 40-60 ids (one per 64-token block), a loss after a 6-token prompt."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    rows = []
+    for i, line in enumerate(corpus.read_text().splitlines()):
+        ids = tok(json.loads(line)["text"])["input_ids"]
+        if len(ids) >= 60:
+            rows.append({"input_ids": ids[:40 + i % 21], "prompt_len": 6})
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows[:n]))
+    return out
+
+
+def export_digest(export: Path, work: Path) -> dict:
+    """{file: sha256} of an export, and its JSON files with the temporary path and creation time taken out."""
+    hashes, docs = {}, {}
+    for f in sorted(p for p in export.rglob("*") if p.is_file()):
+        name = str(f.relative_to(export))
+        text = f.read_bytes().replace(str(work).encode(), b"<work>").replace(str(work.resolve()).encode(), b"<work>")
+        if f.suffix == ".json" and f.name.startswith(("draftforge", "config")):
+            record = json.loads(text)
+            record.pop("created", None)
+            docs[name] = json.dumps(record, sort_keys=True)
+            text = docs[name].encode()
+        hashes[name] = hashlib.sha256(text).hexdigest()
+    return {"files": json.dumps(hashes, sort_keys=True), **{f"json {k}": v for k, v in docs.items()}}
+
+
+def distill_and_eesd(work: Path, tok_dir: Path, corpus: Path, common: list[str]) -> dict:
+    """distill on the fly, distill on a logits cache (exporting its best eval's weights), and eesd, on one tiny
+    random target."""
+    from draftforge.data.harvest_logits import harvest_logits
+    from draftforge.recipe import load_recipe, recipe_from_dict
+    from draftforge.train import run
+
+    target = save_target(work / "target", tok_dir)
+    rows = short_rows(corpus, tok_dir, work / "rows.jsonl")
+    small = ["model.overrides={hidden_size: 32, num_hidden_layers: 2, head_dim: 16, state_size: 8}"]
+    steps = ["train.max_steps=8", "train.save_every=8", "train.eval_every=4", "train.micro_batch_size=4",
+             "train.eval_batches=3", "data.eval_fraction=0.2", f"model.target={target}"]
+    fly = load_recipe("recipes/tiny/distill.yaml", common + small + steps + [
+        f"output_dir={work / 'distill'}", f"data.sources=[{corpus}]"])
+    runs = {"distill": run(fly, overwrite=True)}
+    harvest_logits(str(target), str(rows), str(work / "cache"), top_k=8, max_len=64, batch_size=4, shard_rows=16,
+                   dtype="float32", progress=False)
+    cached = load_recipe("recipes/tiny/distill.yaml", common + small + steps + [
+        f"output_dir={work / 'distill_cached'}", f"data.sources=[{rows}]", "data.format=tokens",
+        f"distill.logits_cache={work / 'cache'}", "distill.loss=mix", "distill.temperature=1.0",
+        "train.keep_best=tvd"])  # highest TVD: step 4's weights, not the last step's, are exported and reported on
+    runs["distill_cached"] = run(cached, overwrite=True)
+    eesd = recipe_from_dict({
+        "task": "eesd", "output_dir": str(work / "eesd"), "model": {"target": str(target), "tokenizer": str(tok_dir)},
+        "data": {"sources": [str(rows)], "format": "tokens", "eval_fraction": 0.2},
+        "eesd": {"exit_after_layer": 2, "open_sources": [str(corpus)]},
+        "optim": {"lr": 3e-3, "warmup_steps": 0, "weight_decay": 0.0},
+        "train": {"max_steps": 8, "global_batch_size": 8, "micro_batch_size": 4, "block_size": 64, "eval_every": 4,
+                  "save_every": 8, "log_every": 1, "eval_batches": 3, "trackers": [], "precision": "fp32"}})
+    runs["eesd"] = run(eesd, overwrite=True)
+    out = {}
+    for name, r in runs.items():
+        out.update({f"{name}_losses": r.losses, f"{name}_eval": r.eval_loss,
+                    f"{name}_metrics": (work / name / "metrics.jsonl").read_text()})
+        out.update({f"{name}_export {k}": v for k, v in export_digest(work / name / "export", work).items()})
+    return out
 
 
 def compare(a_path: str, b_path: str) -> int:
@@ -92,6 +183,9 @@ def write(out: str) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
+    import draftforge
+
+    print(f"[loss_digest] draftforge from {draftforge.__file__}", file=sys.stderr)  # which checkout trains
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         result = digest(Path(tmp))

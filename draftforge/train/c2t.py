@@ -112,10 +112,11 @@ def build(recipe, accelerator, with_data: bool = True):
             print(f"[c2t] held-out ({report['rows']} nodes, {report['accepted']} accepted): recall "
                   f"{best.get('recall', float('nan')):.3f}, positive rate {best.get('positive_rate', float('nan')):.4f} "
                   f"at β={cfg.threshold:g}")
-        return save_head(trained, out_dir, {**metadata, "heldout": report, "harvest": stats}, overwrite=overwrite)
+        return save_head(trained, out_dir, {**metadata, "heldout": report}, overwrite=overwrite)
 
-    return TaskSpec(model=model, loss=loss, train_data=train, eval_data=heldout, export=export, unit="nodes",
-                    units=lambda b: len(b["label"]), data_stats=stats)
+    return TaskSpec(model=model, loss=loss, train_data=train, eval_data=heldout, export=export,
+                    export_metadata={"harvest": stats}, unit="nodes", units=lambda b: len(b["label"]),
+                    data_stats=stats)
 
 
 def load_rows(recipe, cfg: C2TConfig):

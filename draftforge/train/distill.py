@@ -31,8 +31,12 @@ inside them, and a top-k larger than the draft vocabulary is refused with that r
 Acceptance is logged every step: alpha (Σ min(p, q) at T=1) and top1_agree (T=0), per counted position.
 Eval batches also sum the chain products that give α per draft depth and the chain's τ; `derive_metrics`
 turns the sums into τ for γ = 5 (arXiv:2211.17192 §3.1, Eq. 1), per-depth α and the measured chain τ. The
-loop logs only the eval loss, so these held-out numbers are computed once on the eval rows when the run
-exports and kept in its draftforge.json (metrics.acceptance).
+loop logs them with each eval (eval_alpha, ...); the weights the run exports (train.keep_best's, or the last)
+are evaluated once more by the loop's own eval pass on the main process (`TaskSpec.export_report`), and those
+numbers are kept in the export's draftforge.json (metrics.acceptance).
+
+The distill spec is the LM task's spec (train/lm.py) with its loss, count, collate, frozen teacher, derived
+metrics, export report and export keys replaced: a new frozen value (`_as_distill`), never a patched one.
 
 Legend: B batch, T block size, V vocabulary, N draft vocabulary, S student vocabulary (V or N), K top-k,
 P kept positions, D hidden size.
@@ -40,10 +44,10 @@ P kept positions, D hidden size.
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import math
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -299,14 +303,10 @@ def build_cached_task(recipe: Recipe, accelerator, options: DistillConfig):
     accelerator.print(f"[draftforge] distill: teacher = logits cache {cache.name} (top-{cache.k}, "
                       f"{cache.positions:,} positions; target {recipe.model.target}: {how}; "
                       f"never loaded), loss {options.loss}: {_weights_text(options)}")
-    spec.loss, spec.count = make_cached_loss(options, d2t_N), cached_count
-    spec.collate = cached_collate(spec.collate, cache, t2d_V)
-    spec.derive_metrics = partial(derive_acceptance, cost=(options.draft_cost, options.verify_cost))
     caches = [str(d) for d in cache.dirs]
-    spec.export_metadata.update(distilled_from=recipe.model.target,
-                                logits_cache=caches[0] if len(caches) == 1 else caches)
-    _report_at_export(spec, recipe, accelerator)
-    return spec
+    return _as_distill(spec, recipe, options, loss=make_cached_loss(options, d2t_N), count=cached_count,
+                       collate=cached_collate(spec.collate, cache, t2d_V),
+                       logits_cache=caches[0] if len(caches) == 1 else caches)
 
 
 # ---------------------------------------------------------------- the teacher on the fly
@@ -372,61 +372,31 @@ def build_distill_task(recipe: Recipe, accelerator, with_data: bool = True):
         raise CompatibilityError(f"the student's draft vocabulary names target id {int(d2t_N.max())}, beyond the "
                                  f"teacher's {teacher.get_output_embeddings().weight.shape[0]} tokens: "
                                  "it was built for another target")
-    spec.loss = make_loss(teacher, options, d2t_N)
-    spec.frozen = {**spec.frozen, "teacher": teacher}
-    spec.derive_metrics = partial(derive_acceptance, cost=(options.draft_cost, options.verify_cost))
-    spec.export_metadata["distilled_from"] = recipe.model.target  # the same dict the export hook reads
-    _report_at_export(spec, recipe, accelerator, teacher)
-    return spec
+    return _as_distill(spec, recipe, options, loss=make_loss(teacher, options, d2t_N),
+                       frozen={**spec.frozen, "teacher": teacher})
+
+
+def _as_distill(spec, recipe: Recipe, options: DistillConfig, logits_cache=None, **fields):
+    """The LM spec made a distill spec (a new value): its loss and what goes with it (`fields`), the acceptance
+    numbers derived from the metric means, the held-out acceptance report at export, and the export's keys."""
+    meta = {**spec.export_metadata, "distilled_from": recipe.model.target}
+    if logits_cache is not None:
+        meta["logits_cache"] = logits_cache
+    return dataclasses.replace(spec, **fields, export_metadata=meta, export_report=acceptance_report,
+                               derive_metrics=partial(derive_acceptance, cost=(options.draft_cost, options.verify_cost)))
 
 
 # ---------------------------------------------------------------- held-out acceptance, once, at export
 
-def _report_at_export(spec, recipe: Recipe, accelerator, teacher=None) -> None:
-    """Wrap spec.export: the held-out acceptance goes into the export's metrics (metrics.acceptance)."""
-    base, processes = spec.export, accelerator.num_processes
-
-    def export(trained, out_dir, metadata, overwrite=False):
-        report = held_out_acceptance(trained, spec, recipe.train, processes, teacher)
-        if report is not None:
-            metadata = {**metadata, "metrics": {**metadata.get("metrics", {}), "acceptance": report}}
-            depth = "/".join(f"{report.get(f'alpha_depth{d}', float('nan')):.2f}" for d in range(1, 6))
-            print(f"[draftforge] distill: held-out acceptance α {report['alpha']:.3f} (τ at γ=5: "
-                  f"{report['tau_g5']:.2f}), top-1 {report['top1_agree']:.3f} (τ {report['tau_g5_greedy']:.2f}), "
-                  f"α by depth {depth}, over {report['positions']:,} positions", flush=True)
-        return base(trained, out_dir, metadata, overwrite=overwrite)
-
-    spec.export = export
-
-
-@torch.no_grad()
-def held_out_acceptance(model, spec, train_cfg, processes: int = 1, teacher=None) -> dict | None:
-    """Acceptance metrics on the rows the loop evaluates on (the first eval_batches x micro_batch x processes),
-    from one process; None without eval rows, or when the model and the teacher sit on different devices."""
-    data, device = spec.eval_data, next(model.parameters()).device
-    if data is None or (teacher is not None and next(teacher.parameters()).device != device):
-        return None
-    n = train_cfg.eval_batches * train_cfg.micro_batch_size * processes
-    rows = data[: min(len(data), n)] if hasattr(data, "__len__") else _head(data, n)
-    n_rows = len(rows["input_ids"]) if rows else 0
-    sums, count, was_training = {}, 0.0, model.training
-    model.eval()
-    try:
-        for i in range(0, n_rows, train_cfg.micro_batch_size):
-            batch = spec.collate({k: v[i: i + train_cfg.micro_batch_size] for k, v in rows.items()}, device)
-            _, c, metrics = spec.loss(model, batch)
-            count += float(c)
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-    finally:
-        model.train(was_training)
-    if count == 0:
-        return None
-    means = {k: v / count for k, v in sums.items() if not k.startswith("chain_")}
-    derived = spec.derive_metrics({k: v / count for k, v in sums.items()})
-    return {**means, **derived, "positions": int(count)} if all(map(math.isfinite, means.values())) else None
-
-
-def _head(data, n: int) -> dict | None:
-    head = list(itertools.islice(iter(data), n))
-    return {k: [r[k] for r in head] for k in head[0]} if head else None
+def acceptance_report(means: dict, positions: int) -> dict:
+    """The export's metrics.acceptance: the eval means of the exported weights (the chain sums left out: what they
+    give is derived) and the positions counted; {} when a mean is not finite. Prints a summary line."""
+    report = {k: v for k, v in means.items() if not k.startswith("chain_")}
+    if not all(map(math.isfinite, report.values())):  # (what is derived is finite when the means are)
+        return {}
+    report["positions"] = positions
+    depth = "/".join(f"{report.get(f'alpha_depth{d}', float('nan')):.2f}" for d in range(1, 6))
+    print(f"[draftforge] distill: held-out acceptance α {report['alpha']:.3f} (τ at γ=5: "
+          f"{report['tau_g5']:.2f}), top-1 {report['top1_agree']:.3f} (τ {report['tau_g5_greedy']:.2f}), "
+          f"α by depth {depth}, over {report['positions']:,} positions", flush=True)
+    return {"acceptance": report}

@@ -169,8 +169,8 @@ def build_eesd_task(recipe: Recipe, accelerator, with_data: bool = True):
         run_files[DRAFT_VOCAB_FILE] = json.dumps(d2t)
         meta["draft_vocab_size"] = len(d2t)
 
-    def export(trained, out_dir, metadata, overwrite=False):
-        return save_exit_head(trained, identity, tokenizer, out_dir, {**metadata, **meta}, overwrite=overwrite)
+    def export(trained, out_dir, metadata, overwrite=False):  # metadata: the caller's + export_metadata (meta)
+        return save_exit_head(trained, identity, tokenizer, out_dir, metadata, overwrite=overwrite)
 
     return TaskSpec(model=head, loss=head_loss(trunk), count=loss_tokens, frozen={"trunk": trunk},
                     train_data=data and data.train, eval_data=data and data.eval, collate=collate, export=export,

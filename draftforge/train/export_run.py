@@ -50,7 +50,7 @@ def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None
             f"train.keep_best), not {src.name}'s (--last exports those)")
     meta = {"task": recipe.task, "target": recipe.model.target, "recipe": recipe.to_dict(), "metrics": metrics,
             "checkpoint": src.name}
-    return spec.export(spec.model, out, meta, overwrite=overwrite)
+    return spec.write_export(spec.model, out, meta, overwrite=overwrite)
 
 
 class _NoAccelerator:

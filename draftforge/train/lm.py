@@ -4,6 +4,9 @@
 (`model.init_from`) and trains on chat data with the loss on assistant tokens only (or on
 token rows with their own loss mask, e.g. a target's continuations as the ids it emitted),
 optionally through LoRA adapters. Both accept any small HF causal LM as the student.
+`build_lm_task` returns the whole, frozen TaskSpec; distill (train/distill.py) builds on it with
+dataclasses.replace, and the export's own keys are its `export_metadata` (laid over the caller's by
+`TaskSpec.write_export`), never a dict the export closure shares.
 Legend: B = batch, T = block size, V = vocab.
 """
 
@@ -168,7 +171,8 @@ def build_lm_task(recipe: Recipe, accelerator, with_data: bool = True, build_dat
     """pretrain / sft: the drafter (or LoRA-wrapped drafter) and packed blocks of input_ids + labels.
 
     build_data(cfg, tokenizer, block_size, seed, vocab_size=...) -> BlockData replaces the usual blocks (distill
-    on a logits cache: the same rows with a column naming each position's cache entry)."""
+    on a logits cache: the same rows with a column naming each position's cache entry). A task built on this one
+    (distill) takes dataclasses.replace of the spec: its loss, collate, frozen modules and export keys."""
     from draftforge.data import build_block_data, describe
     from draftforge.export import export_model, tokenizer_fingerprint
     from draftforge.train.spec import TaskSpec, tensor_collate
@@ -182,7 +186,7 @@ def build_lm_task(recipe: Recipe, accelerator, with_data: bool = True, build_dat
             data = (build_data or build_block_data)(recipe.data, tokenizer, recipe.train.block_size,
                                                     recipe.train.seed, vocab_size=vocab_size)
         accelerator.print(f"[draftforge] {describe(data)}")
-        meta["data_stats"] = data.stats
+        meta["data_stats"] = dict(data.stats)
     model = build_model(recipe, tokenizer, data)
     d2t = d2t_of(model)
     collate, run_files = tensor_collate, {}
@@ -193,8 +197,8 @@ def build_lm_task(recipe: Recipe, accelerator, with_data: bool = True, build_dat
         meta["draft_vocab_size"] = len(d2t)
         accelerator.print(f"[draftforge] draft vocabulary: {len(d2t):,} of {vocab:,} target tokens (head rows)")
 
-    def export(trained, out_dir, metadata, overwrite=False):
-        return export_model(trained, tokenizer, out_dir, metadata={**metadata, **meta}, overwrite=overwrite)
+    def export(trained, out_dir, metadata, overwrite=False):  # metadata: the caller's + export_metadata
+        return export_model(trained, tokenizer, out_dir, metadata=metadata, overwrite=overwrite)
 
     return TaskSpec(model=model, loss=lm_loss, count=loss_tokens, train_data=data and data.train,
                     eval_data=data and data.eval, collate=collate, export=export, tokenizer=tokenizer,

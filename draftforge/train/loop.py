@@ -7,6 +7,10 @@ The loss of a step is the sum of the task's losses over the whole global batch d
 number of counted units in it (loss tokens, rows, ...), so 1 process and W processes compute the
 same gradient (DDP averages gradients, hence the factor W; Accelerate/DeepSpeed divide by A, hence
 the factor A).
+
+Held-out numbers come from one eval pass (`evaluate_pass`): the loop's evals (eval_loss and the task's eval_*
+metrics, reduced over processes) and, at export, the task's report on the weights it writes
+(`TaskSpec.export_report`, e.g. distill's acceptance), which the export's metadata carries.
 """
 
 from __future__ import annotations
@@ -289,11 +293,25 @@ class Trainer:
                                                  f", not the last step's ({metrics.get('steps')})"))
         out = None
         if acc.is_main_process:
+            metrics = {**metrics, **self._export_report(unwrapped)}
             meta = {"task": self.recipe.task, "target": self.recipe.model.target, "recipe": self.recipe.to_dict(),
                     "metrics": metrics}
-            out = self.spec.export(unwrapped, self.run_dir.path / "export", meta, overwrite=True)
+            out = self.spec.write_export(unwrapped, self.run_dir.path / "export", meta, overwrite=True)
         acc.wait_for_everyone()
         return out
+
+    def _export_report(self, model: torch.nn.Module) -> dict:
+        """The task's report on the weights being exported (spec.export_report), from one more eval pass on the
+        main process alone; {} without one, or where the gathered model and a frozen module sit on different
+        devices (FSDP / ZeRO-3 gather onto the CPU)."""
+        spec = self.spec
+        if spec.export_report is None:
+            return {}
+        device = next(model.parameters()).device
+        if any(next(m.parameters(), torch.empty((), device=device)).device != device for m in spec.frozen.values()):
+            return {}
+        result = evaluate_pass(model, spec, self.acc, self.t, alone=True)
+        return spec.export_report(result.metrics, int(result.count)) if result and result.count else {}
 
     def _empty_model(self) -> torch.nn.Module:
         """The task's model built again without data, as `draftforge export` builds it (its weights are then
@@ -334,13 +352,39 @@ def with_derived(spec: TaskSpec, means: dict) -> dict:
     return {**means, **spec.derive_metrics(means)} if spec.derive_metrics is not None else means
 
 
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float | None  # held-out loss per counted unit (None: nothing counted)
+    count: float  # units counted
+    metrics: dict  # the task's metrics per unit, with what derive_metrics makes of them ({} when nothing counted)
+
+
 def evaluate(model, spec: TaskSpec, acc: Accelerator, t, metrics_out: dict | None = None) -> float | None:
     """Held-out loss per counted unit (and, into `metrics_out`, the task's metrics per unit); every process runs
     the same number of forwards."""
+    result = evaluate_pass(model, spec, acc, t)
+    if result is None:
+        return None
+    if metrics_out is not None:
+        metrics_out.update(result.metrics)
+    return result.loss
+
+
+def evaluate_pass(model, spec: TaskSpec, acc: Accelerator, t, *, alone: bool = False) -> EvalResult | None:
+    """One pass over the held-out rows: the first eval_batches x micro_batch_size x processes of them (None
+    without eval data), spec.loss on each micro-batch, its loss, count and metrics summed and divided by the count.
+
+    Together (the loop's evals) every process takes its strided share of the rows, sums in fp32 on its device and
+    the sums are reduced across processes (one collective). `alone` (the export's report, main process only): this
+    process takes every row itself, on the model's own device, sums on the host in fp64 and reduces nothing.
+    """
     data = spec.eval_data
     if data is None:
         return None
     model.eval()
+    rank, world = (0, 1) if alone else (acc.process_index, acc.num_processes)
+    device = next(model.parameters()).device if alone else acc.device
+    at = {"device": "cpu", "dtype": torch.float64} if alone else {"device": acc.device, "dtype": torch.float32}
     n = t.eval_batches * t.micro_batch_size * acc.num_processes
     if hasattr(data, "__len__"):
         n_rows = min(len(data), n)
@@ -349,26 +393,28 @@ def evaluate(model, spec: TaskSpec, acc: Accelerator, t, metrics_out: dict | Non
         head = list(itertools.islice(iter(data), n))
         n_rows = len(head)
         take = lambda idx: {k: [head[i][k] for i in idx] for k in head[0]}  # noqa: E731
-    mine = list(range(acc.process_index, n_rows, acc.num_processes))
+    mine = list(range(rank, n_rows, world))
     # Under FSDP / ZeRO-3 each forward gathers parameters from all ranks, so a rank with one row
     # fewer would leave the others waiting.
-    n_forwards = math.ceil(math.ceil(n_rows / acc.num_processes) / t.micro_batch_size)
-    total, count, sums = torch.zeros((), device=acc.device), torch.zeros((), device=acc.device), {}
+    n_forwards = math.ceil(math.ceil(n_rows / world) / t.micro_batch_size)
+    total, count, sums = torch.zeros((), **at), torch.zeros((), **at), {}
     for i in range(n_forwards):
         idx = mine[i * t.micro_batch_size:(i + 1) * t.micro_batch_size]
-        batch = spec.collate(take(idx or [0]), acc.device)
+        batch = spec.collate(take(idx or [0]), device)
         s, c, metrics = spec.loss(model, batch)
         if idx:  # a rank whose rows ran out still runs the forward, but counts nothing
-            total += s.float()
-            count += c
+            total += s.to(**at)
+            count += torch.as_tensor(c, device=at["device"]).to(at["dtype"])
         for k, v in metrics.items():  # every rank has the same keys, so the stacked reduce lines up
-            sums[k] = sums.get(k, 0) + torch.as_tensor(v, device=acc.device).float() * bool(idx)
+            sums[k] = sums.get(k, 0) + torch.as_tensor(v, device=at["device"]).to(at["dtype"]) * bool(idx)
     names = list(sums)
-    reduced = acc.reduce(torch.stack([total.float(), count.float(), *[sums[k] for k in names]]), "sum")
+    stacked = torch.stack([total, count, *[sums[k] for k in names]])
+    reduced = stacked if alone else acc.reduce(stacked, "sum")
     total, count = reduced[0], reduced[1]
-    if metrics_out is not None and count > 0:
-        metrics_out.update(with_derived(spec, {k: (v / count).item() for k, v in zip(names, reduced[2:])}))
-    return (total / count).item() if count > 0 else None
+    if not count > 0:
+        return EvalResult(None, 0.0, {})
+    means = with_derived(spec, {k: (v / count).item() for k, v in zip(names, reduced[2:])})
+    return EvalResult((total / count).item(), count.item(), means)
 
 
 def _tracker_config(recipe: Recipe) -> dict:

@@ -76,14 +76,13 @@ def build_theta_task(recipe, accelerator, with_data: bool = True):
     train = eval_ = None
     if with_data:
         train, eval_ = _split(rows, recipe.data.eval_fraction, recipe.train.seed)
-    pair = pair_metadata(manifest)
 
-    def export(trained, out_dir, metadata, overwrite=False):
-        return export_predictor(trained, Path(out_dir), {**metadata, **pair, "harvest_rows": manifest["rows"]},
-                                overwrite)
+    def export(trained, out_dir, metadata, overwrite=False):  # metadata: the caller's + the pair's (below)
+        return export_predictor(trained, Path(out_dir), metadata, overwrite)
 
     return TaskSpec(model=model, loss=make_loss(weight), train_data=train, eval_data=eval_, collate=theta_collate,
-                    export=export, unit="rows", units=lambda b: len(b["label"]))
+                    export=export, export_metadata={**pair_metadata(manifest), "harvest_rows": manifest["rows"]},
+                    unit="rows", units=lambda b: len(b["label"]))
 
 
 def pair_metadata(manifest: dict) -> dict:

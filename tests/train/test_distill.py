@@ -154,3 +154,32 @@ def test_distill_trains_a_reduced_head_student(tmp_path, tiny_corpus_dir, tiny_t
     drafter = load_drafter(str(result.export_dir), load_target(str(teacher_dir)))
     assert drafter.model.get_output_embeddings().weight.shape[0] == 64
     assert len(drafter.model.config.draft_vocab) == 64
+
+
+def test_distills_export_keys_are_its_own_and_the_lm_spec_it_starts_from_is_untouched(
+        tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir, monkeypatch):
+    """distill composes the LM task's spec into a new one: its keys (distilled_from) reach its export, while the
+    LM spec it started from, and that spec's own export, are left without them (no dict shared with a closure)."""
+    from draftforge.train import lm
+    from draftforge.train.export_run import _NoAccelerator
+
+    recipe = recipe_from_dict(distill_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir))
+    built, real_build = {}, lm.build_lm_task
+
+    def spy(*args, **kwargs):
+        built["lm"] = real_build(*args, **kwargs)
+        return built["lm"]
+
+    monkeypatch.setattr(lm, "build_lm_task", spy)
+    spec = distill.build_distill_task(recipe, _NoAccelerator())
+    plain = built["lm"]
+    assert spec is not plain and spec.model is plain.model
+    assert spec.export_metadata["distilled_from"] == str(teacher_dir)
+    assert "distilled_from" not in plain.export_metadata and "teacher" not in plain.frozen
+    assert plain.export_report is None and spec.export_report is distill.acceptance_report
+    caller = {"task": "distill", "target": str(teacher_dir), "recipe": recipe.to_dict(), "metrics": {}}
+    metas = {}
+    for name, s in (("distill", spec), ("lm", plain)):
+        metas[name] = json.loads((s.write_export(s.model, tmp_path / name, caller) / "draftforge.json").read_text())
+    assert metas["distill"]["distilled_from"] == str(teacher_dir) and "distilled_from" not in metas["lm"]
+    assert metas["distill"]["tokenizer_fingerprint"] == metas["lm"]["tokenizer_fingerprint"]
