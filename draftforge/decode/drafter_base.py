@@ -52,6 +52,12 @@ class Drafter(ABC):
         if self.reads_target_hidden:
             target.want_hidden = True
 
+    def attach(self, target):
+        """Pair with `target` and return the Target that verifies this drafter's drafts (bound): `target` itself
+        for most drafters; an EESD head verifies through the early-exit split of the same model."""
+        self.bind(target)
+        return target
+
     @abstractmethod
     def reset(self) -> None:
         """Forget all state (a new prompt starts)."""

@@ -167,6 +167,9 @@ class EarlyExitDrafter(Drafter):
         self.bind(paired)
         return paired
 
+    def attach(self, target) -> EarlyExitTarget:
+        return self.paired_target(target)
+
     def reset(self) -> None:
         self.cache = DynamicCache()  # the exit layer's own cache (one layer)
         self.ee_length = 0  # positions in it
@@ -264,7 +267,7 @@ def make_eesd_decoder(target, drafter, controller, name: str = "eesd"):
     """A SpeculativeDecoder of the early-exit drafter over its paired target (refuses other drafters)."""
     if not isinstance(drafter, EarlyExitDrafter):
         raise DraftforgeError(f"method {name!r} needs an EESD exit head as drafter (an export of task eesd), got a "
-                              f"{drafter.kind!r} drafter; use method chain for it")
+                              f"{getattr(drafter, 'kind', type(drafter).__name__)!r} drafter; use method chain for it")
     return SpeculativeDecoder(name, drafter.paired_target(target), drafter, controller)
 
 

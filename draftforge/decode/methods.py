@@ -176,19 +176,21 @@ def build(method: str, target, drafter=None, options: MethodOptions | dict | Non
     resolved = resolve_options(method, options if options is not None else values)
     if m.needs_drafter and drafter is None:
         raise DraftforgeError(f"method {method!r} needs a drafter (load one with load_drafter)")
-    if m.needs_drafter:
+    from draftforge.decode.drafter_base import Drafter  # the contract (no method): imported when a decoder is built
+
+    if m.needs_drafter and isinstance(drafter, Drafter):  # anything else reaches `make`, which says what it needs
         target = verifying_target(drafter, target)
     return m.make(target, drafter if m.needs_drafter else None, resolved)
 
 
 def verifying_target(drafter, target):
-    """The target that verifies `drafter`'s drafts: the one it was bound to when it was loaded (load_drafter binds
-    it; an EESD head is bound to the early-exit split of the same model), or `target` for a drafter never bound.
-    A drafter loaded for another model is refused."""
+    """The target that verifies `drafter`'s drafts: the one it was paired with when it was loaded (load_drafter
+    binds it; an EESD head is paired with the early-exit split of the same model), or, for a drafter built by hand
+    and never bound, its pairing with `target` now (`Drafter.attach`). A drafter loaded for another model is
+    refused."""
     bound = drafter.target
     if bound is None:
-        drafter.bind(target)
-        return target
+        return drafter.attach(target)
     if bound is not target and bound.model is not target.model:
         raise DraftforgeError(f"this {drafter.kind} drafter was loaded for another target model; load it with "
                               "load_drafter(path, target) for the target you decode with")
