@@ -41,7 +41,7 @@ PUBLIC = {
     "TaskSpec": "draftforge.train.spec:TaskSpec",
     # evaluation
     "run_eval": "draftforge.eval.runner:run_eval",
-    "EvalConfig": "draftforge.eval.runner:EvalConfig",
+    "EvalConfig": "draftforge.eval.config:EvalConfig",
     # errors: every user error is a DraftforgeError
     "DraftforgeError": "draftforge.errors:DraftforgeError",
     "RecipeError": "draftforge.errors:RecipeError",

@@ -79,6 +79,31 @@ class _MovedPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__spec__ = self.specs.pop(module.__spec__.name)
 
 
+def moved_modules(table: dict[str, str]) -> None:
+    """Old module names (keys) that import as their new modules (values), for a package that moved many files at
+    once: call it from the package's __init__ instead of leaving a shim file per module. Same objects, one
+    DeprecationWarning per old name, as `moved_module`."""
+    if not any(isinstance(f, _MovedModules) and f.table == table for f in sys.meta_path):
+        sys.meta_path.insert(0, _MovedModules(dict(table)))
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, table: dict[str, str]):
+        self.table, self.specs = table, {}
+
+    def find_spec(self, fullname, path=None, target=None):
+        return importlib.util.spec_from_loader(fullname, self) if fullname in self.table else None
+
+    def create_module(self, spec):
+        module = importlib.import_module(self.table[spec.name])
+        self.specs[spec.name] = module.__spec__
+        _warn(spec.name, module.__name__)
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = self.specs.pop(module.__spec__.name)
+
+
 def renamed(module_name: str, **old_to_new: str) -> Callable[[str], object]:
     """A module `__getattr__` that serves each old name as its new object ("name" in the same module, or
     "module:name"), with a DeprecationWarning where the old name is used."""

@@ -99,7 +99,7 @@ BUILT_IN = (
     ("distill", "draftforge.train.distill:build_distill_task", "draftforge.train.distill:DistillConfig",
      "draftforge.train.distill:check_distill",
      "a small SSM drafter on a frozen target's distributions: forward KL at a temperature (+ optional CE)"),
-    ("theta", "draftforge.train.theta:build_theta_task", "draftforge.train.theta:ThetaConfig", None,
+    ("theta", "draftforge.train.cali_ts:build_theta_task", "draftforge.train.cali_ts:ThetaConfig", None,
      "the Cali-TS θ predictor on rows from `draftforge harvest theta` (EESD §3.3, App. B)"),
     ("c2t", "draftforge.train.c2t:build", "draftforge.train.c2t:C2TConfig", None,
      "the C2T classifier (P, H, d) -> accept confidence on harvested EAGLE-2 trees (C2T §4)"),

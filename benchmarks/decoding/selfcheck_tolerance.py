@@ -41,7 +41,7 @@ def main(argv=None) -> dict:
     dtype = chosen_dtype(args)
     target = load_target(args.target, dtype=dtype)
     if args.break_state:
-        from draftforge.decode import hybrid_target
+        from draftforge.decode.targets import hybrid as hybrid_target
 
         hybrid_target.cache_states = lambda cache, layer_idx: (None, None)
     prompts = load_prompts(args.bench, target.tokenizer, num_prompts=args.num_prompts)

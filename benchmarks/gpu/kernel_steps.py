@@ -1,6 +1,6 @@
 """Steps 2 and 3 of the GPU check: STree's Triton tree scan against its PyTorch reference and against unrolled
 per-path scans (benchmarks/micro/tree_scan.py's model and caches), and the Mamba2 drafter's decode step
-replayed as a CUDA graph against eager (draftforge/decode/cuda_graphs.py), per batch size of a tree and for one
+replayed as a CUDA graph against eager (draftforge/decode/drafters/cuda_graphs.py), per batch size of a tree and for one
 whole draft().
 
 Timing: untimed warm-up calls of every method first, then `repeats` rounds in which the methods run in a
@@ -114,7 +114,7 @@ def tree_depth(model, cache, depth: int, size: dict, device: str, with_kernel: b
     import torch
 
     from benchmarks.micro.tree_scan import expanded_cache
-    from draftforge.decode.mamba2_tree import full_binary_parents, leaf_paths, mamba2_tree_logits
+    from draftforge.decode.targets.stree import full_binary_parents, leaf_paths, mamba2_tree_logits
     from draftforge.hfcompat import cache_kwargs
 
     parents = full_binary_parents(depth)
@@ -150,7 +150,7 @@ def cuda_graph_step(ctx) -> dict:
     """Step 3: the Mamba2 drafter's decode step, eager vs CUDA graph (CUDA only)."""
     if ctx.device != "cuda":
         raise Skip("needs CUDA")
-    from draftforge.decode.cuda_graphs import CudaGraph
+    from draftforge.decode.drafters.cuda_graphs import CudaGraph
 
     return graph_vs_eager(ctx.size(GRAPH), "cuda", CudaGraph)
 
@@ -161,7 +161,7 @@ def graph_vs_eager(size: dict, device: str, graph_factory) -> dict:
     import torch
 
     from draftforge.decode import parse_tree
-    from draftforge.decode.drafter_mamba import MambaDrafter
+    from draftforge.decode.drafters.mamba import MambaDrafter
     from draftforge.decode.sampling import SamplingParams
     from draftforge.models.mamba import build_mamba
 
@@ -204,8 +204,8 @@ def step_row(model, batch: int, seq: list[int], size: dict, device: str, graph_f
     """One batch size: eager and graphed StaticSteps over copies of the same prefilled states."""
     import torch
 
-    from draftforge.decode.cuda_graphs import StaticStep
-    from draftforge.decode.drafter_mamba import MambaDrafter
+    from draftforge.decode.drafters.cuda_graphs import StaticStep
+    from draftforge.decode.drafters.mamba import MambaDrafter
 
     with torch.inference_mode():
         prefill = MambaDrafter(model, size["vocab"], cuda_graphs="off")

@@ -16,8 +16,8 @@ import argparse
 import torch
 
 from benchmarks.common import add_flags, median_ms, print_table, tiny_model, write_json
-from draftforge.decode.cuda_graphs import CudaGraph, StaticStep
-from draftforge.decode.drafter_mamba import MambaDrafter
+from draftforge.decode.drafters.cuda_graphs import CudaGraph, StaticStep
+from draftforge.decode.drafters.mamba import MambaDrafter
 from draftforge.decode import parse_tree
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.tree_shape import as_shape

@@ -47,8 +47,8 @@ def measure_harness(path: str, ctx: int, steps: int, repeats: int, full_head: bo
     full_head: swap a reduced draft head for a full-vocabulary one tied to the embedding (the cost that
     model.draft_vocab removes; the weights are then meaningless, the timing is not).
     """
-    from draftforge.decode.drafter_hf import TransformerDrafter
-    from draftforge.decode.drafter_mamba import MambaDrafter
+    from draftforge.decode.drafters.transformer import TransformerDrafter
+    from draftforge.decode.drafters.mamba import MambaDrafter
     from draftforge.decode.loading import load_hf_causal_lm
     from draftforge.decode.targets import SSM_MODEL_TYPES
 

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from benchmarks.common import add_flags
-from draftforge.decode.cuda_graphs import StaticStep
-from draftforge.decode.ssm_state import layer_states
+from draftforge.decode.drafters.cuda_graphs import StaticStep
+from draftforge.decode.drafters.ssm_state import layer_states
 from draftforge.eval.report import atomic_write_text
 from draftforge.models.mamba import build_mamba
 from draftforge.hfcompat import cache_kwargs

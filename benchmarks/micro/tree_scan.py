@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from benchmarks.common import add_flags, median_ms, print_table, tiny_model, write_json
-from draftforge.decode.mamba2_tree import full_binary_parents, leaf_paths, mamba2_tree_logits
+from draftforge.decode.targets.stree import full_binary_parents, leaf_paths, mamba2_tree_logits
 from draftforge.hfcompat import cache_kwargs, output_cache
 
 

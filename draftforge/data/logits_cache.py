@@ -1,5 +1,8 @@
 """A target's top-k next-token distributions over token rows, stored once (`draftforge harvest logits`).
 
+Length (~450 lines): one on-disk format, its writer's shards and its reader's checks (target, tokenizer, rows,
+vocabulary) kept together so they cannot drift apart.
+
 With a cache, `distill` trains without a teacher forward (distill.logits_cache; the loss forms and their
 truncation bounds: train/divergences.py). A cache directory holds:
   harvest.json              the manifest: the target (path, weights fingerprint, stored-files fingerprint), its
@@ -325,7 +328,7 @@ class LogitsCache:
         if recorded is not None and stored_weights_fingerprint(target) == recorded:
             return "its stored weight files match"
         from draftforge.loading import load_causal_lm
-        from draftforge.models.theta import model_fingerprint
+        from draftforge.models.cali_ts import model_fingerprint
 
         theirs = self.manifest.get("target_fingerprint")
         ours = model_fingerprint(load_causal_lm(target, what="target (to compare with the logits cache)"))

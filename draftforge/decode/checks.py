@@ -1,6 +1,6 @@
 """Checks that every decoding method's options share: value validators, tree widths, and the limits a
 target or drafter sets. Each raises a RecipeError naming the flag; none knows any method. The value
-checks take (value, flag), as a method option's `check` is called (decode/methods.py):
+checks take (value, flag), as a method option's `check` is called (decode/methods/__init__.py):
 
     chain_length: int = option(5, "draft tokens per round", check=positive_int)
 """

@@ -18,7 +18,7 @@ import torch
 
 from draftforge.decode.base import DecodeResult, DecodeStats
 from draftforge.decode.control import Controller, Round
-from draftforge.decode.drafter_base import Drafter
+from draftforge.decode.drafters.base import Drafter
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.targets import Target
 from draftforge.decode.tree import DraftTree

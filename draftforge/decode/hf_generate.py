@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from draftforge.decode.drafter_base import Drafter
+from draftforge.decode.drafters.base import Drafter
 from draftforge.decode.loading import load_drafter, load_target
 from draftforge.decode.methods import build as build_decoder
 from draftforge.errors import CompatibilityError, DraftforgeError

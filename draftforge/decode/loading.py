@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer, PreTrainedModel
 
-from draftforge.decode.cuda_graphs import use_cuda_graphs
-from draftforge.decode.drafter_base import Drafter, propose_children  # noqa: F401  (public names)
-from draftforge.decode.drafter_hf import TransformerDrafter
-from draftforge.decode.drafter_lookup import DEFAULT_MAX_NGRAM, PromptLookupDrafter
-from draftforge.decode.drafter_mamba import MambaDrafter
+from draftforge.decode.drafters.cuda_graphs import use_cuda_graphs
+from draftforge.decode.drafters.base import Drafter, propose_children  # noqa: F401  (public names)
+from draftforge.decode.drafters.transformer import TransformerDrafter
+from draftforge.decode.drafters.lookup import DEFAULT_MAX_NGRAM, PromptLookupDrafter
+from draftforge.decode.drafters.mamba import MambaDrafter
 from draftforge.decode.targets import SSM_MODEL_TYPES, KVCacheTarget, Target, is_recurrent_model
 from draftforge.errors import CompatibilityError, RecipeError
 
@@ -50,7 +50,7 @@ def load_target(model_or_path, device="cpu", dtype=None, tokenizer=None, scan_im
     model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "target")
     tokenizer = tokenizer if tokenizer is not None else found_tokenizer
     if is_recurrent_model(model.config) and not getattr(model.config, "is_encoder_decoder", False):
-        from draftforge.decode.hybrid_target import HybridTarget  # here: it loads the tree-scan kernels
+        from draftforge.decode.targets.hybrid import HybridTarget  # here: it loads the tree-scan kernels
 
         return HybridTarget(model, tokenizer, impl=scan_impl)
     return KVCacheTarget(model, tokenizer)
@@ -117,7 +117,7 @@ def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_
     cuda_graphs ("auto" | "on" | "off") applies to Mamba drafters: their per-batch-size decode steps
     are CUDA graphs when on (auto: exactly when the drafter is on CUDA); Transformer drafters ignore it.
     """
-    from draftforge.models.early_exit_export import is_eesd_export
+    from draftforge.models.eesd_export import is_eesd_export
 
     lookup = lookup_options(model_or_path)
     if lookup is not None:  # reads only token ids: no model, dtype, device or tokenizer of its own
@@ -125,7 +125,7 @@ def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_
         drafter.bind(target)
         return drafter
     if is_eesd_export(model_or_path):  # an EESD exit head: attached to (and checked against) this target
-        from draftforge.decode.early_exit import load_early_exit
+        from draftforge.decode.methods.eesd import load_early_exit
 
         return load_early_exit(model_or_path, target, device=device, dtype=dtype)
     model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "drafter")

@@ -13,163 +13,24 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import MISSING, asdict, dataclass, replace
-from typing import Literal
+from dataclasses import asdict, replace
 
 import draftforge.decode as decode_api
 from draftforge.decode import methods as method_registry
-from draftforge.decode.cuda_graphs import use_cuda_graphs
 from draftforge.decode.sampling import SamplingParams
-from draftforge.argcheck import EVAL_DEFAULTS, check_eval_settings, floats
-from draftforge.errors import DraftforgeError, RecipeError
+from draftforge.errors import DraftforgeError
 from draftforge.eval import answers as answers_mod
 from draftforge.eval import cost, metrics, selfcheck
-from draftforge.eval.output import check_out, save_or_rescue
+from draftforge.eval.config import (  # noqa: F401  (EvalConfig, validate: run_eval's inputs, importable from here)
+    EvalConfig, check_paths, method_order, resolve_method_options, resolved_options, validate)
+from draftforge.eval.output import save_or_rescue
 from draftforge.eval.manifest import ASSISTED_POLICY_KEYS, assisted_policy, build_manifest
-from draftforge.data.prompts import BENCHES, answer_text, encode_prompts, encode_turn, load_prompt_rows, report_categories
-from draftforge.options import check_fields, option
-from draftforge.runtime import PRECISIONS, announce, choose_threads, resolve_dtype
+from draftforge.data.prompts import answer_text, encode_prompts, encode_turn, load_prompt_rows, report_categories
+from draftforge.runtime import announce, choose_threads, resolve_dtype
 
 
 class SelfCheckError(DraftforgeError):
     """Greedy speculative output differed from AR beyond rounding (any dtype) or at all (fp32): not lossless."""
-
-
-def comma_list(text: str) -> tuple[str, ...]:
-    """'ar,chain' -> ('ar', 'chain'): a repeatable flag's comma list."""
-    return tuple(p.strip() for p in str(text).split(",") if p.strip())
-
-
-def float_list(text: str) -> tuple[float, ...]:
-    return floats([text], "--temperature")
-
-
-D = EVAL_DEFAULTS  # the defaults the light precheck (draftforge/argcheck.py) assumes for the same flags
-DTYPE_HELP = ("auto = bfloat16 where the device computes it natively (CUDA with bf16, CPUs with AVX512-BF16 or "
-              "AMX), else float32; fp32 / bf16 / fp16 are the same words as train.precision")
-
-
-@dataclass
-class EvalConfig:
-    """What `draftforge eval` runs: every flag of the command is one of these settings (eval/command.py generates
-    the flags from them), and `run_eval(EvalConfig(...))` takes the same from Python. `validate` checks them once
-    and returns the config with each method's options resolved."""
-
-    target: str = option(MISSING, "target model: HF id or local path (the model being sped up)")
-    bench: str = option(MISSING, f"a named prompt set ({', '.join(BENCHES)}) or a prompt file: Spec-Bench/MT-bench "
-                        "question.jsonl ('turns'), or JSONL with 'prompt'/'text'/'messages'/'input_ids'")
-    drafter: str | None = option(None, "drafter: an exported draftforge checkpoint, an HF Mamba or small causal LM, "
-                                 "or prompt-lookup (n-gram copying from the prompt, no model); every method but ar "
-                                 "needs one")
-    temperatures: tuple[float, ...] = option(
-        (0.0,), "sampling temperature; repeat or give a comma list to run several in one process (0 = greedy)",
-        flag="--temperature", repeat=True, parse=float_list, metavar="T")
-    max_new_tokens: int = option(D["max_new_tokens"], "tokens generated per prompt")
-    methods: tuple[str, ...] = option(
-        ("ar", "chain", "tree"), "decoding methods, comma list or repeated (ar always runs as the baseline): the "
-        "methods are listed below, and in docs/evaluation.md", repeat=True, parse=comma_list, metavar="M")
-    baselines: tuple[str, ...] | None = option(
-        None, "extra baselines, comma list or repeated: ar, hf_assisted (default: ar, plus hf_assisted when the "
-        "drafter is a Transformer)", flag="--baseline", repeat=True, parse=comma_list, metavar="B")
-    # method -> its options: the method's options dataclass (decode/methods.py), or a dict of values by option
-    # name, e.g. {"tree": {"tree": "stree13"}, "chain": ChainOptions(chain_length=3)}; a method not named here runs
-    # with its defaults. `validate` resolves every running method's to its dataclass (unknown names: "did you mean").
-    method_options: dict = option({}, "each method's options", cli=False)
-    top_p: float = option(D["top_p"], "nucleus sampling mass for T > 0")
-    top_k: int = option(D["top_k"], "top-k sampling for T > 0, 0 = off")
-    tree_draws: Literal["distinct", "iid"] = option(
-        "distinct", "how a tree's sibling drafts are drawn at T > 0: distinct (without replacement, verified by "
-        "recursive rejection sampling; STree's, default) or iid (with replacement, SpecInfer's multi-step "
-        "speculative sampling). Both are exact; distinct siblings are never duplicates")
-    num_prompts: int | None = option(None, "use only the first N prompts (default: all)")
-    repeats: int = option(1, "timed passes over all prompts, methods rotated; the report gives min/median/max "
-                          "tok/s (the command's default is 3, a measurement; from Python 1, a quick call)")
-    warmup: int = option(D["warmup"], "prompts run untimed per method and temperature before timing")
-    ignore_eos: bool = option(False, "always generate --max-new-tokens tokens (fixed-length benchmarks)")
-    chat_template: Literal["auto", "always", "never"] = option(
-        "auto", "auto: chat prompts ('turns'/'messages') use the target's chat template if it has one")
-    device: str = option("cpu", "cpu, cuda or cuda:N")
-    dtype: PRECISIONS = option("auto", "model dtype: " + DTYPE_HELP + ". The T=0 self-check is bitwise in float32; "
-                               "in reduced precision a difference must be a measured near-tie")
-    drafter_dtype: PRECISIONS | None = option(None, "the drafter's dtype (default: as --dtype)")
-    threads: int | None = option(None, "torch intra-op threads on CPU (default 1, or OMP_NUM_THREADS when set: "
-                                 "batch-1 decoding gains little from more and loses several-fold when another "
-                                 "process keeps a core busy)")
-    cost_repeats: int = option(D["cost_repeats"], "timed passes per verification size for the report's cost model "
-                               "(0 = skip)")
-    tune_chain_length: bool = option(
-        False, "before timing, run chain at --chain-length on the warm-up prompts (untimed), predict every shorter "
-        "length from those rounds with the cost model, and time chain at the best one, per temperature (the "
-        "report lists the predictions; needs --cost-repeats > 0)")
-    allow_vocab_mismatch: bool = option(False, "run a drafter whose tokenizer differs from the target's")
-    cuda_graphs: Literal["auto", "on", "off"] = option(
-        "auto", "capture the Mamba drafter's per-batch-size decode steps in CUDA graphs: auto = on when --device is "
-        "CUDA, on = require CUDA, off = eager")
-    seed: int = option(0, "sampling seed; prompt i uses seed + i")
-    out_dir: str = option("eval_out", "directory for report.json, report.md and PNG plots, checked before any "
-                          "model loads", flag="--out", metavar="DIR")
-    answers: str | None = option(
-        None, "also write Spec-Bench answer files into this directory: one JSONL per method and temperature "
-        "(<target>-<method>-<dtype>-temp-<T>.jsonl, Spec-Bench's model_answer layout, every turn of a multi-turn "
-        "question), for Spec-Bench's evaluation/speed.py and equal.py; files of the same name are replaced",
-        metavar="DIR")
-    plots: bool = option(True, "skip the PNG plots", flag="--no-plots")
-    strict_selfcheck: bool = option(True, "report, instead of failing on, fp32 greedy outputs that differ from AR",
-                                    flag="--no-strict-selfcheck")
-    command: str | None = option(None, "recorded in the manifest (default: sys.argv)", cli=False)
-    quiet: bool = option(False, "no progress lines on stderr", cli=False)
-    extra_manifest: dict = option({}, "more keys for the manifest", cli=False)
-
-
-def validate(cfg: EvalConfig) -> EvalConfig:
-    """Reject impossible settings before any model is loaded; return the config with every running method's
-    options resolved to its checked dataclass (what the runner reads: it resolves nothing again)."""
-    check_eval_settings(cfg.temperatures, cfg.max_new_tokens, cfg.repeats, cfg.warmup, cfg.num_prompts, cfg.top_p,
-                        cfg.top_k, cfg.threads, cfg.cost_repeats)  # the rules the CLI also checks before importing
-    check_fields(cfg)  # the Literal settings: dtype, tree_draws, chat_template, cuda_graphs, ...
-    if cfg.tune_chain_length and ("chain" not in cfg.methods or not cfg.cost_repeats):
-        raise RecipeError("--tune-chain-length picks chain's draft length with the cost model: run the chain method "
-                          f"(--methods ...,chain) with --cost-repeats > 0 (methods: {', '.join(cfg.methods)}, "
-                          f"--cost-repeats {cfg.cost_repeats})")
-    # "on" without CUDA fails here, before minutes of target loading (resolution needs no GPU).
-    use_cuda_graphs(cfg.cuda_graphs, cfg.device)
-    for m in tuple(cfg.methods) + tuple(cfg.baselines or ()):
-        if m not in method_registry.METHODS:
-            raise RecipeError(f"unknown method {m!r}; {method_registry.suggest(m)}")
-        if cfg.drafter is None and method_registry.METHODS[m].needs_drafter:
-            raise RecipeError(f"speculative methods need --drafter ({m!r} does); give one or use --methods ar")
-    return replace(cfg, method_options=resolve_method_options(cfg))  # every option checked here, once
-
-
-def check_paths(cfg: EvalConfig) -> None:
-    """A --target / --drafter that names a missing local directory, or an --out that cannot take the report,
-    fails before any model loads."""
-    from draftforge.decode.loading import lookup_options
-    from draftforge.errors import CheckpointError
-    from draftforge.loading import missing_local_path
-
-    check_out(cfg.out_dir)
-
-    for flag, value in (("--target", cfg.target), ("--drafter", cfg.drafter)):
-        if value is None or not isinstance(value, str) or (flag == "--drafter" and lookup_options(value)):
-            continue
-        missing = missing_local_path(value)
-        if missing is not None:  # the loader's own words, said before the seconds it takes to get there
-            raise CheckpointError(f"cannot load the {flag[2:]}: directory {missing} does not exist ({flag})")
-
-
-def resolve_method_options(cfg: EvalConfig) -> dict[str, method_registry.MethodOptions]:
-    """Every method this run may build -> its options dataclass, each value checked once. Options given for a
-    method the run does not run are refused (a flag nobody reads would be silently ignored)."""
-    required, optional = _method_order(cfg)
-    running = required + optional
-    for m, given in cfg.method_options.items():
-        if m not in running:
-            names = given if isinstance(given, dict) else {}
-            flags = ", ".join(method_registry.OPTIONS[k].flag for k in names if k in method_registry.OPTIONS)
-            raise RecipeError(f"options given for method {m!r} ({flags or 'its options'}), which this run does not "
-                              f"run; add it to --methods (running: {', '.join(running)})")
-    return {m: method_registry.resolve_options(m, cfg.method_options.get(m)) for m in running}
 
 
 def _log(cfg: EvalConfig, msg: str) -> None:
@@ -177,30 +38,10 @@ def _log(cfg: EvalConfig, msg: str) -> None:
         print(f"[eval] {msg}", file=sys.stderr, flush=True)
 
 
-def _method_order(cfg: EvalConfig) -> tuple[list[str], list[str]]:
-    """(methods that must build, optional baselines that may be skipped), AR first, no duplicates."""
-    required = ["ar"] + [m for m in cfg.methods if m != "ar"]
-    if cfg.baselines is None:  # external baselines run when they can (hf_assisted: Transformer drafters)
-        optional = [m for m, info in method_registry.METHODS.items() if info.baseline] if cfg.drafter else []
-    else:
-        required += list(cfg.baselines)
-        optional = []
-    required = list(dict.fromkeys(required))
-    return required, [m for m in optional if m not in required]
-
-
-def resolved_options(cfg: EvalConfig) -> dict[str, method_registry.MethodOptions]:
-    """The options of a validated config (validate's return), by method; a config not validated is refused."""
-    options = cfg.method_options
-    if not all(isinstance(options.get(m), method_registry.MethodOptions) for m in sum(_method_order(cfg), [])):
-        raise TypeError("pass the config through validate(cfg) first: it resolves each method's options once")
-    return options
-
-
 def _build_decoders(cfg: EvalConfig, target, drafter) -> tuple[dict, list[dict]]:
     """One decoder per method of a validated config."""
     options = resolved_options(cfg)
-    required, optional = _method_order(cfg)
+    required, optional = method_order(cfg)
     decoders, skipped = {}, []
     for m in required:
         decoders[m] = decode_api.build_decoder(m, target, None if m == "ar" else drafter, options=options[m])
@@ -418,7 +259,7 @@ def planned_rows(cfg: EvalConfig) -> list[int]:
     methods verify."""
     options = resolved_options(cfg)
     rows = set(cost.GRID)
-    for m in _method_order(cfg)[0]:
+    for m in method_order(cfg)[0]:
         rows.update(method_registry.get_method(m).rows(options[m]))
     return sorted(rows)
 

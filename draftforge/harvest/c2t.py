@@ -21,8 +21,8 @@ from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from draftforge.decode.c2t import parent_entropy
-from draftforge.decode.eagle2 import Eagle2Builder
+from draftforge.decode.methods.c2t import parent_entropy
+from draftforge.decode.methods.eagle2 import Eagle2Builder
 from draftforge.decode.plan import DynamicTree
 from draftforge.decode.sampling import SamplingParams
 from draftforge.errors import CompatibilityError, DataError
@@ -37,7 +37,7 @@ META_FILE = "harvest.json"
 def model_fingerprint(model) -> str:
     """16 hex digits of models.theta's fingerprint: weights rounded to bf16, so a target harvested in bf16 (dtype
     auto) matches the same checkpoint loaded in fp32 for training."""
-    from draftforge.models.theta import model_fingerprint as full_fingerprint
+    from draftforge.models.cali_ts import model_fingerprint as full_fingerprint
 
     return full_fingerprint(model)[:16]
 
@@ -262,7 +262,7 @@ def harvest_trees(job: TreeHarvestJob) -> dict:
 
     from draftforge.data.prompts import load_prompts
     from draftforge.decode import load_drafter, load_target
-    from draftforge.decode.eagle2 import check_eagle2
+    from draftforge.decode.methods.eagle2 import check_eagle2
     from draftforge.runtime import announce, resolve_dtype
 
     dtype = resolve_dtype(job.dtype, job.device)

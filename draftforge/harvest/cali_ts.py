@@ -7,7 +7,7 @@ tokenized with the target's tokenizer; `--generate N` first lets the target cont
 the labelled part is the target's own output). Both are loaded as the harness loads them, so the drafter
 may be any kind `eval` takes, an EESD export too (its target's layers 1..N, then the exit head; a reduced
 head's argmax mapped to target ids as drafting does). For an anchor c (the last committed token s_c) and
-a draft offset i = 1..max_offset, one feature row holds what Cali-TS reads at decode time (models/theta.py
+a draft offset i = 1..max_offset, one feature row holds what Cali-TS reads at decode time (models/cali_ts.py
 says why these positions):
   h_target  the target's hidden state at c-1 (the row that emitted s_c);
   h_draft   the drafter's hidden state at p, the stop rule's hidden_D after draft i: p = c+i-1 (after s_≤p:
@@ -164,7 +164,7 @@ def harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, max
     from tqdm.auto import tqdm
 
     from draftforge.data.provenance import tokenizer_identity
-    from draftforge.models.theta import drafter_identity, hidden_size, model_fingerprint
+    from draftforge.models.cali_ts import drafter_identity, hidden_size, model_fingerprint
 
     for name, value in (("max_offset", max_offset), ("anchor_stride", anchor_stride), ("shard_size", shard_size),
                         ("max_len", max_len)):

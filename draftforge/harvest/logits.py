@@ -1,5 +1,8 @@
 """`draftforge harvest logits`: a target's top-k next-token distributions over token rows, for `distill`.
 
+Length (~430 lines): one job whose steps (plan, shard, resume, merge across processes) read the same manifest; its
+format lives in data/logits_cache.py.
+
 The target reads each row once (teacher-forced, rows right-padded into batches of --batch-size, so padding
 never reaches a position that is kept); for every position a loss uses, the K largest log-probabilities
 (T=1, computed in float32 from the logits whatever --dtype the model runs in), the log of the remaining
@@ -224,7 +227,7 @@ def _existing(out: Path, manifest: dict, resume: bool, overwrite: bool) -> dict 
 
 def _load_target(target, plan: Plan):
     from draftforge.loading import load_causal_lm
-    from draftforge.models.theta import model_fingerprint
+    from draftforge.models.cali_ts import model_fingerprint
 
     model = load_causal_lm(str(target), what="target", dtype=plan.choice.torch_dtype)
     model = model.to(plan.device).eval().requires_grad_(False)

@@ -1,5 +1,8 @@
 """Tree scan: one pass of a Mamba2 conv1d + SSM over a packed token tree (STree, Wu et al.).
 
+Length (~450 lines): the Triton kernel, its PyTorch reference and the launcher stay in one file so the reference the
+tests hold the kernel to sits beside it.
+
 A tree of N nodes is packed in topological order and described by ``parents[N]`` (-1 for the
 root, which continues the accepted prefix). Every node gets the output it would get if its
 root path alone were scanned as an ordinary sequence (STree §4, "A_tree"):

@@ -36,3 +36,14 @@ def check_vocab_fits(model: torch.nn.Module, tokenizer) -> None:
         raise CompatibilityError(
             f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has {len(tokenizer)} tokens but the model's "
             f"embedding has {rows} rows; use the model's own tokenizer or build it with vocab_size=len(tokenizer)")
+
+
+# Modules that moved in 0.2 (one home per method, sub-packages by role): their old names import the new modules,
+# with a DeprecationWarning, until the next release.
+from draftforge.deprecation import moved_modules  # noqa: E402
+
+moved_modules({
+    "draftforge.models.early_exit_export": "draftforge.models.eesd_export",
+    "draftforge.models.early_exit": "draftforge.models.eesd",
+    "draftforge.models.theta": "draftforge.models.cali_ts",
+})

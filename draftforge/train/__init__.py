@@ -14,3 +14,12 @@ def run(recipe, *, resume: bool = False, overwrite: bool = False, stop_after: in
     from draftforge.train.loop import train
 
     return train(recipe, task_builder(recipe.task), resume=resume, overwrite=overwrite, stop_after=stop_after)
+
+
+# Modules that moved in 0.2 (one home per method, sub-packages by role): their old names import the new modules,
+# with a DeprecationWarning, until the next release.
+from draftforge.deprecation import moved_modules  # noqa: E402
+
+moved_modules({
+    "draftforge.train.theta": "draftforge.train.cali_ts",
+})

@@ -1,42 +1,11 @@
 """Task `distill`: a small SSM drafter trained on a frozen target's distributions (STree §5.2).
 
-The student (by default a few Mamba2 layers, `model.arch: mamba2`, with the target's vocabulary and
-optionally its input embeddings) minimises a divergence from the target's next-token distribution plus an
-optional next-token CE on the data. `distill.loss` picks the divergence (forms, and their error bounds on a
-cached top-k: train/divergences.py): 'kl', the forward KL(p_target ‖ p_student) at temperature τ scaled by
-τ² (Hinton et al.; the default), 'tvd', 1 − Σ_v min(p_v, q_v), which at T=1 is one minus the per-token
-acceptance α of speculative sampling (arXiv:2211.17192 §3.2), 'mix', a weighted sum of the two, or 'ce', the
-CE on the target's own top-1 token (the greedy acceptance event). The teacher's logits are computed on the
-fly in the same step from the same packed blocks; the teacher is a `TaskSpec.frozen` module, so it has no
-optimizer state, no gradient sync and no sharding on 1 or N processes. The export is a normal drafter
-checkpoint (`load_drafter` reads it like a pretrain export).
-
-With `distill.logits_cache` (a `draftforge harvest logits` directory) the loss reads the target's stored
-top-k distribution instead, and the teacher is never loaded: an epoch costs no teacher forward. The cache
-must come from this target (its stored weight files, else its weights' fingerprint) and tokenizer, and from
-the rows file the recipe trains on (size + mtime, else sha256; the same row count and loss positions). A
-cached row is the target's distribution on that row alone, as the target serves it; on the fly the teacher
-reads the packed block, so for a row that does not start its block the two see different context.
-
-A student with a reduced draft head (`model.draft_vocab`, or one that comes with `model.init_from`)
-predicts only N of the target's V tokens; every loss is taken against the teacher's distribution
-restricted to those N ids and renormalised (the target-side mass it cannot predict is not a loss it
-can lower), and its top-1 agreement compares its argmax, mapped back to a target id, with the
-teacher's argmax over the full vocabulary. Its α takes the target's unrestricted p (the mass outside the
-draft ids is never accepted). Positions whose next token lies outside the draft vocabulary carry no label
-after the draft-id mapping and are left out of every term. On a cache, a reduced head needs one harvested
-for its draft ids (--draft-vocab): a top-k over the whole vocabulary does not tell how much of the tail lies
-inside them, and a top-k larger than the draft vocabulary is refused with that reason.
-
-Acceptance is logged every step: alpha (Σ min(p, q) at T=1) and top1_agree (T=0), per counted position.
-Eval batches also sum the chain products that give α per draft depth and the chain's τ; `derive_metrics`
-turns the sums into τ for γ = 5 (arXiv:2211.17192 §3.1, Eq. 1), per-depth α and the measured chain τ. The
-loop logs them with each eval (eval_alpha, ...); the weights the run exports (train.keep_best's, or the last)
-are evaluated once more by the loop's own eval pass on the main process (`TaskSpec.export_report`), and those
-numbers are kept in the export's draftforge.json (metrics.acceptance).
-
-The distill spec is the LM task's spec (train/lm.py) with its loss, count, collate, frozen teacher, derived
-metrics, export report and export keys replaced: a new frozen value (`_as_distill`), never a patched one.
+The student minimises `distill.loss` (forward KL at a temperature, TVD = 1 − α, their mix, or CE on the target's
+top-1; train/divergences.py) against the target's next-token distribution, computed on the fly by a frozen teacher
+or read from a `draftforge harvest logits` cache (`distill.logits_cache`; the teacher is then never loaded). A
+reduced draft head is trained against the teacher restricted to its ids. Acceptance (α, top-1, per-depth α, τ)
+is logged at every eval and kept in the export. The spec is the LM task's, composed with `dataclasses.replace`.
+The whole story, with the cache's checks and the reduced head's rules: docs/methods/distill.md.
 
 Legend: B batch, T block size, V vocabulary, N draft vocabulary, S student vocabulary (V or N), K top-k,
 P kept positions, D hidden size.

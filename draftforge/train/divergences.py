@@ -1,38 +1,9 @@
 """Distillation losses aimed at acceptance, on a teacher's full distribution or on its cached top-K.
 
-Notation, per kept position: p is the teacher's next-token distribution over the student's vocabulary S
-(for a reduced draft head, the target's distribution restricted to the N draft ids and renormalised, as
-distill has always done), q the student's softmax over S.
-  KL         Σ_v p_v log(p_v / q_v): forward KL (distill's default, at a temperature τ, scaled by τ²).
-  TVD        1 − Σ_v min(p_v, q_v) = ½ Σ_v |p_v − q_v|: at T=1 one minus the per-token acceptance of
-             speculative sampling, α = Σ_v min(p_v, q_v) (arXiv:2211.17192 §3.2, Lemma 3.3, Corollary 3.6).
-  CE_target  −log q(argmax_v p_v): hard distillation on the target's own top-1 token; "the student's argmax
-             is the target's" is the greedy (T=0) acceptance event.
-The acceptance metric α takes the target's unrestricted p: a reduced drafter's q is 0 outside its ids, so
-the mass p puts there is never accepted and α = Σ_{v∈S} min(p_v, q_v) ≤ p(S).
-
-Top-K form (a logits cache, `draftforge harvest logits`). Per position the cache holds the K largest p_v
-over S (ids, unrestricted log-probs) and m_S, the rest of p's mass on S. The K ids are K outcomes and the
-other ids R = S \\ K one more, the tail bucket: p̃ is p renormalised over S (p̃_i = p_i / Z, m̃ = m_S / Z,
-Z = Σ_K p_i + m_S) and Q = Σ_R q_v is the student's mass on the bucket. Each loss is taken on these K+1
-outcomes, so the tail mass enters as one outcome of probability m̃ whose student probability is Q:
-  KL_K  = Σ_K p̃_i log(p̃_i / q_i) + m̃ log(m̃ / Q)
-  TVD_K = 1 − Σ_K min(p̃_i, q_i) − min(m̃, Q)
-  α_K   = Σ_K min(p_i, q_i) + min(m_S, Q)
-  CE_target is exact: the first cached id is the target's argmax over S.
-Bounds, per position (p̃_(K) the smallest cached p̃_i, q_min the smallest q_v on R, Δ_R the spread
-max − min of the student's logits on R):
-  0 ≤ TVD − TVD_K ≤ min(m̃, Q) ≤ m̃               0 ≤ α_K − α ≤ min(m_S, Q) ≤ m_S
-  0 ≤ KL − KL_K  ≤ m̃ · [log(Q / q_min) + min(0, log(p̃_(K) / m̃))] ≤ m̃ · (log|R| + Δ_R)
-No bound in m̃ alone exists for KL: a student that gives one tail id almost no mass where the teacher gives
-it some drives KL to infinity while every cached number stays the same. TVD's error is at most m̃ whatever
-the student does. Both cached values are lower bounds, so the cache never overstates a divergence.
-Derivation. TVD: ½Σ|p̃ − q| splits into the K outcomes (identical in both forms) and R; on R the triangle
-inequality gives |m̃ − Q| ≤ Σ_R |p̃_v − q_v| ≤ m̃ + Q, so merging R into one outcome lowers TVD by between 0
-and ½(m̃ + Q − |m̃ − Q|) = min(m̃, Q). α: 0 ≤ Σ_R min(p_v, q_v) ≤ min(m_S, Q). KL: the chain rule of KL over
-the partition gives KL = KL_K + m̃ · KL(p̄ ‖ q̄), p̄ = p̃_R / m̃, q̄ = q_R / Q, and KL(p̄ ‖ q̄) = −H(p̄) −
-Σ p̄ log q̄ ≤ log max p̄ − log min q̄, where max p̄ ≤ min(1, p̃_(K) / m̃) (no tail id is more probable than
-the K-th cached one) and min q̄ = q_min / Q ≥ e^{−Δ_R} / |R|.
+KL (forward, at a temperature), TVD = 1 − Σ min(p, q) (one minus the acceptance α of speculative sampling at T=1,
+arXiv:2211.17192 §3.2) and CE on the target's top-1; on a cached top-K each is taken over the K cached ids plus one
+tail bucket, which makes every cached value a lower bound of the exact one (TVD within m̃, the tail mass; KL has no
+bound in m̃ alone). The notation, the K+1-outcome forms and the derivation of the bounds: docs/methods/distill.md.
 
 Legend: P kept positions, S student vocabulary (V, or N for a reduced head), K cached top-k, B batch, T block,
 A chain anchors, G draft depth γ.

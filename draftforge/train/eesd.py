@@ -4,7 +4,7 @@ Frozen (TaskSpec.frozen): the target's embeddings and layers 1..N. Trained: one 
 the target's last layer), a norm (the target's final norm) and an untied LM head (the target's head),
 by next-token cross-entropy on self-distilled data (the target's own outputs as `format: tokens` rows,
 e.g. from `draftforge generate`) mixed with open data (`eesd.open_sources`) at `eesd.open_fraction`.
-The export holds only the trained parts plus the target's identity (draftforge.models.early_exit_export).
+The export holds only the trained parts plus the target's identity (draftforge.models.eesd_export).
 `model.draft_vocab: N` shrinks the head to the target's N most frequent ids (as the other drafters' heads,
 train/lm.py: on SmolLM2 the full 49,152-row head costs as much as several decoder layers per draft step);
 labels outside those ids carry no loss.
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from draftforge.errors import RecipeError
-from draftforge.models.early_exit import (
+from draftforge.models.eesd import (
     HEAD_INITS,
     LAYER_INITS,
     check_exit_after,
@@ -130,8 +130,8 @@ def build_eesd_task(recipe: Recipe, accelerator, with_data: bool = True):
     from draftforge.data import describe
     from draftforge.loading import load_causal_lm
     from draftforge.models.draft_vocab import target_to_draft
-    from draftforge.models.early_exit import ExitHead, Trunk, split_target
-    from draftforge.models.early_exit_export import save_exit_head, target_identity
+    from draftforge.models.eesd import ExitHead, Trunk, split_target
+    from draftforge.models.eesd_export import save_exit_head, target_identity
     from draftforge.train.lm import (
         DRAFT_VOCAB_FILE,
         choose_draft_vocab,

@@ -1,5 +1,8 @@
 """The one training loop (docs/design.md §2, §6 principle 1). Tasks plug in through a `TaskSpec` (spec.py).
 
+Length (~420 lines): the loop, its eval pass and its export are one lifecycle that shares the Trainer's state;
+split, each part would take that state as arguments.
+
 Legend: B = micro-batch, T = block size, V = vocab, G = global batch (rows per step),
 W = processes, A = gradient-accumulation micro-steps (G = B * A * W).
 

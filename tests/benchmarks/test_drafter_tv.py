@@ -23,7 +23,7 @@ def test_alpha_is_one_minus_tv_and_scale_finds_temperature():
 def test_mamba_decode_path_equals_full_forward():
     from transformers import Mamba2Config, Mamba2ForCausalLM
 
-    from draftforge.decode.drafter_mamba import MambaDrafter
+    from draftforge.decode.drafters.mamba import MambaDrafter
 
     torch.manual_seed(0)
     cfg = Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=16, head_dim=16, expand=2,

@@ -17,7 +17,7 @@ from draftforge.data.generate import chat_jobs, generate_rows
 from draftforge.data.provenance import OUTSIDE, sidecar_path
 from draftforge.errors import CompatibilityError, DataError
 from draftforge.export import tokenizer_fingerprint
-from draftforge.models.theta import model_fingerprint
+from draftforge.models.cali_ts import model_fingerprint
 from tests.data.common import data_cfg, write_jsonl
 from tests.fixtures.decode import tiny_llama, tiny_mamba2
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from draftforge.decode import build_decoder
-from draftforge.decode.c2t import C2TBuilder
+from draftforge.decode.methods.c2t import C2TBuilder
 from draftforge.errors import CheckpointError, CompatibilityError, RecipeError
 from draftforge.models.c2t import C2TClassifier, load_head, save_head
 from tests.fixtures.decode import greedy_runs

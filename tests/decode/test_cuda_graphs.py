@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from draftforge.decode import build_decoder, load_drafter, load_target, parse_tree
-from draftforge.decode.cuda_graphs import CudaGraph, StaticStep, use_cuda_graphs
-from draftforge.decode.drafter_mamba import MambaDrafter
+from draftforge.decode.drafters.cuda_graphs import CudaGraph, StaticStep, use_cuda_graphs
+from draftforge.decode.drafters.mamba import MambaDrafter
 from draftforge.decode.sampling import SamplingParams
-from draftforge.decode.ssm_state import layer_states
+from draftforge.decode.drafters.ssm_state import layer_states
 from draftforge.errors import DraftforgeError
 from tests.fixtures.decode import tiny_llama, tiny_mamba, tiny_mamba2
 

@@ -9,10 +9,10 @@ import pytest
 
 import draftforge.decode  # noqa: F401  (imports every drafter module)
 from draftforge.decode import build_decoder, load_drafter, load_target
-from draftforge.decode.drafter_base import Drafter
+from draftforge.decode.drafters.base import Drafter
 from draftforge.decode.dynamic import draft_dynamic
 from draftforge.decode.sampling import SamplingParams
-from draftforge.decode.early_exit import EarlyExitDrafter
+from draftforge.decode.methods.eesd import EarlyExitDrafter
 from draftforge.errors import DraftforgeError
 from tests.fixtures.decode import tiny_llama, tiny_mamba2
 

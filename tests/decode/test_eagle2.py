@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from draftforge.decode import DraftTree, Drafter, build_decoder, load_target
-from draftforge.decode.eagle2 import Eagle2Builder
+from draftforge.decode.methods.eagle2 import Eagle2Builder
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.tree import root_path
 from draftforge.errors import DraftforgeError, RecipeError

@@ -18,9 +18,9 @@ from draftforge.decode import (
     build_decoder,
     load_target,
 )
-from draftforge.decode.early_exit import EarlyExitDrafter, EarlyExitTarget
+from draftforge.decode.methods.eesd import EarlyExitDrafter, EarlyExitTarget
 from draftforge.errors import CompatibilityError, DraftforgeError, RecipeError
-from draftforge.models.early_exit import ExitHead, Trunk, split_target
+from draftforge.models.eesd import ExitHead, Trunk, split_target
 from tests.fixtures.decode import greedy_reference, tiny_llama
 from tests.fixtures.plans import PlanController
 from draftforge.hfcompat import cache_param, passed_cache

@@ -43,8 +43,8 @@ def target(tmp_path_factory, tok):
 @pytest.fixture(scope="module")
 def eesd_export(target, tok, tmp_path_factory):
     from draftforge.decode import load_target
-    from draftforge.models.early_exit import ExitHead, split_target
-    from draftforge.models.early_exit_export import save_exit_head, target_identity
+    from draftforge.models.eesd import ExitHead, split_target
+    from draftforge.models.eesd_export import save_exit_head, target_identity
 
     parts = split_target(load_target(target).model)
     return str(save_exit_head(ExitHead.from_target(parts, 1), target_identity(parts, 1), tok,

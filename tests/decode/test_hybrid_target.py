@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from draftforge.decode import build_decoder, load_drafter, load_target, parse_tree
-from draftforge.decode.hybrid_target import HybridTarget
+from draftforge.decode.targets.hybrid import HybridTarget
 from draftforge.decode.tree import DraftTree, root_path
 from draftforge.errors import CompatibilityError
 from tests.fixtures.decode import assert_stops_at_eos, greedy_reference, tiny_llama, tiny_mamba, tiny_mamba2
@@ -173,7 +173,7 @@ def test_drafter_with_another_vocabulary_or_a_hybrid_drafter_is_refused(targets)
 
 
 def test_tree_over_the_kernel_limit_uses_the_reference_with_a_note(targets, monkeypatch):
-    import draftforge.decode.hybrid_target as ht
+    import draftforge.decode.targets.hybrid as ht
 
     monkeypatch.setattr(ht, "MAX_KERNEL_NODES", 0)
     # impl="triton" on CPU tensors would raise: every tree (over 0 rows) must go to the reference instead

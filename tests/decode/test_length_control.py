@@ -10,7 +10,7 @@ import torch
 
 from draftforge.decode import DraftTree, StoppableChain, StopRule, build_decoder, load_drafter, load_target
 from draftforge.decode.control import Round
-from draftforge.decode.length_control import (
+from draftforge.decode.methods.length_control import (
     BetaPosterior,
     BetaTS,
     CaliTS,
@@ -20,7 +20,7 @@ from draftforge.decode.length_control import (
 from draftforge.decode.plan import DraftStep
 from draftforge.decode.sampling import SamplingParams
 from draftforge.errors import CompatibilityError, DraftforgeError, RecipeError
-from draftforge.models.theta import (
+from draftforge.models.cali_ts import (
     ThetaPredictor,
     hidden_size,
     model_fingerprint,

@@ -10,7 +10,7 @@ import torch
 from transformers import Mamba2Config, Mamba2ForCausalLM
 from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
 
-from draftforge.decode.mamba2_tree import (
+from draftforge.decode.targets.stree import (
     full_binary_parents,
     leaf_paths,
     mamba2_tree_logits,

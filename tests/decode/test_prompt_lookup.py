@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from draftforge.decode import build_decoder, load_drafter, load_target, parse_tree, verify
-from draftforge.decode.drafter_lookup import NgramIndex, PromptLookupDrafter
+from draftforge.decode.drafters.lookup import NgramIndex, PromptLookupDrafter
 from draftforge.decode.loading import lookup_options
 from draftforge.decode.methods import METHODS
 from draftforge.decode.sampling import SamplingParams, probs_from_logits

@@ -53,7 +53,7 @@ def test_an_option_means_one_thing_across_methods():
 
 
 def test_method_options_are_typed_checked_once_and_named_on_error():
-    from draftforge.decode.core_methods import ChainOptions, TreeOptions
+    from draftforge.decode.methods.core import ChainOptions, TreeOptions
     from draftforge.errors import RecipeError
 
     assert methods.resolve_options("chain", {"chain_length": 3}) == ChainOptions(chain_length=3)
@@ -72,7 +72,7 @@ def test_method_options_are_typed_checked_once_and_named_on_error():
 
 def test_the_registry_knows_no_method():
     # the Drafter contract (no method); options and checks come from draftforge.options
-    assert decode_imports(PACKAGE / "methods.py") == {"drafter_base"}
+    assert decode_imports(PACKAGE / "methods" / "__init__.py") == {"drafters"}  # drafters.base
     assert set(decode.METHODS) == set(methods.METHODS) >= {"ar", "chain", "tree", "ucb", "eagle2", "c2t", "eesd"}
 
 

@@ -64,7 +64,7 @@ def test_a_tree_forward_that_drops_the_ssm_state_fails_the_self_check(tmp_path, 
     The self-check's tolerance comes from the model's own plain forward, not from the broken code, so it must
     report defects and `draftforge eval` exit 2, in bf16 as in fp32."""
     from draftforge import cli
-    from draftforge.decode import hybrid_target
+    from draftforge.decode.targets import hybrid as hybrid_target
     from tests.fixtures.hybrid import tiny_mamba2_target
 
     target, drafter = tmp_path / kind, tmp_path / "drafter"

@@ -16,7 +16,7 @@ import torch
 from transformers import Mamba2Config
 from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
 
-from draftforge.decode.mamba2_tree import (
+from draftforge.decode.targets.stree import (
     full_binary_parents,
     mixer_tree_forward,
     root_path,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from draftforge.decode import build_decoder, load_drafter, load_target
-from draftforge.decode.drafter_base import propose_children
+from draftforge.decode.drafters.base import propose_children
 from draftforge.decode.sampling import SamplingParams
 from draftforge.errors import CompatibilityError, RecipeError
 from draftforge.models.draft_vocab import (

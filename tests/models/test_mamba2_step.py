@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import DynamicCache, Mamba2Config, Mamba2ForCausalLM
 
-from draftforge.decode.ssm_state import layer_states
+from draftforge.decode.drafters.ssm_state import layer_states
 from draftforge.errors import DraftforgeError
 from draftforge.models.mamba2_step import Mamba2Step, mamba2_step_ref
 from draftforge.hfcompat import cache_kwargs
@@ -105,7 +105,7 @@ def test_lean_step_is_chosen_for_a_mamba2_off_cuda_only():
 
     from transformers import MambaConfig, MambaForCausalLM
 
-    from draftforge.decode.cuda_graphs import lean_step_for
+    from draftforge.decode.drafters.cuda_graphs import lean_step_for
 
     model = make_model()
     assert isinstance(lean_step_for(model), Mamba2Step)
@@ -140,7 +140,7 @@ def test_dt_is_clamped_to_time_step_limit_like_the_chunked_forward():
 
 
 def test_mamba_drafter_on_cpu_steps_with_it_and_drafts_what_transformers_drafts():
-    from draftforge.decode.drafter_mamba import MambaDrafter
+    from draftforge.decode.drafters.mamba import MambaDrafter
     from draftforge.decode.sampling import SamplingParams
 
     model = make_model()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,26 @@ def test_moved_module_returns_the_new_module_and_layer_0_imports_nothing_of_draf
     with pytest.warns(DeprecationWarning, match="dep_alias_json moved to json"):
         assert moved_module("dep_alias_json", "json") is sys.modules["dep_alias_json"] is importlib.import_module("json")
     del sys.modules["dep_alias_json"]
+
+
+def test_every_moved_module_of_the_package_imports_as_its_new_home_with_a_warning():
+    import importlib
+    import sys
+    import warnings
+
+    import draftforge.decode  # noqa: F401  (each package installs its table when imported)
+    import draftforge.models  # noqa: F401
+    import draftforge.train  # noqa: F401
+    from draftforge.deprecation import _MovedModules
+
+    tables = {old: new for f in sys.meta_path if isinstance(f, _MovedModules) for old, new in f.table.items()}
+    assert len(tables) >= 18
+    for old, new in tables.items():
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new), old
+        assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught), old
+        stale = Path(draftforge.decode.__file__).parents[1].joinpath(*old.split(".")[1:]).with_suffix(".py")
+        assert not stale.exists(), f"{stale} would shadow the moved module"

@@ -153,8 +153,8 @@ def test_a_wrong_verifier_is_a_defect_and_eval_exits_non_zero(models, tmp_path, 
 def test_bf16_eesd_decoding_has_no_defect():
     """The early-exit drafter shares the target's first N layers and KV cache; in bf16 its output is AR's or a
     measured near-tie."""
-    from draftforge.decode.early_exit import EarlyExitDrafter
-    from draftforge.models.early_exit import ExitHead, split_target
+    from draftforge.decode.methods.eesd import EarlyExitDrafter
+    from draftforge.models.eesd import ExitHead, split_target
     from tests.fixtures.decode import tiny_llama
 
     target = load_target(tiny_llama(vocab=64, layers=4, hidden=64, dtype=torch.bfloat16))

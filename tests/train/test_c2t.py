@@ -17,7 +17,7 @@ import torch
 from draftforge.cli import main as cli_main
 from draftforge.harvest import c2t as hv
 from draftforge.decode import SpeculativeDecoder, load_drafter, load_target
-from draftforge.decode.eagle2 import Eagle2Builder
+from draftforge.decode.methods.eagle2 import Eagle2Builder
 from draftforge.errors import CompatibilityError, DataError
 from draftforge.models.c2t import C2TClassifier, load_head
 from tests.fixtures.decode import noisy_copy, tiny_llama, tiny_mamba

@@ -362,7 +362,7 @@ def test_gathered_state_rebuilds_a_model_that_has_no_config_constructor():
     task's builder and loads the gathered weights (oracle: the trained head's own outputs)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from draftforge.models.early_exit import ExitHead, Trunk, split_target
+    from draftforge.models.eesd import ExitHead, Trunk, split_target
 
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
@@ -570,8 +570,8 @@ def test_fsdp_with_a_frozen_teacher_matches_one_process(task, tmp_path, tiny_cor
         ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
         logits = [load_causal_lm(str(d / "export")).eval()(ids).logits for d in (runs.one, runs.two)]
     else:  # attaches to its target and predicts as 1 process's
-        from draftforge.models.early_exit import Trunk, split_target
-        from draftforge.models.early_exit_export import load_exit_head
+        from draftforge.models.eesd import Trunk, split_target
+        from draftforge.models.eesd_export import load_exit_head
 
         target_model = load_causal_lm(str(target)).eval()
         inputs = Trunk(split_target(target_model), 2)(torch.randint(0, 300, (2, 16)))

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from draftforge.cli import main as cli_main
 from draftforge.decode import load_drafter, load_target
-from draftforge.decode.early_exit import EarlyExitDrafter
+from draftforge.decode.methods.eesd import EarlyExitDrafter
 from draftforge.decode.sampling import SamplingParams
 from draftforge.errors import CheckpointError, CompatibilityError, RecipeError
 from draftforge.recipe import recipe_from_dict
@@ -226,8 +226,8 @@ def test_a_target_that_cannot_be_split_is_refused(tmp_path, tiny_tokenizer_dir):
 def test_eval_runs_an_eesd_export_against_ar(tmp_path, target_dir):
     """`draftforge eval --drafter EESD_EXPORT --methods eesd`: loaded, paired, self-checked against AR."""
     from draftforge.eval.runner import EvalConfig, run_eval
-    from draftforge.models.early_exit import ExitHead, split_target
-    from draftforge.models.early_exit_export import save_exit_head, target_identity
+    from draftforge.models.eesd import ExitHead, split_target
+    from draftforge.models.eesd_export import save_exit_head, target_identity
 
     target = load_target(str(target_dir))
     parts = split_target(target.model)

@@ -1,4 +1,4 @@
-"""The θ predictor (models/theta.py), `draftforge harvest theta` and task `theta`: shapes, a tiny overfit,
+"""The θ predictor (models/cali_ts.py), `draftforge harvest theta` and task `theta`: shapes, a tiny overfit,
 harvested rows against a direct forward, resume, training through the one loop, export -> load, bad input."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from draftforge.cli import main as cli_main
 from draftforge.harvest.cali_ts import harvest_theta, load_harvest
 from draftforge.decode import build_decoder, load_drafter, load_target
 from draftforge.errors import CompatibilityError, DataError, DraftforgeError
-from draftforge.models.theta import ThetaPredictor, load_predictor
+from draftforge.models.cali_ts import ThetaPredictor, load_predictor
 from tests.fixtures.decode import tiny_llama, tiny_mamba2
 
 VOCAB = 16

@@ -18,10 +18,10 @@ from draftforge.harvest.cali_ts import harvest_theta, load_harvest
 from draftforge.decode import StoppableChain, StopRule, build_decoder, load_drafter, load_target
 from draftforge.decode.sampling import SamplingParams
 from draftforge.errors import CompatibilityError
-from draftforge.models.early_exit import ExitHead, split_target
-from draftforge.models.early_exit_export import save_exit_head, target_identity
-from draftforge.models.theta import ThetaPredictor
-from draftforge.train.theta import export_predictor, pair_metadata
+from draftforge.models.eesd import ExitHead, split_target
+from draftforge.models.eesd_export import save_exit_head, target_identity
+from draftforge.models.cali_ts import ThetaPredictor
+from draftforge.train.cali_ts import export_predictor, pair_metadata
 from tests.fixtures.decode import greedy_reference, noisy_copy, tiny_llama
 
 VOCAB, LAYERS, K, STRIDE, NEW = 16, 4, 4, 3, 24

@@ -13,7 +13,7 @@ Two of the paper's update rules are broken as printed; we use the resolutions in
   - Cali-TS Eq. (8) makes θ̂ -> 1 whatever is accepted. We use θ̂ = (θ̂₀ + Σa) / (1 + Σ min(a+1, k)):
     accepted over validated drafts, the counts Beta-TS uses.
 Cali-TS (Eqs. 6-7): μ = (σ_S² θ_M + n σ_M² θ̂) / (n σ_M² + σ_S²), 1/σ² = 1/σ_M² + n/σ_S², θ ~ N(μ, σ²)
-clipped to [0, 1]; n = verified rounds of this prompt. θ_M comes from the θ predictor (models/theta.py)
+clipped to [0, 1]; n = verified rounds of this prompt. θ_M comes from the θ predictor (models/cali_ts.py)
 on the target's hidden state at the last verified row and the drafter's hidden state that chose x_i;
 without a predictor, or before the prompt's first verification, θ_M = θ̂₀ (the "w/o model" ablation).
 SpecDec++ (Huang et al. 2024): stop once 1 - Π_j p_acc(x_j) > threshold. Without a trained head we use the
@@ -234,7 +234,7 @@ class SpecDecPP(LengthController):
 def _predictor(path, target, drafter):
     if path is None:
         return None
-    from draftforge.models.theta import load_predictor
+    from draftforge.models.cali_ts import load_predictor
 
     return load_predictor(path, target.model, drafter, device=target.device)
 

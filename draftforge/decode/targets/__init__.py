@@ -176,5 +176,5 @@ def check_target_model(model) -> None:
     if is_recurrent_model(config):
         raise CompatibilityError(
             f"target {config.model_type!r} keeps recurrent (SSM) state, which a KV cache cannot roll back; "
-            "load it with load_target (it picks the tree-scan HybridTarget, draftforge.decode.hybrid_target)"
+            "load it with load_target (it picks the tree-scan HybridTarget, draftforge.decode.targets.hybrid)"
         )

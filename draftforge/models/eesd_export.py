@@ -27,7 +27,7 @@ from draftforge.export import (
 )
 from draftforge.fsutil import write_dir_atomically
 from draftforge.models.draft_vocab import check_map
-from draftforge.models.early_exit import (
+from draftforge.models.eesd import (
     ExitHead,
     TargetParts,
     frozen_fingerprint,

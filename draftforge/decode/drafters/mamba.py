@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from draftforge.decode.cuda_graphs import MODES, StaticStep, StepRunner, use_cuda_graphs
-from draftforge.decode.drafter_base import Drafter, chain_stops, draft_map, propose_children, stack_q, wants_hidden
+from draftforge.decode.drafters.cuda_graphs import MODES, StaticStep, StepRunner, use_cuda_graphs
+from draftforge.decode.drafters.base import Drafter, chain_stops, draft_map, propose_children, stack_q, wants_hidden
 from draftforge.decode.sampling import SamplingParams
-from draftforge.decode.ssm_state import StateBank, copy_states, layer_states
+from draftforge.decode.drafters.ssm_state import StateBank, copy_states, layer_states
 from draftforge.decode.tree import DraftTree
 from draftforge.decode.tree_shape import TreeShape
 from draftforge.errors import DraftforgeError

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import torch
 
-from draftforge.decode.drafter_base import Drafter
+from draftforge.decode.drafters.base import Drafter
 from draftforge.decode.plan import DraftStep, DynamicTree, as_plan
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.tree import DraftTree

@@ -1,6 +1,6 @@
 """The core methods: `ar` (the baseline every run measures against), `chain`, `tree` (static trees) and `ucb`
 (a bandit over tree shapes): the controllers of control.py run by the engine's loop. Registers them with
-their options; `chain_length` is read by `eesd` too (decode/early_exit.py).
+their options; `chain_length` is read by `eesd` too (decode/methods/eesd.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 
 from draftforge.decode.base import DecodeResult, DecodeStats
 from draftforge.decode.checks import positive_int
-from draftforge.decode.drafter_base import Drafter
+from draftforge.decode.drafters.base import Drafter
 from draftforge.decode.engine import Decoder, check_prompt, clock, eos_set
 from draftforge.decode.methods import Method, MethodOptions, option, register_method
 from draftforge.decode.sampling import SamplingParams

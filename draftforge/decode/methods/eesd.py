@@ -23,8 +23,8 @@ import torch
 from transformers import DynamicCache
 
 from draftforge.decode.control import FixedChain
-from draftforge.decode.core_methods import ChainOptions, chain_rows
-from draftforge.decode.drafter_base import (
+from draftforge.decode.methods.core import ChainOptions, chain_rows
+from draftforge.decode.drafters.base import (
     Drafter,
     chain_stops,
     draft_map,
@@ -38,7 +38,7 @@ from draftforge.decode.targets import KVCacheTarget, Verification
 from draftforge.decode.tree import DraftTree
 from draftforge.decode.tree_shape import TreeShape
 from draftforge.errors import DraftforgeError
-from draftforge.models.early_exit import (
+from draftforge.models.eesd import (
     ExitHead,
     TargetParts,
     Trunk,
@@ -254,7 +254,7 @@ class EarlyExitDrafter(Drafter):
 
 def load_early_exit(path, target, device="cpu", dtype=None) -> EarlyExitDrafter:
     """An EESD export attached to `target` (refused for another target: fingerprint of the frozen part)."""
-    from draftforge.models.early_exit_export import load_exit_head
+    from draftforge.models.eesd_export import load_exit_head
 
     head, meta, tokenizer = load_exit_head(path, target.model)
     head = head.to(device=device, dtype=dtype or target.model.dtype)

@@ -123,7 +123,7 @@ def read_predictor_meta(path) -> dict:
     return meta
 
 
-EARLY_EXIT = "early_exit"  # decode/early_exit.py EarlyExitDrafter.kind
+EARLY_EXIT = "early_exit"  # decode/methods/eesd.py EarlyExitDrafter.kind
 
 
 def drafter_identity(drafter) -> dict:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from draftforge.decode.mamba2_tree import cache_states, mixer_tree_forward, replay_states
+from draftforge.decode.targets.stree import cache_states, mixer_tree_forward, replay_states
 from draftforge.decode.targets import Target, Verification, max_context
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
 from draftforge.errors import CompatibilityError

@@ -176,7 +176,7 @@ def build(method: str, target, drafter=None, options: MethodOptions | dict | Non
     resolved = resolve_options(method, options if options is not None else values)
     if m.needs_drafter and drafter is None:
         raise DraftforgeError(f"method {method!r} needs a drafter (load one with load_drafter)")
-    from draftforge.decode.drafter_base import Drafter  # the contract (no method): imported when a decoder is built
+    from draftforge.decode.drafters.base import Drafter  # the contract (no method): imported when a decoder is built
 
     if m.needs_drafter and isinstance(drafter, Drafter):  # anything else reaches `make`, which says what it needs
         target = verifying_target(drafter, target)

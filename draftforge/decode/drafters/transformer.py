@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from draftforge.decode.drafter_base import Drafter, chain_stops, draft_map, propose_children, stack_q, wants_hidden
+from draftforge.decode.drafters.base import Drafter, chain_stops, draft_map, propose_children, stack_q, wants_hidden
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.targets import CachedLM
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask

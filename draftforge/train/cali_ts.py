@@ -4,7 +4,7 @@ The rows come from `draftforge harvest theta` (data.sources: [HARVEST_DIR]); tar
 there, so training touches neither (they are frozen by construction: only their hidden states are read).
 Loss: cross-entropy of the two logits against χ, optionally class-balanced when acceptance is far from
 0.5 (docs/methods/cali-ts.md §5). The export is the predictor alone plus the harvest's target/drafter
-fingerprints and widths, so the harness refuses it for another pair (models/theta.py `load_predictor`).
+fingerprints and widths, so the harness refuses it for another pair (models/cali_ts.py `load_predictor`).
 
 Legend: B rows, T target width, D drafter width.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from draftforge.models.theta import MAX_OFFSET, ThetaPredictor, save_predictor
+from draftforge.models.cali_ts import MAX_OFFSET, ThetaPredictor, save_predictor
 from draftforge.recipe import doc, require
 
 
@@ -86,7 +86,7 @@ def build_theta_task(recipe, accelerator, with_data: bool = True):
 
 
 def pair_metadata(manifest: dict) -> dict:
-    """What the export keeps of the harvest's target/drafter pair, for the harness's check (models/theta.py)."""
+    """What the export keeps of the harvest's target/drafter pair, for the harness's check (models/cali_ts.py)."""
     keys = ("target", "drafter", "target_fingerprint", "drafter_fingerprint", "drafter_kind", "exit_after_layer")
     return {k: manifest.get(k) for k in keys}
 

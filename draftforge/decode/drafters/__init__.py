@@ -1,0 +1,1 @@
+"""Drafters: the contract (base.py) and its kinds: Mamba / Mamba2 (mamba.py, with its state and CUDA-graph steps), Transformer (transformer.py), prompt lookup (lookup.py). `load_drafter` (decode/loading.py) picks one."""
