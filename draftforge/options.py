@@ -165,7 +165,10 @@ def field_rows(cls: type, prefix: str = "", skip=lambda f: False) -> list[tuple[
 
 
 def cli_fields(cls: type) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True) and "help" in f.metadata]
+    """The settings that have a flag, the class's own first, then those it inherits (a job's common settings)."""
+    own = cls.__dict__.get("__annotations__", {})
+    fields = [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True) and "help" in f.metadata]
+    return [f for f in fields if f.name in own] + [f for f in fields if f.name not in own]
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, *, defaults: dict | None = None, group=None) -> None:

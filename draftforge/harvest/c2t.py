@@ -27,8 +27,8 @@ from draftforge.decode.plan import DynamicTree
 from draftforge.decode.sampling import SamplingParams
 from draftforge.errors import CompatibilityError, DataError
 from draftforge.models.c2t import DEPTH_ORIGIN
-from draftforge.options import add_flags, check_fields, option, positive_int
-from draftforge.runtime import PRECISIONS
+from draftforge.harvest.job import HarvestJob
+from draftforge.options import add_flags, option, positive_int
 
 COLUMNS = ("tree_id", "prompt_id", "node", "parent", "P", "H", "d", "label", "target", "drafter")
 META_FILE = "harvest.json"
@@ -224,19 +224,14 @@ def summarize(data) -> dict:
 
 # ---------------------------------------------------------------- `draftforge harvest trees`
 
-THREADS_HELP = ("torch intra-op threads on CPU (default 1, or OMP_NUM_THREADS: batch-1 model passes lose "
-                "several-fold when a core is busy)")
-
-
 @dataclass(frozen=True, kw_only=True)
-class TreeHarvestJob:
+class TreeHarvestJob(HarvestJob):
     """`draftforge harvest trees`: its flags are these settings."""
 
     target: str = option(MISSING, "target model dir (HF decoder-only Transformer)")
     drafter: str = option(MISSING, "drafter dir (Mamba, Mamba2 or Transformer)")
     bench: str = option(MISSING, "prompt file or named set (testbed, humaneval, instructions); use training "
                         "prompts, disjoint from the ones you evaluate on")
-    out: str = option(MISSING, "harvest directory (harvest.json + parquet shards)", metavar="DIR")
     num_prompts: int | None = option(None, "use only the first N prompts (default: all)", check=positive_int)
     max_new_tokens: int = option(128, "greedy tokens per prompt", check=positive_int)
     top_k: int = option(10, "EAGLE-2 k: children per node and frontier width", check=positive_int)
@@ -245,15 +240,6 @@ class TreeHarvestJob:
     chat_template: Literal["auto", "always", "never"] = option(
         "auto", "auto: chat prompts use the target's chat template if it has one; always / never force it on or off")
     ignore_eos: bool = option(False, "always generate --max-new-tokens tokens (default: stop at the target's eos)")
-    device: str = option("cpu", "cpu, cuda or cuda:N")
-    dtype: PRECISIONS = option("auto", "model dtype: auto = bfloat16 where the device computes it natively, else "
-                               "float32; recorded in harvest.json, and a resume must use the same")
-    resume: bool = option(False, "continue a harvest in --out (same target, drafter, settings); finished prompts "
-                          "are skipped")
-    threads: int | None = option(None, THREADS_HELP, check=positive_int)
-
-    def __post_init__(self):
-        check_fields(self)
 
 
 def harvest_trees(job: TreeHarvestJob) -> dict:

@@ -33,9 +33,9 @@ import torch
 
 from draftforge.errors import DataError, DraftforgeError
 from draftforge.fsutil import atomic_write_text, temp_dir_beside
-from draftforge.harvest.c2t import THREADS_HELP
-from draftforge.options import add_flags, check_fields, non_negative_int, option, positive_int
-from draftforge.runtime import PRECISIONS, announce, resolve_dtype
+from draftforge.harvest.job import HarvestJob
+from draftforge.options import add_flags, non_negative_int, option, positive_int
+from draftforge.runtime import announce, resolve_dtype
 
 MANIFEST = "harvest.json"
 SETTING_KEYS = ("target_fingerprint", "drafter_fingerprint", "max_offset", "anchor_stride", "max_len", "generate",
@@ -277,14 +277,13 @@ then train the predictor: draftforge train RECIPE (task: theta, data.sources: [r
 
 
 @dataclass(frozen=True, kw_only=True)
-class ThetaHarvestJob:
+class ThetaHarvestJob(HarvestJob):
     """`draftforge harvest theta`: its flags are these settings."""
 
     target: str = option(MISSING, "the target model (local path)")
     drafter: str = option(MISSING, "the trained drafter (export dir or local path; an EESD export of this target too)")
     data: tuple[str, ...] = option(MISSING, "JSONL rows: input_ids (token rows, prompt_len / loss_mask mark the "
                                    "labelled part) or text; one or more, flag repeatable", repeat=True, metavar="ROWS")
-    out: str = option(MISSING, "harvest directory (shards + harvest.json)", metavar="DIR")
     max_offset: int = option(16, "draft offsets i = 1..N per anchor (offsets past 10 share W^10)", check=positive_int)
     anchor_stride: int = option(8, "one anchor every N positions", check=positive_int)
     max_len: int = option(512, "cut sequences to N tokens", check=positive_int)
@@ -292,17 +291,9 @@ class ThetaHarvestJob:
                            "rows as they are)", check=non_negative_int)
     max_sequences: int | None = option(None, "read at most N rows (default: all)", check=positive_int)
     shard_size: int = option(64, "sequences per saved shard", check=positive_int)
-    device: str = option("cpu", "where both models run: cpu, cuda or cuda:N")
     allow_vocab_mismatch: bool = option(False, "a drafter whose tokenizer differs from the target's: use token ids "
                                         "as they are (as eval's flag of the same name)")
-    resume: bool = option(False, "continue a harvest in --out with the same settings")
     overwrite: bool = option(False, "replace a harvest in --out")
-    dtype: PRECISIONS = option("auto", "model dtype: auto = bfloat16 where the device computes it natively, else "
-                               "float32; recorded, and a resume must use the same")
-    threads: int | None = option(None, THREADS_HELP, check=positive_int)
-
-    def __post_init__(self):
-        check_fields(self)
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -35,9 +35,9 @@ from draftforge.data.logits_cache import (DRAFT_VOCAB_FILE, FORMAT_VERSION, KIND
                                           shard_name, shard_problem, stored_weights_fingerprint, write_shard)
 from draftforge.errors import CompatibilityError, DataError, RecipeError
 from draftforge.fsutil import atomic_write_text
-from draftforge.harvest.c2t import THREADS_HELP
-from draftforge.options import add_flags, check_fields, option, positive_int
-from draftforge.runtime import PRECISIONS, announce, resolve_dtype
+from draftforge.harvest.job import HarvestJob
+from draftforge.options import add_flags, option, positive_int
+from draftforge.runtime import announce, resolve_dtype
 
 ROWS_FIX = "regenerate the rows with this target, or pass --target {theirs}"
 # what a resume must share with the harvest it continues (the target's weights are compared once loaded)
@@ -392,12 +392,11 @@ data.format: tokens)
 
 
 @dataclass(frozen=True, kw_only=True)
-class LogitsHarvestJob:
+class LogitsHarvestJob(HarvestJob):
     """`draftforge harvest logits`: its flags are these settings."""
 
     target: str = option(MISSING, "the target model (local directory)")
     data: str = option(MISSING, "one file of token rows (format: tokens), the one distill trains on", metavar="ROWS")
-    out: str = option(MISSING, "cache directory (harvest.json + shards)", metavar="DIR")
     top_k: int = option(32, "log-probabilities kept per position", check=positive_int)
     draft_vocab: str | None = option(None, "take the top-k over a reduced head's ids: N (the N most frequent labels "
                                      "of --data, as model.draft_vocab: N with model.draft_vocab_from: DATA), a run "
@@ -406,15 +405,7 @@ class LogitsHarvestJob:
                           "cache)", check=positive_int)
     batch_size: int = option(8, "rows per teacher forward", check=positive_int)
     shard_rows: int = option(256, "rows per shard", check=positive_int)
-    device: str = option("cpu", "cpu, cuda or cuda:N")
-    dtype: PRECISIONS = option("auto", "the target's dtype: auto = bfloat16 where the device computes it natively, "
-                               "else float32; recorded, and a resume must use the same")
-    resume: bool = option(False, "continue the harvest in --out (same settings)")
     overwrite: bool = option(False, "replace the harvest in --out")
-    threads: int | None = option(None, THREADS_HELP, check=positive_int)
-
-    def __post_init__(self):
-        check_fields(self)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
