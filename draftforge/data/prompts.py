@@ -173,6 +173,11 @@ def _has_chat_template(tokenizer) -> bool:
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 
 
+def chat_prompt_length(tokenizer, text: str, chat: str = "auto") -> int:
+    """Tokens of a one-turn user prompt exactly as the eval encodes it (the chat template where there is one)."""
+    return len(_encode(PromptRow("length", None, messages=[{"role": "user", "content": text}]), tokenizer, chat)[0])
+
+
 def _encode(row: PromptRow, tokenizer, chat: str) -> tuple[list[int], bool]:
     if row.input_ids is not None:
         return list(row.input_ids), False

@@ -1,0 +1,192 @@
+"""Long-context questions built offline: 1k to 8k tokens of documents from the stdlib's own documentation.
+
+A document is one held-out stdlib module's documentation (its docstring, then each documented public function's
+and class's signature and docstring; read with `ast`, never imported). Held-out means the instruction prompts'
+split (`instructions.is_heldout`), so no document is ever text a drafter trained on. A question of length L asks
+about one function of one document ("single-doc") or compares two functions of two documents ("multi-doc", in
+the spirit of LongBench's two groups); its context is the asked document(s) among other held-out documents,
+seeded, filled until the prompt holds as many target tokens as fit under L (counted by the caller's `count`,
+the target's tokenizer). Category "single-doc@2k": the eval report gives its figures per category, so per bucket.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import os
+import random
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from draftforge.data.instructions import _SKIP, _module_name, is_heldout
+from draftforge.errors import DataError
+
+LENGTHS = (1024, 2048, 4096, 8192)
+GROUPS = ("single-doc", "multi-doc")
+DOC_MAX_CHARS = 16000  # a module's documentation read at most this far (~4k tokens)
+HEADER = "Read the following documentation of Python modules, then answer the question after it.\n\n"
+
+
+@dataclass(frozen=True)
+class Document:
+    module: str
+    parts: tuple[tuple[str, str], ...]  # (documented name, text); the first part is the module's ("", docstring)
+
+    def cut(self, count: Callable[[str], int], limit: int) -> tuple[str, tuple[str, ...]]:
+        """(text, askable names) of the leading parts that fit in `limit` tokens (the module part always)."""
+        text, names = self.parts[0][1], []
+        for name, part in self.parts[1:]:
+            if count(text + part) > limit:
+                break
+            text += part
+            names.append(name)
+        return text, tuple(names)
+
+
+def bucket_name(length: int) -> str:
+    return f"{length // 1024}k" if length % 1024 == 0 else str(length)
+
+
+def parse_lengths(text: str) -> tuple[int, ...]:
+    """'1k,2k,8192' -> (1024, 2048, 8192)."""
+    out = []
+    for part in str(text).split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        try:
+            out.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
+        except ValueError:
+            raise DataError(f"--lengths expects token counts like 1k,2k,4k,8k, got {part!r}") from None
+    if not out or min(out) < 256:
+        raise DataError(f"--lengths needs counts of at least 256 tokens, got {text!r}")
+    return tuple(out)
+
+
+def _document(module: str, path: Path) -> Document | None:
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return None
+    parts = [("", f"## Module {module}\n\n{(ast.get_docstring(tree) or '').strip()[:1500]}\n")]
+    size = len(parts[0][1])
+    for node in tree.body:
+        if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) or node.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(node)
+        if not doc or not doc.isascii() or len(doc) < 40:
+            continue
+        kind = "class" if isinstance(node, ast.ClassDef) else "def"
+        args = "" if kind == "class" else "(" + ast.unparse(node.args) + ")"
+        part = f"\n{kind} {module}.{node.name}{args}\n    {doc.strip()[:1500]}\n"
+        if size + len(part) > DOC_MAX_CHARS:
+            break
+        parts.append((node.name, part))
+        size += len(part)
+    return Document(module, tuple(parts)) if len(parts) >= 3 else None
+
+
+@functools.lru_cache(maxsize=4)
+def _documents(root: str) -> tuple[Document, ...]:
+    base, found = Path(root), []
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP and not d.startswith(("_", ".")))
+        for name in sorted(f for f in filenames if f.endswith(".py")):
+            module = _module_name(base, Path(dirpath) / name)
+            doc = _document(module, Path(dirpath) / name) if module and is_heldout(module) else None
+            if doc is not None:
+                found.append(doc)
+    return tuple(sorted(found, key=lambda d: d.module))
+
+
+def heldout_documents(root: str | Path | None = None) -> list[Document]:
+    """The held-out modules' documents of the stdlib at `root` (default: this Python's), in a fixed order."""
+    return list(_documents(str(root or sysconfig.get_paths()["stdlib"])))
+
+
+def _question(group: str, names: list[str]) -> str:
+    if group == "single-doc":
+        return (f"Question: using only the documentation above, explain what `{names[0]}` does, what its "
+                "arguments mean, and when you would use it.")
+    return (f"Question: using only the documentation above, compare `{names[0]}` and `{names[1]}`: what does "
+            "each do, and in which situation would you pick one over the other?")
+
+
+def build_longctx(count: Callable[[str], int], lengths=LENGTHS, per_bucket: int = 6, *, seed: int = 0,
+                  root=None, context: int | None = None, new_tokens: int = 128) -> list[dict]:
+    """`per_bucket` questions per length and group, as prompt rows ({prompt_id, category, messages, documents,
+    asked, length}); each prompt's `count` is at most its length, and at most `context - new_tokens` (the answer
+    must fit in the target's context too). A length beyond the target's context is refused. Deterministic for a
+    given stdlib, count and seed."""
+    docs = heldout_documents(root)
+    if len(docs) < 4:
+        raise DataError(f"only {len(docs)} held-out stdlib modules have documentation to ask about; need 4")
+    count = functools.lru_cache(maxsize=None)(count)  # each document is counted once, whatever rows it fills
+    rows = []
+    for length in lengths:
+        if context is not None and length > context:
+            raise DataError(f"a {length}-token question is beyond the target's context of {context} tokens; ask for "
+                            f"lengths up to {context} (--lengths)")
+        for group in GROUPS:
+            for i in range(per_bucket):
+                rng = random.Random(f"{seed}:{length}:{group}:{i}")
+                limit = min(length, context - new_tokens) if context else length
+                rows.append(_row(count, docs, limit, length, group, i, rng))
+    return rows
+
+
+def _row(count, docs: list[Document], limit: int, length: int, group: str, index: int, rng: random.Random) -> dict:
+    """A question of bucket `length` whose prompt holds at most `limit` tokens. Each document is cut to a third of
+    it, so even a 1k context holds several; the asked names are drawn from what the cut kept."""
+    length, bucket = limit, length
+    cut = {d.module: d.cut(count, length // 3) for d in docs}
+    asked = rng.sample([d for d in docs if cut[d.module][1]], 1 if group == "single-doc" else 2)
+    question = _question(group, [f"{d.module}.{rng.choice(cut[d.module][1])}" for d in asked])
+    others = [d for d in docs if d not in asked]
+    rng.shuffle(others)
+    budget = length - count(HEADER + "\n\n" + question)
+    used = sum(count(cut[d.module][0]) for d in asked)
+    fillers = []
+    for doc in others:  # fill by per-document counts; the whole prompt is counted after
+        need = count(cut[doc.module][0])
+        if used + need <= budget:
+            fillers.append(doc)
+            used += need
+    order = list(fillers)
+    for doc in asked:  # the asked documents at seeded places among the others
+        order.insert(rng.randrange(len(order) + 1), doc)
+    text = _prompt([cut[d.module][0] for d in order], question)
+    while count(text) > length:
+        if not fillers:
+            raise DataError(f"cannot fit the asked documents and the question under {length} tokens")
+        order.remove(fillers.pop())
+        text = _prompt([cut[d.module][0] for d in order], question)
+    return {"prompt_id": f"longctx-{group}-{bucket_name(bucket)}-{index}", "category": f"{group}@{bucket_name(bucket)}",
+            "messages": [{"role": "user", "content": text}], "length": bucket,
+            "documents": [d.module for d in order], "asked": [d.module for d in asked]}
+
+
+def _prompt(texts: list[str], question: str) -> str:
+    return HEADER + "\n".join(texts) + "\n\n" + question
+
+
+def check_heldout(rows: list[dict]) -> None:
+    """DataError naming the first document of a row that is not held out (a training document would leak)."""
+    for row in rows:
+        leaked = [m for m in row["documents"] if not is_heldout(m)]
+        if leaked:
+            raise DataError(f"{row['prompt_id']}: document {leaked[0]} is in the training split; a long-context "
+                            "question may hold held-out documents only")
+
+
+def write_longctx(path, rows: list[dict]) -> Path:
+    check_heldout(rows)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    tmp.replace(path)
+    return path

@@ -1,0 +1,58 @@
+"""Long-context questions (draftforge/data/longctx.py, `draftforge target longctx`): deterministic, within their
+length, held-out documents only, the asked documents present, bad lengths refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftforge.data import longctx
+from draftforge.data.instructions import build_instruction_prompts
+from draftforge.errors import DataError
+
+
+def count(text: str) -> int:  # a stand-in tokenizer: one token per 4 characters, rounded up
+    return -(-len(text) // 4)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return longctx.build_longctx(count, (1024, 2048, 4096), per_bucket=3, seed=0)
+
+
+def test_the_same_seed_builds_the_same_questions_and_another_seed_others(rows):
+    assert longctx.build_longctx(count, (1024, 2048, 4096), per_bucket=3, seed=0) == rows
+    assert longctx.build_longctx(count, (1024, 2048, 4096), per_bucket=3, seed=1) != rows
+    assert [r["category"] for r in rows[:6]] == ["single-doc@1k"] * 3 + ["multi-doc@1k"] * 3
+    assert len(rows) == 3 * 2 * 3 and len({r["prompt_id"] for r in rows}) == len(rows)
+
+
+def test_every_prompt_fits_its_length_and_fills_most_of_it(rows):
+    for r in rows:
+        n = count(r["messages"][0]["content"])
+        assert 0.6 * r["length"] <= n <= r["length"], (r["prompt_id"], n)
+    limited = longctx.build_longctx(count, (2048,), per_bucket=2, context=2048, new_tokens=200)
+    assert all(count(r["messages"][0]["content"]) <= 2048 - 200 for r in limited)  # room for the answer
+
+
+def test_documents_are_held_out_only_and_never_an_instruction_training_module(rows):
+    training = {r["module"].split(".")[0] for r in build_instruction_prompts("train")}
+    for r in rows:
+        text = r["messages"][0]["content"]
+        assert all(f"## Module {m}\n" in text for m in r["documents"])
+        assert set(r["asked"]) <= set(r["documents"])
+        assert len(r["asked"]) == (1 if r["category"].startswith("single") else 2)
+        assert all(f"`{m}." in text.split("Question:")[1] for m in r["asked"])
+        assert not {m.split(".")[0] for m in r["documents"]} & training, r["prompt_id"]
+    assert training  # the oracle is not empty
+    module = sorted(training)[0]  # a training module slipped into a context is caught before a file is written
+    with pytest.raises(DataError, match=f"document {module} is in the training split"):
+        longctx.check_heldout([{**rows[0], "documents": rows[0]["documents"] + [module]}])
+
+
+def test_bad_lengths_and_lengths_beyond_the_context_are_refused():
+    with pytest.raises(DataError, match="beyond the target's context of 2048 tokens"):
+        longctx.build_longctx(count, (1024, 4096), per_bucket=1, context=2048)
+    for text in ("1k,x", "100", ""):
+        with pytest.raises(DataError, match="--lengths"):
+            longctx.parse_lengths(text)
+    assert longctx.parse_lengths("1k, 2k,8192") == (1024, 2048, 8192)
