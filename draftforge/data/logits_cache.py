@@ -101,7 +101,7 @@ def rows_identity(path) -> dict:
 def stored_weights_fingerprint(model_dir) -> str | None:
     """sha256 over each stored tensor's name, dtype, shape and 16 evenly spaced 16-byte samples of its bytes,
     read from the *.safetensors files without building the model (None: no local safetensors). Another copy
-    of the same files matches; the same weights saved in another dtype do not (models.theta's fingerprint,
+    of the same files matches; the same weights saved in another dtype do not (models.cali_ts's fingerprint,
     which needs the model loaded, decides then)."""
     path = Path(str(model_dir))
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []

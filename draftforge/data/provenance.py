@@ -46,7 +46,7 @@ def tokenizer_identity(tokenizer) -> dict:
 
 
 def rows_record(tokenizer, model, target, written_by: str) -> dict:
-    """The sidecar of rows a target wrote. The target's fingerprint is models.theta's: it rounds weights to
+    """The sidecar of rows a target wrote. The target's fingerprint is models.cali_ts's: it rounds weights to
     bfloat16, so the same target loaded in float32 on one machine and bfloat16 on another stays the same."""
     from draftforge.models.cali_ts import model_fingerprint
 

@@ -168,6 +168,8 @@ def summarize(records: list[RunRecord], ar_records: list[RunRecord] | None = Non
         "acceptance_by_position": acceptance_by_position(stats),
         "tau_histogram": tau_histogram(stats),
         "time": _time_breakdown(stats),
+        "per_round": round_costs(stats),
+        "prompt_tokens": prompt_tokens(records),
         "speedup": None,
         "speedup_spread": spread([]),
         "speedup_by_repeat": [],
@@ -183,7 +185,7 @@ def summarize(records: list[RunRecord], ar_records: list[RunRecord] | None = Non
 
 # summarize()'s figures repeated per category
 CATEGORY_KEYS = ("num_records", "new_tokens", "target_forwards", "tau", "tau_no_bonus", "tokens_per_s",
-                 "tokens_per_s_spread", "speedup", "speedup_spread", "acceptance_rate")
+                 "tokens_per_s_spread", "speedup", "speedup_spread", "acceptance_rate", "per_round", "prompt_tokens")
 
 
 def by_category(records: list[RunRecord], ar_records: list[RunRecord] | None,
@@ -200,6 +202,25 @@ def by_category(records: list[RunRecord], ar_records: list[RunRecord] | None,
         full = summarize(mine, ar)
         out[cat] = {"num_prompts": len({r.prompt_id for r in mine}), **{k: full[k] for k in CATEGORY_KEYS}}
     return out
+
+
+def round_costs(stats_list: list[DecodeStats]) -> dict:
+    """Seconds per unit where the context length shows: prefill per prompt, one verification forward, one draft,
+    and the harness's own time per target forward (other_s: everything that is neither; flat in the context
+    length when the harness carries no per-round cost that grows with it)."""
+    times = _time_breakdown(stats_list)
+    forwards = sum(s.target_forwards for s in stats_list)
+    rounds = draft_counts(stats_list)["drafting_rounds"]
+    return {"prefill_s_per_prompt": _ratio(times["prefill_s"], len(stats_list)),
+            "verify_s_per_forward": _ratio(times["verify_s"], forwards),
+            "draft_s_per_round": _ratio(times["draft_s"], rounds) if rounds else None,
+            "other_s_per_forward": _ratio(times["other_s"], forwards)}
+
+
+def prompt_tokens(records: list[RunRecord]) -> dict | None:
+    """Context lengths in target tokens (min, median, max) that the records decoded from."""
+    lengths = [r.prompt_len for r in records if r.prompt_len]
+    return spread(lengths) if lengths else None
 
 
 def _against_ar(records: list[RunRecord], ar_records: list[RunRecord], draft_s: float, drafted: int) -> dict:

@@ -245,6 +245,36 @@ def category_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def category_cost_markdown(report: dict) -> str:
+    """Per category, what grows with the context: its length, AR's prefill and verification forward, and each
+    method's draft and harness time (results[].by_category[].per_round), when there are 2..MAX categories."""
+    rows = [r for r in report["results"] if r.get("by_category")]
+    cats = list(dict.fromkeys(c for r in rows for c in r["by_category"]))
+    if not 2 <= len(cats) <= MAX_CATEGORY_ROWS:
+        return ""
+    ms = lambda v: "–" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
+    lines = ["## Per category: costs", "",
+             "ms unless said; context = tokens decoded from (median); verify = one target forward; harness = the "
+             "time per target forward that is neither drafting nor verifying.", "",
+             "| category | context | " + " | ".join(
+                 f"{r['method']} T={r['temperature']:g} {what}" for r in rows
+                 for what in (("prefill s", "verify", "harness") if r["method"] == "ar" else
+                              ("draft", "verify", "harness")))
+             + " |", "|" + "---|" * (2 + 3 * len(rows))]
+    for cat in cats:
+        cells, context = [], "–"
+        for r in rows:
+            f = r["by_category"].get(cat)
+            cost = (f or {}).get("per_round") or {}
+            if f and f.get("prompt_tokens"):
+                context = f"{f['prompt_tokens']['median']:.0f}"
+            first = (fmt_num(cost.get("prefill_s_per_prompt")) if r["method"] == "ar" else
+                     ms(cost.get("draft_s_per_round")))
+            cells += [first, ms(cost.get("verify_s_per_forward")), ms(cost.get("other_s_per_forward"))]
+        lines.append(f"| {cat} | {context} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def protocol_markdown(report: dict) -> str:
     """How the timing was done: the method order of every repeat and hf_assisted's own draft policy."""
     m = report["manifest"]
@@ -305,7 +335,7 @@ def write_reports(report: dict, out_dir: str | Path, *, plots: bool = True) -> d
         plot_paths = write_plots(report, out)
     pace = [f"**Warning:** {report['pace_warning']}", ""] if report.get("pace_warning") else []
     md = ["# draftforge eval", "", heading_markdown(report), "", *pace, markdown_table(report), "", acceptance_markdown(report), "",
-          category_markdown(report), "", plots_markdown(plot_paths), protocol_markdown(report), "", definitions_markdown(), "",
+          category_markdown(report), "", category_cost_markdown(report), "", plots_markdown(plot_paths), protocol_markdown(report), "", definitions_markdown(), "",
           "Command: `" + report["manifest"]["command"] + "`", ""]
     atomic_write_text(out / "report.md", "\n".join(md))
     paths.update(plot_paths)

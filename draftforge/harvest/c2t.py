@@ -35,7 +35,7 @@ META_FILE = "harvest.json"
 
 
 def model_fingerprint(model) -> str:
-    """16 hex digits of models.theta's fingerprint: weights rounded to bf16, so a target harvested in bf16 (dtype
+    """16 hex digits of models.cali_ts's fingerprint: weights rounded to bf16, so a target harvested in bf16 (dtype
     auto) matches the same checkpoint loaded in fp32 for training."""
     from draftforge.models.cali_ts import model_fingerprint as full_fingerprint
 
