@@ -185,7 +185,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, defaults: dict | No
         flag, tp = flag_of(f), hints[f.name]
         default = (defaults or {}).get(f.name, default_of(f))
         text = ",".join(map(str, default)) if isinstance(default, tuple) else default
-        shown = "" if default in (MISSING, None, False, True, ()) else f" (default {text})"
+        hidden = default is MISSING or default is None or isinstance(default, bool) or default == ()
+        shown = "" if hidden else f" (default {text})"
         kw: dict[str, Any] = {"dest": f.name, "help": help_of(f) + shown}
         if tp is bool or tp == "bool":
             kw["action"] = "store_false" if flag.startswith("--no-") else "store_true"
@@ -202,8 +203,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, defaults: dict | No
 
 
 def _metavar(f: dataclasses.Field, tp) -> str:
-    read = reader(tp)
-    return f.metadata.get("metavar") or {int: "N", float: "X"}.get(read) or f.name.split("_")[-1].upper().removesuffix("S")
+    by_type = {int: "N", float: "X"}.get(reader(tp))
+    return f.metadata.get("metavar") or by_type or f.name.split("_")[-1].upper().removesuffix("S")
 
 
 def values_from_args(args: argparse.Namespace, cls: type) -> dict:

@@ -26,6 +26,7 @@ class Job:
     mode: Literal["fast", "exact"] = option("exact", "how")
     num: int | None = option(None, "first N", aliases=("-n",), check=positive_int)
     plots: bool = option(True, "skip plots", flag="--no-plots")
+    level: int = option(0, "a level")
     note: str = option("", "not a flag", cli=False)
 
     def __post_init__(self):
@@ -43,6 +44,14 @@ def test_flags_come_from_the_declarations_and_read_back_typed():
                  "--no-plots", "--mode", "fast"])
     assert job == Job(out="o", count=3, temperatures=(0.0, 1.0, 0.5, 2.0), mode="fast", num=4, plots=False)
     assert parse(["--out", "o", "--source", "f"]) == Job(out="o", source="f")  # defaults where not given
+
+
+def test_help_shows_every_default_that_says_something():
+    p = argparse.ArgumentParser()
+    add_flags(p, Job)
+    text = " ".join(p.format_help().split())
+    assert "a level (default 0)" in text and "T list (default 0.0)" in text and "how (default exact)" in text
+    assert "skip plots (default" not in text  # a switch says what it does, not True/False
 
 
 def test_bad_values_get_one_error_naming_the_flag():
