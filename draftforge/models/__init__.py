@@ -38,7 +38,7 @@ def check_vocab_fits(model: torch.nn.Module, tokenizer) -> None:
             f"embedding has {rows} rows; use the model's own tokenizer or build it with vocab_size=len(tokenizer)")
 
 
-# Modules that moved in 0.2 (one home per method, sub-packages by role): their old names import the new modules,
+# Modules that moved after 0.1.0 (one home per method, sub-packages by role): their old names import the new modules,
 # with a DeprecationWarning, until the next release.
 from draftforge.deprecation import moved_modules  # noqa: E402
 

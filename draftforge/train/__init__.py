@@ -16,7 +16,7 @@ def run(recipe, *, resume: bool = False, overwrite: bool = False, stop_after: in
     return train(recipe, task_builder(recipe.task), resume=resume, overwrite=overwrite, stop_after=stop_after)
 
 
-# Modules that moved in 0.2 (one home per method, sub-packages by role): their old names import the new modules,
+# Modules that moved after 0.1.0 (one home per method, sub-packages by role): their old names import the new modules,
 # with a DeprecationWarning, until the next release.
 from draftforge.deprecation import moved_modules  # noqa: E402
 
