@@ -47,6 +47,11 @@ def floats(values: list[str] | None, flag: str) -> tuple[float, ...]:
     return tuple(out)
 
 
+def temperature_list(text: str) -> tuple[float, ...]:
+    """One --temperature value: a number or a comma list ('0,0.7') -> its numbers."""
+    return floats([text], "--temperature")
+
+
 def _number(kind, text: str | None, flag: str, default):
     if text is None:
         return default

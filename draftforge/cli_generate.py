@@ -9,14 +9,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass
 
+from draftforge.argcheck import temperature_list
 from draftforge.options import add_flags, check_fields, option, positive_int, values_from_args
 from draftforge.runtime import PRECISIONS, announce, resolve_dtype
-
-
-def float_list(text: str) -> tuple[float, ...]:
-    from draftforge.argcheck import floats
-
-    return floats([text], "--temperature")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +25,7 @@ class GenerateJob:
                                        "recipe)", group="source", check=positive_int)
     out: str = option(MISSING, "JSONL file the rows are appended to (resumed if it exists)", metavar="FILE")
     temperature: tuple[float, ...] = option((0.0, 1.0), "answer every prompt once per temperature; 0 = greedy",
-                                            repeat=True, parse=float_list, metavar="T")
+                                            repeat=True, parse=temperature_list, metavar="T")
     max_new_tokens: int = option(256, "new tokens per answer at most")
     batch_size: int = option(8, "prompts per left-padded generate() call")
     num_prompts: int | None = option(None, "use only the first N prompts of --prompts", aliases=("-n",),

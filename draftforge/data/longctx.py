@@ -138,16 +138,15 @@ def build_longctx(count: Callable[[str], int], lengths=LENGTHS, per_bucket: int 
     return rows
 
 
-def _row(count, docs: list[Document], limit: int, length: int, group: str, index: int, rng: random.Random) -> dict:
-    """A question of bucket `length` whose prompt holds at most `limit` tokens. Each document is cut to a third of
-    it, so even a 1k context holds several; the asked names are drawn from what the cut kept."""
-    length, bucket = limit, length
-    cut = {d.module: d.cut(count, length // 3) for d in docs}
+def _row(count, docs: list[Document], limit: int, bucket: int, group: str, index: int, rng: random.Random) -> dict:
+    """A question of bucket `bucket` whose prompt holds at most `limit` tokens. Each document is cut to a third of
+    the limit, so even a 1k context holds several; the asked names are drawn from what the cut kept."""
+    cut = {d.module: d.cut(count, limit // 3) for d in docs}
     asked = rng.sample([d for d in docs if cut[d.module][1]], 1 if group == "single-doc" else 2)
     question = _question(group, [f"{d.module}.{rng.choice(cut[d.module][1])}" for d in asked])
     others = [d for d in docs if d not in asked]
     rng.shuffle(others)
-    budget = length - count(HEADER + "\n\n" + question)
+    budget = limit - count(HEADER + "\n\n" + question)
     used = sum(count(cut[d.module][0]) for d in asked)
     fillers = []
     for doc in others:  # fill by per-document counts; the whole prompt is counted after
@@ -159,9 +158,9 @@ def _row(count, docs: list[Document], limit: int, length: int, group: str, index
     for doc in asked:  # the asked documents at seeded places among the others
         order.insert(rng.randrange(len(order) + 1), doc)
     text = _prompt([cut[d.module][0] for d in order], question)
-    while count(text) > length:
+    while count(text) > limit:
         if not fillers:
-            raise DataError(f"cannot fit the asked documents and the question under {length} tokens")
+            raise DataError(f"cannot fit the asked documents and the question under {limit} tokens")
         order.remove(fillers.pop())
         text = _prompt([cut[d.module][0] for d in order], question)
     return {"prompt_id": f"longctx-{group}-{bucket_name(bucket)}-{index}", "category": f"{group}@{bucket_name(bucket)}",

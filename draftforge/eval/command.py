@@ -21,10 +21,6 @@ def _first_sentence(text: str, limit: int = 96) -> str:
     return text[: limit - 1].rsplit(" ", 1)[0].rstrip(",;:(") + " …"
 
 
-def parse_list(values: list[str] | None) -> tuple[str, ...]:
-    return tuple(p.strip() for v in values or [] for p in v.split(",") if p.strip())
-
-
 def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `draftforge eval` flags to parser: one per EvalConfig setting, then one per method option."""
     p = parser

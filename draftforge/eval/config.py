@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, replace
 from typing import Literal
 
-from draftforge.argcheck import EVAL_DEFAULTS, check_eval_settings, floats
+from draftforge.argcheck import EVAL_DEFAULTS, check_eval_settings, temperature_list
 from draftforge.data.prompts import BENCHES
 from draftforge.decode import methods as method_registry
 from draftforge.decode.drafters.cuda_graphs import use_cuda_graphs
@@ -21,10 +21,6 @@ from draftforge.runtime import PRECISIONS
 def comma_list(text: str) -> tuple[str, ...]:
     """'ar,chain' -> ('ar', 'chain'): a repeatable flag's comma list."""
     return tuple(p.strip() for p in str(text).split(",") if p.strip())
-
-
-def float_list(text: str) -> tuple[float, ...]:
-    return floats([text], "--temperature")
 
 
 D = EVAL_DEFAULTS  # the defaults the light precheck (draftforge/argcheck.py) assumes for the same flags
@@ -46,7 +42,7 @@ class EvalConfig:
                                  "needs one")
     temperatures: tuple[float, ...] = option(
         (0.0,), "sampling temperature; repeat or give a comma list to run several in one process (0 = greedy)",
-        flag="--temperature", repeat=True, parse=float_list, metavar="T")
+        flag="--temperature", repeat=True, parse=temperature_list, metavar="T")
     max_new_tokens: int = option(D["max_new_tokens"], "tokens generated per prompt")
     methods: tuple[str, ...] = option(
         ("ar", "chain", "tree"), "decoding methods, comma list or repeated (ar always runs as the baseline): the "
