@@ -108,6 +108,36 @@ def lookup_options(spec) -> dict | None:
     return options
 
 
+def load_eagle3(model_or_path, target: Target, device, dtype):
+    """An Eagle3Drafter bound to `target` for an EAGLE-3 head (module or export directory), else None. The head
+    runs in the target's dtype unless `dtype` says otherwise: it reads the target's states as they are."""
+    from draftforge.models.eagle3 import Eagle3Head
+    from draftforge.models.eagle3_export import is_eagle3_export, load_head
+
+    if isinstance(model_or_path, Eagle3Head):
+        head, tokenizer = model_or_path, None
+    elif is_eagle3_export(model_or_path):
+        head, meta = load_head(model_or_path, target.model.config)
+        tokenizer = _export_tokenizer(model_or_path)
+        if tokenizer is not None and target.tokenizer is not None:
+            check_vocab(target, target.model, tokenizer, allow_vocab_mismatch=False)
+    else:
+        return None
+    from draftforge.decode.drafters.eagle3 import Eagle3Drafter
+
+    head = head.to(device=device, dtype=dtype or target.model.dtype).eval()
+    drafter = Eagle3Drafter(head, target.vocab_size, tokenizer)
+    drafter.bind(target)
+    return drafter
+
+
+def _export_tokenizer(path):
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_vocab_mismatch=False, tokenizer=None,
                  cuda_graphs="auto"):
     """A PromptLookupDrafter for the spec 'prompt-lookup[:options]' (no model; see lookup_options; a folder of
@@ -128,6 +158,9 @@ def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_
         from draftforge.decode.methods.eesd import load_early_exit
 
         return load_early_exit(model_or_path, target, device=device, dtype=dtype)
+    eagle3 = load_eagle3(model_or_path, target, device, dtype)
+    if eagle3 is not None:
+        return eagle3
     model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "drafter")
     tokenizer = tokenizer if tokenizer is not None else found_tokenizer
     check_vocab(target, model, tokenizer, allow_vocab_mismatch)

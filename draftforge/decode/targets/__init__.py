@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from transformers import DynamicCache
@@ -41,13 +42,15 @@ class CachedLM:
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
         self.length = 0  # tokens whose K/V are in the cache
+        self.features_QA = None
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], positions: list[int] | None = None, mask_11QK=None,
-                last_only: bool = False, hidden: bool = False):
+                last_only: bool = False, hidden: bool = False, layers: list[int] | None = None):
         """Append `tokens` to the cache and return their logits [Q, V] (float32 or wider); with
         `last_only`, only the last token's [1, V] (a prompt's T x V logits would be computed for nothing);
-        with `hidden`, (logits, last hidden state [Q, D]) (the state after the final norm)."""
+        with `hidden`, (logits, last hidden state [Q, D]) (the state after the final norm); with `layers`, the
+        states entering those layers (HF hidden_states[i]) of every token, concatenated, in `features_QA`."""
         q = len(tokens)
         cache_position_Q = torch.arange(self.length, self.length + q, device=self.device)
         position_ids_1Q = cache_position_Q[None] if positions is None else torch.tensor([positions], device=self.device)
@@ -58,9 +61,10 @@ class CachedLM:
             attention_mask=mask_11QK,
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
-            output_hidden_states=hidden,
+            output_hidden_states=hidden or bool(layers),
             **cache_kwargs(self.model, self.cache),
         )
+        self.features_QA = torch.cat([out.hidden_states[i][0] for i in layers], -1) if layers else None
         self.cache = output_cache(out)
         self.length += q
         logits_QV = out.logits[0].float() if out.logits.dtype in (torch.float16, torch.bfloat16) else out.logits[0]
@@ -88,6 +92,7 @@ class Verification:
     logits_NV: torch.Tensor  # row 0 predicts depth-1 tokens, row 1+j node j's children
     hidden_ND: torch.Tensor | None = None  # last hidden state per row, when a method asked (want_hidden)
     path: list[int] | None = None
+    features_NA: torch.Tensor | None = None  # the feature layers' states per row, when a drafter asked for them
 
 
 class Target(ABC):
@@ -97,6 +102,10 @@ class Target(ABC):
     with `want_hidden` set (by a drafter or controller that needs them) it also keeps the last
     hidden state of every row in `last.hidden_ND`, at no cost otherwise. `commit(path)` keeps the
     accepted root path; the bonus token is fed by the next round's verify.
+
+    Feature layers (drafters that read the target, EAGLE-3): after `want_features(layers)` the target keeps the
+    states entering those layers (concatenated, [A]) of every token it commits, prompt included, in order; the
+    drafter takes the ones it has not seen with `take_features()`. A target that cannot give them says so there.
     """
 
     model = None
@@ -105,6 +114,31 @@ class Target(ABC):
     max_context: int | None
     want_hidden = False
     last: Verification | None = None
+    feature_layers: list[int] | None = None
+    gives_features: ClassVar[bool] = False  # implements want_features / take_features
+    _features: list[torch.Tensor]
+
+    def want_features(self, layers: list[int]) -> None:
+        """Keep the states entering `layers` of every committed token (from the next prefill on)."""
+        if not self.gives_features:
+            raise CompatibilityError(f"{type(self).__name__} cannot hand its layers' hidden states to a drafter; a "
+                                     "drafter that reads the target (EAGLE-3) needs a KV-cache Transformer target")
+        num_layers = self.model.config.num_hidden_layers
+        bad = [i for i in layers if not 0 <= i < num_layers]
+        if bad:
+            raise CompatibilityError(f"feature layers {bad} are outside the target's 0..{num_layers - 1}")
+        if self.feature_layers is not None and list(layers) != self.feature_layers:
+            raise CompatibilityError(f"the target already hands layers {self.feature_layers} to a drafter; one "
+                                     f"target serves one feature-reading drafter (asked for {list(layers)})")
+        self.feature_layers = list(layers)
+        self._features = []
+
+    def take_features(self) -> torch.Tensor | None:
+        """The feature rows [m, A] of the tokens committed since the last call (None when there are none)."""
+        rows, self._features = getattr(self, "_features", []), []
+        if not rows:
+            return None
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     @property
     def device(self):
@@ -127,6 +161,8 @@ class KVCacheTarget(Target):
     """A HF decoder-only Transformer: KV cache trimmed to the accepted path, a tree verified in one
     forward with a tree attention mask and depth positions."""
 
+    gives_features = True
+
     def __init__(self, model, tokenizer=None):
         check_target_model(model)
         self.model, self.tokenizer = model, tokenizer
@@ -137,8 +173,12 @@ class KVCacheTarget(Target):
     def prefill(self, seq: list[int]) -> None:
         self.lm.reset()
         self.last = None
+        if self.feature_layers is not None:
+            self._features = []
         if len(seq) > 1:
-            self.lm.forward(seq[:-1], last_only=True)
+            self.lm.forward(seq[:-1], last_only=True, layers=self.feature_layers)
+            if self.feature_layers is not None:
+                self._features.append(self.lm.features_QA)
 
     def verify(self, last_token: int, tree: DraftTree) -> torch.Tensor:
         past = self._verify_start = self.lm.length
@@ -147,14 +187,18 @@ class KVCacheTarget(Target):
         if len(tree) and not tree.is_chain:
             anc_QQ = ancestor_matrix([-1] + [p + 1 for p in tree.parents])
             mask = packed_tree_mask(anc_QQ, past, self.model.dtype, self.device)
-        out = self.lm.forward([last_token] + tree.tokens, positions, mask, hidden=self.want_hidden)
+        out = self.lm.forward([last_token] + tree.tokens, positions, mask, hidden=self.want_hidden,
+                              layers=self.feature_layers)
         logits_NV, hidden_ND = out if self.want_hidden else (out, None)
-        self.last = Verification(tree, logits_NV, hidden_ND)
+        self.last = Verification(tree, logits_NV, hidden_ND, features_NA=self.lm.features_QA)
         return logits_NV
 
     def commit(self, path: list[int]) -> None:
-        self.lm.keep(self._verify_start, [0] + [1 + j for j in path])
+        rows = [0] + [1 + j for j in path]
+        self.lm.keep(self._verify_start, rows)
         self.last.path = list(path)
+        if self.feature_layers is not None:
+            self._features.append(self.last.features_NA[rows])
 
 
 # Model types whose layers keep recurrent state: the KV-cache target cannot roll them back.

@@ -1,0 +1,164 @@
+"""The EAGLE-3 drafter: a head (models/eagle3.py) that reads the target's own states of the committed tokens.
+
+State: the head's keys and values of every committed anchor (step 0: the target's feature of position t with the
+token x_{t+1}), fed from the target's `take_features()` at the start of each draft. A draft runs the head from
+the last anchor (the root) and then over tree nodes: a node consumes its token and its parent's output state, at
+position len(seq) - 1 + depth, and attends to every anchor, its ancestors and itself. The tree's keys are thrown
+away after the verification: the accepted tokens come back next round with the target's features for them
+(as EAGLE does), so nothing is ever rolled back inside the head.
+
+Static trees and chains are drafted through the same node interface (`begin` / `feed`) that EAGLE-2 and C2T drive.
+Legend: Q new nodes, K keys, D hidden size, N draft vocabulary, A aux width.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftforge.decode.drafters.base import Drafter, chain_stops, propose_children, stack_q
+from draftforge.decode.plan import as_plan
+from draftforge.decode.sampling import SamplingParams
+from draftforge.decode.tree import DraftTree
+from draftforge.decode.tree_shape import TreeShape
+from draftforge.errors import DraftforgeError
+from draftforge.models.eagle3 import KV, Eagle3Head
+
+
+class Eagle3Drafter(Drafter):
+    kind = "eagle3"
+    follows_dynamic_trees = True
+    reads_target_hidden = True
+
+    def __init__(self, head: Eagle3Head, vocab_size: int, tokenizer=None):
+        self.model, self.tokenizer, self.vocab_size = head, tokenizer, vocab_size
+        d2t = head.draft_to_target()
+        self.d2t = None if d2t is None else d2t.to(head.device)
+        self.reset()
+
+    def bind(self, target) -> None:
+        """Serve `target`: checked against the head's shape, its embedding read, its feature layers asked for."""
+        self.model.config.check_target(target.model.config, "(loaded)")
+        self.model.use_embedding(target.model.get_input_embeddings())
+        target.want_features(self.model.config.aux_layers)
+        self.target = target
+
+    def reset(self) -> None:
+        self.past: KV | None = None  # step-0 keys/values of the committed anchors
+        self.anchors = 0
+        self.root_out = self.root_logits = None
+        self._clear_tree()
+
+    def _clear_tree(self) -> None:
+        self.tree_kv: KV | None = None  # fed nodes' keys/values, in feed order
+        self.node_col: dict[int, int] = {}  # node -> its column in tree_kv
+        self.node_parent: dict[int, int] = {}
+        self.node_depth: dict[int, int] = {-1: 0}
+        self.node_out: dict[int, torch.Tensor] = {}
+        self.node_map = None
+
+    # ---- the committed prefix
+
+    @torch.inference_mode()
+    def _sync(self, seq: list[int]) -> bool:
+        """Feed the anchors the target has committed since the last draft; False when there is none yet (a
+        one-token prompt: the target has encoded nothing)."""
+        self._clear_tree()
+        features = self.target.take_features() if self.target is not None else None
+        if features is not None:
+            m, head = len(features), self.model
+            if self.anchors + m != len(seq) - 1:
+                raise DraftforgeError(f"the EAGLE-3 drafter holds {self.anchors} anchors and got {m} new target "
+                                      f"states for a sequence of {len(seq)} tokens (it needs {len(seq) - 1}): "
+                                      "draft with the target it is bound to, round by round")
+            device = head.device
+            tokens = torch.tensor(seq[self.anchors + 1 :], device=device)
+            positions = torch.arange(self.anchors + 1, len(seq), device=device)
+            out_QD, mine = head.step(tokens, head.fuse(features.to(device)), positions, self.past, None)
+            self.past = mine if self.past is None else self.past.cat(mine)
+            self.anchors += m
+            self.root_out = out_QD[-1]
+            self.root_logits = head.logits(self.root_out)[None].float()
+        self.committed = len(seq)
+        self.node_out[-1] = self.root_out
+        return self.anchors > 0 and self.anchors == len(seq) - 1
+
+    def draft(self, seq: list[int], plan, params: SamplingParams, generator) -> DraftTree:
+        if not self._sync(seq):  # nothing of the target's yet: this round decodes one token
+            self._synced = False
+            return DraftTree([], [], [])
+        self._synced = True
+        return super().draft(seq, as_plan(plan), params, generator)
+
+    # ---- the node interface (dynamic trees; static ones below use it too)
+
+    def begin(self, seq: list[int]) -> torch.Tensor:
+        if not getattr(self, "_synced", False) and not self._sync(seq):
+            raise DraftforgeError("the EAGLE-3 drafter has no target state to draft from (a one-token prompt)")
+        self._synced = False
+        return self.root_logits
+
+    @torch.inference_mode()
+    def feed(self, parents: list[int], tokens: list[int], nodes: list[int]) -> torch.Tensor:
+        """New nodes in one forward: each reads its parent's output and sees the anchors, its ancestors, itself."""
+        head = self.model
+        device = head.device
+        n_past, n_tree = self.anchors, len(self.node_col)
+        cols = torch.zeros(len(nodes), n_past + n_tree + len(nodes), dtype=torch.bool)
+        cols[:, :n_past] = True
+        for q, (node, parent) in enumerate(zip(nodes, parents)):
+            self.node_parent[node] = parent
+            self.node_depth[node] = self.node_depth[parent] + 1
+            p = parent
+            while p != -1:
+                cols[q, n_past + self.node_col[p]] = True
+                p = self.node_parent[p]
+            cols[q, n_past + n_tree + q] = True
+        positions = torch.tensor([self.committed - 1 + self.node_depth[n] for n in nodes], device=device)
+        feature_QD = torch.stack([self.node_out[p] for p in parents])
+        past = self.past if self.tree_kv is None else self.past.cat(self.tree_kv)
+        out_QD, mine = head.step(torch.tensor(tokens, device=device), feature_QD, positions, past, cols.to(device))
+        self.tree_kv = mine if self.tree_kv is None else self.tree_kv.cat(mine)
+        for q, node in enumerate(nodes):
+            self.node_col[node] = n_tree + q
+            self.node_out[node] = out_QD[q]
+        return head.logits(out_QD).float()
+
+    def accept_nodes(self, nodes: list[int]) -> None:
+        self._clear_tree()  # the accepted tokens return with the target's own states next round
+
+    # ---- static trees and chains
+
+    def draft_levels(self, seq, shape: TreeShape, params: SamplingParams, generator, stop=None) -> DraftTree:
+        logits_BV = self.begin(seq)
+        levels, q_rows = [], []
+        fed_prev = [-1]  # nodes whose logits are the rows of logits_BV
+        for depth in range(1, shape.depth + 1):
+            children_BW, q_BV = propose_children(logits_BV, shape.branch[depth - 1], params, self.vocab_size,
+                                                 generator, self.d2t)
+            flat, take = children_BW.flatten().tolist(), shape.take_list(depth)
+            levels.append(flat if take is None else [flat[i] for i in take])
+            q_rows.append(q_BV)
+            hidden_D = self.model.norm(self.node_out[fed_prev[0]]).float() if stop is not None else None
+            if depth == shape.depth or chain_stops(stop, depth, children_BW, logits_BV, q_BV, hidden_D,
+                                                   self.vocab_size, self.d2t):
+                break
+            fed = shape.feed_list(depth)
+            new = range(len(levels[-1])) if fed is None else fed
+            offset = shape.offset(depth)
+            nodes = [offset + k for k in new]
+            logits_BV = self.feed([shape.parents[n] for n in nodes], [levels[-1][k] for k in new], nodes)
+            fed_prev = nodes
+        tokens, parents, depths = shape.flatten(levels)
+        q_probs = None if params.greedy else stack_q(q_rows, len(tokens), shape)
+        return DraftTree(tokens, parents, depths, q_probs, is_chain=shape.is_chain)
+
+    def accept_levels(self, path: list[int]) -> None:
+        self._clear_tree()
+
+    def teacher_forced(self, ids_1S):
+        raise DraftforgeError("the EAGLE-3 drafter reads the target's states, so it has no teacher-forced pass of "
+                              "its own; the θ harvest (Cali-TS) supports drafters that read only tokens")
+
+    @property
+    def steps_per_draft(self) -> str:
+        return "one head step per depth (one decoder layer), after one step over the newly committed tokens"
