@@ -276,6 +276,10 @@ class Eagle3Head(nn.Module):
 
     # ---- training: K unrolled steps over whole sequences (training-time test)
 
+    def forward(self, tokens_BT: torch.Tensor, aux_BTA: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Head logits [B, T, N] of every anchor at steps 0..steps-1 (ttt_forward, then norm and head)."""
+        return [self.logits(out) for out in self.ttt_forward(tokens_BT, aux_BTA, steps)]
+
     def ttt_forward(self, tokens_BT: torch.Tensor, aux_BTA: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Output states [B, T, D] of every anchor t at steps 0..steps-1.
 
@@ -288,6 +292,7 @@ class Eagle3Head(nn.Module):
         feature = self.fuse(aux_BTA)
         att = self.config.num_attention_heads // self.config.num_key_value_heads
         scale = self.config.head_dim ** -0.5
+        wide = torch.promote_types(self.dtype, torch.float32)  # scores and softmax in at least fp32
         causal_TT = torch.ones(t, t, dtype=torch.bool, device=tokens_BT.device).tril()
         keys0 = vals0 = None
         diag_k, diag_v, outs = [], [], []
@@ -300,9 +305,9 @@ class Eagle3Head(nn.Module):
             else:
                 diag_k.append(key)
                 diag_v.append(val)
-            s0_BHTT = torch.einsum("bqhe,bkhe->bhqk", q, keys0).float() * scale
+            s0_BHTT = torch.einsum("bqhe,bkhe->bhqk", q, keys0).to(wide) * scale
             s0_BHTT = s0_BHTT.masked_fill(~causal_TT, float("-inf"))
-            sd_BHTJ = (torch.stack([torch.einsum("bqhe,bqhe->bhq", q, dk) for dk in diag_k], -1).float() * scale
+            sd_BHTJ = (torch.stack([torch.einsum("bqhe,bqhe->bhq", q, dk) for dk in diag_k], -1).to(wide) * scale
                        if diag_k else s0_BHTT.new_zeros(b, q.shape[2], t, 0))
             w = torch.cat([s0_BHTT, sd_BHTJ], -1).softmax(-1).to(q.dtype)
             out_BHTE = torch.einsum("bhqk,bkhe->bhqe", w[..., :t], vals0)
@@ -316,7 +321,7 @@ class Eagle3Head(nn.Module):
 def init_from_target(head: Eagle3Head, target, seed: int = 0) -> dict:
     """Start the head from the target: norm and head rows copied (restricted to the draft vocabulary), the layer a
     copy of the target's last layer reading the feature half (the embedding half starts at zero), and fc passing
-    the highest aux state through. At step 0 the head then computes the target's last layer on the high state.
+    the highest aux state through. At step 0 the head then runs the target's last layer on the high state (which enters layer L - 3, not L - 1).
     Returns what was done, for the run log."""
     c, inner = head.config, target.model
     last = inner.layers[-1]

@@ -1,0 +1,249 @@
+"""Task `eagle3`: an EAGLE-3 head (models/eagle3.py) trained with training-time test on a frozen target's states.
+
+Each step the frozen target (TaskSpec.frozen, in bf16 where training runs bf16) reads the batch once and hands
+over the states entering `aux_layers` and its logits. The head then unrolls `steps` drafting steps over every
+anchor (Eagle3Head.ttt_forward): step k at anchor t is scored against the target's distribution at position
+t + 1 + k, the token the chain from t drafts at depth k + 1. The loss at step k is weighted decay^k and is forward
+KL, TVD = 1 − α or their mix (as `distill`), over the draft vocabulary for a reduced head (α takes the target's
+unrestricted p, so it is the acceptance a reduced head really gets).
+
+Metrics at each eval: α and top-1 per step (`alpha_step{k}`, `top1_step{k}`: each over the anchors that reach
+step k), and the chain's simulated acceptance: anchors whose every step is scored sum Π_{j<=k} top-1_j (greedy)
+and Π_{j<=k} α_j (T=1, an estimate: the chain is fed the data's tokens, not its own samples), giving `tau_ttt` and
+`tau_ttt_greedy` = 1 + Σ_k of those means; with eagle3.draft_cost / verify_cost, `predicted_speedup` for
+train.keep_best. The derivation and the mask: docs/methods/eagle3.md.
+
+Legend: B batch, T block, V target vocabulary, N draft vocabulary (S = what the head predicts: V or N),
+A aux width, P kept positions.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from draftforge.recipe import Recipe, doc, require
+from draftforge.train.divergences import full_terms
+
+LOSSES = ("kl", "tvd", "mix")
+INITS = ("target", "random")
+
+
+@dataclass
+class Eagle3TaskConfig:
+    aux_layers: list[int] | None = doc(None, "the target layers whose input states the head fuses (id i = the state "
+                                             "entering layer i); None = EAGLE-3's low / middle / high choice as "
+                                             "vLLM makes it, [2, L // 2, L - 3] ([2, 15, 27] for SmolLM2)")
+    steps: int = doc(5, "training-time test: drafting steps unrolled per anchor (each feeds the head its own "
+                        "previous output state); SpecForge's default is 7, each costs one head forward")
+    step_decay: float = doc(0.8, "step k's loss weighs step_decay^k (SpecForge's 0.8)")
+    loss: str = doc("kl", "'kl' (forward KL to the target at `temperature`), 'tvd' (1 − α at T=1) or 'mix'")
+    temperature: float = doc(1.0, "softmax temperature of target and head in the KL (scaled by τ²)")
+    kl_weight: float = doc(1.0, "weight of the KL with loss kl or mix")
+    tvd_weight: float = doc(1.0, "weight of the TVD with loss tvd or mix")
+    init: str = doc("target", "'target': norm and head rows from the target, the layer a copy of the target's last "
+                              "layer on the feature half, fc passing the highest aux state; 'random': as EAGLE-3")
+    draft_cost: float = doc(0.0, "one head step's time over one target token's (a `draftforge eval` report gives "
+                                 "both); with verify_cost, turns tau_ttt_greedy into the logged predicted_speedup")
+    verify_cost: float = doc(1.0, "one verification of steps + 1 rows over one target token, t(N)/t(1)")
+
+    def weights(self) -> dict[str, float]:
+        return {"kl": {"kl": self.kl_weight}, "tvd": {"tvd": self.tvd_weight},
+                "mix": {"kl": self.kl_weight, "tvd": self.tvd_weight}}[self.loss]
+
+    def check(self, at: str) -> None:
+        require(self.loss in LOSSES, f"{at}.loss", f"must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        require(self.init in INITS, f"{at}.init", f"must be one of {', '.join(INITS)}, got {self.init!r}")
+        require(isinstance(self.steps, int) and 1 <= self.steps <= 16, f"{at}.steps", "must be an integer in 1..16")
+        require(0 < self.step_decay <= 1, f"{at}.step_decay", "must be in (0, 1]")
+        require(self.temperature > 0, f"{at}.temperature", "must be > 0")
+        require(self.kl_weight >= 0 and self.tvd_weight >= 0, f"{at}.kl_weight", "weights must be >= 0")
+        require(self.draft_cost >= 0, f"{at}.draft_cost", "must be >= 0")
+        require(self.verify_cost > 0, f"{at}.verify_cost", "must be > 0")
+
+
+def check_eagle3(recipe: Recipe) -> None:
+    """eagle3's recipe rules, before anything is built: a target, and aux layers inside it."""
+    from pathlib import Path
+
+    from draftforge.loading import load_config
+    from draftforge.models.eagle3 import check_aux_layers
+
+    require(bool(recipe.model.target), "model.target", "eagle3 trains a head on a frozen target: set model.target")
+    cfg = recipe.task_options or Eagle3TaskConfig()
+    if Path(recipe.model.target).expanduser().is_dir() and cfg.aux_layers is not None:
+        config = load_config(recipe.model.target, "model.target")
+        check_aux_layers(cfg.aux_layers, config.num_hidden_layers)
+
+
+def next_labels(batch) -> torch.Tensor:
+    """next_BT[p]: the label of the token after position p (-100: none)."""
+    return F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+
+
+def loss_positions(batch) -> torch.Tensor:
+    """Step-0 positions that carry a loss: anchor t is scored at t + 1, whose next token must be labelled."""
+    return (next_labels(batch)[:, 1:] != -100).sum()
+
+
+def ttt_loss(target, layers: list[int], cfg: Eagle3TaskConfig, d2t_N: torch.Tensor | None):
+    """loss(model, batch) -> (summed weighted loss, step-0 positions, metric sums)."""
+    weights = cfg.weights()
+
+    def loss(model, batch):
+        ids_BT = batch["input_ids"]
+        with torch.no_grad():
+            out = target(input_ids=ids_BT, output_hidden_states=True)
+            aux_BTA = torch.cat([out.hidden_states[i] for i in layers], -1)
+            teacher_BTV = out.logits
+        tokens_BT = F.pad(ids_BT[:, 1:], (0, 1), value=0)  # anchor t consumes x_{t+1}
+        logits_by_step = model(tokens_BT, aux_BTA, cfg.steps)
+        return step_losses(logits_by_step, teacher_BTV, next_labels(batch), cfg, weights, d2t_N,
+                           evaluating=not model.training)
+
+    return loss
+
+
+def step_losses(logits_by_step, teacher_BTV, next_BT, cfg: Eagle3TaskConfig, weights: dict, d2t_N, evaluating: bool):
+    """The weighted sum over steps, the step-0 count and the metrics (module docstring). Step k at anchor t is
+    scored against the teacher at position t + 1 + k where the token after it has a label."""
+    t_len = teacher_BTV.shape[1]
+    d2t = None if d2t_N is None else d2t_N.to(teacher_BTV.device)
+    total, metrics, count = 0.0, {}, None
+    chain_greedy = chain_alpha = None  # running Π over steps, per anchor that reaches every step
+    reach_BT = torch.zeros(next_BT.shape, dtype=torch.bool, device=next_BT.device)
+    last = cfg.steps - 1
+    if t_len - 1 - last > 0:  # anchors whose every step is inside the block and labelled
+        reach_BT[:, : t_len - 1 - last] = torch.stack(
+            [next_BT[:, 1 + k : t_len - last + k] != -100 for k in range(cfg.steps)]).all(0)
+    for k, s_BTS in enumerate(logits_by_step):
+        span = t_len - 1 - k  # anchors 0..span-1 have a teacher position t + 1 + k inside the block
+        if span <= 0:
+            break
+        keep_BT = next_BT[:, 1 + k :] != -100  # [B, span]
+        s_PS = s_BTS[:, :span][keep_BT].float()
+        t_PV = teacher_BTV[:, 1 + k :][keep_BT].float()
+        if d2t is None:
+            terms = full_terms(s_PS, t_PV, cfg.temperature)
+            top_P = s_PS.argmax(-1)
+        else:
+            terms = full_terms(s_PS, t_PV[:, d2t], cfg.temperature, t_PV.logsumexp(-1))
+            top_P = d2t[s_PS.argmax(-1)]
+        agree_P = top_P == t_PV.argmax(-1)
+        step_loss = sum(w * terms[name].sum() for name, w in weights.items())
+        total = total + cfg.step_decay**k * step_loss
+        if k == 0:
+            count = keep_BT.sum()
+        metrics[f"n_step{k}"] = keep_BT.sum().float()
+        metrics[f"alpha_step{k}"] = terms["alpha"].sum()
+        metrics[f"top1_step{k}"] = agree_P.sum().float()
+        for name in weights:
+            metrics[f"{name}_step{k}"] = terms[name].detach().sum()
+        if evaluating:
+            alpha_BT = torch.zeros(keep_BT.shape, device=s_PS.device)
+            agree_BT = torch.zeros(keep_BT.shape, device=s_PS.device)
+            alpha_BT[keep_BT], agree_BT[keep_BT] = terms["alpha"], agree_P.float()
+            reach = reach_BT[:, : t_len - 1 - last]
+            a, g = alpha_BT[:, : reach.shape[1]], agree_BT[:, : reach.shape[1]]
+            chain_alpha = a if chain_alpha is None else chain_alpha * a
+            chain_greedy = g if chain_greedy is None else chain_greedy * g
+            metrics[f"chain_alpha_step{k}"] = (chain_alpha * reach).sum()
+            metrics[f"chain_greedy_step{k}"] = (chain_greedy * reach).sum()
+    if evaluating:
+        metrics["chain_anchors"] = reach_BT.sum().float()
+    if count is None:
+        count = torch.zeros((), dtype=torch.long, device=next_BT.device)
+    return total, count, metrics
+
+
+def derive(means: dict, steps: int, cost: tuple[float, float]) -> dict[str, float]:
+    """Per-step α and top-1 (exact ratios: every metric is divided by the same count), the chain's simulated τ
+    and, with a draft cost, the speedup it predicts for a chain of `steps`."""
+    out = {}
+    for k in range(steps):
+        n = float(means.get(f"n_step{k}", 0.0))
+        if n > 0:
+            out[f"alpha_at_step{k}"] = float(means[f"alpha_step{k}"]) / n
+            out[f"top1_at_step{k}"] = float(means[f"top1_step{k}"]) / n
+    anchors = float(means.get("chain_anchors", 0.0))
+    if anchors > 0:
+        for kind, suffix in (("alpha", ""), ("greedy", "_greedy")):
+            tau = 1.0 + sum(float(means.get(f"chain_{kind}_step{k}", 0.0)) for k in range(steps)) / anchors
+            out[f"tau_ttt{suffix}"] = tau
+            draft_cost, verify_cost = cost
+            if draft_cost > 0:
+                out[f"predicted_speedup{suffix}"] = tau / (steps * draft_cost + verify_cost)
+    return out
+
+
+def acceptance_report(means: dict, positions: int) -> dict:
+    """The export's metrics.acceptance: α / top-1 per step and the simulated τ of the exported weights."""
+    report = {k: v for k, v in means.items() if k.startswith(("alpha_at", "top1_at", "tau_ttt", "predicted"))}
+    report["positions"] = positions
+    steps = "/".join(f"{report[f'top1_at_step{k}']:.2f}" for k in range(16) if f"top1_at_step{k}" in report)
+    print(f"[draftforge] eagle3: held-out α {report.get('alpha_at_step0', float('nan')):.3f}, top-1 by step "
+          f"{steps}, simulated τ (greedy) {report.get('tau_ttt_greedy', float('nan')):.2f}, over {positions:,} "
+          "positions", flush=True)
+    return {"acceptance": report}
+
+
+def load_frozen_target(recipe: Recipe):
+    """The target, frozen, in bf16 when training runs bf16 (its states and logits then cost a bf16 forward)."""
+    from draftforge.loading import load_causal_lm
+    from draftforge.runtime import resolve_precision
+
+    dtype = torch.bfloat16 if resolve_precision(recipe.train.precision) == "bf16" else torch.float32
+    target = load_causal_lm(recipe.model.target, what="target", dtype=dtype)
+    return target.eval().requires_grad_(False)
+
+
+def build_eagle3_task(recipe: Recipe, accelerator, with_data: bool = True):
+    """The head (trainable), the target (frozen, read once per step), blocks of input_ids + labels."""
+    from draftforge.data import build_block_data, describe
+    from draftforge.models.eagle3 import Eagle3Config, Eagle3Head, init_from_target
+    from draftforge.models.eagle3_export import save_head
+    from draftforge.train.lm import DRAFT_VOCAB_FILE, choose_draft_vocab
+    from draftforge.train.parts import load_tokenizer
+    from draftforge.train.spec import TaskSpec
+
+    cfg = recipe.task_options or Eagle3TaskConfig()
+    tokenizer = load_tokenizer(recipe)
+    target = load_frozen_target(recipe)
+    data = None
+    if with_data:
+        with accelerator.main_process_first():
+            data = build_block_data(recipe.data, tokenizer, recipe.train.block_size, recipe.train.seed,
+                                    vocab_size=target.config.vocab_size)
+        accelerator.print(f"[draftforge] {describe(data)}")
+    d2t = choose_draft_vocab(recipe, target, data, tokenizer)  # the target stands in: it has no map of its own
+    config = Eagle3Config.from_target(target.config, cfg.aux_layers, d2t)
+    torch.manual_seed(recipe.train.seed)
+    head = Eagle3Head(config)
+    if cfg.init == "target":
+        init_from_target(head, target, recipe.train.seed)
+    head.use_embedding(target.get_input_embeddings())
+    trainable = sum(p.numel() for p in head.parameters())
+    rows = f"{len(d2t):,}-token draft vocabulary" if d2t is not None else "full vocabulary"
+    accelerator.print(f"[draftforge] eagle3: head on target layers {config.aux_layers} of {config.num_target_layers}"
+                      f" ({rows}, init {cfg.init}), {trainable:,} trainable parameters; training-time test over "
+                      f"{cfg.steps} steps (decay {cfg.step_decay}), loss {cfg.loss}; target frozen in {target.dtype}")
+    d2t_N = None if d2t is None else torch.tensor(d2t, dtype=torch.long)
+    run_files = {DRAFT_VOCAB_FILE: json.dumps(d2t)} if d2t is not None else {}
+    target_config = target.config
+    steps = cfg.steps
+
+    def export(trained, out_dir, metadata, overwrite=False):  # metadata: the caller's + export_metadata
+        return save_head(trained, target_config, tokenizer, out_dir, metadata, steps=steps, overwrite=overwrite)
+
+    return TaskSpec(model=head, loss=ttt_loss(target, config.aux_layers, cfg, d2t_N), count=loss_positions,
+                    frozen={"target": target}, train_data=data and data.train, eval_data=data and data.eval,
+                    export=export, tokenizer=tokenizer, unit="tokens",
+                    export_metadata={"aux_layers": config.aux_layers, "ttt_steps": cfg.steps,
+                                     **({"draft_vocab_size": len(d2t)} if d2t is not None else {})},
+                    data_stats=data.stats if data else {}, run_files=run_files,
+                    derive_metrics=lambda means: derive(means, steps, (cfg.draft_cost, cfg.verify_cost)),
+                    export_report=acceptance_report)
+

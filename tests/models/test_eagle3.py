@@ -1,0 +1,181 @@
+"""The EAGLE-3 head against oracles that do not come from its own code: the fusion and the step losses by hand,
+training-time test against drafting the same chain one step at a time (the per-path oracle), and a head built
+as a copy of the target's last layer, whose α is then the overlap of the target's distributions at neighbouring
+positions, computed from the target alone."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftforge.errors import CheckpointError, CompatibilityError
+from draftforge.models.eagle3 import KV, Eagle3Config, Eagle3Head, check_aux_layers, default_aux_layers, init_from_target
+from draftforge.models.eagle3_export import is_eagle3_export, load_head, offsets_of, save_head
+from draftforge.train.eagle3 import Eagle3TaskConfig, derive, step_losses
+
+V, D, L = 40, 32, 4
+
+
+def tiny_target(seed=0, layers=L, hidden=D):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(config).double().eval()
+
+
+def random_head(target, aux=None, draft_vocab=None, seed=1):
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.from_target(target.config, aux, draft_vocab)).double()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    head.use_embedding(target.get_input_embeddings())
+    return head
+
+
+def test_default_layers_and_bad_ids():
+    assert default_aux_layers(30) == [2, 15, 27] and default_aux_layers(4) == [1, 2, 3]
+    for bad in ([0, 4], [-1, 2], [2, 2], []):
+        with pytest.raises(CompatibilityError, match="for a target of 4 layers"):
+            check_aux_layers(bad, 4)
+
+
+def test_fusion_is_one_linear_map_of_the_stacked_states():
+    head = random_head(tiny_target(), aux=[1, 2, 3])
+    states = [torch.randn(5, D, dtype=torch.float64) for _ in range(3)]
+    w = head.fc.weight
+    by_hand = sum(s @ w[:, i * D : (i + 1) * D].T for i, s in enumerate(states))
+    torch.testing.assert_close(head.fuse(torch.cat(states, -1)), by_hand, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_training_time_test_equals_drafting_the_chain_step_by_step(steps):
+    """ttt_forward's output at anchor t, step k == the head run as the drafter runs it: the anchors 0..t fed with
+    the target's features (one causal step), then k chain steps, each fed its parent's output and x_{t+1+k}."""
+    target = tiny_target()
+    head = random_head(target)
+    T = 9
+    torch.manual_seed(3)
+    ids = torch.randint(0, V, (2, T + steps))
+    aux = torch.randn(2, T + steps, 3 * D, dtype=torch.float64)
+    tokens = ids[:, 1:]  # anchor t consumes x_{t+1}
+    outs = head.ttt_forward(tokens, aux[:, : tokens.shape[1]], steps)
+    for b in range(2):
+        for t in (0, 4, T - 1):
+            past_out, past = head.step(tokens[b, : t + 1], head.fuse(aux[b, : t + 1]), torch.arange(1, t + 2), None,
+                                       None)
+            torch.testing.assert_close(outs[0][b, t], past_out[-1], rtol=0, atol=1e-10)
+            feature, chain = past_out[-1], None
+            for k in range(1, steps):
+                keys = past if chain is None else past.cat(chain)
+                mask = torch.ones(1, keys.length + 1, dtype=torch.bool)
+                out, mine = head.step(tokens[b, t + k : t + k + 1], feature[None], torch.tensor([t + 1 + k]), keys,
+                                      mask)
+                chain = mine if chain is None else chain.cat(mine)
+                torch.testing.assert_close(outs[k][b, t], out[0], rtol=0, atol=1e-10)
+                feature = out[0]
+
+
+def test_a_copy_of_the_last_layer_accepts_what_neighbouring_target_positions_share():
+    """init_from_target with the state entering the last layer as the only aux state: step 0 at anchor t then
+    computes the target's own last layer at position t (RoPE sees the same offsets), so its distribution is the
+    target's at t, scored against the target's at t + 1: α must be Σ_v min(p_t, p_{t+1}) averaged, from the target
+    alone, and top-1 the share of positions where the two argmaxes agree."""
+    target = tiny_target()
+    head = Eagle3Head(Eagle3Config.from_target(target.config, [L - 1])).double()
+    init_from_target(head, target)
+    head.use_embedding(target.get_input_embeddings())
+    torch.manual_seed(5)
+    ids = torch.randint(0, V, (2, 12))
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+        logits = head(torch.nn.functional.pad(ids[:, 1:], (0, 1)), out.hidden_states[L - 1], 1)
+    p = out.logits.softmax(-1)
+    overlap = torch.minimum(p[:, :-2], p[:, 1:-1]).sum(-1)  # anchors t = 0..T-3 have a label after t + 1
+    agree = (p[:, :-2].argmax(-1) == p[:, 1:-1].argmax(-1)).double()
+    labels = ids.clone()
+    _, count, metrics = step_losses(logits, out.logits, torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100),
+                                    Eagle3TaskConfig(steps=1), {"kl": 1.0}, None, evaluating=False)
+    assert int(count) == overlap.numel()
+    assert float(metrics["alpha_step0"]) / int(count) == pytest.approx(float(overlap.mean()), rel=1e-6)  # α sums in fp32
+    assert float(metrics["top1_step0"]) / int(count) == pytest.approx(float(agree.mean()), abs=1e-12)
+
+
+def test_step_losses_by_hand():
+    """Two steps on one row of four positions over three tokens, against sums written out term by term."""
+    torch.manual_seed(0)
+    s0, s1 = torch.randn(1, 4, 3, dtype=torch.float64), torch.randn(1, 4, 3, dtype=torch.float64)
+    teacher = torch.randn(1, 4, 3, dtype=torch.float64)
+    next_labels = torch.tensor([[1, 2, 0, -100]])  # position 3 has no next token
+    cfg = Eagle3TaskConfig(steps=2, step_decay=0.5, loss="mix", kl_weight=1.0, tvd_weight=2.0)
+    total, count, m = step_losses([s0, s1], teacher, next_labels, cfg, cfg.weights(), None, evaluating=True)
+
+    def sm(x):
+        e = [math.exp(v) for v in x]
+        return [v / sum(e) for v in e]
+
+    def terms(s, t):
+        q, p = sm(s.tolist()), sm(t.tolist())
+        kl = sum(pi * math.log(pi / qi) for pi, qi in zip(p, q))
+        alpha = sum(min(pi, qi) for pi, qi in zip(p, q))
+        return kl, 1 - alpha, alpha, max(range(3), key=lambda i: q[i]) == max(range(3), key=lambda i: p[i])
+
+    # step 0: anchors t = 0, 1 (t + 1 = 1, 2 carry labels: next_labels[1], [2] != -100); step 1: anchor 0 (t+2 = 2)
+    step0 = [terms(s0[0, t], teacher[0, t + 1]) for t in (0, 1)]
+    step1 = [terms(s1[0, 0], teacher[0, 2])]
+    want = sum(kl + 2 * tvd for kl, tvd, _, _ in step0) + 0.5 * sum(kl + 2 * tvd for kl, tvd, _, _ in step1)
+    assert float(total) == pytest.approx(want, rel=1e-6)  # the loss sums in fp32 and int(count) == 2
+    assert float(m["alpha_step0"]) == pytest.approx(step0[0][2] + step0[1][2], rel=1e-6)
+    assert float(m["alpha_step1"]) == pytest.approx(step1[0][2], rel=1e-6)
+    # the chain: only anchor 0 reaches both steps; its Π over steps
+    assert float(m["chain_anchors"]) == 1
+    assert float(m["chain_alpha_step1"]) == pytest.approx(step0[0][2] * step1[0][2], rel=1e-6)
+    assert float(m["chain_greedy_step1"]) == float(step0[0][3] and step1[0][3])
+    means = {k: float(v) / 2 for k, v in m.items()}
+    d = derive(means, 2, (0.1, 1.2))
+    assert d["tau_ttt"] == pytest.approx(1 + step0[0][2] + step0[0][2] * step1[0][2], rel=1e-6)
+    assert d["alpha_at_step1"] == pytest.approx(step1[0][2], rel=1e-6)
+    assert d["predicted_speedup"] == pytest.approx(d["tau_ttt"] / (2 * 0.1 + 1.2), rel=1e-6)
+
+
+def test_export_round_trip_and_the_speculators_maps(tmp_path):
+    target = tiny_target()
+    d2t = [0, 3, 4, 9, 17, 30]
+    head = random_head(target, draft_vocab=d2t).float()
+    out = save_head(head, target.config, None, tmp_path / "e3", {"target": "tiny"}, steps=3)
+    assert is_eagle3_export(out)
+    import json
+
+    from safetensors.torch import load_file
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 6
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and config["norm_before_residual"] is False
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny"
+    saved = load_file(str(out / "model.safetensors"))
+    assert [i + int(o) for i, o in enumerate(saved["d2t"])] == d2t  # offsets: draft id + d2t[id] = target id
+    assert saved["t2d"].nonzero().flatten().tolist() == d2t
+    loaded, meta = load_head(out, target.config)
+    for name, value in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    assert torch.equal(offsets_of(d2t), saved["d2t"])
+
+    other = tiny_target(hidden=48)
+    with pytest.raises(CompatibilityError, match="hidden_size 32 .head. vs 48 .target."):
+        load_head(out, other.config)
+    with pytest.raises(CompatibilityError, match="num_target_layers 4 .head. vs 6 .target."):
+        load_head(out, tiny_target(layers=6).config)
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a truncated shard
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        load_head(out, target.config)
+
+
+def test_kv_helpers_keep_rows_in_order():
+    kv = KV(torch.arange(6.0).view(1, 3, 2), torch.arange(6.0).view(1, 3, 2))
+    both = kv.cat(kv.take(1))
+    assert both.length == 4 and torch.equal(both.k[0, 3], kv.k[0, 0])

@@ -1,0 +1,110 @@
+"""Task `eagle3`: only the head trains (the target stays bitwise as loaded), the loss falls, the export is the
+speculators format and loads back into the harness with the same drafts, `draftforge export` rewrites the same
+bytes, the per-step metrics come out, and bad recipes are refused before anything is built."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftforge.cli import main as cli_main
+from draftforge.decode import build_decoder, load_drafter, load_target
+from draftforge.decode.drafters.eagle3 import Eagle3Drafter
+from draftforge.decode.sampling import SamplingParams
+from draftforge.errors import CompatibilityError, RecipeError
+from draftforge.recipe import recipe_from_dict
+from draftforge.train.eagle3 import build_eagle3_task
+from draftforge.train.loop import train
+from tests.fixtures.decode import greedy_reference
+from tests.train.test_eesd import LAYERS, save_target, token_rows
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, tiny_tokenizer_dir):
+    return save_target(tmp_path_factory.mktemp("target"), tiny_tokenizer_dir)
+
+
+def recipe(tmp_path, target_dir, rows, model=None, **eagle3):
+    return {
+        "task": "eagle3", "output_dir": str(tmp_path / "run"),
+        "model": {"target": str(target_dir), **(model or {})},
+        "data": {"sources": [str(rows)], "format": "tokens", "eval_fraction": 0.1},
+        "eagle3": {"steps": 3, **eagle3},
+        "optim": {"lr": 3e-3, "warmup_steps": 0, "weight_decay": 0.0},
+        "train": {"max_steps": 20, "global_batch_size": 8, "micro_batch_size": 4, "block_size": 32,
+                  "eval_every": 20, "save_every": 20, "log_every": 5, "trackers": [], "precision": "fp32"},
+    }
+
+
+def train_run(values, target_dir):
+    built = {}
+
+    def build(r, acc, with_data=True):
+        built["spec"] = spec = build_eagle3_task(r, acc, with_data)
+        built["head0"] = {k: v.clone() for k, v in spec.model.state_dict().items()}
+        return spec
+
+    result = train(recipe_from_dict(values), build)
+    spec = built["spec"]
+    original = load_file(str(target_dir / "model.safetensors"))
+    for name, value in spec.frozen["target"].state_dict().items():
+        if name in original:
+            assert torch.equal(value, original[name]), name
+    assert not any(p.requires_grad for p in spec.frozen["target"].parameters())
+    for name, value in spec.model.state_dict().items():
+        assert not torch.equal(value, built["head0"][name]), f"{name} did not train"
+    return result, spec
+
+
+def test_the_head_trains_exports_for_speculators_and_drafts_the_same_after_loading(tmp_path, target_dir):
+    rows = token_rows(tmp_path / "rows.jsonl", target_dir)
+    result, spec = train_run(recipe(tmp_path, target_dir, rows, model={"draft_vocab": 64}), target_dir)
+    assert sum(result.losses[-3:]) / 3 < result.losses[0]
+    export = result.export_dir
+    config = json.loads((export / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 64
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # LAYERS = 4: the shallow-target choice
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(target_dir)
+    meta = json.loads((export / "draftforge.json").read_text())
+    acceptance = meta["metrics"]["acceptance"]
+    assert {"alpha_at_step0", "top1_at_step2", "tau_ttt_greedy"} <= set(acceptance)
+    assert 1.0 <= acceptance["tau_ttt_greedy"] <= 4.0
+
+    target = load_target(str(target_dir))
+    loaded = load_drafter(str(export), target)
+    assert isinstance(loaded, Eagle3Drafter) and loaded.d2t is not None and len(loaded.d2t) == 64
+    in_memory = Eagle3Drafter(spec.model.cpu().float(), target.vocab_size)
+    seq = [5, 17, 42, 9, 100, 7]
+    drafts = []
+    for d in (loaded, in_memory):
+        d.bind(target)
+        target.prefill(seq)
+        d.reset()
+        drafts.append(d.draft(seq, (1,) * 5, SamplingParams(), torch.Generator()).tokens)
+    assert drafts[0] == drafts[1] and len(drafts[0]) == 5
+
+    dec = build_decoder("eagle2", target, loaded)
+    prompt = [3, 9, 27, 81, 243]
+    assert dec.generate(prompt, max_new_tokens=20).tokens == greedy_reference(target, prompt, 20)
+
+    out = tmp_path / "again"  # `draftforge export RUN_DIR` rebuilds the head and writes the same weights
+    assert cli_main(["export", str(result.run_dir), "--out", str(out)]) == 0
+    assert (out / "model.safetensors").read_bytes() == (export / "model.safetensors").read_bytes()
+
+
+def test_bad_recipes_are_refused(tmp_path, target_dir):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("")
+    with pytest.raises(CompatibilityError, match=f"outside 0..{LAYERS - 1}"):
+        recipe_from_dict(recipe(tmp_path, target_dir, rows, aux_layers=[1, LAYERS]))
+    with pytest.raises(RecipeError, match="eagle3.steps"):
+        recipe_from_dict(recipe(tmp_path, target_dir, rows, steps=0))
+    with pytest.raises(RecipeError, match="eagle3.loss"):
+        recipe_from_dict(recipe(tmp_path, target_dir, rows, loss="ce"))
+    values = recipe(tmp_path, target_dir, rows)
+    del values["model"]["target"]
+    with pytest.raises(RecipeError, match="model.target"):
+        recipe_from_dict(values)
