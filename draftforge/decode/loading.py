@@ -109,12 +109,14 @@ def lookup_options(spec) -> dict | None:
 
 
 def load_eagle3(model_or_path, target: Target, device, dtype):
-    """An Eagle3Drafter bound to `target` for an EAGLE-3 head (module or export directory), else None. The head
-    runs in the target's dtype unless `dtype` says otherwise: it reads the target's states as they are."""
+    """A drafter bound to `target` for a head that reads it (an EAGLE-3 head or a feature-conditioned Mamba2
+    drafter; module or export directory), else None. It runs in the target's dtype unless `dtype` says otherwise:
+    it reads the target's states as they are."""
     from draftforge.models.eagle3 import Eagle3Head
     from draftforge.models.eagle3_export import is_eagle3_export, load_head
+    from draftforge.models.feature_mamba import FeatureMamba2Head
 
-    if isinstance(model_or_path, Eagle3Head):
+    if isinstance(model_or_path, (Eagle3Head, FeatureMamba2Head)):
         head, tokenizer = model_or_path, None
     elif is_eagle3_export(model_or_path):
         head, meta = load_head(model_or_path, target.model.config)
@@ -123,10 +125,11 @@ def load_eagle3(model_or_path, target: Target, device, dtype):
             check_vocab(target, target.model, tokenizer, allow_vocab_mismatch=False)
     else:
         return None
-    from draftforge.decode.drafters.eagle3 import Eagle3Drafter
+    from draftforge.decode.drafters.eagle3 import Eagle3Drafter, FeatureMambaDrafter
 
     head = head.to(device=device, dtype=dtype or target.model.dtype).eval()
-    drafter = Eagle3Drafter(head, target.vocab_size, tokenizer)
+    kind = FeatureMambaDrafter if isinstance(head, FeatureMamba2Head) else Eagle3Drafter
+    drafter = kind(head, target.vocab_size, tokenizer)
     drafter.bind(target)
     return drafter
 

@@ -9,6 +9,9 @@
   the target vocabulary). The embedding is not stored: the head reads the verifier's.
 - `draftforge.json`: task "eagle3", the head's shape (models/eagle3.Eagle3Config), the target it was trained on,
   the tokenizer's fingerprint and the run's metadata; plus the tokenizer's files.
+The feature-conditioned Mamba2 drafter (models/feature_mamba.py, `head.body` "mamba2") exports the same way
+without `config.json`: no engine serves a Mamba2 EAGLE-style drafter, and a config vLLM would read as an
+attention head must not exist for it.
 Written atomically (temp dir beside it, then a rename); loading checks the target's shape and the maps.
 """
 
@@ -28,6 +31,8 @@ from draftforge.export import tokenizer_fingerprint
 from draftforge.fsutil import write_dir_atomically
 from draftforge.models.draft_vocab import check_map
 from draftforge.models.eagle3 import HEAD_KIND, Eagle3Config, Eagle3Head
+from draftforge.models.feature_mamba import BODY as MAMBA_BODY
+from draftforge.models.feature_mamba import FeatureMamba2Head, FeatureMambaConfig
 
 WEIGHTS_FILE = "model.safetensors"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format this writes (its loader is tested against it)
@@ -97,11 +102,13 @@ def save_head(head: Eagle3Head, target_config, tokenizer, out_dir, metadata: dic
               "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,
               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     _check_destination(out_dir, {k: record.get(k) for k in ("task", "target", "recipe", "run_dir")}, overwrite)
-    config = speculators_config(head, target_config, target_name, steps)
+    config = None if isinstance(head, FeatureMamba2Head) else speculators_config(head, target_config, target_name,
+                                                                                     steps)
 
     def fill(tmp: Path) -> None:
         save_file(head_tensors(head), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        if config is not None:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / METADATA_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -119,14 +126,16 @@ def is_eagle3_export(path) -> bool:
         return False
 
 
-def load_head(path, target_config=None) -> tuple[Eagle3Head, dict]:
+def load_head(path, target_config=None) -> tuple[Eagle3Head | FeatureMamba2Head, dict]:
     """(head with the exported weights, metadata); checked against `target_config` when given."""
     path = Path(str(path))
     meta = read_export_metadata(path)
     if meta.get("task") != HEAD_KIND:
         raise CheckpointError(f"{path} is a {meta.get('task')!r} export, not an EAGLE-3 head")
+    mamba = isinstance(meta.get("head"), dict) and meta["head"].get("body") == MAMBA_BODY
+    config_class, head_class = (FeatureMambaConfig, FeatureMamba2Head) if mamba else (Eagle3Config, Eagle3Head)
     try:
-        config = Eagle3Config(**meta["head"])
+        config = config_class(**meta["head"])
     except (KeyError, TypeError) as err:
         raise CheckpointError(f"{path}/{METADATA_FILE}: the head's shape is missing or malformed ({err}); "
                               "re-export the eagle3 run") from None
@@ -147,7 +156,7 @@ def load_head(path, target_config=None) -> tuple[Eagle3Head, dict]:
                 not torch.equal(t2d, t2d_mask(config.draft_vocab, config.vocab_size)):
             raise CompatibilityError(f"{weights}: d2t / t2d do not match the draft vocabulary in {METADATA_FILE}; "
                                      "re-export the eagle3 run")
-    head = Eagle3Head(config)
+    head = head_class(config)
     try:
         missing, unexpected = head.load_state_dict(state, strict=False)
     except RuntimeError as err:

@@ -1,4 +1,5 @@
-"""Task `eagle3`: an EAGLE-3 head (models/eagle3.py) trained with training-time test on a frozen target's states.
+"""Task `eagle3`: an EAGLE-3 head (models/eagle3.py) trained with training-time test on a frozen target's states;
+with `eagle3.body: mamba2`, the feature-conditioned Mamba2 drafter (models/feature_mamba.py), trained the same way.
 
 Each step the frozen target (TaskSpec.frozen, in bf16 where training runs bf16) reads the batch once and hands
 over the states entering `aux_layers` and its logits. The head then unrolls `steps` drafting steps over every
@@ -30,6 +31,7 @@ from draftforge.train.divergences import full_terms
 
 LOSSES = ("kl", "tvd", "mix")
 INITS = ("target", "random")
+BODIES = ("attention", "mamba2")
 
 
 @dataclass
@@ -37,6 +39,11 @@ class Eagle3TaskConfig:
     aux_layers: list[int] | None = doc(None, "the target layers whose input states the head fuses (id i = the state "
                                              "entering layer i); None = EAGLE-3's low / middle / high choice as "
                                              "vLLM makes it, [2, L // 2, L - 3] ([2, 15, 27] for SmolLM2)")
+    body: str = doc("attention", "'attention': EAGLE-3's one decoder layer (exports for vLLM); 'mamba2': the "
+                                 "feature-conditioned Mamba2 drafter, a constant-cost step and state at any context")
+    mamba_layers: int = doc(2, "body mamba2: Mamba2 blocks (width: the target's hidden size)")
+    state_size: int = doc(16, "body mamba2: SSM state size N per head")
+    mamba_head_dim: int = doc(64, "body mamba2: head dim P (heads = 2·hidden / P)")
     steps: int = doc(5, "training-time test: drafting steps unrolled per anchor (each feeds the head its own "
                         "previous output state); SpecForge's default is 7, each costs one head forward")
     step_decay: float = doc(0.8, "step k's loss weighs step_decay^k (SpecForge's 0.8)")
@@ -57,6 +64,9 @@ class Eagle3TaskConfig:
     def check(self, at: str) -> None:
         require(self.loss in LOSSES, f"{at}.loss", f"must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         require(self.init in INITS, f"{at}.init", f"must be one of {', '.join(INITS)}, got {self.init!r}")
+        require(self.body in BODIES, f"{at}.body", f"must be one of {', '.join(BODIES)}, got {self.body!r}")
+        require(self.mamba_layers >= 1 and self.state_size >= 1 and self.mamba_head_dim >= 1, f"{at}.mamba_layers",
+                "mamba_layers, state_size and mamba_head_dim must be >= 1")
         require(isinstance(self.steps, int) and 1 <= self.steps <= 16, f"{at}.steps", "must be an integer in 1..16")
         require(0 < self.step_decay <= 1, f"{at}.step_decay", "must be in (0, 1]")
         require(self.temperature > 0, f"{at}.temperature", "must be > 0")
@@ -200,10 +210,30 @@ def load_frozen_target(recipe: Recipe):
     return target.eval().requires_grad_(False)
 
 
+def make_head(cfg: Eagle3TaskConfig, target, d2t, seed: int):
+    """(the head cfg.body names, its config), started as cfg.init says and reading the target's embedding."""
+    from draftforge.models import eagle3, feature_mamba
+
+    torch.manual_seed(seed)
+    if cfg.body == "mamba2":
+        config = feature_mamba.FeatureMambaConfig.from_target(
+            target.config, cfg.aux_layers, d2t, layers=cfg.mamba_layers, state_size=cfg.state_size,
+            head_dim=cfg.mamba_head_dim)
+        head = feature_mamba.FeatureMamba2Head(config)
+        if cfg.init == "target":
+            feature_mamba.init_from_target(head, target)
+    else:
+        config = eagle3.Eagle3Config.from_target(target.config, cfg.aux_layers, d2t)
+        head = eagle3.Eagle3Head(config)
+        if cfg.init == "target":
+            eagle3.init_from_target(head, target, seed)
+    head.use_embedding(target.get_input_embeddings())
+    return head, config
+
+
 def build_eagle3_task(recipe: Recipe, accelerator, with_data: bool = True):
     """The head (trainable), the target (frozen, read once per step), blocks of input_ids + labels."""
     from draftforge.data import build_block_data, describe
-    from draftforge.models.eagle3 import Eagle3Config, Eagle3Head, init_from_target
     from draftforge.models.eagle3_export import save_head
     from draftforge.train.lm import DRAFT_VOCAB_FILE, choose_draft_vocab
     from draftforge.train.parts import load_tokenizer
@@ -219,16 +249,11 @@ def build_eagle3_task(recipe: Recipe, accelerator, with_data: bool = True):
                                     vocab_size=target.config.vocab_size)
         accelerator.print(f"[draftforge] {describe(data)}")
     d2t = choose_draft_vocab(recipe, target, data, tokenizer)  # the target stands in: it has no map of its own
-    config = Eagle3Config.from_target(target.config, cfg.aux_layers, d2t)
-    torch.manual_seed(recipe.train.seed)
-    head = Eagle3Head(config)
-    if cfg.init == "target":
-        init_from_target(head, target, recipe.train.seed)
-    head.use_embedding(target.get_input_embeddings())
+    head, config = make_head(cfg, target, d2t, recipe.train.seed)
     trainable = sum(p.numel() for p in head.parameters())
     rows = f"{len(d2t):,}-token draft vocabulary" if d2t is not None else "full vocabulary"
-    accelerator.print(f"[draftforge] eagle3: head on target layers {config.aux_layers} of {config.num_target_layers}"
-                      f" ({rows}, init {cfg.init}), {trainable:,} trainable parameters; training-time test over "
+    accelerator.print(f"[draftforge] eagle3: {cfg.body} head on target layers {config.aux_layers} of "
+                      f"{config.num_target_layers} ({rows}, init {cfg.init}), {trainable:,} trainable parameters; training-time test over "
                       f"{cfg.steps} steps (decay {cfg.step_decay}), loss {cfg.loss}; target frozen in {target.dtype}")
     d2t_N = None if d2t is None else torch.tensor(d2t, dtype=torch.long)
     run_files = {DRAFT_VOCAB_FILE: json.dumps(d2t)} if d2t is not None else {}

@@ -79,7 +79,7 @@ def head(tmp_path_factory):
     return hand_set_head(tmp_path_factory.mktemp("c2t") / "head")
 
 
-@pytest.mark.parametrize("kind", ["transformer", "mamba", "mamba2", "eagle3"])
+@pytest.mark.parametrize("kind", ["transformer", "mamba", "mamba2", "eagle3", "feature_mamba2"])
 @pytest.mark.parametrize("k", [4, 1], ids=["tree", "chain"])
 def test_c2t_is_lossless_with_every_drafter(target, drafters, head, kind, k):
     dec = build_decoder("c2t", target, drafters[kind], c2t=str(head), beta=0.5, c2t_top_k=k, c2t_depth=4)

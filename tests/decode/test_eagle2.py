@@ -132,7 +132,7 @@ def test_masks_and_positions_of_an_uneven_eagle2_tree():
         torch.testing.assert_close(logits_NV[1 + i], expected, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("kind", ["transformer", "mamba", "mamba2", "eagle3"])
+@pytest.mark.parametrize("kind", ["transformer", "mamba", "mamba2", "eagle3", "feature_mamba2"])
 def test_eagle2_is_lossless_with_every_drafter(target, drafters, kind):
     dec = build_decoder("eagle2", target, drafters[kind], eagle_top_k=3, eagle_depth=3, total_tokens=12)
     sizes = set()

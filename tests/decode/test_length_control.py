@@ -131,7 +131,7 @@ CONTROLLERS = [("beta_ts", {}), ("cali_ts", {}), ("cali_ts", "predictor"), ("spe
                ("specdec_pp", "predictor")]
 
 
-@pytest.mark.parametrize("kind", ["transformer", "mamba", "mamba2", "eagle3", "recompute"])
+@pytest.mark.parametrize("kind", ["transformer", "mamba", "mamba2", "eagle3", "feature_mamba2", "recompute"])
 @pytest.mark.parametrize("method,options", CONTROLLERS)
 def test_controllers_are_lossless_greedy(target, drafters, tmp_path, kind, method, options):
     drafter = drafters[kind]

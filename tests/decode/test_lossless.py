@@ -23,7 +23,7 @@ METHODS = [("chain", {"chain_length": 3}), ("tree", {"tree": (2, 2, 1)}), ("tree
            ("ucb", {"ucb_trees": [(1, 1), STREE13, "parents:0,0,0/0,2,2/1"]})]
 
 
-@pytest.mark.parametrize("kind", ["transformer", "mamba", "mamba2", "eagle3"])
+@pytest.mark.parametrize("kind", ["transformer", "mamba", "mamba2", "eagle3", "feature_mamba2"])
 @pytest.mark.parametrize("method,options", METHODS, ids=["chain3", "tree221", "treeV21", "ucb", "stree13",
                                                          "ucb_shapes"])
 def test_greedy_equals_generate(target, drafters, kind, method, options):

@@ -11,7 +11,7 @@ import torch
 from draftforge.decode import build_decoder, load_drafter, load_target, verify
 from draftforge.decode.sampling import SamplingParams, draw_one, probs_from_logits, sample
 from draftforge.decode.tree import DraftTree
-from tests.fixtures.decode import eagle3_head, noisy_copy, tiny_llama, tiny_mamba
+from tests.fixtures.decode import eagle3_head, feature_mamba_head, noisy_copy, tiny_llama, tiny_mamba
 
 VOCAB = 8
 PARAMS = dict(temperature=1.0, top_k=6)
@@ -70,10 +70,12 @@ def target():
     ("mamba", "tree", {"tree": (3, 2)}, "distinct"),
     ("mamba", "tree", {"tree": (3, 2)}, "iid"),
     ("eagle3", "tree", {"tree": (3, 2)}, "distinct"),
+    ("feature_mamba2", "chain", {"chain_length": 2}, "distinct"),
 ])
 def test_first_two_tokens_follow_target(target, kind, method, options, draws):
     prompt = [1, 2, 3]
     drafter_model = {"transformer": lambda: noisy_copy(target.model, 0.3), "eagle3": lambda: eagle3_head(target.model, 0.3),
+                     "feature_mamba2": lambda: feature_mamba_head(target.model),
                      "mamba": lambda: tiny_mamba(VOCAB, dtype=torch.float64)}[kind]()
     dec = build_decoder(method, target, load_drafter(drafter_model, target), **options)
     n, counts, accepted = 1000, {}, 0

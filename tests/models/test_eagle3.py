@@ -179,3 +179,46 @@ def test_kv_helpers_keep_rows_in_order():
     kv = KV(torch.arange(6.0).view(1, 3, 2), torch.arange(6.0).view(1, 3, 2))
     both = kv.cat(kv.take(1))
     assert both.length == 4 and torch.equal(both.k[0, 3], kv.k[0, 0])
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_mamba_body_training_time_test_equals_drafting_the_chain(steps):
+    """The Mamba2 body: ttt_forward at anchor t, step k == feeding anchors 0..t one at a time from the empty state,
+    then k chain steps from that state, each fed its parent's output and x_{t+1+k} (the drafter's order)."""
+    from draftforge.models.feature_mamba import FeatureMamba2Head, FeatureMambaConfig
+
+    target = tiny_target()
+    torch.manual_seed(2)
+    head = FeatureMamba2Head(FeatureMambaConfig.from_target(target.config, head_dim=16, state_size=8)).double()
+    head.use_embedding(target.get_input_embeddings())
+    T = 7
+    ids = torch.randint(0, V, (2, T + steps))
+    aux = torch.randn(2, T + steps, 3 * D, dtype=torch.float64)
+    tokens = ids[:, 1:]
+    outs = head.ttt_forward(tokens, aux[:, : tokens.shape[1]], steps)
+    for b in range(2):
+        for t in (0, 3, T - 1):
+            states = head.empty_state(1)
+            for i in range(t + 1):  # one anchor at a time: no batching across positions
+                out, states = head.step(tokens[b, i : i + 1], head.fuse(aux[b, i : i + 1]), states)
+            torch.testing.assert_close(outs[0][b, t], out[0], rtol=0, atol=1e-12)
+            for k in range(1, steps):
+                out, states = head.step(tokens[b, t + k : t + k + 1], out, states)
+                torch.testing.assert_close(outs[k][b, t], out[0], rtol=0, atol=1e-12)
+
+
+def test_mamba_body_state_is_the_same_size_at_any_context():
+    from draftforge.decode import load_drafter, load_target
+    from draftforge.decode.sampling import SamplingParams
+    from tests.fixtures.decode import feature_mamba_head
+
+    target = load_target(tiny_target())
+    drafter = load_drafter(feature_mamba_head(target.model), target)
+    sizes = []
+    for n in (5, 40):
+        seq = [(7 * i + 1) % V for i in range(n)]
+        target.prefill(seq)
+        drafter.reset()
+        drafter.draft(seq, (1, 1), SamplingParams(), torch.Generator())
+        sizes.append(drafter.cache_bytes())
+    assert sizes[0] == sizes[1] == drafter.model.state_bytes() > 0

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from draftforge.cli import main as cli_main
 from draftforge.decode import build_decoder, load_drafter, load_target
-from draftforge.decode.drafters.eagle3 import Eagle3Drafter
+from draftforge.decode.drafters.eagle3 import Eagle3Drafter, FeatureMambaDrafter
 from draftforge.decode.sampling import SamplingParams
 from draftforge.errors import CompatibilityError, RecipeError
 from draftforge.recipe import recipe_from_dict
@@ -59,15 +59,20 @@ def train_run(values, target_dir):
     return result, spec
 
 
-def test_the_head_trains_exports_for_speculators_and_drafts_the_same_after_loading(tmp_path, target_dir):
+@pytest.mark.parametrize("body", ["attention", "mamba2"])
+def test_the_head_trains_exports_and_drafts_the_same_after_loading(tmp_path, target_dir, body):
     rows = token_rows(tmp_path / "rows.jsonl", target_dir)
-    result, spec = train_run(recipe(tmp_path, target_dir, rows, model={"draft_vocab": 64}), target_dir)
+    extra = {"body": "mamba2", "mamba_head_dim": 16, "state_size": 8} if body == "mamba2" else {}
+    result, spec = train_run(recipe(tmp_path, target_dir, rows, model={"draft_vocab": 64}, **extra), target_dir)
     assert sum(result.losses[-3:]) / 3 < result.losses[0]
     export = result.export_dir
-    config = json.loads((export / "config.json").read_text())
-    assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 64
-    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # LAYERS = 4: the shallow-target choice
-    assert config["speculators_config"]["verifier"]["name_or_path"] == str(target_dir)
+    if body == "attention":  # the speculators checkpoint vLLM serves
+        config = json.loads((export / "config.json").read_text())
+        assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 64
+        assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # LAYERS = 4: the shallow-target choice
+        assert config["speculators_config"]["verifier"]["name_or_path"] == str(target_dir)
+    else:  # no engine serves it: no config an engine would read as an attention head
+        assert not (export / "config.json").exists()
     meta = json.loads((export / "draftforge.json").read_text())
     acceptance = meta["metrics"]["acceptance"]
     assert {"alpha_at_step0", "top1_at_step2", "tau_ttt_greedy"} <= set(acceptance)
@@ -75,8 +80,9 @@ def test_the_head_trains_exports_for_speculators_and_drafts_the_same_after_loadi
 
     target = load_target(str(target_dir))
     loaded = load_drafter(str(export), target)
-    assert isinstance(loaded, Eagle3Drafter) and loaded.d2t is not None and len(loaded.d2t) == 64
-    in_memory = Eagle3Drafter(spec.model.cpu().float(), target.vocab_size)
+    kind = Eagle3Drafter if body == "attention" else FeatureMambaDrafter
+    assert type(loaded) is kind and loaded.d2t is not None and len(loaded.d2t) == 64
+    in_memory = kind(spec.model.cpu().float(), target.vocab_size)
     seq = [5, 17, 42, 9, 100, 7]
     drafts = []
     for d in (loaded, in_memory):
@@ -102,6 +108,8 @@ def test_bad_recipes_are_refused(tmp_path, target_dir):
         recipe_from_dict(recipe(tmp_path, target_dir, rows, aux_layers=[1, LAYERS]))
     with pytest.raises(RecipeError, match="eagle3.steps"):
         recipe_from_dict(recipe(tmp_path, target_dir, rows, steps=0))
+    with pytest.raises(RecipeError, match="eagle3.body"):
+        recipe_from_dict(recipe(tmp_path, target_dir, rows, body="rwkv"))
     with pytest.raises(RecipeError, match="eagle3.loss"):
         recipe_from_dict(recipe(tmp_path, target_dir, rows, loss="ce"))
     values = recipe(tmp_path, target_dir, rows)

@@ -1,11 +1,13 @@
-"""The EAGLE-3 drafter: a head (models/eagle3.py) that reads the target's own states of the committed tokens.
+"""Drafters that read the target: the EAGLE-3 head (models/eagle3.py) and the feature-conditioned Mamba2 drafter
+(models/feature_mamba.py), both fed the target's own states of the committed tokens.
 
 State: the head's keys and values of every committed anchor (step 0: the target's feature of position t with the
 token x_{t+1}), fed from the target's `take_features()` at the start of each draft. A draft runs the head from
 the last anchor (the root) and then over tree nodes: a node consumes its token and its parent's output state, at
 position len(seq) - 1 + depth, and attends to every anchor, its ancestors and itself. The tree's keys are thrown
 away after the verification: the accepted tokens come back next round with the target's features for them
-(as EAGLE does), so nothing is ever rolled back inside the head.
+(as EAGLE does), so nothing is ever rolled back inside the head. The Mamba2 body keeps one recurrent state for the
+anchors instead of keys and values, and a state per tree node continued from its parent's.
 
 Static trees and chains are drafted through the same node interface (`begin` / `feed`) that EAGLE-2 and C2T drive.
 Legend: Q new nodes, K keys, D hidden size, N draft vocabulary, A aux width.
@@ -21,15 +23,19 @@ from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.tree import DraftTree
 from draftforge.decode.tree_shape import TreeShape
 from draftforge.errors import DraftforgeError
-from draftforge.models.eagle3 import KV, Eagle3Head
+from draftforge.models.eagle3 import KV
 
 
-class Eagle3Drafter(Drafter):
-    kind = "eagle3"
+class FeatureDrafter(Drafter):
+    """What both feature-reading drafters share: anchors fed from the target's committed states, the root's and
+    every node's output state, trees through the node interface. A body implements `_feed_anchors` (extend the
+    committed state) and `_feed_nodes` (run tree nodes from their parents' states), and `_clear_tree`."""
+
     follows_dynamic_trees = True
     reads_target_hidden = True
+    body = "abstract"
 
-    def __init__(self, head: Eagle3Head, vocab_size: int, tokenizer=None):
+    def __init__(self, head, vocab_size: int, tokenizer=None):
         self.model, self.tokenizer, self.vocab_size = head, tokenizer, vocab_size
         d2t = head.draft_to_target()
         self.d2t = None if d2t is None else d2t.to(head.device)
@@ -43,18 +49,25 @@ class Eagle3Drafter(Drafter):
         self.target = target
 
     def reset(self) -> None:
-        self.past: KV | None = None  # step-0 keys/values of the committed anchors
         self.anchors = 0
         self.root_out = self.root_logits = None
+        self._reset_body()
         self._clear_tree()
 
     def _clear_tree(self) -> None:
-        self.tree_kv: KV | None = None  # fed nodes' keys/values, in feed order
-        self.node_col: dict[int, int] = {}  # node -> its column in tree_kv
         self.node_parent: dict[int, int] = {}
         self.node_depth: dict[int, int] = {-1: 0}
         self.node_out: dict[int, torch.Tensor] = {}
         self.node_map = None
+
+    def _reset_body(self) -> None:
+        raise NotImplementedError
+
+    def _feed_anchors(self, tokens, features, positions) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _feed_nodes(self, parents: list[int], tokens, feature_QD, positions, nodes: list[int]) -> torch.Tensor:
+        raise NotImplementedError
 
     # ---- the committed prefix
 
@@ -67,14 +80,13 @@ class Eagle3Drafter(Drafter):
         if features is not None:
             m, head = len(features), self.model
             if self.anchors + m != len(seq) - 1:
-                raise DraftforgeError(f"the EAGLE-3 drafter holds {self.anchors} anchors and got {m} new target "
+                raise DraftforgeError(f"the {self.kind} drafter holds {self.anchors} anchors and got {m} new target "
                                       f"states for a sequence of {len(seq)} tokens (it needs {len(seq) - 1}): "
                                       "draft with the target it is bound to, round by round")
             device = head.device
             tokens = torch.tensor(seq[self.anchors + 1 :], device=device)
             positions = torch.arange(self.anchors + 1, len(seq), device=device)
-            out_QD, mine = head.step(tokens, head.fuse(features.to(device)), positions, self.past, None)
-            self.past = mine if self.past is None else self.past.cat(mine)
+            out_QD = self._feed_anchors(tokens, head.fuse(features.to(device)), positions)
             self.anchors += m
             self.root_out = out_QD[-1]
             self.root_logits = head.logits(self.root_out)[None].float()
@@ -93,33 +105,22 @@ class Eagle3Drafter(Drafter):
 
     def begin(self, seq: list[int]) -> torch.Tensor:
         if not getattr(self, "_synced", False) and not self._sync(seq):
-            raise DraftforgeError("the EAGLE-3 drafter has no target state to draft from (a one-token prompt)")
+            raise DraftforgeError(f"the {self.kind} drafter has no target state to draft from (a one-token prompt)")
         self._synced = False
         return self.root_logits
 
     @torch.inference_mode()
     def feed(self, parents: list[int], tokens: list[int], nodes: list[int]) -> torch.Tensor:
-        """New nodes in one forward: each reads its parent's output and sees the anchors, its ancestors, itself."""
+        """New nodes in one forward: each reads its parent's output (and state) at position len(seq) - 1 + depth."""
         head = self.model
         device = head.device
-        n_past, n_tree = self.anchors, len(self.node_col)
-        cols = torch.zeros(len(nodes), n_past + n_tree + len(nodes), dtype=torch.bool)
-        cols[:, :n_past] = True
-        for q, (node, parent) in enumerate(zip(nodes, parents)):
+        for node, parent in zip(nodes, parents):
             self.node_parent[node] = parent
             self.node_depth[node] = self.node_depth[parent] + 1
-            p = parent
-            while p != -1:
-                cols[q, n_past + self.node_col[p]] = True
-                p = self.node_parent[p]
-            cols[q, n_past + n_tree + q] = True
         positions = torch.tensor([self.committed - 1 + self.node_depth[n] for n in nodes], device=device)
         feature_QD = torch.stack([self.node_out[p] for p in parents])
-        past = self.past if self.tree_kv is None else self.past.cat(self.tree_kv)
-        out_QD, mine = head.step(torch.tensor(tokens, device=device), feature_QD, positions, past, cols.to(device))
-        self.tree_kv = mine if self.tree_kv is None else self.tree_kv.cat(mine)
+        out_QD = self._feed_nodes(parents, torch.tensor(tokens, device=device), feature_QD, positions, nodes)
         for q, node in enumerate(nodes):
-            self.node_col[node] = n_tree + q
             self.node_out[node] = out_QD[q]
         return head.logits(out_QD).float()
 
@@ -156,9 +157,86 @@ class Eagle3Drafter(Drafter):
         self._clear_tree()
 
     def teacher_forced(self, ids_1S):
-        raise DraftforgeError("the EAGLE-3 drafter reads the target's states, so it has no teacher-forced pass of "
-                              "its own; the θ harvest (Cali-TS) supports drafters that read only tokens")
+        raise DraftforgeError(f"the {self.kind} drafter reads the target's states, so it has no teacher-forced pass "
+                              "of its own; the θ harvest (Cali-TS) supports drafters that read only tokens")
+
+
+class Eagle3Drafter(FeatureDrafter):
+    """The attention head: anchors' keys/values kept; a node attends to every anchor, its ancestors and itself."""
+
+    kind = "eagle3"
+    body = "attention"
+
+    def _reset_body(self) -> None:
+        self.past: KV | None = None  # step-0 keys/values of the committed anchors
+
+    def _clear_tree(self) -> None:
+        super()._clear_tree()
+        self.tree_kv: KV | None = None  # fed nodes' keys/values, in feed order
+        self.node_col: dict[int, int] = {}  # node -> its column in tree_kv
+
+    def _feed_anchors(self, tokens, features, positions):
+        out_QD, mine = self.model.step(tokens, features, positions, self.past, None)
+        self.past = mine if self.past is None else self.past.cat(mine)
+        return out_QD
+
+    def _feed_nodes(self, parents, tokens, feature_QD, positions, nodes):
+        n_past, n_tree = self.anchors, len(self.node_col)
+        cols = torch.zeros(len(nodes), n_past + n_tree + len(nodes), dtype=torch.bool)
+        cols[:, :n_past] = True
+        for q, parent in enumerate(parents):
+            p = parent
+            while p != -1:
+                cols[q, n_past + self.node_col[p]] = True
+                p = self.node_parent[p]
+            cols[q, n_past + n_tree + q] = True
+        past = self.past if self.tree_kv is None else self.past.cat(self.tree_kv)
+        out_QD, mine = self.model.step(tokens, feature_QD, positions, past, cols.to(self.model.device))
+        self.tree_kv = mine if self.tree_kv is None else self.tree_kv.cat(mine)
+        for q, node in enumerate(nodes):
+            self.node_col[node] = n_tree + q
+        return out_QD
+
+    def cache_bytes(self) -> int:
+        """Bytes of the anchors' keys and values: they grow with the context."""
+        return 0 if self.past is None else sum(x.numel() * x.element_size() for x in (self.past.k, self.past.v))
 
     @property
     def steps_per_draft(self) -> str:
         return "one head step per depth (one decoder layer), after one step over the newly committed tokens"
+
+
+class FeatureMambaDrafter(FeatureDrafter):
+    """The Mamba2 body: one recurrent state for the committed anchors; a node continues from its parent's state
+    (a copy per node, never rolled back: the tree's states are dropped after the verification)."""
+
+    kind = "feature_mamba2"
+    body = "mamba2"
+
+    def _reset_body(self) -> None:
+        self.states = self.model.empty_state(1)
+
+    def _clear_tree(self) -> None:
+        super()._clear_tree()
+        self.node_state: dict[int, list] = {}
+
+    def _feed_anchors(self, tokens, features, positions):
+        out_1QD, self.states, _ = self.model.run(tokens[None], features[None], self.states)
+        return out_1QD[0]
+
+    def _feed_nodes(self, parents, tokens, feature_QD, positions, nodes):
+        per_parent = [self.states if p == -1 else self.node_state[p] for p in parents]
+        states = [(torch.cat([s[j][0] for s in per_parent]), torch.cat([s[j][1] for s in per_parent]))
+                  for j in range(len(self.states))]
+        out_QD, new = self.model.step(tokens, feature_QD, states)
+        for q, node in enumerate(nodes):
+            self.node_state[node] = [(c[q : q + 1], s[q : q + 1]) for c, s in new]
+        return out_QD
+
+    def cache_bytes(self) -> int:
+        """Bytes of the committed recurrent state: the same at any context."""
+        return sum(c.numel() * c.element_size() + s.numel() * s.element_size() for c, s in self.states)
+
+    @property
+    def steps_per_draft(self) -> str:
+        return "one Mamba2 step per depth, after one step per newly committed token"

@@ -1,0 +1,259 @@
+"""A feature-conditioned Mamba2 drafter: the EAGLE-3 head's inputs feeding a Mamba2 body instead of attention.
+
+Inputs are the EAGLE-3 head's (models/eagle3.py): g_t = fc(the target's states entering `aux_layers` at t) and
+the target's embedding of x_{t+1}, normalised apart and mixed by `in_fuse` (2D -> D) into the residual stream,
+which starts from g_t (the residual carries the feature, as in the attention head). `layers` Mamba2 blocks (pre-norm
+residual: RMSNorm, mixer, add) follow, then a final norm and the head over the draft vocabulary. The output state
+before the final norm is the feature of the next drafting step, as in the attention head.
+
+The point is long context: a step costs the same at any context and the state is a fixed size per layer
+(conv window [K-1, C] and SSM state [H, P, N]), where the attention head's step and KV cache grow with the
+context. The mixer is written out in plain PyTorch (one token per call, differentiable, no in-place updates) so
+training-time test can run every anchor's chain from that anchor's own state; it follows Mamba2 (arXiv:2405.21060):
+in_proj -> (z, xBC, dt); causal depthwise conv over the last K inputs and SiLU; dt = softplus(dt + dt_bias);
+h = exp(dt·A)·h + dt·x ⊗ B; y = C·h + D·x; gated RMSNorm with SiLU(z); out_proj. One group (B and C shared by
+all heads).
+
+Legend: B rows, T anchors, D hidden size (the target's), E inner width (expand·D), H heads, P head dim, N state
+size, C conv channels (E + 2N), K conv kernel, A aux width, V target vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftforge.errors import CompatibilityError
+from draftforge.models.eagle3 import RMSNorm, check_aux_layers, default_aux_layers
+
+BODY = "mamba2"
+
+State = tuple[torch.Tensor, torch.Tensor]  # one block's (conv window [B, K-1, C], ssm [B, H, P, N])
+
+
+@dataclass
+class FeatureMambaConfig:
+    hidden_size: int
+    vocab_size: int
+    num_target_layers: int
+    aux_layers: list[int]
+    rms_norm_eps: float
+    draft_vocab: list[int] | None = None
+    layers: int = 2
+    state_size: int = 16
+    head_dim: int = 64
+    expand: int = 2
+    conv_kernel: int = 4
+    body: str = BODY
+    num_attention_heads: int | None = None  # the target's (checked at load, as for the attention head)
+    num_key_value_heads: int | None = None
+
+    @classmethod
+    def from_target(cls, config, aux_layers=None, draft_vocab=None, **body) -> "FeatureMambaConfig":
+        layers = config.num_hidden_layers
+        aux = check_aux_layers(default_aux_layers(layers) if aux_layers is None else aux_layers, layers)
+        made = cls(hidden_size=config.hidden_size, vocab_size=config.vocab_size, num_target_layers=layers,
+                   aux_layers=aux, rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-5)),
+                   draft_vocab=None if draft_vocab is None else [int(t) for t in draft_vocab],
+                   num_attention_heads=getattr(config, "num_attention_heads", None),
+                   num_key_value_heads=getattr(config, "num_key_value_heads", None), **body)
+        if (made.expand * made.hidden_size) % made.head_dim:
+            raise CompatibilityError(f"feature Mamba2 body: expand·hidden ({made.expand * made.hidden_size}) is not a "
+                                     f"multiple of head_dim {made.head_dim}")
+        return made
+
+    @property
+    def head_rows(self) -> int:
+        return self.vocab_size if self.draft_vocab is None else len(self.draft_vocab)
+
+    @property
+    def inner(self) -> int:
+        return self.expand * self.hidden_size
+
+    @property
+    def heads(self) -> int:
+        return self.inner // self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner + 2 * self.state_size
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def check_target(self, config, where: str) -> None:
+        have = {"hidden_size": config.hidden_size, "num_target_layers": config.num_hidden_layers,
+                "vocab_size": config.vocab_size}
+        diff = [f"{k} {getattr(self, k)} (head) vs {v} (target)" for k, v in have.items() if getattr(self, k) != v]
+        if diff:
+            raise CompatibilityError(f"feature Mamba2 drafter {where} was built for another target: {'; '.join(diff)};"
+                                     " use the target it was trained on, or train one for this target (task eagle3)")
+
+
+class Mixer(nn.Module):
+    def __init__(self, c: FeatureMambaConfig):
+        super().__init__()
+        self.c = c
+        self.in_proj = nn.Linear(c.hidden_size, c.inner + c.conv_dim + c.heads, bias=False)
+        self.conv_weight = nn.Parameter(torch.randn(c.conv_kernel, c.conv_dim) / c.conv_kernel**0.5)
+        self.conv_bias = nn.Parameter(torch.zeros(c.conv_dim))
+        dt = torch.exp(torch.rand(c.heads) * (torch.log(torch.tensor(0.1)) - torch.log(torch.tensor(0.001)))
+                       + torch.log(torch.tensor(0.001)))
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1 of dt in [0.001, 0.1]
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, c.heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(c.heads))
+        self.gate_norm = RMSNorm(c.inner, c.rms_norm_eps)
+        self.out_proj = nn.Linear(c.inner, c.hidden_size, bias=False)
+
+    def step(self, u_BD: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+        """One token per row from `state` -> (output [B, D], the new state); nothing is changed in place."""
+        c = self.c
+        conv_BKC, ssm_BHPN = state
+        z_BE, xbc_BC, dt_BH = self.in_proj(u_BD).split([c.inner, c.conv_dim, c.heads], -1)
+        window_BKC = torch.cat([conv_BKC, xbc_BC[:, None]], 1)
+        xbc_BC = F.silu((window_BKC * self.conv_weight).sum(1) + self.conv_bias)
+        x_BE, b_BN, c_BN = xbc_BC.split([c.inner, c.state_size, c.state_size], -1)
+        dt_BH = F.softplus(dt_BH.float() + self.dt_bias.float())
+        decay_BH = torch.exp(dt_BH * -torch.exp(self.A_log.float()))
+        x_BHP = x_BE.float().unflatten(-1, (c.heads, c.head_dim))
+        ssm_BHPN = (ssm_BHPN * decay_BH[..., None, None]
+                    + (dt_BH[..., None] * x_BHP)[..., None] * b_BN.float()[:, None, None, :])
+        y_BHP = (ssm_BHPN * c_BN.float()[:, None, None, :]).sum(-1) + self.D.float()[:, None] * x_BHP
+        y_BE = self.gate_norm((y_BHP.flatten(1) * F.silu(z_BE.float())).to(u_BD.dtype))
+        return self.out_proj(y_BE), (window_BKC[:, 1:], ssm_BHPN)
+
+
+class Block(nn.Module):
+    def __init__(self, c: FeatureMambaConfig):
+        super().__init__()
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mixer = Mixer(c)
+
+    def step(self, r_BD, state: State):
+        out_BD, state = self.mixer.step(self.norm(r_BD), state)
+        return r_BD + out_BD, state
+
+
+class FeatureMamba2Head(nn.Module):
+    """fc + [emb, feature] fusion + Mamba2 blocks + norm + head; `embed` is the target's (use_embedding)."""
+
+    def __init__(self, config: FeatureMambaConfig):
+        super().__init__()
+        c = self.config = config
+        d = c.hidden_size
+        self.fc = nn.Linear(len(c.aux_layers) * d, d, bias=False)
+        self.input_layernorm = RMSNorm(d, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(d, c.rms_norm_eps)
+        self.in_fuse = nn.Linear(2 * d, d, bias=False)
+        self.blocks = nn.ModuleList([Block(c) for _ in range(c.layers)])
+        self.norm = RMSNorm(d, c.rms_norm_eps)
+        self.lm_head = nn.Linear(d, c.head_rows, bias=False)
+        d2t = torch.tensor(c.draft_vocab if c.draft_vocab is not None else [], dtype=torch.long)
+        self.register_buffer("d2t_ids", d2t, persistent=False)
+        self.embed: nn.Embedding | None = None
+
+    @property
+    def device(self):
+        return self.fc.weight.device
+
+    @property
+    def dtype(self):
+        return self.fc.weight.dtype
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def draft_to_target(self) -> torch.Tensor | None:
+        return None if self.config.draft_vocab is None else self.d2t_ids
+
+    def use_embedding(self, embedding: nn.Module) -> None:
+        rows = embedding.weight.shape
+        if rows != (self.config.vocab_size, self.config.hidden_size):
+            raise CompatibilityError(f"the target's embedding is {tuple(rows)}, the feature Mamba2 drafter expects "
+                                     f"({self.config.vocab_size}, {self.config.hidden_size})")
+        object.__setattr__(self, "embed", embedding)
+
+    def fuse(self, aux_TA: torch.Tensor) -> torch.Tensor:
+        return self.fc(aux_TA.to(self.dtype))
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(out))
+
+    def empty_state(self, rows: int) -> list[State]:
+        """Every block's zero state for `rows` rows (the state before the first anchor)."""
+        c, p = self.config, next(self.parameters())
+        return [(p.new_zeros(rows, c.conv_kernel - 1, c.conv_dim),
+                 torch.zeros(rows, c.heads, c.head_dim, c.state_size, device=p.device,
+                             dtype=torch.promote_types(p.dtype, torch.float32)))
+                for _ in range(c.layers)]
+
+    def step(self, tokens_B: torch.Tensor, feature_BD: torch.Tensor, states: list[State]):
+        """One entry per row: (output state [B, D], the blocks' new states)."""
+        emb_BD = self.embed(tokens_B).to(self.dtype)
+        feature_BD = feature_BD.to(self.dtype)
+        r_BD = feature_BD + self.in_fuse(torch.cat([self.input_layernorm(emb_BD), self.hidden_norm(feature_BD)], -1))
+        new = []
+        for block, state in zip(self.blocks, states):
+            r_BD, state = block.step(r_BD, state)
+            new.append(state)
+        return r_BD, new
+
+    def run(self, tokens_BT: torch.Tensor, feature_BTD: torch.Tensor, states: list[State] | None = None,
+            keep_states: bool = False):
+        """Entries one position at a time from `states` (None: empty): (outputs [B, T, D], the final states, and
+        with keep_states the states after every position, per block (conv [B, T, K-1, C], ssm [B, T, H, P, N]))."""
+        b, t = tokens_BT.shape
+        states = self.empty_state(b) if states is None else states
+        outs, kept = [], []
+        for i in range(t):
+            out_BD, states = self.step(tokens_BT[:, i], feature_BTD[:, i], states)
+            outs.append(out_BD)
+            if keep_states:
+                kept.append(states)
+        per_block = None
+        if keep_states:
+            per_block = [(torch.stack([s[j][0] for s in kept], 1), torch.stack([s[j][1] for s in kept], 1))
+                         for j in range(len(self.blocks))]
+        return torch.stack(outs, 1), states, per_block
+
+    def ttt_forward(self, tokens_BT: torch.Tensor, aux_BTA: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Output states [B, T, D] of every anchor at steps 0..steps-1: step 0 runs the anchors in order from the
+        empty state; step k at anchor t continues from the state anchor t's chain had after step k-1 (step 0:
+        after anchor t itself), fed x_{t+1+k} and that chain's previous output (what drafting from t does)."""
+        b, t = tokens_BT.shape
+        out_BTD, _, per_block = self.run(tokens_BT, self.fuse(aux_BTA), keep_states=steps > 1)
+        outs = [out_BTD]
+        states = None if per_block is None else [(c.flatten(0, 1), s.flatten(0, 1)) for c, s in per_block]
+        for k in range(1, steps):
+            tok_BT = F.pad(tokens_BT[:, k:], (0, k), value=0)
+            out_N, states = self.step(tok_BT.flatten(), outs[-1].flatten(0, 1), states)
+            outs.append(out_N.view(b, t, -1))
+        return outs
+
+    def forward(self, tokens_BT: torch.Tensor, aux_BTA: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        return [self.logits(out) for out in self.ttt_forward(tokens_BT, aux_BTA, steps)]
+
+    def state_bytes(self) -> int:
+        """Bytes of one row's recurrent state (all blocks): constant at any context."""
+        return sum(c.numel() * c.element_size() + s.numel() * s.element_size() for c, s in self.empty_state(1))
+
+
+def init_from_target(head: FeatureMamba2Head, target) -> dict:
+    """The final norm and the head rows from the target (restricted to the draft vocabulary); fc passes the highest
+    aux state through; the body starts as Mamba2's usual initialisation with small output projections."""
+    c = head.config
+    with torch.no_grad():
+        head.norm.weight.copy_(target.model.norm.weight)
+        rows = target.get_output_embeddings().weight
+        if c.draft_vocab is not None:
+            rows = rows[torch.tensor(c.draft_vocab, device=rows.device)]
+        head.lm_head.weight.copy_(rows)
+        head.fc.weight.zero_()
+        d = c.hidden_size
+        head.fc.weight[:, (len(c.aux_layers) - 1) * d :] = torch.eye(d)
+        for block in head.blocks:
+            block.mixer.out_proj.weight.mul_(0.1)
+    return {"init": "target", "fc": "high aux state"}
