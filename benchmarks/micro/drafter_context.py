@@ -7,7 +7,8 @@ memory (CUDA allocator peak on GPU, process RSS growth on CPU). Prints a table, 
 
     python -m benchmarks.micro.drafter_context --contexts 1024 2048 4096 8192 --steps 16 --out drafter_context.json
 
-With --drafter DIR (repeatable) it times trained checkpoints through the harness's own decode path
+With --feature-target DIR it times the two drafters that read the target's states (EAGLE-3 head and the
+feature-conditioned Mamba2 drafter) through their drafter code. With --drafter DIR (repeatable) it times trained checkpoints through the harness's own decode path
 instead (MambaDrafter: prompt encode, then the lean single-token step on CPU; TransformerDrafter: KV
 cache), reduced draft heads included: the ms/token a drafting round really pays.
 """
@@ -82,6 +83,50 @@ def measure_harness(path: str, ctx: int, steps: int, repeats: int, full_head: bo
             "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
 
 
+@torch.inference_mode()
+def measure_feature(kind: str, target_dir: str, ctx: int, steps: int, repeats: int, draft_vocab: int = 8192,
+                    dtype=torch.bfloat16) -> dict:
+    """ms per drafted token of a drafter that reads the target (kind "eagle3" or "feature_mamba2") after ctx
+    committed anchors, and the bytes its committed state holds. The anchors' features are random: a step's cost
+    does not depend on their values, so the target's ctx-token prefill is not run; the head is untrained (the
+    same shapes a trained one has: the target's width, `draft_vocab` head rows)."""
+    from transformers import AutoConfig
+
+    from draftforge.decode.drafters.eagle3 import Eagle3Drafter, FeatureMambaDrafter
+    from draftforge.models.eagle3 import Eagle3Config, Eagle3Head
+    from draftforge.models.feature_mamba import FeatureMamba2Head, FeatureMambaConfig
+    from draftforge.models.target_embed import read_target_embedding
+
+    config = AutoConfig.from_pretrained(target_dir)
+    d2t = list(range(draft_vocab))
+    torch.manual_seed(0)
+    if kind == "eagle3":
+        head, drafter_class = Eagle3Head(Eagle3Config.from_target(config, draft_vocab=d2t)), Eagle3Drafter
+    else:
+        head = FeatureMamba2Head(FeatureMambaConfig.from_target(config, draft_vocab=d2t))
+        drafter_class = FeatureMambaDrafter
+    head = head.to(dtype).eval()
+    embedding = torch.nn.Embedding.from_pretrained(read_target_embedding(target_dir).to(dtype))
+    head.use_embedding(embedding)
+    drafter = drafter_class(head, config.vocab_size)
+    mem_before = memory_mb(torch.device("cpu"))
+    features = torch.randn(ctx, len(head.config.aux_layers) * config.hidden_size, dtype=dtype)
+    tokens = torch.randint(0, config.vocab_size, (ctx + 1,))
+    out = drafter._feed_anchors(tokens[1:], head.fuse(features), torch.arange(1, ctx + 1))
+    drafter.anchors, drafter.committed = ctx, ctx + 1
+    drafter.node_out[-1] = out[-1]
+
+    def step():  # one drafting step from the root: a node at depth 1 (the tree is dropped after each)
+        drafter._clear_tree()
+        drafter.node_out[-1] = out[-1]
+        drafter.feed([-1], [int(tokens[0])], [0])
+
+    times = time_ms(step, torch.device("cpu"), repeats, calls=steps, warmup=1)
+    return {"context": ctx, "ms_per_token": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
+            "state_mb": drafter.cache_bytes() / 2**20, "memory_growth_mb": memory_mb(torch.device("cpu")) - mem_before,
+            "params_m": sum(p.numel() for p in head.parameters()) / 1e6}
+
+
 def _cache_tensors(cache):
     for layer in cache.layers:
         for name in ("keys", "values"):
@@ -105,15 +150,23 @@ def main():
                                                         "(repeatable; CPU; replaces the random models)")
     ap.add_argument("--full-head", action="store_true", help="with --drafter: time a full-vocabulary head "
                                                              "instead of the checkpoint's reduced one")
+    ap.add_argument("--feature-target", metavar="DIR",
+                    help="time the two drafters that read this target (the EAGLE-3 head and the feature-conditioned "
+                         "Mamba2 drafter, bf16, 8,192-row heads) through the harness's drafter code; CPU")
     args = ap.parse_args()
     device = torch.device(args.device)
     rows = []
+    for kind in ("eagle3", "feature_mamba2") if args.feature_target else ():
+        for ctx in args.contexts:
+            r = measure_feature(kind, args.feature_target, ctx, args.steps, args.repeats)
+            rows.append({"drafter": kind, "params_m": round(r.pop("params_m"), 2), **r})
+            print(rows[-1], flush=True)
     for path in args.drafter or []:
         for ctx in args.contexts:
             r = measure_harness(path, ctx, args.steps, args.repeats, args.full_head)
             rows.append({"drafter": path + (" (full head)" if args.full_head else ""), "params_m": round(r.pop("params_m", 0.0), 2), **r})
             print(rows[-1], flush=True)
-    for kind in () if args.drafter else ("mamba", "llama"):
+    for kind in () if args.drafter or args.feature_target else ("mamba", "llama"):
         extra = {"max_position_embeddings": max(args.contexts) + 16} if kind == "llama" else {}
         model = tiny_model(kind, args.vocab, args.hidden, args.layers, device=device, **extra)
         params_m = sum(p.numel() for p in model.parameters()) / 1e6

@@ -155,21 +155,38 @@ class Layer(nn.Module):
         self.mlp = MLP(c)
 
 
-class KV:
-    """Keys and values of the head's one layer [G, K, E] (rows: whatever the caller appended, in order)."""
+class KVCache:
+    """The head's keys and values [G, K, E] in a buffer that grows by doubling: appending never copies what is
+    there (a step's cost then grows with the context only through attention itself), and `truncate` drops the
+    newest rows (a draft tree's) for free."""
 
-    def __init__(self, k_GKE: torch.Tensor, v_GKE: torch.Tensor):
-        self.k, self.v = k_GKE, v_GKE
+    def __init__(self, groups: int, head_dim: int, dtype, device, capacity: int = 256):
+        self.k = torch.empty(groups, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0
 
-    @property
-    def length(self) -> int:
-        return self.k.shape[1]
+    def append(self, k_GQE: torch.Tensor, v_GQE: torch.Tensor) -> None:
+        need = self.length + k_GQE.shape[1]
+        if need > self.k.shape[1]:
+            grown = max(need, 2 * self.k.shape[1])
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = old.new_empty(old.shape[0], grown, old.shape[2])
+                new[:, : self.length] = old[:, : self.length]
+                setattr(self, name, new)
+        self.k[:, self.length : need] = k_GQE
+        self.v[:, self.length : need] = v_GQE
+        self.length = need
 
-    def cat(self, other: "KV") -> "KV":
-        return KV(torch.cat([self.k, other.k], 1), torch.cat([self.v, other.v], 1))
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, : self.length], self.v[:, : self.length]
 
-    def take(self, n: int) -> "KV":
-        return KV(self.k[:, :n], self.v[:, :n])
+    def truncate(self, length: int) -> None:
+        self.length = length
+
+    def nbytes(self) -> int:
+        """Bytes of the rows held (not the spare capacity)."""
+        return 2 * self.length * self.k.shape[0] * self.k.shape[2] * self.k.element_size()
 
 
 class Eagle3Head(nn.Module):
@@ -256,23 +273,25 @@ class Eagle3Head(nn.Module):
 
     # ---- decoding: any set of queries against cached keys, with an explicit mask
 
-    def step(self, tokens_Q: torch.Tensor, feature_QD: torch.Tensor, positions_Q: torch.Tensor, past: KV | None,
-             mask_QK: torch.Tensor | None):
-        """One forward of Q entries that see `past` (its rows listed in mask_QK's first columns) and each other.
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        return KVCache(self.config.num_key_value_heads, self.config.head_dim, self.dtype, self.device, capacity)
 
-        mask_QK [Q, past + Q] (True = may attend); None = every past row and a causal order among the queries.
-        Returns (output states [Q, D], the queries' own KV)."""
+    def step(self, tokens_Q: torch.Tensor, feature_QD: torch.Tensor, positions_Q: torch.Tensor, cache: KVCache,
+             mask_QK: torch.Tensor | None) -> torch.Tensor:
+        """One forward of Q entries: their keys/values are appended to `cache`, and each sees the cache's rows as
+        mask_QK [Q, cache rows after appending] says (True = may attend); None = every earlier row and a causal
+        order among the queries. Returns the output states [Q, D]."""
         q_QHE, k_QGE, v_QGE = self.project(tokens_Q, feature_QD, positions_Q)
-        mine = KV(k_QGE.transpose(0, 1), v_QGE.transpose(0, 1))
-        keys = mine if past is None else past.cat(mine)
-        n_q, n_k = len(tokens_Q), keys.length
+        cache.append(k_QGE.transpose(0, 1), v_QGE.transpose(0, 1))
+        k_GKE, v_GKE = cache.view()
+        n_q, n_k = len(tokens_Q), cache.length
         if mask_QK is None:
             mask_QK = torch.ones(n_q, n_k, dtype=torch.bool, device=q_QHE.device).tril(n_k - n_q)
         att = self.config.num_attention_heads // self.config.num_key_value_heads
-        k_HKE = keys.k.repeat_interleave(att, 0)
-        v_HKE = keys.v.repeat_interleave(att, 0)
-        out_HQE = F.scaled_dot_product_attention(q_QHE.transpose(0, 1), k_HKE, v_HKE, attn_mask=mask_QK.to(q_QHE.device))
-        return self.finish(out_HQE.transpose(0, 1), feature_QD.to(self.dtype)), mine
+        q_GAQE = q_QHE.transpose(0, 1).unflatten(0, (-1, att))  # query heads grouped by the K/V head they share
+        out_GAQE = F.scaled_dot_product_attention(q_GAQE, k_GKE[:, None], v_GKE[:, None],
+                                                  attn_mask=mask_QK.to(q_QHE.device))
+        return self.finish(out_GAQE.flatten(0, 1).transpose(0, 1), feature_QD.to(self.dtype))
 
     # ---- training: K unrolled steps over whole sequences (training-time test)
 

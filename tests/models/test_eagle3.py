@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftforge.errors import CheckpointError, CompatibilityError
-from draftforge.models.eagle3 import KV, Eagle3Config, Eagle3Head, check_aux_layers, default_aux_layers, init_from_target
+from draftforge.models.eagle3 import Eagle3Config, Eagle3Head, check_aux_layers, default_aux_layers, init_from_target
 from draftforge.models.eagle3_export import is_eagle3_export, load_head, offsets_of, save_head
 from draftforge.train.eagle3 import Eagle3TaskConfig, derive, step_losses
 
@@ -66,16 +66,13 @@ def test_training_time_test_equals_drafting_the_chain_step_by_step(steps):
     outs = head.ttt_forward(tokens, aux[:, : tokens.shape[1]], steps)
     for b in range(2):
         for t in (0, 4, T - 1):
-            past_out, past = head.step(tokens[b, : t + 1], head.fuse(aux[b, : t + 1]), torch.arange(1, t + 2), None,
-                                       None)
+            cache = head.new_cache(capacity=2)  # small: the buffer grows while the chain is drafted
+            past_out = head.step(tokens[b, : t + 1], head.fuse(aux[b, : t + 1]), torch.arange(1, t + 2), cache, None)
             torch.testing.assert_close(outs[0][b, t], past_out[-1], rtol=0, atol=1e-10)
-            feature, chain = past_out[-1], None
+            feature = past_out[-1]
             for k in range(1, steps):
-                keys = past if chain is None else past.cat(chain)
-                mask = torch.ones(1, keys.length + 1, dtype=torch.bool)
-                out, mine = head.step(tokens[b, t + k : t + k + 1], feature[None], torch.tensor([t + 1 + k]), keys,
-                                      mask)
-                chain = mine if chain is None else chain.cat(mine)
+                mask = torch.ones(1, cache.length + 1, dtype=torch.bool)  # the anchors 0..t, the chain, itself
+                out = head.step(tokens[b, t + k : t + k + 1], feature[None], torch.tensor([t + 1 + k]), cache, mask)
                 torch.testing.assert_close(outs[k][b, t], out[0], rtol=0, atol=1e-10)
                 feature = out[0]
 
@@ -175,10 +172,18 @@ def test_export_round_trip_and_the_speculators_maps(tmp_path):
         load_head(out, target.config)
 
 
-def test_kv_helpers_keep_rows_in_order():
-    kv = KV(torch.arange(6.0).view(1, 3, 2), torch.arange(6.0).view(1, 3, 2))
-    both = kv.cat(kv.take(1))
-    assert both.length == 4 and torch.equal(both.k[0, 3], kv.k[0, 0])
+def test_the_cache_grows_without_losing_rows_and_truncates():
+    from draftforge.models.eagle3 import KVCache
+
+    cache = KVCache(1, 2, torch.float32, "cpu", capacity=1)
+    rows = torch.arange(10.0).view(1, 5, 2)
+    for i in range(5):
+        cache.append(rows[:, i : i + 1], -rows[:, i : i + 1])
+    k, v = cache.view()
+    assert torch.equal(k, rows) and torch.equal(v, -rows) and cache.nbytes() == 2 * 5 * 2 * 4
+    cache.truncate(2)
+    cache.append(rows[:, 4:], rows[:, 4:])
+    assert torch.equal(cache.view()[0], rows[:, [0, 1, 4]])
 
 
 @pytest.mark.parametrize("steps", [1, 3])

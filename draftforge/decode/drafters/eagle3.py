@@ -23,7 +23,6 @@ from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.tree import DraftTree
 from draftforge.decode.tree_shape import TreeShape
 from draftforge.errors import DraftforgeError
-from draftforge.models.eagle3 import KV
 
 
 class FeatureDrafter(Drafter):
@@ -168,17 +167,16 @@ class Eagle3Drafter(FeatureDrafter):
     body = "attention"
 
     def _reset_body(self) -> None:
-        self.past: KV | None = None  # step-0 keys/values of the committed anchors
+        self.cache = self.model.new_cache()  # the anchors' step-0 keys/values, then the fed tree nodes'
 
     def _clear_tree(self) -> None:
         super()._clear_tree()
-        self.tree_kv: KV | None = None  # fed nodes' keys/values, in feed order
-        self.node_col: dict[int, int] = {}  # node -> its column in tree_kv
+        self.node_col: dict[int, int] = {}  # fed node -> its row after the anchors
+        if hasattr(self, "cache"):
+            self.cache.truncate(self.anchors)
 
     def _feed_anchors(self, tokens, features, positions):
-        out_QD, mine = self.model.step(tokens, features, positions, self.past, None)
-        self.past = mine if self.past is None else self.past.cat(mine)
-        return out_QD
+        return self.model.step(tokens, features, positions, self.cache, None)
 
     def _feed_nodes(self, parents, tokens, feature_QD, positions, nodes):
         n_past, n_tree = self.anchors, len(self.node_col)
@@ -190,16 +188,14 @@ class Eagle3Drafter(FeatureDrafter):
                 cols[q, n_past + self.node_col[p]] = True
                 p = self.node_parent[p]
             cols[q, n_past + n_tree + q] = True
-        past = self.past if self.tree_kv is None else self.past.cat(self.tree_kv)
-        out_QD, mine = self.model.step(tokens, feature_QD, positions, past, cols.to(self.model.device))
-        self.tree_kv = mine if self.tree_kv is None else self.tree_kv.cat(mine)
+        out_QD = self.model.step(tokens, feature_QD, positions, self.cache, cols.to(self.model.device))
         for q, node in enumerate(nodes):
             self.node_col[node] = n_tree + q
         return out_QD
 
     def cache_bytes(self) -> int:
         """Bytes of the anchors' keys and values: they grow with the context."""
-        return 0 if self.past is None else sum(x.numel() * x.element_size() for x in (self.past.k, self.past.v))
+        return self.cache.nbytes()
 
     @property
     def steps_per_draft(self) -> str:
