@@ -85,12 +85,16 @@ def harvest_prompt(target, drafter, prompt: list[int], prompt_id: str, settings:
                    fingerprints: tuple[str, str], eos=None) -> dict[str, list]:
     """Column lists of every node of every tree grown along this prompt's greedy continuation."""
     from draftforge.decode import build_decoder
+    from draftforge.decode.tree import DraftTree
 
     continuation = build_decoder("ar", target).generate(prompt, max_new_tokens=settings.max_new_tokens,
                                                         eos_token_id=eos).tokens
     rows = {c: [] for c in COLUMNS}
     drafter.reset()
     seq, pos, step, params = list(prompt), 0, 0, SamplingParams()
+    follow = drafter.reads_target_hidden  # it drafts from the target's states: the target reads what is committed
+    if follow:
+        target.prefill(seq)
     while len(continuation) - pos - 1 > 0:  # the last token of the continuation comes without drafts
         layers = min(settings.depth + 1, len(continuation) - pos - 1)
         builder = HarvestBuilder(settings.top_k, settings.depth, settings.top_m)
@@ -108,6 +112,10 @@ def harvest_prompt(target, drafter, prompt: list[int], prompt_id: str, settings:
             rows["d"].append(tree.depths[i] - 1 + DEPTH_ORIGIN)
             rows["label"].append(int(i in on_path))
         drafter.accept(path)
+        if follow:  # the accepted tokens, verified as a chain: the target commits them and keeps their states
+            chain = continuation[pos: pos + len(path)]
+            target.verify(seq[-1], DraftTree(chain, list(range(-1, len(chain) - 1)), list(range(1, len(chain) + 1))))
+            target.commit(list(range(len(chain))))
         seq += continuation[pos: pos + len(path) + 1]
         pos, step = pos + len(path) + 1, step + 1
     n = len(rows["P"])

@@ -20,7 +20,7 @@ from draftforge.decode import SpeculativeDecoder, load_drafter, load_target
 from draftforge.decode.methods.eagle2 import Eagle2Builder
 from draftforge.errors import CompatibilityError, DataError
 from draftforge.models.c2t import C2TClassifier, load_head
-from tests.fixtures.decode import noisy_copy, tiny_llama, tiny_mamba
+from tests.fixtures.decode import eagle3_head, noisy_copy, tiny_llama, tiny_mamba
 from tests.fixtures.plans import PlanController
 
 VOCAB = 12
@@ -30,10 +30,12 @@ SETTINGS = hv.HarvestSettings(top_k=3, depth=3, top_m=1000, max_new_tokens=15)
 Recorder = PlanController
 
 
-@pytest.mark.parametrize("kind", ["mamba", "transformer"])
+@pytest.mark.parametrize("kind", ["mamba", "transformer", "eagle3"])
 def test_harvest_labels_equal_the_accepted_paths_of_a_real_decode(kind):
     target = load_target(tiny_llama(vocab=VOCAB, dtype=torch.float64))
-    model = tiny_mamba(vocab=VOCAB, dtype=torch.float64) if kind == "mamba" else noisy_copy(target.model, 0.05)
+    model = {"mamba": lambda: tiny_mamba(vocab=VOCAB, dtype=torch.float64),
+             "transformer": lambda: noisy_copy(target.model, 0.05),
+             "eagle3": lambda: eagle3_head(target.model, 0.05)}[kind]()  # reads the target: it follows the decode
     drafter = load_drafter(model, target)
     prompt = [(5 * i + 2) % VOCAB for i in range(9)]
     rows = hv.harvest_prompt(target, drafter, prompt, "p0", SETTINGS, ("t", "d"), eos=[])
