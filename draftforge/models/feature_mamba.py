@@ -242,11 +242,14 @@ class FeatureMamba2Head(nn.Module):
 
 
 def init_from_target(head: FeatureMamba2Head, target) -> dict:
-    """The final norm and the head rows from the target (restricted to the draft vocabulary); fc passes the highest
-    aux state through; the body starts as Mamba2's usual initialisation with small output projections."""
+    """The final norm (when found: final_norm) and the head rows from the target (restricted to the draft
+    vocabulary); fc passes the highest aux state through; the body starts as Mamba2's usual initialisation with
+    small output projections."""
     c = head.config
     with torch.no_grad():
-        head.norm.weight.copy_(target.model.norm.weight)
+        norm = final_norm(target)
+        if norm is not None and norm.weight.shape == head.norm.weight.shape:
+            head.norm.weight.copy_(norm.weight)
         rows = target.get_output_embeddings().weight
         if c.draft_vocab is not None:
             rows = rows[torch.tensor(c.draft_vocab, device=rows.device)]
@@ -257,3 +260,15 @@ def init_from_target(head: FeatureMamba2Head, target) -> dict:
         for block in head.blocks:
             block.mixer.out_proj.weight.mul_(0.1)
     return {"init": "target", "fc": "high aux state"}
+
+
+def final_norm(target):
+    """The target's final norm (Llama: model.norm; hybrids: model.final_layernorm / norm_f; Mamba2:
+    backbone.norm_f), or None where it has another name."""
+    for inner in ("model", "backbone"):
+        body = getattr(target, inner, None)
+        for name in ("norm", "final_layernorm", "norm_f"):
+            module = getattr(body, name, None)
+            if module is not None and hasattr(module, "weight"):
+                return module
+    return None

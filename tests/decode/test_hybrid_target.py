@@ -10,7 +10,8 @@ from draftforge.decode import build_decoder, load_drafter, load_target, parse_tr
 from draftforge.decode.targets.hybrid import HybridTarget
 from draftforge.decode.tree import DraftTree, root_path
 from draftforge.errors import CompatibilityError
-from tests.fixtures.decode import assert_stops_at_eos, greedy_reference, tiny_llama, tiny_mamba, tiny_mamba2
+from tests.fixtures.decode import (assert_stops_at_eos, feature_mamba_head, greedy_reference, tiny_llama, tiny_mamba,
+                                   tiny_mamba2)
 from tests.fixtures.hybrid import HYBRIDS, ScriptedDrafter, tiny_bamba, tiny_jamba
 
 VOCAB = 48
@@ -59,10 +60,12 @@ def test_greedy_equals_generate_with_accepting_drafts(targets, name, method, opt
 
 
 @pytest.mark.parametrize("name", ["bamba", "nemotron_h", "granitemoehybrid", "mamba2"])
-@pytest.mark.parametrize("kind", ["transformer", "mamba", "mamba2"])
+@pytest.mark.parametrize("kind", ["transformer", "mamba", "mamba2", "feature_mamba2"])
 def test_greedy_equals_generate_for_every_drafter_kind(targets, name, kind):
+    """feature_mamba2 reads the hybrid target's own layer states (HybridTarget.want_features)."""
     target = targets[name]
-    make = {"transformer": tiny_llama, "mamba": tiny_mamba, "mamba2": tiny_mamba2}[kind]
+    make = {"transformer": tiny_llama, "mamba": tiny_mamba, "mamba2": tiny_mamba2,
+            "feature_mamba2": lambda vocab: feature_mamba_head(target.model)}[kind]
     drafter = load_drafter(make(vocab=VOCAB), target)
     for method, options in [("chain", {"chain_length": 3}), ("tree", {"tree": (VOCAB, 2, 1)}), ("ar", {})]:
         dec = build_decoder(method, target, drafter, **options)

@@ -106,16 +106,21 @@ class HybridTarget(Target):
         self.cache = DynamicCache(config=self.model.config)
         self.length, self._scans, self.last = 0, {}, None
 
+    gives_features = True
+
     @torch.inference_mode()
     def _forward(self, tokens, positions, mask_11QK=None, hidden=False):
-        """Run the model on `tokens` continuing the cache; logits [Q, V] (and last hidden [Q, D])."""
+        """Run the model on `tokens` continuing the cache; logits [Q, V] (and last hidden [Q, D]); with feature
+        layers asked for (want_features), their states of every token in `features_QA`."""
+        layers = self.feature_layers
         kwargs = dict(input_ids=torch.tensor([tokens], device=self.device), use_cache=True,
-                      output_hidden_states=hidden, **cache_kwargs(self.model, self.cache))
+                      output_hidden_states=hidden or bool(layers), **cache_kwargs(self.model, self.cache))
         if not self.ssm_only:
             kwargs.update(position_ids=torch.tensor([positions], device=self.device),
                           attention_mask=None if mask_11QK is None else
                           {"full_attention": mask_11QK, "linear_attention": None})
         out = self.model(**kwargs)
+        self.features_QA = torch.cat([out.hidden_states[i][0] for i in layers], -1) if layers else None
         logits_QV = out.logits[0].float() if out.logits.dtype in (torch.float16, torch.bfloat16) else out.logits[0]
         return (logits_QV, out.hidden_states[-1][0]) if hidden else logits_QV
 
@@ -123,9 +128,12 @@ class HybridTarget(Target):
         """Encode seq[:-1] with the model's own (chunked) forward: fills K/V and every conv/SSM state."""
         self.reset()
         self.costs = []
+        self._features = []
         if len(seq) > 1:
             self._forward(seq[:-1], list(range(len(seq) - 1)))
             self.length = len(seq) - 1
+            if self.feature_layers is not None:
+                self._features.append(self.features_QA)
 
     def verify(self, last_token: int, tree: DraftTree) -> torch.Tensor:
         parents_N = [-1] + [p + 1 for p in tree.parents]
@@ -144,7 +152,7 @@ class HybridTarget(Target):
             out = self._forward([last_token] + tree.tokens, positions, mask_11QK, hidden=self.want_hidden)
         self._scans = scans
         logits_NV, hidden_ND = out if self.want_hidden else (out, None)
-        self.last = Verification(tree, logits_NV, hidden_ND)
+        self.last = Verification(tree, logits_NV, hidden_ND, features_NA=self.features_QA)
         kernel = impl == "triton" or (impl == "auto" and self.device.type == "cuda")
         self.costs.append(VerifyCost(tokens=n_rows, states=1, kernel=kernel))
         return logits_NV
@@ -170,6 +178,8 @@ class HybridTarget(Target):
         self.length += len(keep_rows)
         self._scans = {}
         self.last.path = list(path)
+        if self.feature_layers is not None:
+            self._features.append(self.last.features_NA[keep_rows])
 
 
 @contextmanager
