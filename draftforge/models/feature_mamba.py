@@ -111,19 +111,55 @@ class Mixer(nn.Module):
     def step(self, u_BD: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         """One token per row from `state` -> (output [B, D], the new state); nothing is changed in place."""
         c = self.c
+        wide = torch.promote_types(u_BD.dtype, torch.float32)  # the SSM in at least fp32
         conv_BKC, ssm_BHPN = state
         z_BE, xbc_BC, dt_BH = self.in_proj(u_BD).split([c.inner, c.conv_dim, c.heads], -1)
         window_BKC = torch.cat([conv_BKC, xbc_BC[:, None]], 1)
         xbc_BC = F.silu((window_BKC * self.conv_weight).sum(1) + self.conv_bias)
         x_BE, b_BN, c_BN = xbc_BC.split([c.inner, c.state_size, c.state_size], -1)
-        dt_BH = F.softplus(dt_BH.float() + self.dt_bias.float())
-        decay_BH = torch.exp(dt_BH * -torch.exp(self.A_log.float()))
-        x_BHP = x_BE.float().unflatten(-1, (c.heads, c.head_dim))
+        dt_BH = F.softplus(dt_BH.to(wide) + self.dt_bias.to(wide))
+        decay_BH = torch.exp(dt_BH * -torch.exp(self.A_log.to(wide)))
+        x_BHP = x_BE.to(wide).unflatten(-1, (c.heads, c.head_dim))
         ssm_BHPN = (ssm_BHPN * decay_BH[..., None, None]
-                    + (dt_BH[..., None] * x_BHP)[..., None] * b_BN.float()[:, None, None, :])
-        y_BHP = (ssm_BHPN * c_BN.float()[:, None, None, :]).sum(-1) + self.D.float()[:, None] * x_BHP
-        y_BE = self.gate_norm((y_BHP.flatten(1) * F.silu(z_BE.float())).to(u_BD.dtype))
+                    + (dt_BH[..., None] * x_BHP)[..., None] * b_BN.to(wide)[:, None, None, :])
+        y_BHP = (ssm_BHPN * c_BN.to(wide)[:, None, None, :]).sum(-1) + self.D.to(wide)[:, None] * x_BHP
+        y_BE = self.gate_norm((y_BHP.flatten(1) * F.silu(z_BE.to(wide))).to(u_BD.dtype))
         return self.out_proj(y_BE), (window_BKC[:, 1:], ssm_BHPN)
+
+
+    def scan(self, u_BTD: torch.Tensor, chunk: int = 32) -> tuple[torch.Tensor, State]:
+        """A whole sequence from the empty state, in parallel: (outputs [B, T, D], the state after every position:
+        conv windows [B, T, K-1, C] and SSM states [B, T, H, P, N]). The recurrence h_t = a_t·h_{t-1} + b_t is
+        summed in chunks: inside one, h_t = Σ_{s<=t} exp(Σ_{s<r<=t} log a_r)·b_s (every factor <= 1), plus the
+        carried state decayed by the chunk's running product. Equal to `step` position by position."""
+        c = self.c
+        wide = torch.promote_types(u_BTD.dtype, torch.float32)  # the SSM in at least fp32
+        b, t, _ = u_BTD.shape
+        z_BTE, xbc_BTC, dt_BTH = self.in_proj(u_BTD).split([c.inner, c.conv_dim, c.heads], -1)
+        padded_BXC = F.pad(xbc_BTC, (0, 0, c.conv_kernel - 1, 0))
+        window_BTKC = padded_BXC.unfold(1, c.conv_kernel, 1).transpose(2, 3)  # inputs t-K+1..t
+        xbc_BTC = F.silu((window_BTKC * self.conv_weight).sum(2) + self.conv_bias)
+        x_BTE, b_BTN, c_BTN = xbc_BTC.split([c.inner, c.state_size, c.state_size], -1)
+        dt_BTH = F.softplus(dt_BTH.to(wide) + self.dt_bias.to(wide))
+        log_a_BTH = dt_BTH * -torch.exp(self.A_log.to(wide))
+        x_BTHP = x_BTE.to(wide).unflatten(-1, (c.heads, c.head_dim))
+        inc_BTHPN = (dt_BTH[..., None] * x_BTHP)[..., None] * b_BTN.to(wide)[:, :, None, None, :]
+        states, carry = [], None
+        for start in range(0, t, chunk):
+            end = min(t, start + chunk)
+            cum_BLH = log_a_BTH[:, start:end].cumsum(1)
+            gap_BHLL = cum_BLH.transpose(1, 2)[..., :, None] - cum_BLH.transpose(1, 2)[..., None, :]
+            causal = torch.ones(end - start, end - start, dtype=torch.bool, device=u_BTD.device).tril()
+            weight_BHLL = torch.where(causal, gap_BHLL, float("-inf")).exp()
+            h_BLHPN = torch.einsum("bhts,bshpn->bthpn", weight_BHLL, inc_BTHPN[:, start:end])
+            if carry is not None:
+                h_BLHPN = h_BLHPN + cum_BLH.exp()[..., None, None] * carry[:, None]
+            states.append(h_BLHPN)
+            carry = h_BLHPN[:, -1]
+        ssm_BTHPN = torch.cat(states, 1)
+        y_BTHP = (ssm_BTHPN * c_BTN.to(wide)[:, :, None, None, :]).sum(-1) + self.D.to(wide)[:, None] * x_BTHP
+        y_BTE = self.gate_norm((y_BTHP.flatten(2) * F.silu(z_BTE.to(wide))).to(u_BTD.dtype))
+        return self.out_proj(y_BTE), (window_BTKC[:, :, 1:], ssm_BTHPN)
 
 
 class Block(nn.Module):
@@ -135,6 +171,10 @@ class Block(nn.Module):
     def step(self, r_BD, state: State):
         out_BD, state = self.mixer.step(self.norm(r_BD), state)
         return r_BD + out_BD, state
+
+    def scan(self, r_BTD):
+        out_BTD, states = self.mixer.scan(self.norm(r_BTD))
+        return r_BTD + out_BTD, states
 
 
 class FeatureMamba2Head(nn.Module):
@@ -190,11 +230,15 @@ class FeatureMamba2Head(nn.Module):
                              dtype=torch.promote_types(p.dtype, torch.float32)))
                 for _ in range(c.layers)]
 
+    def entry(self, tokens: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
+        """The residual stream entering the blocks: the feature plus the fused [embedding, feature] ([..., D])."""
+        emb = self.embed(tokens).to(self.dtype)
+        feature = feature.to(self.dtype)
+        return feature + self.in_fuse(torch.cat([self.input_layernorm(emb), self.hidden_norm(feature)], -1))
+
     def step(self, tokens_B: torch.Tensor, feature_BD: torch.Tensor, states: list[State]):
         """One entry per row: (output state [B, D], the blocks' new states)."""
-        emb_BD = self.embed(tokens_B).to(self.dtype)
-        feature_BD = feature_BD.to(self.dtype)
-        r_BD = feature_BD + self.in_fuse(torch.cat([self.input_layernorm(emb_BD), self.hidden_norm(feature_BD)], -1))
+        r_BD = self.entry(tokens_B, feature_BD)
         new = []
         for block, state in zip(self.blocks, states):
             r_BD, state = block.step(r_BD, state)
@@ -220,13 +264,17 @@ class FeatureMamba2Head(nn.Module):
         return torch.stack(outs, 1), states, per_block
 
     def ttt_forward(self, tokens_BT: torch.Tensor, aux_BTA: torch.Tensor, steps: int) -> list[torch.Tensor]:
-        """Output states [B, T, D] of every anchor at steps 0..steps-1: step 0 runs the anchors in order from the
-        empty state; step k at anchor t continues from the state anchor t's chain had after step k-1 (step 0:
-        after anchor t itself), fed x_{t+1+k} and that chain's previous output (what drafting from t does)."""
+        """Output states [B, T, D] of every anchor at steps 0..steps-1: step 0 runs the anchors from the empty state
+        (a parallel scan keeping the state after every position); step k at anchor t continues from the state
+        anchor t's chain had after step k-1 (step 0: after anchor t itself), fed x_{t+1+k} and that chain's
+        previous output (what drafting from t does)."""
         b, t = tokens_BT.shape
-        out_BTD, _, per_block = self.run(tokens_BT, self.fuse(aux_BTA), keep_states=steps > 1)
-        outs = [out_BTD]
-        states = None if per_block is None else [(c.flatten(0, 1), s.flatten(0, 1)) for c, s in per_block]
+        r_BTD, per_block = self.entry(tokens_BT, self.fuse(aux_BTA)), []
+        for block in self.blocks:  # step 0: every anchor in parallel (Mixer.scan)
+            r_BTD, states = block.scan(r_BTD)
+            per_block.append(states)
+        outs = [r_BTD]
+        states = [(c.flatten(0, 1), s.flatten(0, 1)) for c, s in per_block]
         for k in range(1, steps):
             tok_BT = F.pad(tokens_BT[:, k:], (0, k), value=0)
             out_N, states = self.step(tok_BT.flatten(), outs[-1].flatten(0, 1), states)
