@@ -93,10 +93,10 @@ def main() -> None:
             last = now
         after = counters(llm)
         spec_counts = difference(after, before)
-        drafts = spec_counts.get("num_drafts") or 0
+        drafts, accepted = spec_counts.get("num_drafts") or 0, spec_counts.get("num_accepted_tokens") or 0
         results[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": sum(map(len, tokens)) / seconds,
                          "spec": spec_counts, "spec_per_prompt": per_prompt if spec else None,
-                         "acceptance_length": 1 + spec_counts.get("num_accepted_tokens", 0) / drafts if drafts else None,
+                         "acceptance_length": 1 + accepted / drafts if drafts else None,
                          "acceptance_per_pos": [a / drafts for a in spec_counts.get("accepted_per_pos", [])]
                          if drafts else None}
         print(f"{name}: {results[name]['tokens_per_s']:.1f} tok/s, acceptance length "
