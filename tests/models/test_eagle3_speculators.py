@@ -4,8 +4,8 @@ training-time-test unroll speculators trains with) gives our head's logits at st
 `ttt_forward` and through the `step` path the drafter decodes with.
 
 speculators 0.9.0 pins transformers <= 5.19, below draftforge's own environment, so this runs where speculators
-is installed (the vLLM venv: `pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0`)
-and is skipped, with that reason, everywhere else:
+is installed (the vLLM venv: `WITH_SPECULATORS=1 bash benchmarks/serving/setup_vllm.sh`) and is skipped, with
+that reason, everywhere else:
 
     PYTHONPATH=. VLLM_VENV/bin/python -m pytest tests/models/test_eagle3_speculators.py
 """
