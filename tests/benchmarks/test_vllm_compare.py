@@ -1,5 +1,7 @@
 """benchmarks/serving: the vLLM comparison skips with its reason where no vLLM environment exists (CI never needs
-vLLM), and vLLM's settings are read as documented."""
+vLLM), vLLM's settings are read as documented, an EAGLE-3 export goes to vLLM's eagle3 method, and draftforge's
+counters are re-cut to vLLM's rounds. The one test that runs vLLM is `slow` and needs a vLLM environment
+($VLLM_PYTHON or setup_vllm.sh's venv); it is skipped, with that reason, elsewhere."""
 
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ def test_settings():
     assert parse_setting("plain") == ("plain", None)
     assert parse_setting("ngram:3")[1]["num_speculative_tokens"] == 3
     assert parse_setting("draft:/d:4") == ("draft-4", {"model": "/d", "num_speculative_tokens": 4})
-    with pytest.raises(SystemExit, match="give plain, ngram:K, draft:DIR:K or mamba:DIR:K"):
+    assert parse_setting("eagle3:/e:3") == ("eagle3-3", {"model": "/e", "method": "eagle3",
+                                                         "num_speculative_tokens": 3})
+    with pytest.raises(SystemExit, match="give plain, ngram:K, draft:DIR:K, mamba:DIR:K or eagle3:DIR:K"):
         parse_setting("eagle")
 
 
@@ -60,3 +64,87 @@ def test_the_mamba_proposer_drafts_what_the_drafter_would_greedily(tmp_path, mon
         want = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=4, do_sample=False)
         assert got == want[0, len(seq):].tolist()
     assert proposer.propose([[], [2]], np.array([5, 3]), rows)[0] == []  # a row that sampled nothing drafts nothing
+
+
+def test_per_position_and_vllm_rounds():
+    # rounds of a draftforge run: (accepted, drafted)
+    assert vllm_compare.per_position([2, 0, 3, 1], [3, 3, 3, 0], 3) == [2, 2, 1]  # the last round drafted nothing
+    # an answer of 6 tokens, the first emitted by the prefill: rounds start at 1, 4 (1 + 2 + 1), 5; the third
+    # starts before the end, so it drafts and its accepted drafts count although they run past the answer
+    got = vllm_compare.vllm_rounds([2, 0, 2, 3], [3, 3, 3, 3], length=6, k=3)
+    assert got == {"num_drafts": 3, "num_accepted_tokens": 4, "accepted_per_pos": [2, 2, 0]}
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory, tiny_tokenizer_dir):
+    """A 4-layer Llama (head_dim 64, as vLLM's CPU attention takes) with the 512-token tokenizer, saved."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("eagle3_target")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    LlamaForCausalLM(config).eval().save_pretrained(d)
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy(f, d / f.name)
+    return d
+
+
+@pytest.fixture(scope="module")
+def eagle3_export(tiny_target, tmp_path_factory):
+    from benchmarks.serving import eagle3_init_export
+
+    out = tmp_path_factory.mktemp("eagle3_exports") / "fit"
+    return eagle3_init_export.build(str(tiny_target), str(out), draft_vocab=500, steps=3, fit_prompts=24,
+                                    fit_bench="testbed", fit_new_tokens=24)
+
+
+def test_an_eagle3_export_is_served_as_vllms_eagle3_method(eagle3_export, tiny_target, tmp_path):
+    assert vllm_compare.drafter_kind(str(eagle3_export)) == "eagle3"
+    assert vllm_compare.drafter_kind(str(tiny_target)) == "draft"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba2"}))
+    assert vllm_compare.drafter_kind(str(tmp_path)) == "mamba"
+    config = json.loads((eagle3_export / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 500
+    meta = json.loads((eagle3_export / "draftforge.json").read_text())
+    assert meta["init"]["fit"]["sequences"] == 24 and meta["target"] == str(tiny_target.resolve())
+
+
+def test_the_eagle3_export_drafts_losslessly_in_the_harness_and_on_vllms_rounds(eagle3_export, tiny_target):
+    import torch
+
+    from draftforge.decode import build_decoder, load_drafter, load_target
+
+    target = load_target(str(tiny_target), dtype=torch.float32)
+    ar = build_decoder("ar", target)
+    chain = build_decoder("chain", target, load_drafter(str(eagle3_export), target), chain_length=3)
+    prompts = [[1, 40, 41, 42, 43], [1, 7, 99, 7, 99, 7]]
+    answers = [ar.generate(ids, max_new_tokens=12, eos_token_id=[]).tokens for ids in prompts]
+    for ids, answer in zip(prompts, answers):
+        assert chain.generate(ids, max_new_tokens=12, eos_token_id=[]).tokens == answer
+    got = vllm_compare.on_vllm_rounds(chain, prompts, answers, 3)
+    assert got["tokens"] == answers
+    for counts, answer in zip(got["spec_per_prompt"], answers):
+        # every decode step after the prefill drafts; the answer is 1 + rounds + accepted, less any overshoot
+        assert 1 + counts["num_drafts"] + counts["num_accepted_tokens"] >= len(answer) > counts["num_drafts"]
+
+
+@pytest.mark.slow
+def test_vllm_serves_an_eagle3_export(eagle3_export, tiny_target, tmp_path):
+    """vLLM runs the export with its eagle3 method: fp32 outputs equal plain greedy, and its draft / acceptance
+    counters equal draftforge's on vLLM's rounds, prompt by prompt."""
+    python, note = vllm_compare.vllm_python(None)
+    if python is None:
+        pytest.skip(note)
+    result = vllm_compare.main(["--target", str(tiny_target), "--drafter", str(eagle3_export), "--bench", "testbed",
+                                "--num-prompts", "3", "--max-new-tokens", "16", "--draft-tokens", "3",
+                                "--out", str(tmp_path / "out.json")])
+    for name, r in result["engines"].items():
+        assert r["identical_to_vllm_plain"] == 3, name
+    assert result["drafter_counts_equal_per_prompt"] == 3, result["drafter_counts_per_prompt"]
+    accepted = result["engines"]["vLLM/eagle3-3"]["spec"]["accepted_per_pos"]
+    assert accepted[0] > 0 and accepted[-1] > 0  # drafts accepted at every depth: the counts compare something
