@@ -11,7 +11,7 @@ import torch
 
 import draftforge
 from draftforge.errors import CompatibilityError
-from tests.fixtures.decode import noisy_copy, tiny_llama, tiny_mamba2
+from tests.fixtures.decode import eagle3_head, feature_mamba_head, noisy_copy, tiny_llama, tiny_mamba2
 
 PROMPTS = [[5, 17, 42, 9], [3, 88, 12, 61, 7, 30, 2]]
 
@@ -66,6 +66,8 @@ DRAFTERS = {
     "mamba2": (lambda t: tiny_mamba2(vocab=VOCAB), [("chain", {"chain_length": 4}), ("tree", {"tree": (3, 2, 1)})]),
     "transformer": (lambda t: noisy_copy(t, noise=0.05), [("chain", {"chain_length": 3}), ("ucb", {})]),
     "prompt-lookup": (lambda t: "prompt-lookup", [("chain", {"chain_length": 3})]),
+    "eagle3": (lambda t: eagle3_head(t), [("chain", {"chain_length": 3}), ("eagle2", {})]),
+    "feature_mamba2": (lambda t: feature_mamba_head(t), [("tree", {"tree": (3, 2, 1)})]),
 }
 
 
