@@ -1,7 +1,8 @@
 """A target's top-k next-token distributions over token rows, stored once (`draftforge harvest logits`).
 
-Length (~450 lines): one on-disk format, its writer's shards and its reader's checks (target, tokenizer, rows,
-vocabulary) kept together so they cannot drift apart.
+Length (~490 lines): one on-disk format, its writer's shards and its reader's checks (target, tokenizer, rows,
+vocabulary) kept together so they cannot drift apart. A hidden-state cache (data/hidden_cache.py, `draftforge
+harvest hidden`) is this format with the target's states added per token; its reader extends LogitsCache.
 
 With a cache, `distill` trains without a teacher forward (distill.logits_cache; the loss forms and their
 truncation bounds: train/divergences.py). A cache directory holds:
