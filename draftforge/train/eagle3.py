@@ -12,7 +12,9 @@ Metrics at each eval: α and top-1 per step (`alpha_step{k}`, `top1_step{k}`: ea
 step k), and the chain's simulated acceptance: anchors whose every step is scored sum Π_{j<=k} top-1_j (greedy)
 and Π_{j<=k} α_j (T=1, an estimate: the chain is fed the data's tokens, not its own samples), giving `tau_ttt` and
 `tau_ttt_greedy` = 1 + Σ_k of those means; with eagle3.draft_cost / verify_cost, `predicted_speedup` for
-train.keep_best. The derivation and the mask: docs/methods/eagle3.md.
+train.keep_best. The derivation and the mask: docs/methods/eagle3.md. With eagle3.hidden_cache the states and the
+teacher's top-k come from a `draftforge harvest hidden` cache instead and the target never runs
+(train/eagle3_cache.py).
 
 Legend: B batch, T block, V target vocabulary, N draft vocabulary (S = what the head predicts: V or N),
 A aux width, P kept positions.
@@ -56,6 +58,11 @@ class Eagle3TaskConfig:
     draft_cost: float = doc(0.0, "one head step's time over one target token's (a `draftforge eval` report gives "
                                  "both); with verify_cost, turns tau_ttt_greedy into the logged predicted_speedup")
     verify_cost: float = doc(1.0, "one verification of steps + 1 rows over one target token, t(N)/t(1)")
+    hidden_cache: str | list[str] | None = doc(None, "a `draftforge harvest hidden` directory: the head trains on its "
+                                                     "stored states and top-k teacher, and the target is never loaded "
+                                                     "(only its config and embedding are read); needs data.format: "
+                                                     "tokens with the harvested rows file as the source (a list: one "
+                                                     "cache per rows file, in order): train/eagle3_cache.py")
 
     def weights(self) -> dict[str, float]:
         return {"kl": {"kl": self.kl_weight}, "tvd": {"tvd": self.tvd_weight},
@@ -87,6 +94,10 @@ def check_eagle3(recipe: Recipe) -> None:
     if Path(recipe.model.target).expanduser().is_dir() and cfg.aux_layers is not None:
         config = load_config(recipe.model.target, "model.target")
         check_aux_layers(cfg.aux_layers, config.num_hidden_layers)
+    if cfg.hidden_cache:  # ---- offline (eagle3.hidden_cache): its rules live with it
+        from draftforge.train.eagle3_cache import check_cached
+
+        check_cached(recipe, cfg)
 
 
 def next_labels(batch) -> torch.Tensor:
@@ -257,6 +268,10 @@ def build_eagle3_task(recipe: Recipe, accelerator, with_data: bool = True):
     from draftforge.train.spec import TaskSpec
 
     cfg = recipe.task_options or Eagle3TaskConfig()
+    if cfg.hidden_cache:  # ---- offline: states and teacher from a `draftforge harvest hidden` cache, no target
+        from draftforge.train.eagle3_cache import build_cached_eagle3_task
+
+        return build_cached_eagle3_task(recipe, accelerator, with_data)
     tokenizer = load_tokenizer(recipe)
     target = load_frozen_target(recipe)
     data = None
