@@ -116,9 +116,9 @@ def frozen_dtype(recipe: Recipe) -> torch.dtype:
 
 
 def stored_target(target_dir: str, config, dtype: torch.dtype, whole_layer: bool) -> SimpleNamespace:
-    """The parts of a Llama-family target the head reads, from its safetensors without building it: `config`,
-    get_input_embeddings() (frozen) and, with whole_layer, what init_from_target copies: model.layers[-1],
-    model.norm and get_output_embeddings() (lm_head, or the embedding it is tied to)."""
+    """The parts of a Llama-family target a head reads (train/eagle3.py make_head), from its safetensors without
+    building it: `config`, get_input_embeddings() (frozen) and, with whole_layer, what the heads' init_from_target
+    copies: model.layers[-1], model.norm and get_output_embeddings() (lm_head, or the embedding it is tied to)."""
     from safetensors import safe_open
 
     from draftforge.models.target_embed import read_target_embedding
@@ -168,16 +168,18 @@ def build_cached_eagle3_task(recipe: Recipe, accelerator, with_data: bool = True
     from draftforge.data.hidden_cache import HiddenCache
     from draftforge.data.logits_cache import cached_block_data, open_cache
     from draftforge.loading import load_config
-    from draftforge.models.eagle3 import Eagle3Config, Eagle3Head, init_from_target
+    from draftforge.models.eagle3 import check_aux_layers, default_aux_layers
     from draftforge.models.eagle3_export import save_head
     from draftforge.train.distill import cached_collate, check_cache_vocab
+    from draftforge.train.eagle3 import make_head
     from draftforge.train.lm import DRAFT_VOCAB_FILE, choose_draft_vocab
     from draftforge.train.parts import load_tokenizer
     from draftforge.train.spec import TaskSpec, tensor_collate
 
     cfg = recipe.task_options
     tokenizer, target_config = load_tokenizer(recipe), load_config(recipe.model.target, "model.target")
-    layers = Eagle3Config.from_target(target_config, cfg.aux_layers).aux_layers  # family and ids, checked first
+    depth = target_config.num_hidden_layers
+    layers = check_aux_layers(default_aux_layers(depth) if cfg.aux_layers is None else cfg.aux_layers, depth)
     cache = data = None
     if with_data:  # `draftforge export` rebuilds the head only: no cache needed
         cache = open_cache(cache_dirs(cfg), HiddenCache)
@@ -191,12 +193,7 @@ def build_cached_eagle3_task(recipe: Recipe, accelerator, with_data: bool = True
     dtype = frozen_dtype(recipe)
     target = stored_target(recipe.model.target, target_config, dtype, whole_layer=cfg.init == "target")
     d2t = choose_draft_vocab(recipe, target, data, tokenizer)
-    config = Eagle3Config.from_target(target_config, cfg.aux_layers, d2t)
-    torch.manual_seed(recipe.train.seed)  # as the online build: the same initial head
-    head = Eagle3Head(config)
-    if cfg.init == "target":
-        init_from_target(head, target, recipe.train.seed)
-    head.use_embedding(target.get_input_embeddings())
+    head, _ = make_head(cfg, target, d2t, recipe.train.seed)  # as the online build: the same initial head
     d2t_N = None if d2t is None else torch.tensor(d2t, dtype=torch.long)
     collate = tensor_collate
     if cache is not None:
@@ -204,6 +201,7 @@ def build_cached_eagle3_task(recipe: Recipe, accelerator, with_data: bool = True
         accelerator.print(f"[draftforge] eagle3: states and teacher = hidden-state cache {cache.name} (layers "
                           f"{cache.layers} in {cache.state_dtype}, top-{cache.k}, {cache.positions:,} positions; "
                           f"target {recipe.model.target}: {how}; only its embedding read, in {dtype}); "
+                          f"{cfg.body} head, {sum(p.numel() for p in head.parameters()):,} trainable parameters, "
                           f"{cfg.steps} steps, loss {cfg.loss}")
         if cache.state_dtype != str(dtype).removeprefix("torch."):
             accelerator.print(f"[draftforge] note: the cache holds {cache.state_dtype} states; an online run at this "
