@@ -10,8 +10,9 @@ task eagle3's online loss computes. The format: data/hidden_cache.py; training f
 Padding: every batch is right-padded to --max-len tokens, as training right-pads its blocks to
 train.block_size. Causal attention keeps padding out of every earlier position, but not out of the last bits:
 SDPA's kernels split the keys by the padded length, so the same row read at another padded length can differ by
-an ulp. With --max-len = train.block_size a row is read exactly as in a block of its own; --pad-to-longest reads
-each batch only as long as its longest row (faster on short rows, states equal to the last bits or so).
+an ulp, and in bfloat16 such flips travel through the layers (SmolLM2: a few % of a state's norm at worst). With
+--max-len = train.block_size a row is read exactly as in a block of its own; --pad-to-longest reads each batch
+only as long as its longest row (faster on short rows, the states then differ by that rounding).
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ class HiddenHarvestJob(LogitsHarvestJob):
                                             "low / middle / high choice for the target's depth, [2, L // 2, L - 3])",
                                             parse=layer_ids, metavar="I,J,K")
     pad_to_longest: bool = option(False, "pad each batch to its longest row, not to --max-len: faster on short "
-                                  "rows, but the states may then differ from the online run's in the last bits")
+                                  "rows, but the states then differ from the online run's by rounding (in bfloat16, "
+                                  "carried through the layers)")
     data: str = option(MISSING, "one file of token rows (format: tokens), the one eagle3 trains on", metavar="ROWS")
     max_len: int = option(2048, "keep the first N tokens of a row; every batch is padded to N as training pads its "
                           "blocks (give train.block_size)", check=positive_int)
