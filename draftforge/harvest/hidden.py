@@ -20,31 +20,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass
 
-from draftforge.data.logits_cache import HIDDEN_KIND
 from draftforge.harvest.logits import LogitsHarvestJob, States, harvest_logits, run_harvest
 from draftforge.options import option, positive_int
-
-STATE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
 
 def harvest_hidden(target, rows, out, *, layers=None, pad_to_longest=False, **settings) -> dict:
     """Write (or continue) a hidden-state cache in `out` (harvest_logits' settings, plus the layers); its manifest."""
     return harvest_logits(target, rows, out, states=States(None if layers is None else list(layers), pad_to_longest),
                           **settings)
-
-
-def add_states(manifest: dict, config, states: States, lengths: list[int], max_len: int, dtype: str) -> None:
-    """The manifest of a hidden-state cache: the kind, the layer ids (checked against the target's depth), the
-    stored width and dtype, the padding and the tokens whose states are kept."""
-    from draftforge.models.eagle3 import check_aux_layers, default_aux_layers
-
-    depth = config.num_hidden_layers
-    ids = check_aux_layers(default_aux_layers(depth) if states.layers is None else states.layers, depth, "--layers")
-    manifest["rows"]["tokens"] = sum(lengths)
-    manifest.update(kind=HIDDEN_KIND, layers=ids, num_layers=depth, hidden_size=config.hidden_size,
-                    state_width=len(ids) * config.hidden_size, state_bytes=STATE_BYTES[dtype],
-                    pad_to=None if states.pad_to_longest else max_len)
-    manifest["store"].update(states=dtype, token_ptr="int64")
 
 
 def layer_ids(text: str) -> tuple[int, ...]:

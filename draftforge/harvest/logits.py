@@ -48,6 +48,7 @@ SETTING_KEYS = ("top_k", "max_len", "batch_size", "shard_rows", "dtype", "vocab_
                 "tokenizer_fingerprint", "temperature", "layers", "pad_to")
 POSITION_CHUNK = 256  # positions whose fp32 logits are processed at once (bounds the extra memory)
 TOPK_NAMES = ("ids", "logp", "rest_logp", "top1")
+STATE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per stored state value, by the target's dtype
 
 
 @dataclass(frozen=True)
@@ -175,11 +176,23 @@ def _plan(target, rows_path, top_k, draft_vocab, max_len, batch_size, shard_rows
         "temperature": 1.0, "store": {"ids": "int32", "logp": "float32", "rest_logp": "float32", "top1": "int32"},
         "draft_vocab": _draft_record(draft_ids, source), "complete": False, "shards": []}
     if states is not None:
-        from draftforge.harvest.hidden import add_states
-
         add_states(manifest, config, states, lengths, max_len, choice.name)
     manifest["storage"] = storage_estimate(manifest)
     return Plan(rows, positions, draft_ids, manifest, device, choice, lengths=lengths)
+
+
+def add_states(manifest: dict, config, states: States, lengths: list[int], max_len: int, dtype: str) -> None:
+    """The manifest of a hidden-state cache: the kind, the layer ids (checked against the target's depth), the
+    stored width and dtype, the padding and the tokens whose states are kept."""
+    from draftforge.models.eagle3 import check_aux_layers, default_aux_layers
+
+    depth = config.num_hidden_layers
+    ids = check_aux_layers(default_aux_layers(depth) if states.layers is None else states.layers, depth, "--layers")
+    manifest["rows"]["tokens"] = sum(lengths)
+    manifest.update(kind=HIDDEN_KIND, layers=ids, num_layers=depth, hidden_size=config.hidden_size,
+                    state_width=len(ids) * config.hidden_size, state_bytes=STATE_BYTES[dtype],
+                    pad_to=None if states.pad_to_longest else max_len)
+    manifest["store"].update(states=dtype, token_ptr="int64")
 
 
 def storage_estimate(m: dict) -> dict:

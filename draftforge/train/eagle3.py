@@ -13,8 +13,8 @@ step k), and the chain's simulated acceptance: anchors whose every step is score
 and Π_{j<=k} α_j (T=1, an estimate: the chain is fed the data's tokens, not its own samples), giving `tau_ttt` and
 `tau_ttt_greedy` = 1 + Σ_k of those means; with eagle3.draft_cost / verify_cost, `predicted_speedup` for
 train.keep_best. The derivation and the mask: docs/methods/eagle3.md. With eagle3.hidden_cache the states and the
-teacher's top-k come from a `draftforge harvest hidden` cache instead and the target never runs
-(train/eagle3_cache.py).
+teacher's top-k come from a `draftforge harvest hidden` cache instead and the target never runs: the task's
+registered builder and check (train/eagle3_cache.py) send such a recipe there and any other here.
 
 Legend: B batch, T block, V target vocabulary, N draft vocabulary (S = what the head predicts: V or N),
 A aux width, P kept positions.
@@ -94,10 +94,6 @@ def check_eagle3(recipe: Recipe) -> None:
     if Path(recipe.model.target).expanduser().is_dir() and cfg.aux_layers is not None:
         config = load_config(recipe.model.target, "model.target")
         check_aux_layers(cfg.aux_layers, config.num_hidden_layers)
-    if cfg.hidden_cache:  # ---- offline (eagle3.hidden_cache): its rules live with it
-        from draftforge.train.eagle3_cache import check_cached
-
-        check_cached(recipe, cfg)
 
 
 def next_labels(batch) -> torch.Tensor:
@@ -268,10 +264,6 @@ def build_eagle3_task(recipe: Recipe, accelerator, with_data: bool = True):
     from draftforge.train.spec import TaskSpec
 
     cfg = recipe.task_options or Eagle3TaskConfig()
-    if cfg.hidden_cache:  # ---- offline: states and teacher from a `draftforge harvest hidden` cache, no target
-        from draftforge.train.eagle3_cache import build_cached_eagle3_task
-
-        return build_cached_eagle3_task(recipe, accelerator, with_data)
     tokenizer = load_tokenizer(recipe)
     target = load_frozen_target(recipe)
     data = None

@@ -1,5 +1,9 @@
 """Task eagle3 on a `draftforge harvest hidden` cache (recipe key eagle3.hidden_cache): the target never runs.
 
+The task's registered builder and check (`build_task`, `check_task`) are here: a recipe with eagle3.hidden_cache is
+built by `build_cached_eagle3_task`, any other by train/eagle3.py's online `build_eagle3_task` (this module builds
+on that one's step loop and head, so the dispatch sits here, above both).
+
 The blocks are the online run's (the same rows, held-out split and greedy packing: logits_cache.cached_block_data)
 with two more columns, each position's cache entry (the target's top-k there) and each token's stored states. The
 collate gathers them into `aux` [B, T, A] (in the stored dtype; zeros on padding, which no scored anchor attends
@@ -34,6 +38,25 @@ from draftforge.errors import CheckpointError
 from draftforge.recipe import Recipe, require
 from draftforge.train.divergences import TopK, topk_terms
 from draftforge.train.eagle3 import Eagle3TaskConfig, acceptance_report, derive, next_labels, scored_steps
+
+
+def build_task(recipe: Recipe, accelerator, with_data: bool = True):
+    """Task eagle3's builder: from the cache with eagle3.hidden_cache, else online (train/eagle3.py)."""
+    from draftforge.train.eagle3 import build_eagle3_task
+
+    cfg = recipe.task_options or Eagle3TaskConfig()
+    build = build_cached_eagle3_task if cfg.hidden_cache else build_eagle3_task
+    return build(recipe, accelerator, with_data)
+
+
+def check_task(recipe: Recipe) -> None:
+    """Task eagle3's recipe rules (train/eagle3.py check_eagle3), and a cached run's (check_cached)."""
+    from draftforge.train.eagle3 import check_eagle3
+
+    check_eagle3(recipe)
+    cfg = recipe.task_options or Eagle3TaskConfig()
+    if cfg.hidden_cache:
+        check_cached(recipe, cfg)
 
 
 def cache_dirs(cfg: Eagle3TaskConfig) -> list[str]:

@@ -18,7 +18,7 @@ from draftforge.cli import main as cli_main
 from draftforge.errors import CompatibilityError, DataError, RecipeError
 from draftforge.harvest.hidden import harvest_hidden
 from draftforge.recipe import recipe_from_dict
-from draftforge.train.eagle3 import build_eagle3_task
+from draftforge.train.eagle3_cache import build_task
 from draftforge.train.loop import read_metrics, train
 from tests.data.test_logits_cache import write_rows
 from tests.train.test_eesd import save_target
@@ -28,10 +28,13 @@ BLOCK = 64  # rows of 40-60 ids: one per block, so the online target reads each 
 
 @pytest.fixture(autouse=True)
 def fresh_accelerator_state():
-    """These runs train in fp32 (the oracle is float32 rounding); an earlier test's run in bf16 (train.precision
-    auto on a CPU with native bf16) would leave Accelerate's process-wide state refusing another precision."""
+    """These runs train in fp32 (the oracle is float32 rounding); a run in another precision before or after them
+    in the same process (train.precision auto on a CPU with native bf16) would find Accelerate's process-wide state
+    refusing it, so it is cleared on both sides."""
     from accelerate.state import AcceleratorState
 
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
@@ -73,7 +76,7 @@ def run(values):
     built = {}
 
     def build(r, acc, with_data=True):
-        built["spec"] = build_eagle3_task(r, acc, with_data)
+        built["spec"] = build_task(r, acc, with_data)
         return built["spec"]
 
     return train(recipe_from_dict(values), build), built["spec"]
@@ -145,7 +148,7 @@ def test_the_cached_loss_and_its_gradient_are_the_online_ones_to_float32_roundin
     if draft is not None:
         model = {"draft_vocab": draft, "draft_vocab_from": str(rows_file)}
         cache = harvest(target_dir, rows_file, tmp_path / "draft-cache", top_k=draft, draft_vocab=str(draft))
-    specs = [build_eagle3_task(recipe_from_dict(recipe(tmp_path, "r", target_dir, rows_file, c, model=model,
+    specs = [build_task(recipe_from_dict(recipe(tmp_path, "r", target_dir, rows_file, c, model=model,
                                                        loss=loss, body=body)), _Quiet()) for c in (None, cache)]
     online, cached = specs
     head = online.model
