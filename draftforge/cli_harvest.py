@@ -1,10 +1,12 @@
-"""`draftforge harvest trees|theta|logits`: training data harvested from a target (+ drafter).
+"""`draftforge harvest trees|theta|logits|hidden`: training data harvested from a target (+ drafter).
 
   draftforge harvest trees --target T --drafter D --bench PROMPTS --out DIR [--resume]   # C2T: EAGLE-2 trees
   draftforge harvest theta --target T --drafter D --data ROWS --out DIR [--resume]      # Cali-TS: χ labels
   draftforge harvest logits --target T --data ROWS --out DIR [--resume]                 # distill: top-k teacher
+  draftforge harvest hidden --target T --data ROWS --out DIR [--resume]                 # eagle3: states + top-k
 
-Each job's flags are the settings its dataclass declares (draftforge/harvest/: c2t.py, cali_ts.py, logits.py).
+Each job's flags are the settings its dataclass declares (draftforge/harvest/: c2t.py, cali_ts.py, logits.py,
+hidden.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ JOBS = {
     "logits": ("draftforge.harvest.logits", "LogitsHarvestJob",
                "a target's top-k log-probabilities over token rows, so distill needs no teacher forward "
                "(distill.logits_cache)"),
+    "hidden": ("draftforge.harvest.hidden", "HiddenHarvestJob",
+               "a target's states at chosen layers (+ its top-k) over token rows, so eagle3 trains without the "
+               "target (eagle3.hidden_cache)"),
 }
 
 

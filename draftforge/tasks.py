@@ -106,8 +106,8 @@ BUILT_IN = (
     ("eesd", "draftforge.train.eesd:build_eesd_task", "draftforge.train.eesd:EesdConfig",
      "draftforge.train.eesd:check_eesd",
      "an early-exit drafter: exit layer + norm + head on the target's frozen first N layers (EESD)"),
-    ("eagle3", "draftforge.train.eagle3:build_eagle3_task", "draftforge.train.eagle3:Eagle3TaskConfig",
-     "draftforge.train.eagle3:check_eagle3",
+    ("eagle3", "draftforge.train.eagle3_cache:build_task", "draftforge.train.eagle3:Eagle3TaskConfig",
+     "draftforge.train.eagle3_cache:check_task",
      "an EAGLE-3 head on a frozen target's low/middle/high states, training-time test over K steps (EAGLE-3)"),
 )
 for _name, _builder, _config, _check, _doc in BUILT_IN:

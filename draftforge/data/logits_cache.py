@@ -1,7 +1,8 @@
 """A target's top-k next-token distributions over token rows, stored once (`draftforge harvest logits`).
 
-Length (~450 lines): one on-disk format, its writer's shards and its reader's checks (target, tokenizer, rows,
-vocabulary) kept together so they cannot drift apart.
+Length (~490 lines): one on-disk format, its writer's shards and its reader's checks (target, tokenizer, rows,
+vocabulary) kept together so they cannot drift apart. A hidden-state cache (data/hidden_cache.py, `draftforge
+harvest hidden`) is this format with the target's states added per token; its reader extends LogitsCache.
 
 With a cache, `distill` trains without a teacher forward (distill.logits_cache; the loss forms and their
 truncation bounds: train/divergences.py). A cache directory holds:
@@ -42,8 +43,10 @@ KIND = "logits-cache"
 FORMAT_VERSION = 1
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 TENSORS = {"ids": "<i4", "logp": "<f4", "rest_logp": "<f4", "top1": "<i4"}  # per entry, gathered per batch
-_NUMPY = {"I32": "<i4", "I64": "<i8", "F32": "<f4"}
-RESUME_FIX = "rerun `draftforge harvest logits` with the same arguments and --resume to harvest it again"
+_NUMPY = {"I32": "<i4", "I64": "<i8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}  # bf16: its bits, as uint16
+HIDDEN_KIND = "hidden-cache"  # `draftforge harvest hidden`: this format plus states (data/hidden_cache.py)
+KINDS = {KIND: ("a logits cache", "draftforge harvest logits"),
+         HIDDEN_KIND: ("a hidden-state cache", "draftforge harvest hidden")}
 
 
 def shard_name(index: int) -> str:
@@ -189,26 +192,29 @@ def _memmaps(path: Path) -> dict[str, np.ndarray]:
 
 # ---------------------------------------------------------------- reading a cache
 
-def read_manifest(cache_dir: Path) -> dict:
+def resume_fix(kind: str = KIND) -> str:
+    return f"rerun `{KINDS[kind][1]}` with the same arguments and --resume to harvest it again"
+
+
+def read_manifest(cache_dir: Path, kind: str = KIND) -> dict:
+    """The manifest of a cache of `kind` (KINDS); DataError for none, an unreadable one or another kind."""
     path = Path(cache_dir) / MANIFEST
+    what, command = KINDS[kind]
     if not path.is_file():
-        raise DataError(f"{cache_dir} is not a logits cache (no {MANIFEST}); make one with `draftforge harvest logits`")
+        raise DataError(f"{cache_dir} is not {what} (no {MANIFEST}); make one with `{command}`")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: not readable JSON ({e}); harvest again into a new --out") from None
-    kind = manifest.get("kind") if isinstance(manifest, dict) else None
-    if kind != KIND:
-        raise DataError(f"{path} is not a logits cache manifest (kind {kind!r}); give a `draftforge harvest logits` "
+    found = manifest.get("kind") if isinstance(manifest, dict) else None
+    if found != kind:
+        made_by = f" (made by `{KINDS[found][1]}`)" if found in KINDS else ""
+        raise DataError(f"{path} is not {what} manifest: its kind is {found!r}{made_by}; give a `{command}` "
                         "directory")
     if manifest.get("format_version", 0) > FORMAT_VERSION:
         raise DataError(f"{path} has format_version {manifest['format_version']}, newer than this draftforge reads "
                         f"({FORMAT_VERSION}); upgrade draftforge")
     return manifest
-
-
-# what every cache of a chain must share (the target, its tokenizer, the stored distribution's shape)
-CHAIN_KEYS = ("target_fingerprint", "tokenizer_fingerprint", "top_k", "max_len", "vocab_size", "draft_vocab")
 
 
 def _chained(manifest: dict, key: str):
@@ -223,24 +229,33 @@ class LogitsCache:
 
     Several cache directories, one per rows file of data.sources, read as one cache over those files' rows in
     order (rows added later get a cache of their own instead of a harvest of everything again); they must share
-    the target, the tokenizer, k, max_len and the draft vocabulary."""
+    the target, the tokenizer, k, max_len and the draft vocabulary.
+
+    A kind of cache that stores more per row (data/hidden_cache.py) names itself in KIND / WHAT / RECIPE_KEY, adds
+    its columns to COLUMNS and checks its own tensors in `_check_layout` and its rows in `check_rows`."""
+
+    KIND, WHAT, RECIPE_KEY = KIND, "logits cache", "distill.logits_cache"
+    COLUMNS = ("cache",)  # the per-token columns `block_columns` gives a block (packed as the labels are)
+    # what every cache of a chain must share (the target, its tokenizer, the stored distribution's shape)
+    CHAIN_KEYS = ("target_fingerprint", "tokenizer_fingerprint", "top_k", "max_len", "vocab_size", "draft_vocab")
 
     def __init__(self, cache_dirs):
         dirs = [Path(d) for d in (cache_dirs if isinstance(cache_dirs, (list, tuple)) else [cache_dirs])]
         if not dirs:
-            raise DataError("no logits cache given")
-        self.dirs, self.manifests = dirs, [read_manifest(d) for d in dirs]
+            raise DataError(f"no {self.WHAT} given")
+        self.fix = resume_fix(self.KIND)
+        self.dirs, self.manifests = dirs, [read_manifest(d, self.KIND) for d in dirs]
         self.dir, self.manifest = dirs[0], self.manifests[0]
         self.name = " + ".join(str(d) for d in dirs)
         self.maps, row_starts, offset = [], [], 0
         for cache_dir, m in zip(dirs, self.manifests):
             if not m.get("complete"):
-                raise DataError(f"the logits cache in {cache_dir} is incomplete ({len(m.get('shards', []))} of "
-                                f"{m.get('num_shards', '?')} shards): {RESUME_FIX}")
+                raise DataError(f"the {self.WHAT} in {cache_dir} is incomplete ({len(m.get('shards', []))} of "
+                                f"{m.get('num_shards', '?')} shards): {self.fix}")
             for entry in m["shards"]:  # sizes and hashes: a damaged shard is named before training starts
                 problem = shard_problem(cache_dir, entry)
                 if problem:
-                    raise DataError(f"logits cache shard {problem}; {RESUME_FIX}")
+                    raise DataError(f"{self.WHAT} shard {problem}; {self.fix}")
             maps = [_memmaps(cache_dir / e["file"]) for e in m["shards"]]
             self._check_layout(cache_dir, m, maps)
             self.maps += maps
@@ -255,16 +270,15 @@ class LogitsCache:
         sizes = [len(mm["position"]) for mm in self.maps]
         self.entry_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
-    @staticmethod
-    def _check_layout(cache_dir: Path, m: dict, maps: list[dict]) -> None:
+    def _check_layout(self, cache_dir: Path, m: dict, maps: list[dict]) -> None:
         k = m["top_k"]
         for entry, mm in zip(m["shards"], maps):
             a, b = entry["rows"]
             ok = len(mm["row_ptr"]) == b - a + 1 and int(mm["row_ptr"][-1]) == len(mm["position"])
             ok = ok and mm["ids"].shape == (len(mm["position"]), k)
             if not ok:
-                raise DataError(f"logits cache shard {cache_dir / entry['file']} does not hold rows {a}..{b} with "
-                                f"top-{k} entries as its manifest says; {RESUME_FIX}")
+                raise DataError(f"{self.WHAT} shard {cache_dir / entry['file']} does not hold rows {a}..{b} with "
+                                f"top-{k} entries as its manifest says; {self.fix}")
         starts = [e["rows"][0] for e in m["shards"]] + [m["rows"]["count"]]
         if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
             raise DataError(f"the shards of {cache_dir} do not cover rows 0..{m['rows']['count']} in order; "
@@ -273,9 +287,9 @@ class LogitsCache:
     def _check_chain(self) -> None:
         first = self.manifest
         for cache_dir, m in zip(self.dirs[1:], self.manifests[1:]):
-            differ = [key for key in CHAIN_KEYS if _chained(m, key) != _chained(first, key)]
+            differ = [key for key in self.CHAIN_KEYS if _chained(m, key) != _chained(first, key)]
             if differ:
-                raise CompatibilityError(f"logits caches {self.dirs[0]} and {cache_dir} differ in {', '.join(differ)}; "
+                raise CompatibilityError(f"{self.WHAT}s {self.dirs[0]} and {cache_dir} differ in {', '.join(differ)}; "
                                          "the caches of one run must come from one target and tokenizer, with one "
                                          "--top-k, --max-len and --draft-vocab: harvest the odd one again with the "
                                          "first one's settings")
@@ -286,24 +300,46 @@ class LogitsCache:
             return None
         return json.loads((self.dir / DRAFT_VOCAB_FILE).read_text())
 
-    def row_positions(self, row: int) -> tuple[np.ndarray, int]:
-        """(positions t of `row`, global index of its first entry)."""
+    def row_span(self, row: int, ptr: str = "row_ptr") -> tuple[int, int, int]:
+        """(shard, first, end): `row`'s items in its shard under the per-row pointer `ptr` (row_ptr: entries)."""
         s = int(np.searchsorted(self.row_starts, row, side="right") - 1)
         local = row - int(self.row_starts[s])
-        ptr = self.maps[s]["row_ptr"]
-        a, b = int(ptr[local]), int(ptr[local + 1])
+        at = self.maps[s][ptr]
+        return s, int(at[local]), int(at[local + 1])
+
+    def row_positions(self, row: int) -> tuple[np.ndarray, int]:
+        """(positions t of `row`, global index of its first entry)."""
+        s, a, b = self.row_span(row)
         return np.asarray(self.maps[s]["position"][a:b]), int(self.entry_starts[s]) + a
+
+    def block_columns(self, row: int, n_tokens: int) -> dict[str, list[int]]:
+        """The COLUMNS of `row`'s first n_tokens tokens in a block: `cache`, the global entry of each position whose
+        next token is inside the block (-100: none)."""
+        positions, start = self.row_positions(row)
+        entry = [-100] * n_tokens
+        for j, t in enumerate(positions.tolist()):
+            if t + 1 < n_tokens:
+                entry[t] = start + j
+        return {"cache": entry}
+
+    def check_rows(self, rows: list[dict], block_size: int) -> None:
+        """The rows files' rows are the cache's (DataError naming the first that is not)."""
+        check_rows_match(self, rows, block_size)
 
     def gather(self, index_E: np.ndarray) -> dict[str, np.ndarray]:
         """The TENSORS entries at global indices index_E (any order)."""
+        return self.take(index_E, self.entry_starts, TENSORS)
+
+    def take(self, index_E: np.ndarray, starts: np.ndarray, names) -> dict[str, np.ndarray]:
+        """Items index_E (global, any order) of the shard tensors `names`, whose shard s begins at item starts[s]."""
         index_E = np.asarray(index_E, dtype=np.int64)
-        shard_E = np.searchsorted(self.entry_starts, index_E, side="right") - 1
-        out = {name: np.empty((len(index_E), self.k) if name in ("ids", "logp") else (len(index_E),), dtype=dt)
-               for name, dt in TENSORS.items()}
+        shard_E = np.searchsorted(starts, index_E, side="right") - 1
+        first = self.maps[0]
+        out = {name: np.empty((len(index_E), *first[name].shape[1:]), dtype=first[name].dtype) for name in names}
         for s in np.unique(shard_E):
             sel_E = shard_E == s
-            local_E = index_E[sel_E] - self.entry_starts[s]
-            for name in TENSORS:
+            local_E = index_E[sel_E] - starts[s]
+            for name in names:
                 out[name][sel_E] = self.maps[s][name][local_E]
         return out
 
@@ -315,10 +351,10 @@ class LogitsCache:
 
         ours, theirs = tokenizer_identity(tokenizer), self.manifest.get("tokenizer_fingerprint")
         if not theirs or not ours["tokenizer_fingerprint"]:
-            notice([str(self.dir)], "the logits cache or this run has no tokenizer fingerprint: not checked")
+            notice([str(self.dir)], f"the {self.WHAT} or this run has no tokenizer fingerprint: not checked")
             return
         if theirs != ours["tokenizer_fingerprint"]:
-            raise CompatibilityError(f"logits cache {self.dir} was harvested with {describe(self.manifest)}, but this "
+            raise CompatibilityError(f"{self.WHAT} {self.dir} was harvested with {describe(self.manifest)}, but this "
                                      f"run uses {describe(ours)}; harvest again with this run's target, or point "
                                      f"model.target / model.tokenizer at {self.manifest.get('target')}")
 
@@ -331,9 +367,9 @@ class LogitsCache:
         from draftforge.models.cali_ts import model_fingerprint
 
         theirs = self.manifest.get("target_fingerprint")
-        ours = model_fingerprint(load_causal_lm(target, what="target (to compare with the logits cache)"))
+        ours = model_fingerprint(load_causal_lm(target, what=f"target (to compare with the {self.WHAT})"))
         if ours != theirs:
-            raise CompatibilityError(f"logits cache {self.dir} was harvested from target {self.manifest.get('target')} "
+            raise CompatibilityError(f"{self.WHAT} {self.dir} was harvested from target {self.manifest.get('target')} "
                                      f"(weights fingerprint {str(theirs)[:12]}), not from model.target {target} "
                                      f"(weights fingerprint {ours[:12]}); harvest again with --target {target}, or "
                                      f"train against {self.manifest.get('target')}")
@@ -342,33 +378,34 @@ class LogitsCache:
     def check_rows_files(self, paths) -> None:
         """DataError unless each of `paths` holds the bytes its cache was harvested from (size + mtime, else sha256)."""
         if len(paths) != len(self.dirs):
-            raise DataError(f"{len(paths)} rows files in data.sources but {len(self.dirs)} logits caches in "
-                            "distill.logits_cache: give one cache per rows file, in the same order")
+            raise DataError(f"{len(paths)} rows files in data.sources but {len(self.dirs)} {self.WHAT}s in "
+                            f"{self.RECIPE_KEY}: give one cache per rows file, in the same order")
         for cache_dir, m, path in zip(self.dirs, self.manifests, paths):
             want, path = m["rows"], Path(path).expanduser().resolve()
             if not path.is_file():
-                raise DataError(f"data source {path} does not exist; it should be the rows file logits cache "
+                raise DataError(f"data source {path} does not exist; it should be the rows file {self.WHAT} "
                                 f"{cache_dir} was harvested from ({want['path']}, {want['count']:,} rows)")
             st = path.stat()
             if st.st_size == want["bytes"] and st.st_mtime_ns == want["mtime_ns"] and str(path) == want["path"]:
                 continue
             if st.st_size != want["bytes"] or sha256_file(path) != want["sha256"]:
-                raise DataError(f"data source {path} is not the rows file logits cache {cache_dir} was harvested "
+                raise DataError(f"data source {path} is not the rows file {self.WHAT} {cache_dir} was harvested "
                                 f"from ({want['path']}, {want['bytes']:,} bytes, sha256 {want['sha256'][:12]}; this "
                                 f"one has {st.st_size:,} bytes): train on those rows, or harvest again on these")
 
 
-def open_cache(paths) -> LogitsCache:
-    """One cache directory, or a list of them (one per rows file) read as one."""
+def open_cache(paths, kind: type = LogitsCache):
+    """One cache directory, or a list of them (one per rows file) read as one `kind` of cache."""
     paths = paths if isinstance(paths, (list, tuple)) else [paths]
-    return LogitsCache([Path(os.path.expanduser(str(p))) for p in paths])
+    return kind([Path(os.path.expanduser(str(p))) for p in paths])
 
 
 # ---------------------------------------------------------------- blocks for distill
 
 def cached_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: int, cache: LogitsCache):
     """Like pipeline.build_block_data for format=tokens (same usable rows, same seeded split, cut to the block,
-    packed greedily), plus a `cache` column: the global cache entry of each position (-100: none)."""
+    packed greedily), plus the cache's COLUMNS: for a logits cache `cache`, the global entry of each position
+    (-100: none)."""
     import datasets
 
     from draftforge.data.pipeline import BlockData, _special_ids, split_documents
@@ -376,7 +413,7 @@ def cached_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: in
     cache.check_rows_files(cfg.sources)
     rows = [row for source in cfg.sources for row in read_token_rows(source, tokenizer)]
     check_ids_below(rows, vocab_size)
-    check_rows_match(cache, rows, block_size)
+    cache.check_rows(rows, block_size)
     usable = [i for i, row in enumerate(rows) if not row["bad"]]
     if not usable:
         raise DataError(f"no usable rows in {', '.join(cfg.sources)}: give each row at least one token with loss")
@@ -402,48 +439,46 @@ def cached_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: in
 def check_rows_match(cache: LogitsCache, rows: list[dict], block_size: int) -> None:
     """The same rows, the same loss positions, and a cache long enough for the block (else DataError)."""
     if len(rows) != cache.num_rows:
-        raise DataError(f"the rows files have {len(rows):,} rows but logits cache {cache.name} holds "
+        raise DataError(f"the rows files have {len(rows):,} rows but {cache.WHAT} {cache.name} holds "
                         f"{cache.num_rows:,}; train on the rows it was harvested from")
     for i, row in enumerate(rows):
         have, _ = cache.row_positions(i)
         want = loss_positions(row["labels"], cache.max_len)
         if len(have) != len(want) or not np.array_equal(have, want):
-            raise DataError(f"{row['where']}: its loss positions are not those logits cache {cache.name} holds for "
+            raise DataError(f"{row['where']}: its loss positions are not those {cache.WHAT} {cache.name} holds for "
                             f"row {i} ({len(want)} vs {len(have)}); the rows changed since the harvest: harvest again")
         if block_size > cache.max_len and len(loss_positions(row["labels"], block_size)) > len(want):
-            raise DataError(f"logits cache {cache.name} was harvested with --max-len {cache.max_len}, but "
+            raise DataError(f"{cache.WHAT} {cache.name} was harvested with --max-len {cache.max_len}, but "
                             f"train.block_size is {block_size} and {row['where']} has loss positions past "
                             f"{cache.max_len - 1}; harvest with --max-len {block_size} or lower train.block_size")
 
 
 def _cached_blocks(rows: list[dict], idx: list[int], cache: LogitsCache, block_size: int, pad_id: int):
-    """Rows `idx` cut to the block and packed greedily, with their cache entries; (Dataset, stats)."""
+    """Rows `idx` cut to the block and packed greedily, with the cache's columns; (Dataset, stats)."""
     import datasets
     import pyarrow as pa
 
     from draftforge.data.packing import pack_greedy
 
-    ids, labels, entries = [], [], []
+    ids, labels, extra = [], [], {name: [] for name in cache.COLUMNS}
     for i in idx:
         row_ids = rows[i]["input_ids"][:block_size]
-        positions, start = cache.row_positions(i)
-        entry = [-100] * len(row_ids)
-        for j, t in enumerate(positions.tolist()):
-            if t + 1 < len(row_ids):
-                entry[t] = start + j
-        if max(entry) < 0:  # every loss token lies past the block
+        columns = cache.block_columns(i, len(row_ids))
+        if max(columns["cache"]) < 0:  # every loss token lies past the block
             continue
         ids.append(row_ids)
         labels.append(rows[i]["labels"][:block_size])
-        entries.append(entry)
+        for name, values in columns.items():
+            extra[name].append(values)
     ids_BS, labels_BS = pack_greedy(ids, labels, block_size, pad_id)
-    _, entries_BS = pack_greedy(ids, entries, block_size, pad_id)
+    packed = {name: pack_greedy(ids, values, block_size, pad_id)[1] for name, values in extra.items()}  # pad: -100
+    entries_BS = packed["cache"]
 
     def column(a_BS, dtype):
         return pa.FixedSizeListArray.from_arrays(pa.array(a_BS.reshape(-1).astype(dtype)), block_size)
 
     table = pa.table({"input_ids": column(ids_BS, np.int32), "labels": column(labels_BS, np.int32),
-                      "cache": column(entries_BS, np.int64)})
+                      **{name: column(a_BS, np.int64) for name, a_BS in packed.items()}})
     n_tokens = int(sum(len(x) for x in ids))
     n_slots = ids_BS.size
     stats = {"documents": len(ids), "tokens": n_tokens, "loss_tokens": int((entries_BS >= 0).sum()),

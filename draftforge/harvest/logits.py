@@ -1,7 +1,9 @@
 """`draftforge harvest logits`: a target's top-k next-token distributions over token rows, for `distill`.
 
-Length (~430 lines): one job whose steps (plan, shard, resume, merge across processes) read the same manifest; its
-format lives in data/logits_cache.py.
+Length (~520 lines): one job whose steps (plan, shard, resume, merge across processes) read the same manifest; its
+format lives in data/logits_cache.py. `draftforge harvest hidden` (harvest/hidden.py) is this job with `States`:
+every row's states at chosen layers are stored beside the same entries. Before it starts, process 0 prints the
+bytes the shards will take (`storage_estimate`), and a disk without that room is refused before any write.
 
 The target reads each row once (teacher-forced, rows right-padded into batches of --batch-size, so padding
 never reaches a position that is kept); for every position a loss uses, the K largest log-probabilities
@@ -30,9 +32,10 @@ from pathlib import Path
 
 import torch
 
-from draftforge.data.logits_cache import (DRAFT_VOCAB_FILE, FORMAT_VERSION, KIND, MANIFEST, check_ids_below,
-                                          loss_positions, read_manifest, read_token_rows, rows_identity,
-                                          shard_name, shard_problem, stored_weights_fingerprint, write_shard)
+from draftforge.data.logits_cache import (DRAFT_VOCAB_FILE, FORMAT_VERSION, HIDDEN_KIND, KIND, KINDS, MANIFEST,
+                                          check_ids_below, loss_positions, read_manifest, read_token_rows,
+                                          rows_identity, shard_name, shard_problem, stored_weights_fingerprint,
+                                          write_shard)
 from draftforge.errors import CompatibilityError, DataError, RecipeError
 from draftforge.fsutil import atomic_write_text
 from draftforge.harvest.job import HarvestJob
@@ -42,8 +45,21 @@ from draftforge.runtime import announce, resolve_dtype
 ROWS_FIX = "regenerate the rows with this target, or pass --target {theirs}"
 # what a resume must share with the harvest it continues (the target's weights are compared once loaded)
 SETTING_KEYS = ("top_k", "max_len", "batch_size", "shard_rows", "dtype", "vocab_size", "draft_vocab",
-                "tokenizer_fingerprint", "temperature")
+                "tokenizer_fingerprint", "temperature", "layers", "pad_to")
 POSITION_CHUNK = 256  # positions whose fp32 logits are processed at once (bounds the extra memory)
+TOPK_NAMES = ("ids", "logp", "rest_logp", "top1")
+STATE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per stored state value, by the target's dtype
+
+
+@dataclass(frozen=True)
+class States:
+    """What `draftforge harvest hidden` adds (harvest/hidden.py): the states entering target layers `layers` (None:
+    EAGLE-3's choice for the target's depth) at every position of each row's first max_len tokens, in the dtype the
+    target ran in, each batch right-padded to max_len (as training pads its blocks) or, with pad_to_longest, to
+    its longest row."""
+
+    layers: list[int] | None = None
+    pad_to_longest: bool = False
 
 
 @dataclass
@@ -57,13 +73,20 @@ class Plan:
     device: str
     choice: object = None
     stop_after: int | None = None
+    lengths: list[int] | None = None  # tokens of each row whose states are kept (with States)
+
+    @property
+    def say(self):
+        name = KINDS[self.manifest["kind"]][1].removeprefix("draftforge ")
+        return lambda line: print(f"[draftforge] {name}: {line}", file=sys.stderr, flush=True)
 
 
 def harvest_logits(target, rows, out, *, top_k=32, draft_vocab=None, max_len=2048, batch_size=8, shard_rows=256,
                    device="cpu", dtype="auto", resume=False, overwrite=False, progress=True,
-                   stop_after=None) -> dict:
-    """Write (or continue) a logits cache in `out`; returns its manifest. stop_after=n stops after this process
-    wrote n shards, as a kill would (tests)."""
+                   stop_after=None, states: States | None = None) -> dict:
+    """Write (or continue) a logits cache in `out`; returns its manifest. With `states`, a hidden-state cache:
+    the same entries plus the target's states (harvest/hidden.py). stop_after=n stops after this process wrote n
+    shards, as a kill would (tests)."""
     for name, value in (("top_k", top_k), ("max_len", max_len), ("batch_size", batch_size),
                         ("shard_rows", shard_rows)):
         if not isinstance(value, int) or value < (2 if name == "max_len" else 1):
@@ -73,8 +96,10 @@ def harvest_logits(target, rows, out, *, top_k=32, draft_vocab=None, max_len=204
         raise RecipeError("--resume continues a harvest and --overwrite replaces it: pass one of them")
     rank, world, local_rank = _process_group()
     out = Path(out)
-    plan = _plan(target, rows, top_k, draft_vocab, max_len, batch_size, shard_rows, device, dtype, local_rank, world)
+    plan = _plan(target, rows, top_k, draft_vocab, max_len, batch_size, shard_rows, device, dtype, local_rank, world,
+                 states)
     old = _existing(out, plan.manifest, resume, overwrite)  # read only: every process runs the same checks
+    _check_room(out, plan, old, rank == 0)
     if rank == 0:
         announce(plan.choice, "target")
     model = _load_target(target, plan)
@@ -83,7 +108,7 @@ def harvest_logits(target, rows, out, *, top_k=32, draft_vocab=None, max_len=204
     if rank == 0:
         _start(out, plan, overwrite)
     _barrier(world)
-    done = {} if overwrite else _records(out)
+    done = {} if overwrite else _records(out, plan.manifest["kind"])
     plan.stop_after = stop_after
     _harvest_shards(model, plan, out, [i for i in range(plan.manifest["num_shards"]) if i % world == rank], done,
                     progress and rank == 0)
@@ -91,7 +116,7 @@ def harvest_logits(target, rows, out, *, top_k=32, draft_vocab=None, max_len=204
     if rank == 0:
         _merge(out, plan.manifest)
     _barrier(world)
-    return read_manifest(out)
+    return read_manifest(out, plan.manifest["kind"])
 
 
 def _process_group() -> tuple[int, int, int]:
@@ -114,7 +139,7 @@ def _barrier(world: int) -> None:
 
 
 def _plan(target, rows_path, top_k, draft_vocab, max_len, batch_size, shard_rows, device, dtype, local_rank,
-          world) -> Plan:
+          world, states: States | None = None) -> Plan:
     """Read and check the rows, the draft vocabulary and the settings; nothing is written or loaded yet."""
     from draftforge.data.provenance import tokenizer_identity
     from draftforge.loading import load_config
@@ -131,7 +156,10 @@ def _plan(target, rows_path, top_k, draft_vocab, max_len, batch_size, shard_rows
         raise CompatibilityError(f"--top-k {top_k} exceeds {what}; use --top-k {scope} or less (--top-k {scope} "
                                  "stores that distribution whole, with no tail)")
     positions = [loss_positions(row["labels"], max_len) for row in rows]
-    longest = max((p[-1] + 1 for p in positions if p), default=0)
+    lengths = None if states is None else [min(len(row["input_ids"]), max_len) for row in rows]
+    longest = max(lengths) if lengths else max((p[-1] + 1 for p in positions if p), default=0)
+    if states is not None and not states.pad_to_longest:
+        longest = max_len  # every batch is read max_len tokens long
     context = getattr(config, "max_position_embeddings", None)
     if context is not None and longest > context:
         raise RecipeError(f"rows of {rows_path} reach {longest} tokens, beyond the target's context of {context} "
@@ -147,7 +175,64 @@ def _plan(target, rows_path, top_k, draft_vocab, max_len, batch_size, shard_rows
         "num_shards": -(-len(rows) // shard_rows), "dtype": choice.name, "dtype_reason": choice.reason,
         "temperature": 1.0, "store": {"ids": "int32", "logp": "float32", "rest_logp": "float32", "top1": "int32"},
         "draft_vocab": _draft_record(draft_ids, source), "complete": False, "shards": []}
-    return Plan(rows, positions, draft_ids, manifest, device, choice)
+    if states is not None:
+        add_states(manifest, config, states, lengths, max_len, choice.name)
+    manifest["storage"] = storage_estimate(manifest)
+    return Plan(rows, positions, draft_ids, manifest, device, choice, lengths=lengths)
+
+
+def add_states(manifest: dict, config, states: States, lengths: list[int], max_len: int, dtype: str) -> None:
+    """The manifest of a hidden-state cache: the kind, the layer ids (checked against the target's depth), the
+    stored width and dtype, the padding and the tokens whose states are kept."""
+    from draftforge.models.eagle3 import check_aux_layers, default_aux_layers
+
+    depth = config.num_hidden_layers
+    ids = check_aux_layers(default_aux_layers(depth) if states.layers is None else states.layers, depth, "--layers")
+    manifest["rows"]["tokens"] = sum(lengths)
+    manifest.update(kind=HIDDEN_KIND, layers=ids, num_layers=depth, hidden_size=config.hidden_size,
+                    state_width=len(ids) * config.hidden_size, state_bytes=STATE_BYTES[dtype],
+                    pad_to=None if states.pad_to_longest else max_len)
+    manifest["store"].update(states=dtype, token_ptr="int64")
+
+
+def storage_estimate(m: dict) -> dict:
+    """Bytes the shards will hold, from the manifest's counts: per kept position K int32 ids, K float32 log-probs,
+    the rest's log-mass, the argmax and the position (8K + 12 B); per row a pointer (8 B); with states, per row one
+    more pointer and per token the A stored values of the states (A · 2 B in bfloat16)."""
+    rows = m["rows"]
+    per_position, per_token = 8 * m["top_k"] + 12, m.get("state_width", 0) * m.get("state_bytes", 0)
+    total = (rows["positions"] * per_position + rows.get("tokens", 0) * per_token
+             + (rows["count"] + m["num_shards"]) * (16 if per_token else 8) + m["num_shards"] * 1024)  # headers
+    return {"bytes": total, "per_position": per_position, "per_token": per_token}
+
+
+def _check_room(out: Path, plan: Plan, old: dict | None, say: bool) -> None:
+    """Say what the shards will take (rank 0), and refuse before any write when the disk holding `out` lacks it."""
+    import shutil
+
+    need = plan.manifest["storage"]["bytes"]
+    kept = sum(p.stat().st_size for p in out.glob("shard-*.safetensors")) if old is not None else 0
+    where = next(p for p in (out, *out.parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    s, m = plan.manifest["storage"], plan.manifest
+    if say:
+        parts = [f"{m['rows']['positions']:,} positions x {s['per_position']} B"]
+        if s["per_token"]:
+            parts.append(f"{m['rows']['tokens']:,} tokens x {s['per_token']:,} B ({m['state_width']:,} "
+                         f"{m['store']['states']} values)")
+        plan.say(f"will write about {_size(need)} ({' + '.join(parts)}; {_size(max(need - kept, 0))} still to "
+                 f"write, {_size(free)} free at {where})")
+    if need - kept > free:
+        raise DataError(f"--out {out}: the harvest needs about {_size(need - kept)} more, but {where} has "
+                        f"{_size(free)} free; free space, choose another --out, or harvest fewer rows")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n):,} B"
+        n /= 1024
+    return ""
 
 
 def _target_tokenizer(target):
@@ -210,12 +295,12 @@ def _existing(out: Path, manifest: dict, resume: bool, overwrite: bool) -> dict 
         if resume:
             print(f"[draftforge] --resume: {out} holds no harvest yet; starting one", file=sys.stderr, flush=True)
         return None
-    old = read_manifest(out)
+    old = read_manifest(out, manifest["kind"])
     if overwrite:
         return None
     if not resume:
-        raise DataError(f"{out} already holds a logits harvest; pass --resume to continue it, --overwrite to replace "
-                        "it, or choose another --out")
+        raise DataError(f"{out} already holds {KINDS[manifest['kind']][0]}; pass --resume to continue it, "
+                        "--overwrite to replace it, or choose another --out")
     changed = [k for k in SETTING_KEYS if old.get(k) != manifest.get(k)]
     if old["rows"].get("sha256") != manifest["rows"]["sha256"]:
         changed.append("rows file (sha256)")
@@ -250,7 +335,7 @@ def _start(out: Path, plan: Plan, overwrite: bool) -> None:
             path.unlink(missing_ok=True)
     if plan.draft_ids is not None:
         atomic_write_text(out / DRAFT_VOCAB_FILE, json.dumps(plan.draft_ids) + "\n")
-    old = read_manifest(out) if (out / MANIFEST).is_file() and not overwrite else {}
+    old = read_manifest(out, plan.manifest["kind"]) if (out / MANIFEST).is_file() and not overwrite else {}
     atomic_write_text(out / MANIFEST, json.dumps({**plan.manifest, "shards": old.get("shards", [])}, indent=2) + "\n")
 
 
@@ -258,11 +343,11 @@ def _record_path(out: Path, index: int) -> Path:
     return out / shard_name(index).replace(".safetensors", ".json")
 
 
-def _records(out: Path) -> dict[int, dict]:
+def _records(out: Path, kind: str) -> dict[int, dict]:
     """Shard records of earlier runs: the manifest's, then the per-shard ones written since."""
     found = {}
     if (out / MANIFEST).is_file():
-        found.update({e["index"]: e for e in read_manifest(out).get("shards", [])})
+        found.update({e["index"]: e for e in read_manifest(out, kind).get("shards", [])})
     for path in sorted(out.glob("shard-*.json")):
         try:
             entry = json.loads(path.read_text())
@@ -275,8 +360,9 @@ def _records(out: Path) -> dict[int, dict]:
 def _harvest_shards(model, plan: Plan, out: Path, mine: list[int], done: dict, progress: bool) -> None:
     from tqdm.auto import tqdm
 
-    m, say = plan.manifest, (lambda line: print(f"[draftforge] harvest logits: {line}", file=sys.stderr, flush=True))
-    bar = tqdm(total=len(mine), desc="harvest logits (shards)", disable=not progress, dynamic_ncols=True)
+    m, say = plan.manifest, plan.say
+    bar = tqdm(total=len(mine), desc=f"{KINDS[m['kind']][1].removeprefix('draftforge ')} (shards)",
+               disable=not progress, dynamic_ncols=True)
     written = 0
     for index in mine:
         entry = done.get(index)
@@ -288,8 +374,9 @@ def _harvest_shards(model, plan: Plan, out: Path, mine: list[int], done: dict, p
             say(f"{problem}: harvesting it again")
         a, b = index * m["shard_rows"], min((index + 1) * m["shard_rows"], m["rows"]["count"])
         tensors = shard_tensors(model, plan, a, b)
-        meta = {"kind": KIND, "shard": index, "rows": f"{a}:{b}", "top_k": m["top_k"]}
+        meta = {"kind": m["kind"], "shard": index, "rows": f"{a}:{b}", "top_k": m["top_k"]}
         entry = {"index": index, "rows": [a, b], "positions": int(tensors["position"].numel()),
+                 **({"tokens": int(tensors["states"].shape[0])} if "states" in tensors else {}),
                  **write_shard(out / shard_name(index), tensors, meta)}
         atomic_write_text(_record_path(out, index), json.dumps(entry) + "\n")
         bar.update(1)
@@ -302,7 +389,7 @@ def _harvest_shards(model, plan: Plan, out: Path, mine: list[int], done: dict, p
 
 def _merge(out: Path, manifest: dict) -> None:
     """Process 0, after every process finished: the manifest lists every shard, checked, and is complete."""
-    records = _records(out)
+    records = _records(out, manifest["kind"])
     missing = [i for i in range(manifest["num_shards"]) if i not in records]
     if missing:
         raise DataError(f"harvest in {out}: shards {missing[:5]} were not written; rerun with --resume")
@@ -324,34 +411,50 @@ def shard_tensors(model, plan: Plan, a: int, b: int) -> dict[str, torch.Tensor]:
     parts, counts = [], []
     for c in range(a, b, m["batch_size"]):
         end = min(c + m["batch_size"], b)
-        parts.append(batch_entries(model, plan.rows[c:end], plan.positions[c:end], m["top_k"], d2t_S, plan.device))
+        capture = None if plan.lengths is None else (m["layers"], plan.lengths[c:end], m["pad_to"])
+        parts.append(batch_entries(model, plan.rows[c:end], plan.positions[c:end], m["top_k"], d2t_S, plan.device,
+                                   capture))
         counts += [len(p) for p in plan.positions[c:end]]
-    out = {name: torch.cat([p[name] for p in parts]) for name in ("ids", "logp", "rest_logp", "top1")}
+    out = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
     out["position"] = torch.tensor([t for p in plan.positions[a:b] for t in p], dtype=torch.int32)
     out["row_ptr"] = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
+    if plan.lengths is not None:
+        out["token_ptr"] = torch.tensor([0, *plan.lengths[a:b]], dtype=torch.int64).cumsum(0)
     return out
 
 
-def batch_entries(model, rows: list[dict], positions: list[list[int]], k: int, d2t_S, device) -> dict:
-    """One teacher forward over right-padded rows; the entries of their kept positions, row by row."""
+def batch_entries(model, rows: list[dict], positions: list[list[int]], k: int, d2t_S, device,
+                  capture: tuple | None = None) -> dict:
+    """One teacher forward over right-padded rows; the entries of their kept positions, row by row. With
+    capture = (layers, lengths, pad_to): also `states`, the concat of hidden_states[i] for i in layers at each
+    row's first lengths[r] positions, rows after each other, in the model's dtype; the batch is padded to pad_to
+    tokens (None: its longest row)."""
     L = max((p[-1] + 1 for p in positions if p), default=0)
     empty = {"ids": torch.zeros(0, k, dtype=torch.int32), "logp": torch.zeros(0, k), "rest_logp": torch.zeros(0),
              "top1": torch.zeros(0, dtype=torch.int32)}
+    if capture is not None:
+        layers, lengths, pad_to = capture
+        L = pad_to or max(lengths)
+        empty["states"] = torch.zeros(0, len(layers) * model.config.hidden_size, dtype=model.dtype)
     if L == 0:
         return empty
     ids_BL = torch.zeros(len(rows), L, dtype=torch.long)
     for r, row in enumerate(rows):
         ids = row["input_ids"][:L]
         ids_BL[r, : len(ids)] = torch.tensor(ids)
-    logits_BLV = model(input_ids=ids_BL.to(device), use_cache=False).logits
-    parts = []
+    out = model(input_ids=ids_BL.to(device), use_cache=False, output_hidden_states=capture is not None)
+    logits_BLV, parts = out.logits, []
     for r, pos in enumerate(positions):
         for c in range(0, len(pos), POSITION_CHUNK):
             at = torch.tensor(pos[c: c + POSITION_CHUNK], device=logits_BLV.device)
             parts.append(topk_entries(logits_BLV[r, at].float(), k, d2t_S))
-    if not parts:
-        return empty
-    return {name: torch.cat([p[name] for p in parts]).cpu() for name in empty}
+    got = {name: torch.cat([p[name] for p in parts]).cpu() if parts else empty[name] for name in TOPK_NAMES}
+    if capture is not None:
+        from draftforge.models.eagle3 import aux_states
+
+        states_BLA = aux_states(out.hidden_states, layers)  # as task eagle3's online loss fuses them
+        got["states"] = torch.cat([states_BLA[r, :n] for r, n in enumerate(lengths)]).cpu()
+    return got
 
 
 def topk_entries(logits_PV: torch.Tensor, k: int, d2t_S=None) -> dict[str, torch.Tensor]:
@@ -414,12 +517,20 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run_job(job: LogitsHarvestJob) -> int:
+    return run_harvest(job)
+
+
+def run_harvest(job: LogitsHarvestJob, states: States | None = None) -> int:
+    """The job's harvest (with `states`: a hidden-state cache), then one summary line from process 0."""
     m = harvest_logits(job.target, job.data, job.out, top_k=job.top_k, draft_vocab=job.draft_vocab,
                        max_len=job.max_len, batch_size=job.batch_size, shard_rows=job.shard_rows,
-                       device=job.device, dtype=job.dtype, resume=job.resume, overwrite=job.overwrite)
+                       device=job.device, dtype=job.dtype, resume=job.resume, overwrite=job.overwrite, states=states)
     if int(os.environ.get("RANK", "0")) == 0:
         size = sum(e["bytes"] for e in m["shards"])
-        print(f"harvest logits: {m['rows']['count']:,} rows, {m['rows']['positions']:,} positions, top-{m['top_k']}"
-              f"{' over ' + str(m['draft_vocab']['size']) + ' draft ids' if m['draft_vocab'] else ''}, "
+        held = (f", the states entering layers {m['layers']} at {m['rows']['tokens']:,} tokens "
+                f"({m['state_width']:,} {m['store']['states']} values each)" if "layers" in m else "")
+        print(f"{KINDS[m['kind']][1].removeprefix('draftforge ')}: {m['rows']['count']:,} rows, "
+              f"{m['rows']['positions']:,} positions, top-{m['top_k']}"
+              f"{' over ' + str(m['draft_vocab']['size']) + ' draft ids' if m['draft_vocab'] else ''}{held}, "
               f"{len(m['shards'])} shards ({size / 2**20:,.1f} MiB), {m['dtype']}; in {job.out}")
     return 0

@@ -89,18 +89,21 @@ class DistillConfig:
 def check_distill(recipe: Recipe) -> None:
     require(bool(recipe.model.target), "model.target",
             "distill needs the teacher: point model.target at the target model (a local directory)")
-    options, data = recipe.task_options, recipe.data
+    options = recipe.task_options
     if options is None or not options.logits_cache:
         return
-    require(data.format == "tokens", "data.format",
-            "distill.logits_cache holds a target's distributions over token rows: set data.format: tokens")
+    check_cache_sources(recipe.data, options.cache_dirs(), "distill.logits_cache", "a target's distributions")
+
+
+def check_cache_sources(data, caches: list[str], key: str, what: str) -> None:
+    """The data rules of a run on harvested caches (`key`: the recipe key naming them, `what` they hold)."""
+    require(data.format == "tokens", "data.format", f"{key} holds {what} over token rows: set data.format: tokens")
     # files, not folders, one per cache (a missing file is the data loader's error, named there)
-    caches = options.cache_dirs()
     require(len(data.sources) == len(caches) and not any(Path(s).expanduser().is_dir() for s in data.sources),
-            "data.sources", "with distill.logits_cache, give exactly the rows file each cache was harvested from "
+            "data.sources", f"with {key}, give exactly the rows file each cache was harvested from "
             f"(one per cache, in order; {len(caches)} cache{'s' if len(caches) > 1 else ''}, "
             f"{len(data.sources)} source{'s' if len(data.sources) != 1 else ''})")
-    require(not data.streaming, "data.streaming", "a logits cache is read row by row: set data.streaming: false")
+    require(not data.streaming, "data.streaming", "a harvested cache is read row by row: set data.streaming: false")
 
 
 def kl_loss(student_logits_BTV, teacher_logits_BTV, keep_BT, temperature: float):
@@ -225,7 +228,7 @@ def check_cache_vocab(cache, model, d2t_N: torch.Tensor | None):
     from draftforge.models.draft_vocab import target_to_draft
 
     width, cached = model.get_output_embeddings().weight.shape[0], cache.draft_vocab
-    where = f"logits cache {cache.name}"
+    where = f"{cache.WHAT} {cache.name}"
     if d2t_N is not None and cache.k > len(d2t_N):
         raise CompatibilityError(f"{where} keeps the target's top-{cache.k} per position, more ids than the student's "
                                  f"draft vocabulary of {len(d2t_N)}: a reduced head learns the teacher restricted to "

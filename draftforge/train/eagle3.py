@@ -12,7 +12,9 @@ Metrics at each eval: α and top-1 per step (`alpha_step{k}`, `top1_step{k}`: ea
 step k), and the chain's simulated acceptance: anchors whose every step is scored sum Π_{j<=k} top-1_j (greedy)
 and Π_{j<=k} α_j (T=1, an estimate: the chain is fed the data's tokens, not its own samples), giving `tau_ttt` and
 `tau_ttt_greedy` = 1 + Σ_k of those means; with eagle3.draft_cost / verify_cost, `predicted_speedup` for
-train.keep_best. The derivation and the mask: docs/methods/eagle3.md.
+train.keep_best. The derivation and the mask: docs/methods/eagle3.md. With eagle3.hidden_cache the states and the
+teacher's top-k come from a `draftforge harvest hidden` cache instead and the target never runs: the task's
+registered builder and check (train/eagle3_cache.py) send such a recipe there and any other here.
 
 Legend: B batch, T block, V target vocabulary, N draft vocabulary (S = what the head predicts: V or N),
 A aux width, P kept positions.
@@ -56,6 +58,11 @@ class Eagle3TaskConfig:
     draft_cost: float = doc(0.0, "one head step's time over one target token's (a `draftforge eval` report gives "
                                  "both); with verify_cost, turns tau_ttt_greedy into the logged predicted_speedup")
     verify_cost: float = doc(1.0, "one verification of steps + 1 rows over one target token, t(N)/t(1)")
+    hidden_cache: str | list[str] | None = doc(None, "a `draftforge harvest hidden` directory: the head trains on its "
+                                                     "stored states and top-k teacher, and the target is never loaded "
+                                                     "(only its config and embedding are read); needs data.format: "
+                                                     "tokens with the harvested rows file as the source (a list: one "
+                                                     "cache per rows file, in order): train/eagle3_cache.py")
 
     def weights(self) -> dict[str, float]:
         return {"kl": {"kl": self.kl_weight}, "tvd": {"tvd": self.tvd_weight},
@@ -118,10 +125,34 @@ def ttt_loss(target, layers: list[int], cfg: Eagle3TaskConfig, d2t_N: torch.Tens
 
 
 def step_losses(logits_by_step, teacher_BTV, next_BT, cfg: Eagle3TaskConfig, weights: dict, d2t_N, evaluating: bool):
-    """The weighted sum over steps, the step-0 count and the metrics (module docstring). Step k at anchor t is
-    scored against the teacher at position t + 1 + k where the token after it has a label."""
-    t_len = teacher_BTV.shape[1]
+    """The weighted sum over steps, the step-0 count and the metrics (module docstring), against the teacher's
+    logits teacher_BTV."""
+    return scored_steps(logits_by_step, full_teacher(teacher_BTV, cfg.temperature, d2t_N), next_BT, cfg, weights,
+                        evaluating)
+
+
+def full_teacher(teacher_BTV, temperature: float, d2t_N):
+    """terms_at(k, keep_BT, s_PS) -> (per-position terms, top-1 agreement) of the head's step-k logits s_PS at the
+    kept anchors, against the teacher's whole distribution at t + 1 + k (a reduced head: restricted to its ids)."""
     d2t = None if d2t_N is None else d2t_N.to(teacher_BTV.device)
+
+    def terms_at(k, keep_BT, s_PS):
+        t_PV = teacher_BTV[:, 1 + k :][keep_BT].float()
+        if d2t is None:
+            terms = full_terms(s_PS, t_PV, temperature)
+            top_P = s_PS.argmax(-1)
+        else:
+            terms = full_terms(s_PS, t_PV[:, d2t], temperature, t_PV.logsumexp(-1))
+            top_P = d2t[s_PS.argmax(-1)]
+        return terms, top_P == t_PV.argmax(-1)
+
+    return terms_at
+
+
+def scored_steps(logits_by_step, terms_at, next_BT, cfg: Eagle3TaskConfig, weights: dict, evaluating: bool):
+    """step_losses with the teacher's terms from `terms_at` (full_teacher's form; a cache: train/eagle3_cache.py).
+    Step k at anchor t is scored against the teacher at position t + 1 + k where the token after it has a label."""
+    t_len = next_BT.shape[1]
     total, metrics, count = 0.0, {}, None
     chain_greedy = chain_alpha = None  # running Π over steps, per anchor that reaches every step
     reach_BT = torch.zeros(next_BT.shape, dtype=torch.bool, device=next_BT.device)
@@ -135,14 +166,7 @@ def step_losses(logits_by_step, teacher_BTV, next_BT, cfg: Eagle3TaskConfig, wei
             break
         keep_BT = next_BT[:, 1 + k :] != -100  # [B, span]
         s_PS = s_BTS[:, :span][keep_BT].float()
-        t_PV = teacher_BTV[:, 1 + k :][keep_BT].float()
-        if d2t is None:
-            terms = full_terms(s_PS, t_PV, cfg.temperature)
-            top_P = s_PS.argmax(-1)
-        else:
-            terms = full_terms(s_PS, t_PV[:, d2t], cfg.temperature, t_PV.logsumexp(-1))
-            top_P = d2t[s_PS.argmax(-1)]
-        agree_P = top_P == t_PV.argmax(-1)
+        terms, agree_P = terms_at(k, keep_BT, s_PS)
         step_loss = sum(w * terms[name].sum() for name, w in weights.items())
         total = total + cfg.step_decay**k * step_loss
         if k == 0:

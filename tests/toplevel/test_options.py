@@ -71,6 +71,7 @@ def test_every_command_flag_is_a_declared_setting():
     from draftforge.eval.config import EvalConfig
     from draftforge.harvest.c2t import TreeHarvestJob
     from draftforge.harvest.cali_ts import ThetaHarvestJob
+    from draftforge.harvest.hidden import HiddenHarvestJob
     from draftforge.harvest.logits import LogitsHarvestJob
 
     def flags(parser):
@@ -82,7 +83,8 @@ def test_every_command_flag_is_a_declared_setting():
         return parser
 
     for command, cls in ((("generate",), GenerateJob), (("harvest", "trees"), TreeHarvestJob),
-                         (("harvest", "theta"), ThetaHarvestJob), (("harvest", "logits"), LogitsHarvestJob)):
+                         (("harvest", "theta"), ThetaHarvestJob), (("harvest", "logits"), LogitsHarvestJob),
+                         (("harvest", "hidden"), HiddenHarvestJob)):
         declared = {flag_of(f) for f in cli_fields(cls)} | {a for f in cli_fields(cls) for a in f.metadata["aliases"]}
         assert flags(sub(build_parser(command[0]), *command)) == declared, command
     from draftforge.decode.methods import OPTIONS

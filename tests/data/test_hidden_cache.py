@@ -1,0 +1,195 @@
+"""`draftforge harvest hidden`: the states read back from the cache are, bit for bit, the ones task eagle3's online
+loss computes on the same rows (the target on the packed blocks, in the same dtype); its top-k entries are the
+logits harvest's; a killed harvest resumes to the same bytes; bad layer ids, a resume with other layers, a cache
+of another kind and a truncated shard are refused, each by one error naming both sides, with nothing written;
+and the CLI prints the storage it will need before it starts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from draftforge.cli import main as cli_main
+from draftforge.data.hidden_cache import HiddenCache
+from draftforge.data.logits_cache import LogitsCache, open_cache, read_token_rows
+from draftforge.errors import CompatibilityError, DataError
+from draftforge.harvest.hidden import harvest_hidden
+from draftforge.harvest.logits import harvest_logits
+from tests.data.test_logits_cache import _shard_bytes, write_rows
+from tests.train.test_eesd import LAYERS, save_target
+
+MAX_LEN = 64  # = the block size the online comparison packs the rows into (each row of 40-60 ids: one per block)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, tiny_tokenizer_dir):
+    return save_target(tmp_path_factory.mktemp("target"), tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def rows_file(tmp_path_factory):
+    return write_rows(tmp_path_factory.mktemp("rows") / "rows.jsonl")
+
+
+SETTINGS = {"top_k": 8, "max_len": MAX_LEN, "batch_size": 2, "shard_rows": 5, "dtype": "float32", "progress": False}
+
+
+def harvest(target, rows, out, **kw):
+    return harvest_hidden(str(target), str(rows), str(out), **{**SETTINGS, **kw})
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory, target_dir, rows_file):
+    out = tmp_path_factory.mktemp("hidden") / "fp32"
+    harvest(target_dir, rows_file, out)
+    return out
+
+
+def row_states(cache: HiddenCache, row: int) -> torch.Tensor:
+    s, a, b = cache.row_span(row, "token_ptr")
+    return cache.states(np.arange(a, b) + cache.token_starts[s])
+
+
+def online_states(target_dir, rows_file, tokenizer_dir, dtype, layers):
+    """What ttt_loss computes: the target (loaded as load_frozen_target loads it) on the blocks task eagle3 trains on,
+    the concat of hidden_states[i] for i in the layers; one row per block here, so block b holds row b."""
+    from transformers import AutoTokenizer
+
+    from draftforge.data import build_block_data
+    from draftforge.loading import load_causal_lm
+    from draftforge.recipe import DataConfig
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = DataConfig(sources=[str(rows_file)], format="tokens", eval_fraction=0.0)
+    blocks = torch.tensor(build_block_data(cfg, tok, MAX_LEN, 0, len(tok)).train["input_ids"])
+    target = load_causal_lm(str(target_dir), what="target", dtype=dtype).eval()
+    with torch.no_grad():
+        out = target(input_ids=blocks[:4], output_hidden_states=True)  # a micro-batch of 4 blocks, then the rest
+        rest = target(input_ids=blocks[4:], output_hidden_states=True)
+    return blocks, torch.cat([torch.cat([o.hidden_states[i] for i in layers], -1) for o in (out, rest)])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_states_read_back_equal_the_online_states_bitwise(tmp_path, target_dir, rows_file, cache_dir,
+                                                           tiny_tokenizer_dir, dtype):
+    cache_path = cache_dir if dtype == "float32" else tmp_path / "bf16"
+    if dtype != "float32":
+        harvest(target_dir, rows_file, cache_path, dtype=dtype, batch_size=3)  # other batches: no difference
+    cache = open_cache(cache_path, HiddenCache)
+    m = cache.manifest
+    assert m["kind"] == "hidden-cache" and cache.layers == [1, 2, 3] == m["layers"]  # EAGLE-3's choice for L = 4
+    assert m["store"]["states"] == dtype and m["pad_to"] == MAX_LEN and m["num_layers"] == LAYERS
+    torch_dtype = getattr(torch, dtype)
+    blocks, online_BTA = online_states(target_dir, rows_file, tiny_tokenizer_dir, torch_dtype, cache.layers)
+    rows = read_token_rows(rows_file)
+    assert len(blocks) == len(rows) == cache.num_rows
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        assert blocks[i, :n].tolist() == row["input_ids"]  # block i is row i, then padding
+        got = row_states(cache, i)
+        assert got.dtype == torch_dtype and got.shape == (n, 3 * 32)
+        assert torch.equal(got, online_BTA[i, :n]), f"row {i}"
+    assert m["rows"]["tokens"] == sum(len(r["input_ids"]) for r in rows)
+    size = sum(e["bytes"] for e in m["shards"])
+    assert 0.97 < size / m["storage"]["bytes"] < 1.03  # the estimate printed before the harvest
+
+
+def test_top_k_entries_are_the_logits_harvests(tmp_path, target_dir, rows_file, cache_dir):
+    """The same positions, ids and top-1; log-probs equal within float32 rounding (the harvest reads every batch
+    64 tokens long, the logits harvest only up to its last loss position)."""
+    harvest_logits(str(target_dir), str(rows_file), str(tmp_path / "logits"), **SETTINGS)
+    hidden, logits = open_cache(cache_dir, HiddenCache), LogitsCache(tmp_path / "logits")
+    assert hidden.positions == logits.positions
+    index = np.arange(hidden.positions)
+    a, b = hidden.gather(index), logits.gather(index)
+    assert (a["ids"] == b["ids"]).all() and (a["top1"] == b["top1"]).all()
+    assert np.allclose(a["logp"], b["logp"], atol=1e-5) and np.allclose(a["rest_logp"], b["rest_logp"], atol=1e-5)
+    with pytest.raises(DataError, match="is not a hidden-state cache manifest: its kind is 'logits-cache' .made by "
+                                        "`draftforge harvest logits`."):
+        open_cache(tmp_path / "logits", HiddenCache)
+    with pytest.raises(DataError, match="is not a logits cache manifest: its kind is 'hidden-cache'"):
+        LogitsCache(cache_dir)
+
+
+def test_padding_to_the_longest_row_changes_at_most_the_last_bits(tmp_path, target_dir, rows_file, cache_dir):
+    m = harvest(target_dir, rows_file, tmp_path / "short", pad_to_longest=True)
+    assert m["pad_to"] is None
+    padded, short = open_cache(cache_dir, HiddenCache), open_cache(tmp_path / "short", HiddenCache)
+    for i in range(padded.num_rows):
+        torch.testing.assert_close(row_states(short, i), row_states(padded, i), rtol=1e-5, atol=1e-5)
+
+
+def test_a_killed_harvest_resumes_to_the_same_bytes_and_redoes_a_truncated_shard(tmp_path, target_dir, rows_file,
+                                                                                 cache_dir):
+    out = tmp_path / "killed"
+    with pytest.raises(KeyboardInterrupt):
+        harvest(target_dir, rows_file, out, stop_after=1)
+    with pytest.raises(DataError, match="hidden-state cache in .* is incomplete .0 of 3 shards.: rerun `draftforge "
+                                        "harvest hidden` with the same arguments and --resume"):
+        open_cache(out, HiddenCache)
+    harvest(target_dir, rows_file, out, resume=True)
+    assert _shard_bytes(out) == _shard_bytes(cache_dir)
+    shard = out / "shard-00001.safetensors"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(DataError, match=f"shard-00001.safetensors is truncated .{size - 100:,} of {size:,} bytes.; "
+                                        "rerun `draftforge harvest hidden`"):
+        open_cache(out, HiddenCache)
+    harvest(target_dir, rows_file, out, resume=True)
+    assert _shard_bytes(out) == _shard_bytes(cache_dir)
+
+
+def test_bad_layers_and_a_resume_with_other_layers_are_refused_with_nothing_written(tmp_path, target_dir, rows_file,
+                                                                                   cache_dir):
+    out = tmp_path / "bad"
+    with pytest.raises(CompatibilityError, match=rf"--layers: ids \[4\] outside 0..3 for a target of {LAYERS} layers"):
+        harvest(target_dir, rows_file, out, layers=[1, 4])
+    with pytest.raises(CompatibilityError, match="--layers: an empty or repeated list for a target of 4 layers"):
+        harvest(target_dir, rows_file, out, layers=[2, 2])
+    assert not out.exists()
+    before = _shard_bytes(cache_dir), (cache_dir / "harvest.json").read_bytes()
+    with pytest.raises(CompatibilityError, match=r"made with other settings \(layers\)"):
+        harvest(target_dir, rows_file, cache_dir, resume=True, layers=[0, 3])
+    with pytest.raises(DataError, match="is not a logits cache manifest: its kind is 'hidden-cache'"):
+        harvest_logits(str(target_dir), str(rows_file), str(cache_dir), top_k=8, max_len=MAX_LEN, resume=True)
+    assert (_shard_bytes(cache_dir), (cache_dir / "harvest.json").read_bytes()) == before
+
+
+def test_cli_prints_the_storage_first_and_one_error_line(tmp_path, target_dir, rows_file, capsys):
+    out = tmp_path / "cli"
+    argv = ["harvest", "hidden", "--target", str(target_dir), "--data", str(rows_file), "--out", str(out),
+            "--max-len", str(MAX_LEN), "--top-k", "4", "--layers", "0,3", "--dtype", "float32"]
+    assert cli_main(argv) == 0
+    err = capsys.readouterr().err
+    assert "harvest hidden: will write about" in err and "tokens x 256 B (64 float32 values)" in err, err
+    manifest = json.loads((out / "harvest.json").read_text())
+    assert manifest["layers"] == [0, 3] and manifest["complete"] and manifest["storage"]["per_token"] == 256
+    assert cli_main([*argv[:-4], "--layers", "1,9", "--out", str(tmp_path / "x")]) == 2
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "ids [9] outside 0..3 for a target of 4 layers" in errors[0]
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(SystemExit):
+        cli_main(["harvest", "hidden", "--help"])
+    text = capsys.readouterr().out
+    assert "--layers I,J,K" in text and "--pad-to-longest" in text and "eagle3.hidden_cache" in text
+
+
+@pytest.mark.slow  # an accelerate launch of two CPU processes
+def test_two_processes_write_the_same_cache_as_one(tmp_path, target_dir, rows_file, cache_dir):
+    import subprocess
+    import sys
+
+    from tests import REPO
+    from tests.train.test_distributed import _env, _free_port
+
+    out = tmp_path / "two"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "launch" / "multi_cpu.yaml"),
+           "--num_processes", "2", "--main_process_port", str(_free_port()), "-m", "draftforge", "harvest", "hidden",
+           "--target", str(target_dir), "--data", str(rows_file), "--out", str(out), "--top-k", "8", "--max-len",
+           str(MAX_LEN), "--batch-size", "2", "--shard-rows", "5", "--dtype", "float32"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert _shard_bytes(out) == _shard_bytes(cache_dir) and open_cache(out, HiddenCache).manifest["complete"]
