@@ -189,24 +189,22 @@ class KVCache:
         return 2 * self.length * self.k.shape[0] * self.k.shape[2] * self.k.element_size()
 
 
-class Eagle3Head(nn.Module):
-    """fc + one decoder layer + norm + head. `embed` is the target's embedding, set by `use_embedding` (never
-    trained, never saved: the export takes it from the verifier, as vLLM does)."""
+class FeatureHead(nn.Module):
+    """What both heads that read the target share (this one and models/feature_mamba.py's): `fc` over the aux
+    states, a final `norm` and an `lm_head` over the draft vocabulary (`d2t_ids`), and the target's embedding
+    (`embed`, set by `use_embedding`: never trained, never saved, as vLLM shares the verifier's). The interface the
+    harness and the training loop use: device, dtype, get_output_embeddings, draft_to_target, fuse, logits."""
 
-    def __init__(self, config: Eagle3Config):
-        super().__init__()
-        c = self.config = config
-        self.fc = nn.Linear(len(c.aux_layers) * c.hidden_size, c.hidden_size, bias=False)
-        self.layers = nn.ModuleList([Layer(c)])
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.head_rows, bias=False)
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
-        d2t = torch.tensor(c.draft_vocab if c.draft_vocab is not None else [], dtype=torch.long)
+    name = "feature head"
+    config: Eagle3Config
+    fc: nn.Linear
+    norm: nn.Module
+    lm_head: nn.Linear
+
+    def _register_vocab(self, draft_vocab) -> None:
+        d2t = torch.tensor(draft_vocab if draft_vocab is not None else [], dtype=torch.long)
         self.register_buffer("d2t_ids", d2t, persistent=False)  # target ids of the head's rows
         self.embed: nn.Embedding | None = None
-
-    # ---- the interface the harness and the training loop share with other drafters' models
 
     @property
     def device(self):
@@ -223,18 +221,39 @@ class Eagle3Head(nn.Module):
         """Read tokens through `embedding` (the target's; it stays the target's module, frozen)."""
         rows = embedding.weight.shape
         if rows != (self.config.vocab_size, self.config.hidden_size):
-            raise CompatibilityError(f"the target's embedding is {tuple(rows)}, the EAGLE-3 head expects "
+            raise CompatibilityError(f"the target's embedding is {tuple(rows)}, the {self.name} expects "
                                      f"({self.config.vocab_size}, {self.config.hidden_size})")
         object.__setattr__(self, "embed", embedding)  # not a submodule: not trained, not in the state dict
 
     def draft_to_target(self) -> torch.Tensor | None:
         return None if self.config.draft_vocab is None else self.d2t_ids
 
-    # ---- the pieces
-
     def fuse(self, aux_TA: torch.Tensor) -> torch.Tensor:
         """g = fc(concat of the aux states) [..., D]."""
         return self.fc(aux_TA.to(self.dtype))
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Head logits [..., N] of output states."""
+        return self.lm_head(self.norm(out))
+
+
+class Eagle3Head(FeatureHead):
+    """fc + one decoder layer + norm + head."""
+
+    name = "EAGLE-3 head"
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        c = self.config = config
+        self.fc = nn.Linear(len(c.aux_layers) * c.hidden_size, c.hidden_size, bias=False)
+        self.layers = nn.ModuleList([Layer(c)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.head_rows, bias=False)
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self._register_vocab(c.draft_vocab)
+
+    # ---- the pieces
 
     def rope(self, positions: torch.Tensor):
         """(cos, sin) [..., E] at integer `positions` (rotate-half layout, as Llama)."""
@@ -266,10 +285,6 @@ class Eagle3Head(nn.Module):
         layer = self.layers[0]
         h = residual + layer.self_attn.o_proj(attended.flatten(-2))
         return h + layer.mlp(layer.post_attention_layernorm(h))
-
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Head logits [..., N] of output states."""
-        return self.lm_head(self.norm(out))
 
     # ---- decoding: any set of queries against cached keys, with an explicit mask
 

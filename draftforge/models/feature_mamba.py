@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftforge.errors import CompatibilityError
-from draftforge.models.eagle3 import RMSNorm, check_aux_layers, default_aux_layers
+from draftforge.models.eagle3 import FeatureHead, RMSNorm, check_aux_layers, default_aux_layers
 
 BODY = "mamba2"
 
@@ -177,8 +177,10 @@ class Block(nn.Module):
         return r_BTD + out_BTD, states
 
 
-class FeatureMamba2Head(nn.Module):
+class FeatureMamba2Head(FeatureHead):
     """fc + [emb, feature] fusion + Mamba2 blocks + norm + head; `embed` is the target's (use_embedding)."""
+
+    name = "feature-conditioned Mamba2 drafter"
 
     def __init__(self, config: FeatureMambaConfig):
         super().__init__()
@@ -191,36 +193,7 @@ class FeatureMamba2Head(nn.Module):
         self.blocks = nn.ModuleList([Block(c) for _ in range(c.layers)])
         self.norm = RMSNorm(d, c.rms_norm_eps)
         self.lm_head = nn.Linear(d, c.head_rows, bias=False)
-        d2t = torch.tensor(c.draft_vocab if c.draft_vocab is not None else [], dtype=torch.long)
-        self.register_buffer("d2t_ids", d2t, persistent=False)
-        self.embed: nn.Embedding | None = None
-
-    @property
-    def device(self):
-        return self.fc.weight.device
-
-    @property
-    def dtype(self):
-        return self.fc.weight.dtype
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def draft_to_target(self) -> torch.Tensor | None:
-        return None if self.config.draft_vocab is None else self.d2t_ids
-
-    def use_embedding(self, embedding: nn.Module) -> None:
-        rows = embedding.weight.shape
-        if rows != (self.config.vocab_size, self.config.hidden_size):
-            raise CompatibilityError(f"the target's embedding is {tuple(rows)}, the feature Mamba2 drafter expects "
-                                     f"({self.config.vocab_size}, {self.config.hidden_size})")
-        object.__setattr__(self, "embed", embedding)
-
-    def fuse(self, aux_TA: torch.Tensor) -> torch.Tensor:
-        return self.fc(aux_TA.to(self.dtype))
-
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(out))
+        self._register_vocab(c.draft_vocab)
 
     def empty_state(self, rows: int) -> list[State]:
         """Every block's zero state for `rows` rows (the state before the first anchor)."""

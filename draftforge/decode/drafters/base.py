@@ -141,6 +141,15 @@ def propose_children(logits_BV: torch.Tensor, width: int, params: SamplingParams
     return children_BW.to(logits_BV.device), q_BV
 
 
+def propose_level(shape: TreeShape, depth: int, logits_BV: torch.Tensor, params: SamplingParams, vocab: int,
+                  generator, d2t=None):
+    """One depth of a static tree: (children [B, W] of the fed nodes at depth - 1, their q [B, V] at T > 0, the
+    depth's tokens in breadth-first order: the r-th child of a node takes its r-th ranked token)."""
+    children_BW, q_BV = propose_children(logits_BV, shape.branch[depth - 1], params, vocab, generator, d2t)
+    flat, take = children_BW.flatten().tolist(), shape.take_list(depth)
+    return children_BW, q_BV, flat if take is None else [flat[i] for i in take]
+
+
 def draft_map(model, target_vocab: int):
     """The d2t map of a reduced-vocabulary drafter on its device (checked against the target), else None."""
     from draftforge.models.draft_vocab import check_map, d2t_of

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from draftforge.decode.drafters.base import Drafter, chain_stops, propose_children, stack_q
+from draftforge.decode.drafters.base import Drafter, chain_stops, propose_level, stack_q
 from draftforge.decode.plan import as_plan
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.tree import DraftTree
@@ -133,10 +133,9 @@ class FeatureDrafter(Drafter):
         levels, q_rows = [], []
         fed_prev = [-1]  # nodes whose logits are the rows of logits_BV
         for depth in range(1, shape.depth + 1):
-            children_BW, q_BV = propose_children(logits_BV, shape.branch[depth - 1], params, self.vocab_size,
-                                                 generator, self.d2t)
-            flat, take = children_BW.flatten().tolist(), shape.take_list(depth)
-            levels.append(flat if take is None else [flat[i] for i in take])
+            children_BW, q_BV, level = propose_level(shape, depth, logits_BV, params, self.vocab_size, generator,
+                                                     self.d2t)
+            levels.append(level)
             q_rows.append(q_BV)
             hidden_D = self.model.norm(self.node_out[fed_prev[0]]).float() if stop is not None else None
             if depth == shape.depth or chain_stops(stop, depth, children_BW, logits_BV, q_BV, hidden_D,

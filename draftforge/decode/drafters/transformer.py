@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from draftforge.decode.drafters.base import Drafter, chain_stops, draft_map, propose_children, stack_q, wants_hidden
+from draftforge.decode.drafters.base import Drafter, chain_stops, draft_map, propose_level, stack_q, wants_hidden
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.targets import CachedLM
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
@@ -48,10 +48,9 @@ class TransformerDrafter(Drafter):
         self.committed, self.slot = len(seq), {}  # slot: tree node -> its row in the cache after the prefix
         levels, q_rows = [], []
         for depth in range(1, shape.depth + 1):
-            children_BW, q_BV = propose_children(logits_BV, shape.branch[depth - 1], params, self.vocab_size,
-                                                 generator, self.d2t)
-            flat, take = children_BW.flatten().tolist(), shape.take_list(depth)
-            levels.append(flat if take is None else [flat[i] for i in take])
+            children_BW, q_BV, level = propose_level(shape, depth, logits_BV, params, self.vocab_size, generator,
+                                                     self.d2t)
+            levels.append(level)
             q_rows.append(q_BV)
             if depth == shape.depth or chain_stops(stop, depth, children_BW, logits_BV, q_BV, hidden_D,
                                                    self.vocab_size, self.d2t):
