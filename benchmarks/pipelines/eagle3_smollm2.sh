@@ -8,12 +8,13 @@
 #   bash benchmarks/pipelines/eagle3_smollm2.sh
 #
 # Environment (defaults in brackets): CACHE [~/.cache/draftforge]; PROMPTS [1000] training prompts answered
-# greedily (resumable: generate continues row by row); STEPS [50] training steps of 8 x 256 tokens for each
-# drafter (~21 CPU-s per step for the attention head on a quiet 2-core Zen 5 at 2 threads: the target's bf16
-# forward and five unrolled head steps); EVAL_PROMPTS [6]; NEW_TOKENS [128]. A finished training run is kept
+# greedily (resumable: generate continues row by row); STEPS [150] training steps of 8 x 256 tokens for the
+# attention head and MAMBA_STEPS [50] for the Mamba2 body (~18 CPU-s per step either way on a 2-core Zen 5: the
+# target's bf16 forward and five unrolled head steps; docs/results/eagle3.md ran 1,021 rows); EVAL_PROMPTS [6];
+# NEW_TOKENS [128]. A finished training run is kept
 # (delete runs/smollm2/<run> to retrain it); an existing report is not measured again.
 source "$(dirname "$0")/common.sh"  # strict mode, cd to the repository root, OMP_NUM_THREADS=1, phase
-CACHE="${CACHE:-$HOME/.cache/draftforge}"; PROMPTS="${PROMPTS:-1000}"; STEPS="${STEPS:-50}"
+CACHE="${CACHE:-$HOME/.cache/draftforge}"; PROMPTS="${PROMPTS:-1000}"; STEPS="${STEPS:-150}"; MAMBA_STEPS="${MAMBA_STEPS:-50}"
 EVAL_PROMPTS="${EVAL_PROMPTS:-6}"; NEW_TOKENS="${NEW_TOKENS:-128}"
 TARGET="$CACHE/smollm2"; OUT=runs/smollm2
 mkdir -p "$OUT"
@@ -26,16 +27,16 @@ phase "generate: greedy answers to $PROMPTS prompts (resumable)"
 python -m draftforge generate --target "$TARGET" --prompts "$OUT/train_prompts.jsonl" --max-new-tokens 192 \
   --batch-size 32 --threads 2 --out "$OUT/sft_rows.jsonl" -n "$PROMPTS" --temperature 0
 
-phase "train: the EAGLE-3 head, then the feature-conditioned Mamba2 drafter ($STEPS steps each, 2 threads)"
-train() {  # run name, extra --set flags
-  local run="$1"; shift
+phase "train: the EAGLE-3 head ($STEPS steps), then the feature-conditioned Mamba2 drafter ($MAMBA_STEPS steps), 2 threads"
+train() {  # run name, steps, extra --set flags
+  local run="$1" steps="$2"; shift 2
   [ -f "$OUT/$run/export/draftforge.json" ] || OMP_NUM_THREADS=2 python -m draftforge train recipes/smollm2/eagle3.yaml \
-    --set output_dir="$OUT/$run" --set train.max_steps="$STEPS" --set train.eval_every=25 --set train.save_every=25 \
+    --set output_dir="$OUT/$run" --set train.max_steps="$steps" --set train.eval_every=25 --set train.save_every=25 \
     "$@" --overwrite > "$OUT/$run.log" 2>&1
   grep -h "held-out" "$OUT/$run.log" || true
 }
-train eagle3
-train eagle3-mamba2 --set eagle3.body=mamba2
+train eagle3 "$STEPS"
+train eagle3-mamba2 "$MAMBA_STEPS" --set eagle3.body=mamba2
 
 phase "eval: instructions (T=0,1) and HumanEval (T=0), 1 thread, each suite with its own AR"
 suite() {  # name, drafter, bench, temperatures, methods
@@ -44,13 +45,14 @@ suite() {  # name, drafter, bench, temperatures, methods
     --threads 1 --out "$OUT/eval-$1" --no-plots > "$OUT/eval-$1.log" 2>&1
   grep '^|' "$OUT/eval-$1/report.md" | head -20
 }
-suite e3-instructions "$OUT/eagle3/export" instructions 0,1 chain,eagle2
-suite e3-humaneval "$OUT/eagle3/export" humaneval 0 chain,eagle2
-suite fm-instructions "$OUT/eagle3-mamba2/export" instructions 0,1 chain
+suite e3-instructions-t0 "$OUT/eagle3/export" instructions 0 chain,tree,eagle2  # EAGLE-2 is greedy-only
+suite e3-instructions-t1 "$OUT/eagle3/export" instructions 1 chain,tree
+suite e3-humaneval "$OUT/eagle3/export" humaneval 0 chain,tree,eagle2
+suite fm-instructions "$OUT/eagle3-mamba2/export" instructions 0,1 chain,tree
 suite lookup-instructions prompt-lookup instructions 0,1 chain
 suite lookup-humaneval prompt-lookup humaneval 0 chain
 
 phase "step time and state against context (bf16, 1 thread)"
 python -m benchmarks.micro.drafter_context --feature-target "$TARGET" --contexts 1024 2048 4096 8000 --steps 8 \
-  --repeats 3 --out "$OUT/feature_context.json"
+  --repeats 5 --out "$OUT/feature_context.json"
 phase "done"
