@@ -2,8 +2,9 @@
 # Drafters that read the target, on SmolLM2-135M-Instruct (docs/results/eagle3.md): an EAGLE-3 head and the
 # feature-conditioned Mamba2 drafter, trained online (the frozen target inside every step) with training-time test
 # on the target's own greedy answers, then measured by `draftforge eval` (held-out instructions at T = 0 and 1,
-# HumanEval at T = 0; each suite with its own AR and prompt lookup as the peer) and step time / state bytes
-# against context (benchmarks/micro/drafter_context.py --feature-target).
+# HumanEval at T = 0; each suite with its own AR and prompt lookup as the peer), C2T pruning the head's EAGLE-2
+# trees (harvest, classifier, τ–tokens sweep) and step time / state bytes against context
+# (benchmarks/micro/drafter_context.py --feature-target).
 #
 #   bash benchmarks/pipelines/eagle3_smollm2.sh
 #
@@ -51,6 +52,19 @@ suite e3-humaneval "$OUT/eagle3/export" humaneval 0 chain,tree,eagle2
 suite fm-instructions "$OUT/eagle3-mamba2/export" instructions 0,1 chain,tree
 suite lookup-instructions prompt-lookup instructions 0,1 chain
 suite lookup-humaneval prompt-lookup humaneval 0 chain
+
+phase "C2T over the head: harvest EAGLE-2 pools on 16 training prompts, train the classifier, the τ–tokens sweep"
+[ -s "$OUT/c2t_prompts.jsonl" ] || sed -n "1065,1080p" "$OUT/train_prompts.jsonl" > "$OUT/c2t_prompts.jsonl"
+[ -f "$OUT/c2t-e3-harvest/harvest.json" ] || python -m draftforge harvest trees --target "$TARGET" \
+  --drafter "$OUT/eagle3/export" --bench "$OUT/c2t_prompts.jsonl" --max-new-tokens 64 --out "$OUT/c2t-e3-harvest"
+[ -f "$OUT/c2t-e3/export/draftforge.json" ] || python -m draftforge train recipes/c2t.yaml --overwrite \
+  --set "output_dir=$OUT/c2t-e3" --set "model.target=$TARGET" --set "data.sources=[$OUT/c2t-e3-harvest]" \
+  --set train.max_steps=1500 > "$OUT/c2t-e3.log" 2>&1
+[ -f "$OUT/tree_budget_e3/tree_budget.json" ] || python -m benchmarks.decoding.tree_budget --target "$TARGET" \
+  --drafter "$OUT/eagle3/export" --bench instructions --c2t "$OUT/c2t-e3/export" --ns 4,8,16,32 --betas 0.3,0.5,0.7 \
+  --eagle-top-k 10 --eagle-depth 5 --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$NEW_TOKENS" --repeats 1 \
+  --out "$OUT/tree_budget_e3" > "$OUT/tree_budget_e3.log" 2>&1
+grep '^|' "$OUT/tree_budget_e3.log" || true
 
 phase "step time and state against context (bf16, 1 thread)"
 python -m benchmarks.micro.drafter_context --feature-target "$TARGET" --contexts 1024 2048 4096 8000 --steps 8 \
