@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from draftforge.errors import CheckpointError, DraftforgeError
-from draftforge.recipe import dump_recipe
+from draftforge.recipe import dump_recipe, recipe_from_dict
 from draftforge.train import checkpoint as ckpt
 
 NEW, REPLACE, RESUME, RESTART = "new", "replace", "resume", "restart"
@@ -57,6 +57,16 @@ def _some_entries(path: Path, n: int = 3) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
+def as_read_now(saved: dict) -> dict:
+    """A run's saved recipe as this draftforge reads it: fields added since it was written take their defaults, so
+    they are not differences (a run made before a task gained an option resumes). A saved recipe this version can
+    no longer read is compared as it is (and its differences named)."""
+    try:
+        return recipe_from_dict(saved).to_dict()
+    except DraftforgeError:
+        return saved
+
+
 class RunDir:
     def __init__(self, recipe, acc, *, resume: bool, overwrite: bool):
         self.recipe, self.acc, self.path = recipe, acc, Path(recipe.output_dir)
@@ -72,7 +82,7 @@ class RunDir:
         if resume:
             if not saved.is_file():
                 raise CheckpointError(f"--resume: {self.path} holds no run (no recipe.yaml); start without --resume")
-            saved_values = yaml.safe_load(saved.read_text())
+            saved_values = as_read_now(yaml.safe_load(saved.read_text()))
             diff = ckpt.recipe_differences(saved_values, self.recipe.to_dict())
             extended = [k for k in diff if k in EXTENSIBLE_KEYS]
             diff = [k for k in diff if k not in EXTENSIBLE_KEYS]

@@ -56,3 +56,18 @@ def test_max_steps_at_or_below_the_reached_step_and_other_changes_are_refused(tm
     with pytest.raises(CheckpointError, match="differs .* in optim.lr.*may change only train.max_steps"):
         run(recipe_from_dict({**values, "optim": {**values["optim"], "lr": 1e-2},
                               "train": {**values["train"], "max_steps": 8}}), resume=True)
+
+
+def test_a_run_saved_before_a_field_existed_resumes(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    """A recipe.yaml without a field this version has (an option added later) reads it at its default: resuming is
+    allowed, and a value that differs from the default is still refused."""
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=2)
+    first = run(recipe_from_dict(values))
+    saved = first.run_dir / "recipe.yaml"
+    older = yaml.safe_load(saved.read_text())
+    assert older["optim"].pop("min_lr_ratio") == 0.1  # as if written before optim.min_lr_ratio existed
+    saved.write_text(yaml.safe_dump(older))
+    assert run(recipe_from_dict({**values, "train": {**values["train"], "max_steps": 3}}), resume=True).step == 3
+    with pytest.raises(CheckpointError, match="differs .* in optim.min_lr_ratio"):
+        run(recipe_from_dict({**values, "optim": {**values["optim"], "min_lr_ratio": 0.5},
+                              "train": {**values["train"], "max_steps": 4}}), resume=True)
