@@ -127,11 +127,13 @@ class Mixer(nn.Module):
         return self.out_proj(y_BE), (window_BKC[:, 1:], ssm_BHPN)
 
 
-    def scan(self, u_BTD: torch.Tensor, chunk: int = 32) -> tuple[torch.Tensor, State]:
+    def scan(self, u_BTD: torch.Tensor, chunk: int = 32, every: bool = True) -> tuple[torch.Tensor, State]:
         """A whole sequence from the empty state, in parallel: (outputs [B, T, D], the state after every position:
         conv windows [B, T, K-1, C] and SSM states [B, T, H, P, N]). The recurrence h_t = a_t·h_{t-1} + b_t is
         summed in chunks: inside one, h_t = Σ_{s<=t} exp(Σ_{s<r<=t} log a_r)·b_s (every factor <= 1), plus the
-        carried state decayed by the chunk's running product. Equal to `step` position by position."""
+        carried state decayed by the chunk's running product. Equal to `step` position by position. With
+        every=False only the state after the last position is returned ([B, 1, ...]): a prompt's prefill, which
+        needs no per-position states (at 8k those would be ~0.6 GB)."""
         c = self.c
         wide = torch.promote_types(u_BTD.dtype, torch.float32)  # the SSM in at least fp32
         b, t, _ = u_BTD.shape
@@ -144,7 +146,7 @@ class Mixer(nn.Module):
         log_a_BTH = dt_BTH * -torch.exp(self.A_log.to(wide))
         x_BTHP = x_BTE.to(wide).unflatten(-1, (c.heads, c.head_dim))
         inc_BTHPN = (dt_BTH[..., None] * x_BTHP)[..., None] * b_BTN.to(wide)[:, :, None, None, :]
-        states, carry = [], None
+        states, ys, carry = [], [], None
         for start in range(0, t, chunk):
             end = min(t, start + chunk)
             cum_BLH = log_a_BTH[:, start:end].cumsum(1)
@@ -154,12 +156,15 @@ class Mixer(nn.Module):
             h_BLHPN = torch.einsum("bhts,bshpn->bthpn", weight_BHLL, inc_BTHPN[:, start:end])
             if carry is not None:
                 h_BLHPN = h_BLHPN + cum_BLH.exp()[..., None, None] * carry[:, None]
-            states.append(h_BLHPN)
+            ys.append((h_BLHPN * c_BTN[:, start:end].to(wide)[:, :, None, None, :]).sum(-1))
+            if every:
+                states.append(h_BLHPN)
             carry = h_BLHPN[:, -1]
-        ssm_BTHPN = torch.cat(states, 1)
-        y_BTHP = (ssm_BTHPN * c_BTN.to(wide)[:, :, None, None, :]).sum(-1) + self.D.to(wide)[:, None] * x_BTHP
+        y_BTHP = torch.cat(ys, 1) + self.D.to(wide)[:, None] * x_BTHP
         y_BTE = self.gate_norm((y_BTHP.flatten(2) * F.silu(z_BTE.to(wide))).to(u_BTD.dtype))
-        return self.out_proj(y_BTE), (window_BTKC[:, :, 1:], ssm_BTHPN)
+        if not every:
+            return self.out_proj(y_BTE), (window_BTKC[:, -1:, 1:], carry[:, None])
+        return self.out_proj(y_BTE), (window_BTKC[:, :, 1:], torch.cat(states, 1))
 
 
 class Block(nn.Module):
@@ -172,8 +177,8 @@ class Block(nn.Module):
         out_BD, state = self.mixer.step(self.norm(r_BD), state)
         return r_BD + out_BD, state
 
-    def scan(self, r_BTD):
-        out_BTD, states = self.mixer.scan(self.norm(r_BTD))
+    def scan(self, r_BTD, every: bool = True):
+        out_BTD, states = self.mixer.scan(self.norm(r_BTD), every=every)
         return r_BTD + out_BTD, states
 
 
@@ -235,6 +240,15 @@ class FeatureMamba2Head(FeatureHead):
             per_block = [(torch.stack([s[j][0] for s in kept], 1), torch.stack([s[j][1] for s in kept], 1))
                          for j in range(len(self.blocks))]
         return torch.stack(outs, 1), states, per_block
+
+    def prefill(self, tokens_T: torch.Tensor, feature_TD: torch.Tensor) -> tuple[torch.Tensor, list[State]]:
+        """The first anchors of a prompt from the empty state in one parallel scan: (outputs [T, D], every block's
+        state after the last one, [1, ...]): what `run` gives one position at a time."""
+        r_1TD, states = self.entry(tokens_T[None], feature_TD[None]), []
+        for block in self.blocks:
+            r_1TD, (conv_1KC, ssm_1HPN) = block.scan(r_1TD, every=False)
+            states.append((conv_1KC[:, 0], ssm_1HPN[:, 0]))
+        return r_1TD[0], states
 
     def ttt_forward(self, tokens_BT: torch.Tensor, aux_BTA: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Output states [B, T, D] of every anchor at steps 0..steps-1: step 0 runs the anchors from the empty state

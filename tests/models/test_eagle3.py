@@ -227,3 +227,21 @@ def test_mamba_body_state_is_the_same_size_at_any_context():
         drafter.draft(seq, (1, 1), SamplingParams(), torch.Generator())
         sizes.append(drafter.cache_bytes())
     assert sizes[0] == sizes[1] == drafter.model.state_bytes() > 0
+
+
+def test_mamba_body_prefill_equals_feeding_the_prompt_one_token_at_a_time():
+    """The drafter's prompt prefill (one parallel scan keeping only the last state) == `run`, position by position."""
+    from draftforge.models.feature_mamba import FeatureMamba2Head, FeatureMambaConfig
+
+    target = tiny_target()
+    torch.manual_seed(6)
+    head = FeatureMamba2Head(FeatureMambaConfig.from_target(target.config, head_dim=16, state_size=8)).double()
+    head.use_embedding(target.get_input_embeddings())
+    for n in (2, 45):  # shorter than the conv window, and over one scan chunk
+        tokens, feature = torch.randint(0, V, (n,)), head.fuse(torch.randn(n, 3 * D, dtype=torch.float64))
+        out, states = head.prefill(tokens, feature)
+        want_out, want_states, _ = head.run(tokens[None], feature[None])
+        torch.testing.assert_close(out, want_out[0], rtol=0, atol=1e-12)
+        for (conv, ssm), (want_conv, want_ssm) in zip(states, want_states):
+            torch.testing.assert_close(conv, want_conv, rtol=0, atol=1e-12)
+            torch.testing.assert_close(ssm, want_ssm, rtol=0, atol=1e-12)

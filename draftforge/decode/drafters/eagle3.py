@@ -216,6 +216,9 @@ class FeatureMambaDrafter(FeatureDrafter):
         self.node_state: dict[int, list] = {}
 
     def _feed_anchors(self, tokens, features, positions):
+        if self.anchors == 0:  # a prompt: one parallel scan instead of a step per token
+            out_QD, self.states = self.model.prefill(tokens, features)
+            return out_QD
         out_1QD, self.states, _ = self.model.run(tokens[None], features[None], self.states)
         return out_1QD[0]
 
