@@ -104,13 +104,21 @@ class Eagle3Config:
 
     def check_target(self, config, where: str) -> None:
         """CompatibilityError unless `config` (a HF target config) has the shape this head was built for."""
-        have = {"hidden_size": config.hidden_size, "num_target_layers": config.num_hidden_layers,
-                "vocab_size": config.vocab_size, "num_attention_heads": config.num_attention_heads,
-                "num_key_value_heads": config.num_key_value_heads}
-        diff = [f"{k} {getattr(self, k)} (head) vs {v} (target)" for k, v in have.items() if getattr(self, k) != v]
-        if diff:
-            raise CompatibilityError(f"EAGLE-3 head {where} was built for another target: {'; '.join(diff)}; use "
-                                     "the target it was trained on, or train a head for this one (task eagle3)")
+        check_shape(self, config, f"EAGLE-3 head {where}", attention=True)
+
+
+def check_shape(head_config, config, what: str, attention: bool) -> None:
+    """CompatibilityError naming both sides unless a target `config` has the hidden size, depth and vocabulary (and
+    with `attention`, the heads) that `head_config` was built for (either drafter that reads the target)."""
+    have = {"hidden_size": config.hidden_size, "num_target_layers": config.num_hidden_layers,
+            "vocab_size": config.vocab_size}
+    if attention:
+        have.update(num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads)
+    diff = [f"{k} {getattr(head_config, k)} (head) vs {v} (target)" for k, v in have.items()
+            if getattr(head_config, k) != v]
+    if diff:
+        raise CompatibilityError(f"{what} was built for another target: {'; '.join(diff)}; use the target it was "
+                                 "trained on, or train one for this target (task eagle3)")
 
 
 class RMSNorm(nn.Module):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftforge.errors import CompatibilityError
-from draftforge.models.eagle3 import FeatureHead, RMSNorm, check_aux_layers, default_aux_layers
+from draftforge.models.eagle3 import FeatureHead, RMSNorm, check_aux_layers, check_shape, default_aux_layers
 
 BODY = "mamba2"
 
@@ -85,12 +85,7 @@ class FeatureMambaConfig:
         return asdict(self)
 
     def check_target(self, config, where: str) -> None:
-        have = {"hidden_size": config.hidden_size, "num_target_layers": config.num_hidden_layers,
-                "vocab_size": config.vocab_size}
-        diff = [f"{k} {getattr(self, k)} (head) vs {v} (target)" for k, v in have.items() if getattr(self, k) != v]
-        if diff:
-            raise CompatibilityError(f"feature Mamba2 drafter {where} was built for another target: {'; '.join(diff)};"
-                                     " use the target it was trained on, or train one for this target (task eagle3)")
+        check_shape(self, config, f"feature Mamba2 drafter {where}", attention=False)
 
 
 class Mixer(nn.Module):
