@@ -84,6 +84,10 @@ class EvalConfig:
     cuda_graphs: Literal["auto", "on", "off"] = option(
         "auto", "capture the Mamba drafter's per-batch-size decode steps in CUDA graphs: auto = on when --device is "
         "CUDA, on = require CUDA, off = eager")
+    pack_weights: Literal["auto", "on", "off"] = option(
+        "auto", "lay the target's and drafter's linear weights out once for oneDNN (CPU, bf16/fp16; each layer "
+        "only where its product stays bitwise equal, so no output changes; +the linears' bytes in memory): auto = "
+        "when it applies, off = plain torch linears (the speed every earlier draftforge number was measured at)")
     seed: int = option(0, "sampling seed; prompt i uses seed + i")
     out_dir: str = option("eval_out", "directory for report.json, report.md and PNG plots, checked before any "
                           "model loads", flag="--out", metavar="DIR")

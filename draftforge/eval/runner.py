@@ -286,16 +286,25 @@ def _load(cfg):
     announce(target_dtype, "target", say=lambda line: _log(cfg, line))
     _log(cfg, threads)
     _log(cfg, f"loading target {cfg.target}")
-    target = decode_api.load_target(cfg.target, device=cfg.device, dtype=target_dtype.torch_dtype)
+    target = decode_api.load_target(cfg.target, device=cfg.device, dtype=target_dtype.torch_dtype,
+                                    pack_weights=cfg.pack_weights)
+    target_packing = getattr(target.model, "draftforge_packing", None)  # None: the caller's model, as given
+    packing = {"target": target_packing.describe() if target_packing else "the caller's model object, as given"}
+    _log(cfg, f"target {packing['target']}")
     drafter = None
     if cfg.drafter is not None:
         announce(drafter_dtype, "drafter", say=lambda line: _log(cfg, line))
         _log(cfg, f"loading drafter {cfg.drafter}")
         drafter = decode_api.load_drafter(cfg.drafter, target, device=cfg.device, dtype=drafter_dtype.torch_dtype,
-                                          allow_vocab_mismatch=cfg.allow_vocab_mismatch, cuda_graphs=cfg.cuda_graphs)
+                                          allow_vocab_mismatch=cfg.allow_vocab_mismatch, cuda_graphs=cfg.cuda_graphs,
+                                          pack_weights=cfg.pack_weights)
+        drafter_packing = getattr(getattr(drafter, "model", None), "draftforge_packing", None)
+        if drafter_packing is not None:
+            packing["drafter"] = drafter_packing.describe()
+            _log(cfg, f"drafter {packing['drafter']}")
     regime = {"dtype_choice": {"target": target_dtype.as_dict(),
                                **({"drafter": drafter_dtype.as_dict()} if drafter is not None else {})},
-              "threads": threads}
+              "threads": threads, "weight_packing": packing}
     return target, drafter, regime
 
 
