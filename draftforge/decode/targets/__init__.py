@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 from transformers import DynamicCache
 
+from draftforge.decode.targets.growing_cache import growing
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
 from draftforge.errors import CompatibilityError
 from draftforge.hfcompat import cache_kwargs, output_cache
@@ -32,15 +33,20 @@ def max_context(config) -> int | None:
 
 
 class CachedLM:
-    """A causal LM plus a DynamicCache that can be extended, fed packed trees, and trimmed."""
+    """A causal LM plus a DynamicCache that can be extended, fed packed trees, and trimmed.
 
-    def __init__(self, model):
+    `grow` (default True): full-attention layers keep their K/V in a buffer with spare rows (growing_cache.py), so
+    a forward appends its rows in place instead of copying the whole cache with torch.cat; same logits."""
+
+    def __init__(self, model, grow: bool = True):
         self.model = model
         self.device = model.device
+        self.grow = grow
         self.reset()
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        cache = DynamicCache(config=self.model.config)
+        self.cache = growing(cache) if self.grow else cache
         self.length = 0  # tokens whose K/V are in the cache
         self.features_QA = None
 
@@ -77,8 +83,14 @@ class CachedLM:
             if drop > 0:
                 self.cache.crop(-drop)
         else:
-            index_K = torch.tensor(list(range(n_prefix)) + [n_prefix + e for e in extra], device=self.device)
+            extra_K = torch.tensor(extra, device=self.device)
+            index_K = None
             for layer in self.cache.layers:
+                if hasattr(layer, "keep_rows"):  # a GrowingLayer: moves the kept rows after the prefix, nothing else
+                    layer.keep_rows(n_prefix, extra_K)
+                    continue
+                if index_K is None:
+                    index_K = torch.cat([torch.arange(n_prefix, device=self.device), n_prefix + extra_K])
                 layer.keys = layer.keys.index_select(-2, index_K)
                 layer.values = layer.values.index_select(-2, index_K)
         self.length = n_prefix + len(extra)
