@@ -13,6 +13,7 @@ from draftforge.decode.drafters.base import Drafter, propose_children  # noqa: F
 from draftforge.decode.drafters.transformer import TransformerDrafter
 from draftforge.decode.drafters.lookup import DEFAULT_MAX_NGRAM, PromptLookupDrafter
 from draftforge.decode.drafters.mamba import MambaDrafter
+from draftforge.decode.attention import use_decode_attention
 from draftforge.decode.packing import PackReport, pack_linears
 from draftforge.decode.targets import SSM_MODEL_TYPES, KVCacheTarget, Target, is_recurrent_model
 from draftforge.errors import CompatibilityError, RecipeError
@@ -27,15 +28,22 @@ LOOKUP_FORM = ("prompt-lookup, or prompt-lookup:KEY=N,... with keys ngram (longe
 PACK_CHOICES = ("auto", "on", "off")
 
 
-def load_hf_causal_lm(model_or_path, device, dtype, what: str, pack_weights: str = "auto"):
+def load_hf_causal_lm(model_or_path, device, dtype, what: str, pack_weights: str = "auto",
+                      decode_attention: str = "auto"):
     """(model, tokenizer or None) from a loaded model or a local/Hub path, in eval mode.
 
     pack_weights: "on" packs its linear weights for oneDNN where that changes no number (decode/packing.py: faster
     bf16 on CPU); "auto" does it for a model loaded here from a path, never for a model object the caller passed
     (it stays as given); "off" never. What happened is in `model.draftforge_packing` (a PackReport), except on
-    a caller's model left unpacked."""
-    if pack_weights not in PACK_CHOICES:
-        raise RecipeError(f"pack_weights must be one of {', '.join(PACK_CHOICES)}, got {pack_weights!r}")
+    a caller's model left unpacked.
+
+    decode_attention: "on" switches a CPU bf16/fp16 Llama-family model's attention to draftforge's float32
+    matmul attention for few query rows (decode/attention.py: much faster against a long cache; bf16 outputs may
+    part from transformers' sdpa at near-ties, fp32 untouched); "auto" as for pack_weights; "off" never. What
+    happened is in `model.draftforge_attention` (words)."""
+    for name, value in (("pack_weights", pack_weights), ("decode_attention", decode_attention)):
+        if value not in PACK_CHOICES:
+            raise RecipeError(f"{name} must be one of {', '.join(PACK_CHOICES)}, got {value!r}")
     tokenizer = None
     given = isinstance(model_or_path, PreTrainedModel)
     if given:
@@ -55,17 +63,22 @@ def load_hf_causal_lm(model_or_path, device, dtype, what: str, pack_weights: str
         model.draftforge_packing = pack_linears(model)
     elif not given:
         model.draftforge_packing = PackReport(skipped="pack_weights off")
+    if decode_attention == "on" or (decode_attention == "auto" and not given):
+        model.draftforge_attention = use_decode_attention(model)
+    elif not given:
+        model.draftforge_attention = "attention left as it is: decode_attention off"
     return model, tokenizer
 
 
 def load_target(model_or_path, device="cpu", dtype=None, tokenizer=None, scan_impl: str = "auto",
-                pack_weights: str = "auto") -> Target:
+                pack_weights: str = "auto", decode_attention: str = "auto") -> Target:
     """A Target from a HF decoder-only Transformer, or an SSM / hybrid model (model object or path).
 
     Transformers get the KV-cache target; Mamba2 and Mamba2+attention hybrids get `HybridTarget`
     (STree tree scan + replay; `scan_impl` = "auto" | "ref" | "triton"); other recurrent models
-    are refused with one message listing what is supported. pack_weights: see load_hf_causal_lm."""
-    model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "target", pack_weights)
+    are refused with one message listing what is supported. pack_weights, decode_attention: see
+    load_hf_causal_lm."""
+    model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "target", pack_weights, decode_attention)
     tokenizer = tokenizer if tokenizer is not None else found_tokenizer
     if is_recurrent_model(model.config) and not getattr(model.config, "is_encoder_decoder", False):
         from draftforge.decode.targets.hybrid import HybridTarget  # here: it loads the tree-scan kernels
@@ -160,14 +173,14 @@ def _export_tokenizer(path):
 
 
 def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_vocab_mismatch=False, tokenizer=None,
-                 cuda_graphs="auto", pack_weights: str = "auto"):
+                 cuda_graphs="auto", pack_weights: str = "auto", decode_attention: str = "auto"):
     """A PromptLookupDrafter for the spec 'prompt-lookup[:options]' (no model; see lookup_options; a folder of
     that name is ./prompt-lookup), a MambaDrafter for Mamba/Mamba2 checkpoints (HF or draftforge export), an
     EarlyExitDrafter for an EESD export (task eesd), else a TransformerDrafter.
 
     cuda_graphs ("auto" | "on" | "off") applies to Mamba drafters: their per-batch-size decode steps
     are CUDA graphs when on (auto: exactly when the drafter is on CUDA); Transformer drafters ignore it.
-    pack_weights applies to HF drafters (see load_hf_causal_lm).
+    pack_weights and decode_attention apply to HF drafters (see load_hf_causal_lm).
     """
     from draftforge.models.eesd_export import is_eesd_export
 
@@ -183,7 +196,8 @@ def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_
     eagle3 = load_eagle3(model_or_path, target, device, dtype)
     if eagle3 is not None:
         return eagle3
-    model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "drafter", pack_weights)
+    model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "drafter", pack_weights,
+                                               decode_attention)
     tokenizer = tokenizer if tokenizer is not None else found_tokenizer
     check_vocab(target, model, tokenizer, allow_vocab_mismatch)
     if model.config.model_type in SSM_MODEL_TYPES:

@@ -88,6 +88,11 @@ class EvalConfig:
         "auto", "lay the target's and drafter's linear weights out once for oneDNN (CPU, bf16/fp16; each layer "
         "only where its product stays bitwise equal, so no output changes; +the linears' bytes in memory): auto = "
         "when it applies, off = plain torch linears (the speed every earlier draftforge number was measured at)")
+    decode_attention: Literal["auto", "on", "off"] = option(
+        "auto", "CPU bf16/fp16 Llama-family target and drafter: attention of a decoding step / verified draft (up to "
+        "64 query rows) as float32 matmul-softmax-matmul instead of torch's CPU sdpa kernel (several times faster "
+        "against a long cache; bf16 outputs may part from sdpa's at near-ties, which the self-check classifies; "
+        "fp32 untouched): auto = when it applies, off = transformers' sdpa")
     seed: int = option(0, "sampling seed; prompt i uses seed + i")
     out_dir: str = option("eval_out", "directory for report.json, report.md and PNG plots, checked before any "
                           "model loads", flag="--out", metavar="DIR")

@@ -287,24 +287,31 @@ def _load(cfg):
     _log(cfg, threads)
     _log(cfg, f"loading target {cfg.target}")
     target = decode_api.load_target(cfg.target, device=cfg.device, dtype=target_dtype.torch_dtype,
-                                    pack_weights=cfg.pack_weights)
+                                    pack_weights=cfg.pack_weights, decode_attention=cfg.decode_attention)
     target_packing = getattr(target.model, "draftforge_packing", None)  # None: the caller's model, as given
     packing = {"target": target_packing.describe() if target_packing else "the caller's model object, as given"}
     _log(cfg, f"target {packing['target']}")
+    attention = {"target": getattr(target.model, "draftforge_attention", "the caller's model object, as given")}
+    _log(cfg, f"target {attention['target']}")
     drafter = None
     if cfg.drafter is not None:
         announce(drafter_dtype, "drafter", say=lambda line: _log(cfg, line))
         _log(cfg, f"loading drafter {cfg.drafter}")
         drafter = decode_api.load_drafter(cfg.drafter, target, device=cfg.device, dtype=drafter_dtype.torch_dtype,
                                           allow_vocab_mismatch=cfg.allow_vocab_mismatch, cuda_graphs=cfg.cuda_graphs,
-                                          pack_weights=cfg.pack_weights)
+                                          pack_weights=cfg.pack_weights, decode_attention=cfg.decode_attention)
         drafter_packing = getattr(getattr(drafter, "model", None), "draftforge_packing", None)
         if drafter_packing is not None:
             packing["drafter"] = drafter_packing.describe()
             _log(cfg, f"drafter {packing['drafter']}")
+        drafter_attention = getattr(getattr(drafter, "model", None), "draftforge_attention", None)
+        if drafter_attention is not None:
+            attention["drafter"] = drafter_attention
+            _log(cfg, f"drafter {drafter_attention}")
     regime = {"dtype_choice": {"target": target_dtype.as_dict(),
                                **({"drafter": drafter_dtype.as_dict()} if drafter is not None else {})},
-              "threads": threads, "weight_packing": packing}
+              "threads": threads, "weight_packing": packing,
+              "attention": attention}
     return target, drafter, regime
 
 

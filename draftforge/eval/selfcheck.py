@@ -4,7 +4,7 @@ whether the difference is rounding (a near-tie) or a defect.
 In reduced precision a verification forward (many rows) sums in another order than an AR step (one row), so two
 correct decodes may part where two logits are within rounding of each other. The tolerance for that is measured
 **without the code under test**: at the first differing position the prefix goes through the model's own plain
-forward (transformers alone: no harness cache, tree scan or multi-row verify), once in float32 (the reference r)
+forward (transformers alone: no harness cache, tree scan, multi-row verify or decode attention), once in float32 (the reference r)
 and twice in the run's dtype (the whole prefix at once, and with its last token as a cached step); noise = the
 largest |Δlogit| of those two from r. AR chose a, the method b: a near-tie needs |r(a) − r(b)| ≤ tolerance =
 2·noise, at least one rounding step of the dtype at |r(a)| and at most `CEILING_STEPS` rounding steps at the
@@ -28,6 +28,7 @@ import weakref
 
 import torch
 
+from draftforge.decode.attention import standard_attention
 from draftforge.decode.tree import DraftTree
 from draftforge.hfcompat import cache_kwargs, output_cache
 
@@ -122,10 +123,12 @@ def plain_step_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def reference(target, prefix: list[int]) -> dict:
-    """The independent evidence at `prefix`: fp32 logits r [V] and the run dtype's noise against them."""
+    """The independent evidence at `prefix`: fp32 logits r [V] and the run dtype's noise against them (with
+    transformers' own attention, not draftforge's decode attention)."""
     model = target.model
     r_V = plain_logits(_fp32(model), prefix, keep=1)[-1].cpu()
-    runs = [plain_logits(model, prefix, keep=1)[-1].cpu(), plain_step_logits(model, prefix).cpu()]
+    with standard_attention(model):
+        runs = [plain_logits(model, prefix, keep=1)[-1].cpu(), plain_step_logits(model, prefix).cpu()]
     noise = max(float((x - r_V).abs().max()) for x in runs)
     step_eps = max(torch.finfo(_dtype(target)).eps, torch.finfo(torch.float16).eps)
     ceiling = CEILING_STEPS * 2 * step_eps * max(1.0, float(r_V.abs().max()))
@@ -174,7 +177,8 @@ def check_ar(target, context: list[int], tokens: list[int]) -> dict | None:
     if key not in done:
         found = None
         if tokens:
-            logits_TV = plain_logits(target.model, context + tokens[:-1], keep=len(tokens))
+            with standard_attention(target.model):  # transformers alone, not draftforge's decode attention
+                logits_TV = plain_logits(target.model, context + tokens[:-1], keep=len(tokens))
             picks = logits_TV.argmax(-1).tolist()
             i = next((k for k, (t, p) in enumerate(zip(tokens, picks)) if t != p), None)
             if i is not None:

@@ -1,0 +1,122 @@
+"""draftforge's decode attention (decode/attention.py) against torch's scaled_dot_product_attention in float64
+(the oracle: same mathematics, another implementation), then end to end in bf16 against the float32 model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from draftforge.decode import build_decoder, load_target
+from draftforge.decode.attention import (NAME, decode_attention_unavailable, matmul_attention, standard_attention,
+                                         use_decode_attention)
+from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
+from draftforge.errors import RecipeError
+from tests.fixtures.decode import tiny_llama
+
+
+def _qkv(q, k, heads=6, kv_heads=2, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, heads, q, d, generator=g, dtype=torch.float64),
+            torch.randn(1, kv_heads, k, d, generator=g, dtype=torch.float64),
+            torch.randn(1, kv_heads, k, d, generator=g, dtype=torch.float64))
+
+
+def _sdpa(query, key, value, **kw):
+    rep = query.shape[1] // key.shape[1]
+    out = F.scaled_dot_product_attention(query, key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1), **kw)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("q,k", [(1, 1), (1, 37), (4, 37), (9, 9)])
+def test_causal_and_unmasked_rows_match_sdpa_in_float64(q, k):
+    query, key, value = _qkv(q, k)
+    got = matmul_attention(query, key, value, None, is_causal=True).to(torch.float64)
+    if q == 1:
+        want = _sdpa(query, key, value)
+    else:  # causal over the last q keys: row i sees keys up to k - q + i
+        visible = torch.arange(k)[None, :] <= torch.arange(k - q, k)[:, None]
+        want = _sdpa(query, key, value, attn_mask=visible)
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)  # float32 arithmetic inside
+
+
+def test_tree_masks_bool_and_additive_match_sdpa():
+    parents = [-1, -1, 0, 1, 3]
+    past = 11
+    anc = ancestor_matrix([-1] + [p + 1 for p in parents])
+    additive = packed_tree_mask(anc, past, torch.float64, "cpu")
+    visible = additive == 0
+    query, key, value = _qkv(6, past + 6, seed=1)
+    want = _sdpa(query, key, value, attn_mask=visible)
+    for mask in (additive, visible):
+        assert torch.allclose(matmul_attention(query, key, value, mask).double(), want, atol=1e-6, rtol=0)
+    per_head = visible.expand(1, 6, 6, past + 6)
+    assert torch.allclose(matmul_attention(query, key, value, per_head).double(), want, atol=1e-6, rtol=0)
+
+
+def test_only_cpu_bf16_llama_family_models_switch(tmp_path):
+    fp32 = tiny_llama(vocab=64)
+    assert "bf16" in decode_attention_unavailable(fp32)
+    assert use_decode_attention(fp32).startswith("attention left as it is")
+    assert fp32.config._attn_implementation == "sdpa"
+    model = tiny_llama(vocab=64, dtype=torch.bfloat16)
+    assert NAME in use_decode_attention(model) and model.config._attn_implementation == NAME
+    with standard_attention(model):
+        assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == NAME
+    model.save_pretrained(tmp_path / "m")
+    with pytest.raises(RecipeError, match="decode_attention must be one of auto, on, off"):
+        load_target(tmp_path / "m", decode_attention="fast")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    path = tmp_path_factory.mktemp("attn") / "target"
+    tiny_llama(vocab=96, layers=2, hidden=64, ctx=512).save_pretrained(path)
+    fast = load_target(path, dtype=torch.bfloat16)
+    plain = load_target(path, dtype=torch.bfloat16, decode_attention="off")
+    exact = load_target(path, dtype=torch.float32)
+    assert fast.model.config._attn_implementation == NAME
+    assert plain.model.config._attn_implementation == "sdpa" == exact.model.config._attn_implementation
+    return fast, plain, exact
+
+
+def test_bf16_logits_are_as_close_to_fp32_as_sdpas(pair):
+    """AR steps, a verified chain and a verified tree against a long cache: the decode attention's bf16 logits are
+    no further from the fp32 model's than transformers' sdpa's bf16 logits are (plus one bf16 rounding step)."""
+    fast, plain, exact = pair
+    prompt = [(5 * i + 1) % 96 for i in range(300)]
+    tree = DraftTree([5, 6, 9, 11, 12], [-1, -1, 0, 0, 2], [1, 1, 2, 2, 3])
+    for draft in (DraftTree([], [], []), DraftTree([5, 9, 11], [-1, 0, 1], [1, 2, 3]), tree):
+        logits = []
+        for t in pair:
+            t.prefill(prompt)
+            logits.append(t.verify(prompt[-1], draft))
+        err_fast = (logits[0] - logits[2]).abs().max().item()
+        err_sdpa = (logits[1] - logits[2]).abs().max().item()
+        step = torch.finfo(torch.bfloat16).eps * logits[2].abs().max().item()
+        assert err_fast <= err_sdpa + step, (len(draft), err_fast, err_sdpa)
+
+
+def test_an_fp32_copy_computes_sdpa_exactly(pair):
+    fast, plain, _ = pair
+    fp32_copy = copy.deepcopy(fast.model).float()  # the self-check's reference copy: falls back to sdpa
+    fp32_plain = copy.deepcopy(plain.model).float()
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.inference_mode():
+        assert torch.equal(fp32_copy(ids).logits, fp32_plain(ids).logits)
+        assert torch.equal(fp32_copy(ids[:, :1]).logits, fp32_plain(ids[:, :1]).logits)  # one row too
+
+
+def test_decodes_with_the_decode_attention_are_lossless(pair):
+    """The harness with the decode attention equals the same model's own greedy generate() (which runs the same
+    attention for its one-row steps)."""
+    fast = pair[0]
+    prompt = [(7 * i + 3) % 96 for i in range(40)]
+    ids = torch.tensor([prompt])
+    want = fast.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    got = build_decoder("ar", fast).generate(prompt, max_new_tokens=30, eos_token_id=[]).tokens
+    assert got == want
