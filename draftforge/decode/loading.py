@@ -6,6 +6,7 @@ The interfaces live in targets.py and drafter_base.py (Drafter re-exported here)
 
 from __future__ import annotations
 
+from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel
 
 from draftforge.decode.drafters.cuda_graphs import use_cuda_graphs
@@ -139,10 +140,11 @@ def lookup_options(spec) -> dict | None:
     return options
 
 
-def load_eagle3(model_or_path, target: Target, device, dtype):
+def load_eagle3(model_or_path, target: Target, device, dtype, pack_weights: str = "auto"):
     """A drafter bound to `target` for a head that reads it (an EAGLE-3 head or a feature-conditioned Mamba2
     drafter; module or export directory), else None. It runs in the target's dtype unless `dtype` says otherwise:
-    it reads the target's states as they are."""
+    it reads the target's states as they are. pack_weights as in load_hf_causal_lm (an export's head is packed
+    under "auto", a module you pass is not)."""
     from draftforge.models.eagle3 import Eagle3Head
     from draftforge.models.eagle3_export import is_eagle3_export, load_head
     from draftforge.models.feature_mamba import FeatureMamba2Head
@@ -159,6 +161,8 @@ def load_eagle3(model_or_path, target: Target, device, dtype):
     from draftforge.decode.drafters.eagle3 import Eagle3Drafter, FeatureMambaDrafter
 
     head = head.to(device=device, dtype=dtype or target.model.dtype).eval()
+    if pack_weights == "on" or (pack_weights == "auto" and not isinstance(model_or_path, nn.Module)):
+        head.draftforge_packing = pack_linears(head)
     kind = FeatureMambaDrafter if isinstance(head, FeatureMamba2Head) else Eagle3Drafter
     drafter = kind(head, target.vocab_size, tokenizer)
     drafter.bind(target)
@@ -193,7 +197,7 @@ def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_
         from draftforge.decode.methods.eesd import load_early_exit
 
         return load_early_exit(model_or_path, target, device=device, dtype=dtype)
-    eagle3 = load_eagle3(model_or_path, target, device, dtype)
+    eagle3 = load_eagle3(model_or_path, target, device, dtype, pack_weights)
     if eagle3 is not None:
         return eagle3
     model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "drafter", pack_weights,

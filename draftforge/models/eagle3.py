@@ -121,6 +121,12 @@ def check_shape(head_config, config, what: str, attention: bool) -> None:
                                  "trained on, or train one for this target (task eagle3)")
 
 
+def matmul_attention_for(q: torch.Tensor) -> bool:
+    """Decoding steps on CPU in bf16/fp16 use draftforge's float32 matmul attention (decode/attention.py): torch's
+    CPU sdpa kernel is several times slower for a few query rows against a long cache."""
+    return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, width: int, eps: float):
         super().__init__()
@@ -310,6 +316,12 @@ class Eagle3Head(FeatureHead):
         n_q, n_k = len(tokens_Q), cache.length
         if mask_QK is None:
             mask_QK = torch.ones(n_q, n_k, dtype=torch.bool, device=q_QHE.device).tril(n_k - n_q)
+        if matmul_attention_for(q_QHE):
+            from draftforge.decode.attention import matmul_attention
+
+            out_QHE = matmul_attention(q_QHE.transpose(0, 1)[None], k_GKE[None], v_GKE[None],
+                                       mask_QK.to(q_QHE.device)[None, None])[0]
+            return self.finish(out_QHE, feature_QD.to(self.dtype))
         att = self.config.num_attention_heads // self.config.num_key_value_heads
         q_GAQE = q_QHE.transpose(0, 1).unflatten(0, (-1, att))  # query heads grouped by the K/V head they share
         out_GAQE = F.scaled_dot_product_attention(q_GAQE, k_GKE[:, None], v_GKE[:, None],

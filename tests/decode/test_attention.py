@@ -120,3 +120,37 @@ def test_decodes_with_the_decode_attention_are_lossless(pair):
                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     got = build_decoder("ar", fast).generate(prompt, max_new_tokens=30, eos_token_id=[]).tokens
     assert got == want
+
+
+def test_eagle3_head_step_in_bf16_takes_the_matmul_path_and_agrees_with_sdpa(monkeypatch):
+    """The EAGLE-3 head's decoding step (its own KV cache) in bf16 uses matmul_attention; against the same head's
+    float32 step (torch's sdpa) it is no further off than the bf16 step with sdpa (plus one bf16 step)."""
+    import draftforge.models.eagle3 as e3
+    from tests.fixtures.decode import eagle3_head
+
+    target = tiny_llama(vocab=64, layers=4, hidden=64)
+    head32 = eagle3_head(target)
+    head16 = copy.deepcopy(head32).to(torch.bfloat16)
+    for head in (head32, head16):
+        head.use_embedding(target.get_input_embeddings())
+    gen = torch.Generator().manual_seed(3)
+    ctx, q = 40, 5
+    tokens = torch.randint(0, 64, (ctx + q,), generator=gen)
+    feature = torch.randn(ctx + q, head32.config.hidden_size, generator=gen)
+    mask = torch.ones(q, ctx + q, dtype=torch.bool).tril(ctx)
+    mask[3, ctx + 1] = False  # a tree-shaped row
+
+    def run(head):
+        cache = head.new_cache()
+        head.step(tokens[:ctx], feature[:ctx].to(head.dtype), torch.arange(ctx), cache, None)
+        return head.step(tokens[ctx:], feature[ctx:].to(head.dtype), torch.arange(ctx, ctx + q), cache, mask).float()
+
+    calls = []
+    real = e3.matmul_attention_for
+    monkeypatch.setattr(e3, "matmul_attention_for", lambda q_: calls.append(q_.dtype) or real(q_))
+    want, fast = run(head32), run(head16)
+    assert calls == [torch.float32] * 2 + [torch.bfloat16] * 2 and not real(torch.zeros(1))
+    monkeypatch.setattr(e3, "matmul_attention_for", lambda q_: False)
+    sdpa16 = run(head16)
+    step = torch.finfo(torch.bfloat16).eps * want.abs().max().item()
+    assert (fast - want).abs().max().item() <= (sdpa16 - want).abs().max().item() + step
