@@ -107,13 +107,19 @@ def on_vllm_rounds(dec, prompts: list[list[int]], answers: list[list[int]], k: i
 def harness(target_dir: str, drafter_dir: str | None, prompts: list[list[int]], max_new: int, k: int, dtype,
             answers: list[list[int]] | None = None):
     """draftforge's AR, prompt lookup and chain (with the drafter) on the same prompts: tokens, tok/s, τ; with
-    `answers` (vLLM's plain outputs) the chain once more on vLLM's rounds."""
+    `answers` (vLLM's plain outputs) the chain once more on vLLM's rounds. AR also runs as the harness ran before
+    its CPU speed work (plain torch linears, transformers' sdpa and torch.cat KV cache): the ratio in the same run."""
     from draftforge.decode import build_decoder, load_drafter, load_target
 
     target = load_target(target_dir, dtype=dtype)
-    decoders = {"ar": build_decoder("ar", target),
-                f"prompt-lookup-{k}": build_decoder("chain", target, load_drafter(f"prompt-lookup:tokens={k}", target),
-                                                    chain_length=k)}
+    print(f"draftforge target: {target.model.draftforge_packing.describe()}; {target.model.draftforge_attention}",
+          flush=True)
+    before = load_target(target_dir, dtype=dtype, pack_weights="off", decode_attention="off")
+    before.lm.grow = False
+    decoders = {"ar": build_decoder("ar", target), "ar, as before (plain linears, sdpa, torch.cat cache)":
+                build_decoder("ar", before)}
+    decoders[f"prompt-lookup-{k}"] = build_decoder("chain", target, load_drafter(f"prompt-lookup:tokens={k}", target),
+                                                   chain_length=k)
     if drafter_dir:
         decoders[f"chain-{k}"] = build_decoder("chain", target, load_drafter(drafter_dir, target, dtype=dtype),
                                                chain_length=k)
@@ -156,8 +162,13 @@ def main(argv=None) -> dict:
     p.add_argument("--draft-tokens", type=int, default=3, help="speculative tokens per round, both engines")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--vllm-python", help="python of the vLLM environment (default $VLLM_PYTHON or setup_vllm.sh's)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for each engine: draftforge's torch threads, and vLLM's OpenMP threads bound to "
+                        "cores 0..N-1 (VLLM_CPU_OMP_THREADS_BIND; a value already in the environment is kept)")
     p.add_argument("--out", default="runs/bench/vllm_compare.json")
     args = p.parse_args(argv)
+    if args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
     python, note = vllm_python(args.vllm_python)
     if python is None:
         print(f"skipped: {note}")
@@ -179,6 +190,7 @@ def main(argv=None) -> dict:
         print(f"vLLM {note}: " + ", ".join(settings), flush=True)
         env = {**os.environ, "PYTHONPATH": str(REPO)}  # vLLM's worker imports benchmarks.serving.mamba_proposer
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if args.threads == 1 else f"0-{args.threads - 1}")
         iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # vllm-cpu's OpenMP: preloaded, it runs faster
         if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
             env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD")) if x)
@@ -187,10 +199,14 @@ def main(argv=None) -> dict:
             raise SystemExit(f"vLLM failed:\n{done.stderr[-3000:]}")
         served = json.loads(vllm_out.read_text())["results"]
     plain = served["plain"]["tokens"]
+    import torch
+
+    torch.set_num_threads(args.threads)
     ours = harness(args.target, args.drafter, prompts, args.max_new_tokens, k,
                    resolve_dtype(args.dtype, "cpu").torch_dtype, answers=plain)
     rows, result = [], {"target": args.target, "drafter": args.drafter, "bench": args.bench, "prompts": len(prompts),
                         "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "draft_tokens": k, "vllm": note,
+                        "threads": args.threads, "vllm_threads_bind": env["VLLM_CPU_OMP_THREADS_BIND"],
                         "engines": {}}
     for engine, table in (("vLLM", served), ("draftforge", ours)):
         for name, r in table.items():
