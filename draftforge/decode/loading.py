@@ -29,6 +29,12 @@ LOOKUP_FORM = ("prompt-lookup, or prompt-lookup:KEY=N,... with keys ngram (longe
 PACK_CHOICES = ("auto", "on", "off")
 
 
+def check_speed_choices(pack_weights: str, decode_attention: str) -> None:
+    for name, value in (("pack_weights", pack_weights), ("decode_attention", decode_attention)):
+        if value not in PACK_CHOICES:
+            raise RecipeError(f"{name} must be one of {', '.join(PACK_CHOICES)}, got {value!r}")
+
+
 def load_hf_causal_lm(model_or_path, device, dtype, what: str, pack_weights: str = "auto",
                       decode_attention: str = "auto"):
     """(model, tokenizer or None) from a loaded model or a local/Hub path, in eval mode.
@@ -42,9 +48,7 @@ def load_hf_causal_lm(model_or_path, device, dtype, what: str, pack_weights: str
     matmul attention for few query rows (decode/attention.py: much faster against a long cache; bf16 outputs may
     part from transformers' sdpa at near-ties, fp32 untouched); "auto" as for pack_weights; "off" never. What
     happened is in `model.draftforge_attention` (words)."""
-    for name, value in (("pack_weights", pack_weights), ("decode_attention", decode_attention)):
-        if value not in PACK_CHOICES:
-            raise RecipeError(f"{name} must be one of {', '.join(PACK_CHOICES)}, got {value!r}")
+    check_speed_choices(pack_weights, decode_attention)
     tokenizer = None
     given = isinstance(model_or_path, PreTrainedModel)
     if given:
@@ -188,6 +192,7 @@ def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_
     """
     from draftforge.models.eesd_export import is_eesd_export
 
+    check_speed_choices(pack_weights, decode_attention)
     lookup = lookup_options(model_or_path)
     if lookup is not None:  # reads only token ids: no model, dtype, device or tokenizer of its own
         drafter = PromptLookupDrafter(target.vocab_size, **lookup)

@@ -4,8 +4,8 @@ whether the difference is rounding (a near-tie) or a defect.
 In reduced precision a verification forward (many rows) sums in another order than an AR step (one row), so two
 correct decodes may part where two logits are within rounding of each other. The tolerance for that is measured
 **without the code under test**: at the first differing position the prefix goes through the model's own plain
-forward (transformers alone: no harness cache, tree scan, multi-row verify or decode attention), once in float32 (the reference r)
-and twice in the run's dtype (the whole prefix at once, and with its last token as a cached step); noise = the
+forward (transformers alone: no harness cache, tree scan, multi-row verify or decode attention), once in float32
+(the reference r) and twice in the run's dtype (the whole prefix at once, and with its last token as a cached step); noise = the
 largest |Δlogit| of those two from r. AR chose a, the method b: a near-tie needs |r(a) − r(b)| ≤ tolerance =
 2·noise, at least one rounding step of the dtype at |r(a)| and at most `CEILING_STEPS` rounding steps at the
 logits' scale (a gap larger than the dtype's rounding of logits that size can explain is a defect whatever was

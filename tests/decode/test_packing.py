@@ -112,6 +112,8 @@ def test_fp32_and_bad_values(saved):
     assert all(type(m) is nn.Linear for m in _linears(target.model))
     with pytest.raises(RecipeError, match="pack_weights must be one of auto, on, off"):
         load_target(saved / "target", pack_weights="yes")
+    with pytest.raises(RecipeError, match="pack_weights must be one of auto, on, off, got 'yes'"):
+        load_drafter("prompt-lookup", target, pack_weights="yes")  # refused for every drafter kind, not ignored
 
 
 def test_a_packed_model_moved_to_fp32_is_the_plain_fp32_model(saved):
