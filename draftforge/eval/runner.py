@@ -33,6 +33,9 @@ class SelfCheckError(DraftforgeError):
     """Greedy speculative output differed from AR beyond rounding (any dtype) or at all (fp32): not lossless."""
 
 
+PROGRESS_EVERY_S = 60.0  # a timed pass longer than this reports its progress at most this often
+
+
 def _log(cfg: EvalConfig, msg: str) -> None:
     if not cfg.quiet:
         print(f"[eval] {msg}", file=sys.stderr, flush=True)
@@ -111,11 +114,17 @@ def _timed_pass(cfg, method, dec, prompts, params, rep, eos, records, memory, to
     temp = params.temperature
     with metrics.PassMemory(cfg.device) as pass_memory:
         start, n_tok = time.perf_counter(), 0
+        said = start
         for i, p in enumerate(prompts):
             for turn, (ids, res) in enumerate(_decode_turns(cfg, dec, p, params, i, eos, tokenizer, len(prompts))):
                 records.append(metrics.RunRecord(method, temp, rep, p.prompt_id, len(ids), list(res.tokens),
                                                  res.stats, turn, ids if turn else None))
                 n_tok += res.stats.new_tokens
+            now = time.perf_counter()
+            if now - said >= PROGRESS_EVERY_S and i + 1 < len(prompts):  # long passes (long context) say how far
+                said = now
+                _log(cfg, f"T={temp:g} repeat {rep + 1}/{cfg.repeats} {method:<12} {i + 1}/{len(prompts)} prompts, "
+                          f"{n_tok} tokens, {now - start:.0f} s")
         secs = time.perf_counter() - start
     key = f"{method}@{temp:g}"
     mem = {**pass_memory.result, "repeat": rep}

@@ -419,3 +419,15 @@ def test_plot_titles_name_the_prompt_set_briefly_and_fit_the_figure(tmp_path):
     box, canvas = ax.title.get_window_extent(), fig.bbox
     plt.close(fig)
     assert box.x0 >= canvas.x0 and box.x1 <= canvas.x1
+
+
+def test_a_long_pass_reports_its_progress(bench, tmp_path, monkeypatch, capsys):
+    """Every prompt but the last of a pass longer than PROGRESS_EVERY_S gets a progress line (here: every prompt)."""
+    monkeypatch.setattr(runner, "decode_api", FakeAPI())
+    monkeypatch.setattr(runner, "PROGRESS_EVERY_S", 0.0)
+    run_eval(cfg_for(bench, tmp_path, quiet=False, methods=("chain",), baselines=("ar",), plots=False))
+    err = capsys.readouterr().err
+    for method in ("ar", "chain"):
+        lines = [ln for ln in err.splitlines() if f"{method} " in ln and "prompts," in ln and " s" in ln
+                 and "tok/s" not in ln]
+        assert [ln.split(method)[1].split("prompts")[0].strip() for ln in lines] == ["1/3", "2/3"], err
