@@ -55,14 +55,15 @@ class PackedLinear(nn.Module):
         self.packed = packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
+        if self.packed is None or self.weight.dtype != self.packed.dtype:  # (a weight converted behind our back)
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def _apply(self, fn, recurse=True):
-        before = (self.weight.dtype, self.weight.device)
         super()._apply(fn, recurse)
-        if (self.weight.dtype, self.weight.device) != before:
+        # compared with the packed copy, not with the weight before this call: a weight tied to the embedding has
+        # already been converted when the embedding's module was
+        if self.packed is not None and (self.weight.dtype != self.packed.dtype or self.weight.device.type != "cpu"):
             self.packed = None  # laid out for the old dtype / device
         return self
 

@@ -116,8 +116,22 @@ def test_fp32_and_bad_values(saved):
         load_drafter("prompt-lookup", target, pack_weights="yes")  # refused for every drafter kind, not ignored
 
 
-def test_a_packed_model_moved_to_fp32_is_the_plain_fp32_model(saved):
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_packed_model_moved_to_fp32_is_the_plain_fp32_model(saved, tmp_path, tied):
+    if tied:  # the LM head shares the embedding's weight (SmolLM2): .float() converts it through the embedding
+        model = tiny_llama(vocab=VOCAB, layers=2, hidden=64)
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        model.save_pretrained(tmp_path / "tied")
+        saved = tmp_path / "tied"
+        (saved / "target").mkdir()
+        for f in saved.iterdir():
+            if f.is_file():
+                f.rename(saved / "target" / f.name)
     packed, plain = _pair(saved)
+    if tied:
+        assert packed.model.lm_head.weight is packed.model.model.embed_tokens.weight
     fp32_packed = copy.deepcopy(packed.model).float()  # what the bf16 self-check does to classify a mismatch
     fp32_plain = copy.deepcopy(plain.model).float()
     ids = torch.tensor([[4, 5, 6, 7, 8]])
