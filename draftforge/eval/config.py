@@ -102,6 +102,11 @@ class EvalConfig:
         "question), for Spec-Bench's evaluation/speed.py and equal.py; files of the same name are replaced",
         metavar="DIR")
     plots: bool = option(True, "skip the PNG plots", flag="--no-plots")
+    self_check: Literal["classify", "identity"] = option(
+        "classify", "T=0 self-check against AR: classify = each output that differs from AR's is classified as a "
+        "near-tie or a defect (one float32 and two plain forwards over its prefix, and AR's tokens checked by one "
+        "teacher-forced forward per prompt: at 8k tokens of context as much work as the timed passes); identity = "
+        "count identical outputs only, differences left unclassified (fp32 still fails on any)", flag="--self-check")
     strict_selfcheck: bool = option(True, "report, instead of failing on, fp32 greedy outputs that differ from AR",
                                     flag="--no-strict-selfcheck")
     command: str | None = option(None, "recorded in the manifest (default: sys.argv)", cli=False)

@@ -75,7 +75,7 @@ def _self_check_cell(sc: dict | None) -> str:
     cell = f"{sc['identical']}/{sc['total']}"
     if sc["identical"] < sc["total"]:
         if not sc.get("near_tie_checked"):
-            return cell + " (!)"
+            return cell + " (differences not classified)"
         cell += f" ({sc['near_ties']} near-tie" + (f", {sc['defects']} DEFECT" if sc.get("defects") else "") + ")"
     if sc.get("context_differs"):
         cell += f", {sc['context_differs']} turn(s) with another context"

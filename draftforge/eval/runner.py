@@ -199,7 +199,8 @@ def _summaries(cfg, records, memory, prompts, target, curve) -> list[dict]:
             row["cost_model"] = cost.predict(row, mine, curve) if curve else None
             row["self_check"] = None
             if temp == 0 and method != "ar":
-                row["self_check"] = selfcheck.self_check(mine, ar, ids_map, target)
+                row["self_check"] = selfcheck.self_check(mine, ar, ids_map,
+                                                         target if cfg.self_check == "classify" else None)
             results.append(row)
     return results
 

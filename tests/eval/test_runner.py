@@ -431,3 +431,21 @@ def test_a_long_pass_reports_its_progress(bench, tmp_path, monkeypatch, capsys):
         lines = [ln for ln in err.splitlines() if f"{method} " in ln and "prompts," in ln and " s" in ln
                  and "tok/s" not in ln]
         assert [ln.split(method)[1].split("prompts")[0].strip() for ln in lines] == ["1/3", "2/3"], err
+
+
+def test_self_check_identity_counts_without_classifying(bench, tmp_path, monkeypatch):
+    """--self-check identity: differing bf16 outputs are counted and left unclassified (no forward runs for them:
+    a defect that classify would find passes unflagged, and the report says they were not classified); fp32
+    still fails on any difference."""
+    monkeypatch.setattr(runner, "decode_api", FakeAPI(dtype=torch.bfloat16, broken={"chain"},
+                                                      logits_V=torch.arange(V, dtype=torch.float32)))
+    monkeypatch.setattr(selfcheck, "classify", lambda *a, **k: pytest.fail("classify ran"))
+    monkeypatch.setattr(selfcheck, "check_ar", lambda *a, **k: pytest.fail("check_ar ran"))
+    rep = run_eval(cfg_for(bench, tmp_path, plots=False, self_check="identity"))
+    sc = next(r for r in rep["results"] if r["method"] == "chain")["self_check"]
+    assert (sc["identical"], sc["total"], sc["defects"], sc["near_tie_checked"]) == (0, 3, 0, False)
+    assert {d["verdict"] for d in sc["divergences"]} == {"unchecked"}
+    assert "0/3 (differences not classified)" in (tmp_path / "out" / "report.md").read_text()
+    monkeypatch.setattr(runner, "decode_api", FakeAPI(broken={"tree"}))
+    with pytest.raises(SelfCheckError, match=r"tree: 0/3 prompts identical"):
+        run_eval(cfg_for(bench, tmp_path / "fp32", plots=False, self_check="identity"))
