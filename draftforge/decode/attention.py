@@ -23,6 +23,8 @@ from contextlib import contextmanager
 
 import torch
 
+from draftforge.kernels.attention import matmul_attention
+
 NAME = "draftforge_decode"
 FAST_ROWS = 64
 FAST_DTYPES = (torch.bfloat16, torch.float16)
@@ -47,32 +49,6 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
                        is_causal=is_causal, **kwargs)
     return matmul_attention(query, key, value, attention_mask, scaling,
                             is_causal if is_causal is not None else getattr(module, "is_causal", True)), None
-
-
-def matmul_attention(query, key, value, attention_mask, scaling=None, is_causal: bool = True) -> torch.Tensor:
-    """Softmax attention in float32 by matmul, softmax, matmul: query [B, H, Q, D], key / value [B, Hkv, K, D],
-    mask None (causal over the last Q keys when Q > 1 and `is_causal`), bool (True = visible) or additive, shaped
-    [B, 1 or H, Q, >= K]; returns [B, Q, H, D] in the query's dtype."""
-    b, h, q, d = query.shape
-    hkv, k = key.shape[1], key.shape[2]
-    g = h // hkv
-    scale = scaling if scaling is not None else d**-0.5
-    q_BKgD = query.float().reshape(b, hkv, g * q, d)  # the query heads of one KV head side by side: no repeat_kv
-    scores_BKgK = torch.matmul(q_BKgD, key.float().transpose(-1, -2)).mul_(scale)
-    scores_BKGQK = scores_BKgK.view(b, hkv, g, q, k)
-    if attention_mask is not None:
-        mask = attention_mask[..., :k]
-        mask = mask[:, :, None] if mask.shape[1] == 1 else mask.reshape(b, hkv, g, q, k)
-        if mask.dtype == torch.bool:
-            scores_BKGQK.masked_fill_(~mask, float("-inf"))
-        else:
-            scores_BKGQK.add_(mask.float())
-    elif q > 1 and is_causal:  # row i sees keys up to K - Q + i
-        visible_QK = (torch.arange(k, device=query.device)[None, :]
-                      <= torch.arange(k - q, k, device=query.device)[:, None])
-        scores_BKGQK.masked_fill_(~visible_QK, float("-inf"))
-    out_BKgD = torch.matmul(scores_BKgK.softmax(-1), value.float())
-    return out_BKgD.view(b, h, q, d).transpose(1, 2).to(query.dtype).contiguous()
 
 
 def _register() -> bool:

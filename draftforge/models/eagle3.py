@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftforge.errors import CompatibilityError
+from draftforge.kernels.attention import matmul_attention
 
 HEAD_KIND = "eagle3"
 SUPPORTED_FAMILIES = ("llama",)  # a Llama-family decoder layer (SmolLM2 is one); others: CompatibilityError
@@ -317,8 +318,6 @@ class Eagle3Head(FeatureHead):
         if mask_QK is None:
             mask_QK = torch.ones(n_q, n_k, dtype=torch.bool, device=q_QHE.device).tril(n_k - n_q)
         if matmul_attention_for(q_QHE):
-            from draftforge.decode.attention import matmul_attention
-
             out_QHE = matmul_attention(q_QHE.transpose(0, 1)[None], k_GKE[None], v_GKE[None],
                                        mask_QK.to(q_QHE.device)[None, None])[0]
             return self.finish(out_QHE, feature_QD.to(self.dtype))
