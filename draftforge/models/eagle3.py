@@ -28,6 +28,7 @@ from torch import nn
 
 from draftforge.errors import CompatibilityError
 from draftforge.kernels.attention import matmul_attention
+from draftforge.kernels.kv_buffer import GrowingKV
 
 HEAD_KIND = "eagle3"
 SUPPORTED_FAMILIES = ("llama",)  # a Llama-family decoder layer (SmolLM2 is one); others: CompatibilityError
@@ -170,38 +171,7 @@ class Layer(nn.Module):
         self.mlp = MLP(c)
 
 
-class KVCache:
-    """The head's keys and values [G, K, E] in a buffer that grows by doubling: appending never copies what is
-    there (a step's cost then grows with the context only through attention itself), and `truncate` drops the
-    newest rows (a draft tree's) for free."""
-
-    def __init__(self, groups: int, head_dim: int, dtype, device, capacity: int = 256):
-        self.k = torch.empty(groups, capacity, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
-        self.length = 0
-
-    def append(self, k_GQE: torch.Tensor, v_GQE: torch.Tensor) -> None:
-        need = self.length + k_GQE.shape[1]
-        if need > self.k.shape[1]:
-            grown = max(need, 2 * self.k.shape[1])
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                new = old.new_empty(old.shape[0], grown, old.shape[2])
-                new[:, : self.length] = old[:, : self.length]
-                setattr(self, name, new)
-        self.k[:, self.length : need] = k_GQE
-        self.v[:, self.length : need] = v_GQE
-        self.length = need
-
-    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, : self.length], self.v[:, : self.length]
-
-    def truncate(self, length: int) -> None:
-        self.length = length
-
-    def nbytes(self) -> int:
-        """Bytes of the rows held (not the spare capacity)."""
-        return 2 * self.length * self.k.shape[0] * self.k.shape[2] * self.k.element_size()
+KVCache = GrowingKV  # the head's keys and values [G, K, E] (kernels/kv_buffer.py)
 
 
 class FeatureHead(nn.Module):

@@ -2,9 +2,9 @@
 
 transformers' `DynamicLayer.update` appends with `torch.cat`, so every forward copies the layer's whole cache: at
 8k tokens of SmolLM2 context that is 2 x 30 layers x 3 MB per decoded token, more memory traffic than the
-attention itself. `GrowingLayer` keeps keys and values in a buffer with spare rows (capacity doubled when full)
-and hands attention views of the filled part. Trimming to the accepted path moves only the rows that follow the
-kept prefix. The values attention reads are the same as with `torch.cat`, so logits are bitwise equal
+attention itself. `GrowingLayer` keeps keys and values in a buffer with spare rows (kernels/kv_buffer.py, the one
+the EAGLE-3 head's cache uses; capacity doubled when full) and hands attention views of the filled part.
+Trimming to the accepted path moves only the rows that follow the kept prefix. The values attention reads are the same as with `torch.cat`, so logits are bitwise equal
 (tests/decode/test_growing_cache.py).
 
 Legend: B batch, H kv heads, L cached tokens, C capacity (L <= C), D head dim.
@@ -13,6 +13,8 @@ Legend: B batch, H kv heads, L cached tokens, C capacity (L <= C), D head dim.
 from __future__ import annotations
 
 import torch
+
+from draftforge.kernels.kv_buffer import GrowingKV
 
 try:  # transformers >= 4.56: a cache is a list of per-layer objects
     from transformers.cache_utils import DynamicLayer
@@ -25,48 +27,35 @@ MIN_CAPACITY = 256
 if DynamicLayer is not None:
 
     class GrowingLayer(DynamicLayer):
-        """A DynamicLayer over a buffer with spare rows (see the module doc)."""
+        """A DynamicLayer over a GrowingKV buffer (see the module doc)."""
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             super().lazy_initialization(key_states, value_states)
-            self.length = 0
-            self.keys_BHCD = self.values_BHCD = None
+            self.buffer = GrowingKV.like(key_states, MIN_CAPACITY)
 
-        def _grow(self, need: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-            old = 0 if self.keys_BHCD is None else self.keys_BHCD.shape[-2]
-            capacity = max(need, 2 * old, MIN_CAPACITY)
-            keys = key_states.new_empty(*key_states.shape[:-2], capacity, key_states.shape[-1])
-            values = value_states.new_empty(*value_states.shape[:-2], capacity, value_states.shape[-1])
-            if self.length:
-                keys[..., : self.length, :] = self.keys_BHCD[..., : self.length, :]
-                values[..., : self.length, :] = self.values_BHCD[..., : self.length, :]
-            self.keys_BHCD, self.values_BHCD = keys, values
+        @property
+        def keys_BHCD(self) -> torch.Tensor:  # the whole buffer, spare rows included
+            return self.buffer.k
 
         def _views(self) -> None:
-            self.keys = self.keys_BHCD[..., : self.length, :]
-            self.values = self.values_BHCD[..., : self.length, :]
+            self.keys, self.values = self.buffer.view()
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            need = self.length + key_states.shape[-2]
-            if self.keys_BHCD is None or need > self.keys_BHCD.shape[-2]:
-                self._grow(need, key_states, value_states)
-            self.keys_BHCD[..., self.length : need, :] = key_states
-            self.values_BHCD[..., self.length : need, :] = value_states
-            self.length = need
+            self.buffer.append(key_states, value_states)
             self._views()
             return self.keys, self.values
 
         def get_seq_length(self) -> int:
-            return self.length if self.is_initialized else 0
+            return self.buffer.length if self.is_initialized else 0
 
         def crop(self, tokens_to_remove: int) -> None:
             if tokens_to_remove > 0:
                 raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
             if tokens_to_remove == 0 or not self.is_initialized:
                 return
-            self.length = max(0, self.length + tokens_to_remove)
+            self.buffer.truncate(max(0, self.buffer.length + tokens_to_remove))
             self._views()
 
         @torch.inference_mode()  # the buffer was made in the forward's inference mode
@@ -74,16 +63,12 @@ if DynamicLayer is not None:
             """Keep rows [0, n_prefix) and then rows n_prefix + extra_K (in that order); only those move."""
             if not self.is_initialized:
                 return
-            moved = n_prefix + extra_K
-            self.keys_BHCD[..., n_prefix : n_prefix + len(extra_K), :] = self.keys_BHCD.index_select(-2, moved)
-            self.values_BHCD[..., n_prefix : n_prefix + len(extra_K), :] = self.values_BHCD.index_select(-2, moved)
-            self.length = n_prefix + len(extra_K)
+            self.buffer.keep_rows(n_prefix, extra_K)
             self._views()
 
         def reset(self) -> None:
             super().reset()
-            self.length = 0
-            self.keys_BHCD = self.values_BHCD = None
+            self.buffer = None
 
         def batch_repeat_interleave(self, repeats: int) -> None:
             raise NotImplementedError("draftforge's growing KV cache serves batch size 1")
