@@ -22,6 +22,9 @@ class DecodeStats:
     verify_time_s: float = 0.0
     total_time_s: float = 0.0  # wall time of the whole generate() call, prefill included
     chosen_configs: list[str] = field(default_factory=list)  # controller's choice per round (e.g. UCB arm)
+    # context state held when the decode ended (decode/memory.py; None: the object does not say)
+    target_cache_bytes: int | None = None  # the target's KV cache / SSM state
+    drafter_state_bytes: int | None = None  # the drafter's committed cache or state (not a round's tree)
 
     def add_round(self, accepted: int, drafted: int, depth: int, config: str) -> None:
         """One verification round: `drafted` candidates down to `depth`, of which the first `accepted` along

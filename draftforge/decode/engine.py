@@ -19,6 +19,7 @@ import torch
 from draftforge.decode.base import DecodeResult, DecodeStats
 from draftforge.decode.control import Controller, Round
 from draftforge.decode.drafters.base import Drafter
+from draftforge.decode.memory import reported_bytes
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.targets import Target
 from draftforge.decode.tree import DraftTree
@@ -125,6 +126,8 @@ class SpeculativeDecoder(Decoder):
                 break
         stats.new_tokens = len(out)
         stats.total_time_s = clock(device) - t_start
+        stats.target_cache_bytes = reported_bytes(self.target)
+        stats.drafter_state_bytes = reported_bytes(self.drafter)
         return DecodeResult(tokens=out, stats=stats)
 
     def _round(self, seq, remaining, params, generator, eos, stats) -> list[int]:

@@ -6,6 +6,10 @@ Conventions (stated again in every report):
   tau_no_bonus   draft tokens accepted per round that drafted, bonus not counted (rounds drafting nothing skipped)
   tokens_per_s   per repeat: all new tokens of all prompts / all generate() wall time; median over repeats
   speedup        ratio of medians: median-over-repeats tokens/s of the method / that of AR in the same run
+  decode_*       the same without the prefill (tokens / (generate() time − prefill)): what a drafter can change
+                 once the prompt is encoded; at long context the prefill is most of an answer's time
+  held           context state held when a decode ended, per prompt (min / median / max bytes): the target's KV
+                 cache or SSM state, the drafter's cache or state (decode/memory.py)
   gamma_total    verified candidate tokens, summed over all rounds and prompts
   v_d, r_d, hm   EESD App. D: accepted / drafted, accepted / output tokens, their harmonic mean
   memory         per timed pass: held at its start, and its peak minus that start (PassMemory)
@@ -72,6 +76,25 @@ def _tokens_per_s_per_repeat(records: list[RunRecord]) -> dict[int, float]:
 
 def tokens_per_s_by_repeat(records: list[RunRecord]) -> list[float]:
     return list(_tokens_per_s_per_repeat(records).values())
+
+
+def decode_tokens_per_s_by_repeat(records: list[RunRecord]) -> list[float]:
+    """Per repeat: all new tokens / all generate() time after the prefill."""
+    by_rep: dict[int, list[float]] = {}
+    for r in records:
+        acc = by_rep.setdefault(r.repeat, [0, 0.0])
+        acc[0] += r.stats.new_tokens
+        acc[1] += r.stats.total_time_s - r.stats.prefill_time_s
+    return [toks / secs for toks, secs in (by_rep[k] for k in sorted(by_rep)) if secs > 0]
+
+
+def held_bytes(stats_list: list[DecodeStats]) -> dict:
+    """min / median / max over decodes of the context state held at their end; None where none was reported."""
+    out = {}
+    for key in ("target_cache_bytes", "drafter_state_bytes"):
+        values = [getattr(s, key) for s in stats_list if getattr(s, key, None) is not None]
+        out[key] = spread(values) if values else None
+    return out
 
 
 def speedup_by_repeat(records: list[RunRecord], ar_records: list[RunRecord]) -> list[float]:
@@ -149,6 +172,7 @@ def summarize(records: list[RunRecord], ar_records: list[RunRecord] | None = Non
     counts = draft_counts(stats)
     accepted, drafted, drafting_rounds = counts["accepted"], counts["drafted"], counts["drafting_rounds"]
     tps = tokens_per_s_by_repeat(records)
+    dtps = decode_tokens_per_s_by_repeat(records)
     v_d = _ratio(accepted, drafted)
     r_d = _ratio(accepted, new_tokens) if drafted else None
     out = {
@@ -161,6 +185,9 @@ def summarize(records: list[RunRecord], ar_records: list[RunRecord] | None = Non
         "tokens_per_s": statistics.median(tps) if tps else None,
         "tokens_per_s_spread": spread(tps),
         "tokens_per_s_by_repeat": tps,
+        "decode_tokens_per_s": statistics.median(dtps) if dtps else None,
+        "decode_speedup": None,
+        "held": held_bytes(stats),
         "gamma_total": drafted,
         "drafting_rounds": drafting_rounds,
         "mean_draft_length": _ratio(drafted, drafting_rounds),
@@ -185,7 +212,8 @@ def summarize(records: list[RunRecord], ar_records: list[RunRecord] | None = Non
 
 # summarize()'s figures repeated per category
 CATEGORY_KEYS = ("num_records", "new_tokens", "target_forwards", "tau", "tau_no_bonus", "tokens_per_s",
-                 "tokens_per_s_spread", "speedup", "speedup_spread", "acceptance_rate", "per_round", "prompt_tokens")
+                 "tokens_per_s_spread", "speedup", "speedup_spread", "decode_tokens_per_s", "decode_speedup",
+                 "acceptance_rate", "per_round", "prompt_tokens", "held")
 
 
 def by_category(records: list[RunRecord], ar_records: list[RunRecord] | None,
@@ -229,6 +257,9 @@ def _against_ar(records: list[RunRecord], ar_records: list[RunRecord], draft_s: 
     tps, ar_tps = tokens_per_s_by_repeat(records), tokens_per_s_by_repeat(ar_records)
     if ar_tps and tps:
         out["speedup"] = statistics.median(tps) / statistics.median(ar_tps)
+    dtps, ar_dtps = decode_tokens_per_s_by_repeat(records), decode_tokens_per_s_by_repeat(ar_records)
+    if dtps and ar_dtps:
+        out["decode_speedup"] = statistics.median(dtps) / statistics.median(ar_dtps)
     per_rep = speedup_by_repeat(records, ar_records)
     out["speedup_by_repeat"], out["speedup_spread"] = per_rep, spread(per_rep)
     ar_time = sum(r.stats.total_time_s for r in ar_records)

@@ -221,6 +221,12 @@ def acceptance_markdown(report: dict) -> str:
 MAX_CATEGORY_ROWS = 20  # more categories (e.g. the testbed's source files): report.json only
 
 
+def _speedup_cell(f: dict) -> str:
+    decode = f.get("decode_speedup")
+    both = f"{fmt_num(f['speedup'])}×" + ("" if decode is None else f" · {fmt_num(decode)}×")
+    return f"{both} ({fmt_num(f['tau'])})"
+
+
 def category_markdown(report: dict) -> str:
     """Speedup and τ per category (results[].by_category) for every speculative method, when there are two or
     more categories; the last row is the overall figure."""
@@ -231,16 +237,17 @@ def category_markdown(report: dict) -> str:
     if len(cats) > MAX_CATEGORY_ROWS:
         return f"{len(cats)} categories: per-category τ and speedup are in report.json (results[].by_category)."
     lines = ["## Per category", "",
-             "speedup vs AR (τ +bonus) on each category's prompts, computed as the overall figures are, from the "
-             "same records (a multi-turn question counts all its turns).", "",
+             "speedup vs AR end to end · decoding only, the prefill left out (τ +bonus), on each category's prompts, "
+             "computed as the overall figures are, from the same records (a multi-turn question counts all its "
+             "turns).", "",
              "| category | prompts | " + " | ".join(f"{r['method']} T={r['temperature']:g}" for r in rows) + " |",
              "|" + "---|" * (len(rows) + 2)]
     for cat in cats:
         figures = [r["by_category"].get(cat) for r in rows]
         prompts = next(f["num_prompts"] for f in figures if f)
-        cells = ["–" if f is None else f"{fmt_num(f['speedup'])}× ({fmt_num(f['tau'])})" for f in figures]
+        cells = ["–" if f is None else _speedup_cell(f) for f in figures]
         lines.append(f"| {cat} | {prompts} | " + " | ".join(cells) + " |")
-    overall = [f"{fmt_num(r['speedup'])}× ({fmt_num(r['tau'])})" for r in rows]
+    overall = [_speedup_cell(r) for r in rows]
     lines.append(f"| all | {len(report['prompts'])} | " + " | ".join(overall) + " |")
     return "\n".join(lines)
 
@@ -253,14 +260,20 @@ def category_cost_markdown(report: dict) -> str:
     if not 2 <= len(cats) <= MAX_CATEGORY_ROWS:
         return ""
     ms = lambda v: "–" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
+
+    def mib(f, key):  # the median decode's held bytes
+        held = ((f or {}).get("held") or {}).get(key) or {}
+        return "–" if held.get("median") is None else f"{held['median'] / 2**20:.1f}"
+
     lines = ["## Per category: costs", "",
              "ms unless said; context = tokens decoded from (median); verify = one target forward; harness = the "
-             "time per target forward that is neither drafting nor verifying.", "",
+             "time per target forward that is neither drafting nor verifying; KV / state MiB = the target's cache "
+             "and the drafter's cache or state held at a decode's end (median).", "",
              "| category | context | " + " | ".join(
                  f"{r['method']} T={r['temperature']:g} {what}" for r in rows
-                 for what in (("prefill s", "verify", "harness") if r["method"] == "ar" else
-                              ("draft", "verify", "harness")))
-             + " |", "|" + "---|" * (2 + 3 * len(rows))]
+                 for what in (("prefill s", "verify", "harness", "target KV MiB") if r["method"] == "ar" else
+                              ("draft", "verify", "harness", "drafter state MiB")))
+             + " |", "|" + "---|" * (2 + 4 * len(rows))]
     for cat in cats:
         cells, context = [], "–"
         for r in rows:
@@ -270,7 +283,8 @@ def category_cost_markdown(report: dict) -> str:
                 context = f"{f['prompt_tokens']['median']:.0f}"
             first = (fmt_num(cost.get("prefill_s_per_prompt")) if r["method"] == "ar" else
                      ms(cost.get("draft_s_per_round")))
-            cells += [first, ms(cost.get("verify_s_per_forward")), ms(cost.get("other_s_per_forward"))]
+            cells += [first, ms(cost.get("verify_s_per_forward")), ms(cost.get("other_s_per_forward")),
+                      mib(f, "target_cache_bytes" if r["method"] == "ar" else "drafter_state_bytes")]
         lines.append(f"| {cat} | {context} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

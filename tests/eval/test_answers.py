@@ -334,9 +334,10 @@ def test_report_has_per_category_figures_from_the_same_records(run):
     assert "## Per category" in md and "| mt_bench | 1 |" in md and "| all | 3 |" in md
 
 
-def rec(method, pid, repeat, n, secs, rounds):
+def rec(method, pid, repeat, n, secs, rounds, prefill=0.0, held=None):
     stats = DecodeStats(new_tokens=n, target_forwards=rounds, accepted_per_round=[n // rounds - 1] * rounds,
-                        drafted_per_round=[3] * rounds, total_time_s=secs)
+                        drafted_per_round=[3] * rounds, total_time_s=secs, prefill_time_s=prefill,
+                        target_cache_bytes=held)
     return RunRecord(method, 0.0, repeat, pid, 4, [1] * n, stats)
 
 
@@ -356,7 +357,22 @@ def test_by_category_equals_overall_for_one_category_and_partitions_two():
                                                 "speedup": overall["speedup"], "by_category": one}]}
     assert category_markdown(report) == ""  # one category: the overall table says it all
     report["results"][0]["by_category"] = two
-    assert "| qa | 1 | 3.00× (3.00) |" in category_markdown(report)
+    assert "| qa | 1 | 3.00× · 3.00× (3.00) |" in category_markdown(report)  # no prefill: decoding = end to end
+
+
+def test_decode_speedup_leaves_the_prefill_out_and_held_bytes_are_per_category():
+    # AR: 12 tokens in 1.2 s of which 0.2 s prefill -> 12 tok/s decoding; chain on "a": 12 in 0.4 s, 0.2 prefill
+    # -> 60 tok/s (5x, against 3x end to end); on "b": 12 in 0.8 s, 0.2 prefill -> 20 tok/s (1.67x)
+    ar = [rec("ar", p, r, 12, 1.2, 12, 0.2, held) for p, held in (("a", 100), ("b", 300)) for r in (0, 1)]
+    chain = ([rec("chain", "a", r, 12, 0.4, 4, 0.2, 100) for r in (0, 1)]
+             + [rec("chain", "b", r, 12, 0.8, 6, 0.2, 300) for r in (0, 1)])
+    cats = by_category(chain, ar, {"a": "1k", "b": "8k"})
+    assert cats["1k"]["speedup"] == pytest.approx(3.0) and cats["1k"]["decode_speedup"] == pytest.approx(5.0)
+    assert cats["8k"]["decode_speedup"] == pytest.approx(20 / 12)
+    assert summarize(chain, ar)["decode_speedup"] == pytest.approx((24 / 0.8) / 12)
+    assert cats["1k"]["held"]["target_cache_bytes"]["median"] == 100
+    assert cats["8k"]["held"]["target_cache_bytes"]["median"] == 300
+    assert cats["8k"]["held"]["drafter_state_bytes"] is None  # no decode reported one
 
 
 def test_report_categories_group_spec_bench_and_keep_other_sets():

@@ -10,9 +10,9 @@ from draftforge.eval.metrics import RunRecord, by_category, round_costs
 from draftforge.eval.report import category_cost_markdown
 
 
-def stats(forwards, drafted, prefill, draft, verify, total):
+def stats(forwards, drafted, prefill, draft, verify, total, kv=None, state=None):
     s = DecodeStats(new_tokens=2 * forwards, prefill_time_s=prefill, draft_time_s=draft, verify_time_s=verify,
-                    total_time_s=total)
+                    total_time_s=total, target_cache_bytes=kv, drafter_state_bytes=state)
     for _ in range(forwards):
         s.add_round(1 if drafted else 0, drafted, 1 if drafted else 0, "c")
     return s
@@ -35,10 +35,11 @@ def test_round_costs_are_the_hand_computed_ratios():
 
 
 def test_each_bucket_gets_its_costs_and_context_length_in_the_report():
-    chain = [record("chain", "s1k", 1000, stats(4, 3, 1.0, 0.4, 2.0, 3.8)),
-             record("chain", "s8k", 8000, stats(4, 3, 8.0, 0.4, 4.0, 12.8))]
-    ar = [record("ar", "s1k", 1000, stats(8, 0, 1.0, 0.0, 3.2, 4.2)),
-          record("ar", "s8k", 8000, stats(8, 0, 8.0, 0.0, 6.4, 14.8))]  # 0.4 s neither prefill nor verify
+    mib = 2**20
+    chain = [record("chain", "s1k", 1000, stats(4, 3, 1.0, 0.4, 2.0, 3.8, 22 * mib, mib // 2)),
+             record("chain", "s8k", 8000, stats(4, 3, 8.0, 0.4, 4.0, 12.8, 176 * mib, mib // 2))]
+    ar = [record("ar", "s1k", 1000, stats(8, 0, 1.0, 0.0, 3.2, 4.2, 22 * mib)),
+          record("ar", "s8k", 8000, stats(8, 0, 8.0, 0.0, 6.4, 14.8, 176 * mib))]  # 0.4 s neither prefill nor verify
     cats = {"s1k": "single-doc@1k", "s8k": "single-doc@8k"}
     chain_cats, ar_cats = by_category(chain, ar, cats), by_category(ar, ar, cats)
     assert chain_cats["single-doc@8k"]["per_round"]["verify_s_per_forward"] == pytest.approx(1.0)
@@ -48,6 +49,7 @@ def test_each_bucket_gets_its_costs_and_context_length_in_the_report():
                           {"method": "chain", "temperature": 0.0, "by_category": chain_cats}]}
     table = category_cost_markdown(report)
     # ar 8k: verify 6.4 s / 8 forwards, harness (14.8 - 8.0 - 6.4) s / 8; chain 8k: draft 0.4 s / 4 rounds,
-    # verify 4.0 s / 4, harness (12.8 - 8.0 - 0.4 - 4.0) s / 4
-    assert "| single-doc@8k | 8000 | 8.00 | 800.0 | 50.0 | 100.0 | 1000.0 | 100.0 |" in table, table
-    assert "| single-doc@1k | 1000 | 1.00 | 400.0 | 0.0 | 100.0 | 500.0 | 100.0 |" in table, table
+    # verify 4.0 s / 4, harness (12.8 - 8.0 - 0.4 - 4.0) s / 4; AR's column shows the target's KV, chain's the
+    # drafter's state
+    assert "| single-doc@8k | 8000 | 8.00 | 800.0 | 50.0 | 176.0 | 100.0 | 1000.0 | 100.0 | 0.5 |" in table, table
+    assert "| single-doc@1k | 1000 | 1.00 | 400.0 | 0.0 | 22.0 | 100.0 | 500.0 | 100.0 | 0.5 |" in table, table

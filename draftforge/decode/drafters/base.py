@@ -62,6 +62,11 @@ class Drafter(ABC):
     def reset(self) -> None:
         """Forget all state (a new prompt starts)."""
 
+    def cache_bytes(self) -> int | None:
+        """Bytes of the committed context's cache or state held now (not a round's tree); None where a drafter
+        keeps none worth counting (prompt lookup) or does not say."""
+        return None
+
     def draft(self, seq: list[int], plan, params: SamplingParams, generator) -> DraftTree:
         """Propose a tree continuing `seq` (prompt + committed tokens) as `plan` says (a plan of plan.py, or
         widths / a TreeShape = a static tree)."""

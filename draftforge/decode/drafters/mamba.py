@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from draftforge.decode.drafters.cuda_graphs import MODES, StaticStep, StepRunner, use_cuda_graphs
 from draftforge.decode.drafters.base import Drafter, chain_stops, draft_map, propose_children, stack_q, wants_hidden
+from draftforge.decode.memory import tensor_bytes
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.drafters.ssm_state import StateBank, copy_states, layer_states
 from draftforge.decode.tree import DraftTree
@@ -59,6 +60,11 @@ class MambaDrafter(Drafter):
         self.encoded = False
         self.consumed = 0  # committed tokens folded into the live state
         self.last_logits_V = self.last_hidden_D = None
+
+    def cache_bytes(self) -> int:
+        """The live batch-1 state (conv + SSM per layer): the same at any context. The tree banks, kept across
+        prompts per tree shape, are not counted."""
+        return 0 if self.live_step is None else tensor_bytes(self.live)
 
     @property
     def cache(self):

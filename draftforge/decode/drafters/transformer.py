@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from draftforge.decode.drafters.base import Drafter, chain_stops, draft_map, propose_level, stack_q, wants_hidden
+from draftforge.decode.memory import cache_bytes
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.targets import CachedLM
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
@@ -30,6 +31,10 @@ class TransformerDrafter(Drafter):
     def reset(self) -> None:
         self.lm.reset()
         self.last_logits_V = self.last_hidden_D = None
+
+    def cache_bytes(self) -> int:
+        """The drafter's own KV cache: it grows with the context."""
+        return cache_bytes(self.lm.cache)
 
     def _sync(self, seq: list[int], hidden: bool = False) -> torch.Tensor:
         """Feed committed tokens the cache has not seen; return logits after seq[-1] (with `hidden`, also

@@ -32,6 +32,7 @@ from draftforge.decode.drafters.base import (
     stack_q,
 )
 from draftforge.decode.engine import SpeculativeDecoder
+from draftforge.decode.memory import cache_bytes
 from draftforge.decode.methods import Method, register_method
 from draftforge.decode.sampling import match_vocab
 from draftforge.decode.targets import KVCacheTarget, Verification
@@ -173,6 +174,10 @@ class EarlyExitDrafter(Drafter):
     def reset(self) -> None:
         self.cache = DynamicCache()  # the exit layer's own cache (one layer)
         self.ee_length = 0  # positions in it
+
+    def cache_bytes(self) -> int:
+        """The exit layer's own KV cache (layers 1..N are the target's, counted there)."""
+        return cache_bytes(self.cache)
 
     def _target(self) -> EarlyExitTarget:
         if not isinstance(self.target, EarlyExitTarget):

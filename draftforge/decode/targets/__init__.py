@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 from transformers import DynamicCache
 
+from draftforge.decode.memory import cache_bytes
 from draftforge.decode.targets.growing_cache import growing
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
 from draftforge.errors import CompatibilityError
@@ -156,6 +157,10 @@ class Target(ABC):
     def device(self):
         return self.model.device
 
+    def cache_bytes(self) -> int | None:
+        """Bytes of context state held now (KV cache rows, SSM states); None where a target does not say."""
+        return None
+
     @abstractmethod
     def prefill(self, seq: list[int]) -> None:
         """Start a prompt: encode seq[:-1] (seq[-1] is fed by the first verify)."""
@@ -181,6 +186,9 @@ class KVCacheTarget(Target):
         self.lm = CachedLM(model)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_context = max_context(model.config)
+
+    def cache_bytes(self) -> int:
+        return cache_bytes(self.lm.cache)
 
     def prefill(self, seq: list[int]) -> None:
         self.lm.reset()

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from draftforge.decode.memory import cache_bytes
 from draftforge.decode.targets.stree import cache_states, mixer_tree_forward, replay_states
 from draftforge.decode.targets import Target, Verification, max_context
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
@@ -105,6 +106,9 @@ class HybridTarget(Target):
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
         self.length, self._scans, self.last = 0, {}, None
+
+    def cache_bytes(self) -> int:
+        return cache_bytes(self.cache)
 
     gives_features = True
 
