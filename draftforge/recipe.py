@@ -68,7 +68,8 @@ class ModelConfig:
     arch: str = doc("mamba2", "'mamba', 'mamba2', 'llama' or any transformers model_type (ignored with init_from)")
     size: str | None = doc("tiny", "size preset (e.g. tiny, small, 130m for Mamba; tiny-target for Llama)")
     overrides: dict = doc({}, "explicit config fields that win over the preset (hidden_size, num_hidden_layers, ...)")
-    init_from: str | None = doc(None, "start from this checkpoint: a draftforge run dir, an export dir or a HF model id")
+    init_from: str | None = doc(None, "start from this checkpoint: a draftforge run dir, an export dir or a HF model id "
+                                       "(eagle3: an exported head or its run, fine-tuned with its own shape and draft vocabulary)")
     tokenizer: str | None = doc(None, "tokenizer path or HF id (normally the target's); default: target, then init_from")
     target: str | None = doc(None, "the target model this drafter serves (its vocab size is matched; recorded in export)")
     draft_vocab: int | None = doc(None, "reduced draft vocabulary: the head predicts only the N most frequent target "

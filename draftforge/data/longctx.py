@@ -7,6 +7,11 @@ about one function of one document ("single-doc") or compares two functions of t
 the spirit of LongBench's two groups); its context is the asked document(s) among other held-out documents,
 seeded, filled until the prompt holds as many target tokens as fit under L (counted by the caller's `count`,
 the target's tokenizer). Category "single-doc@2k": the eval report gives its figures per category, so per bucket.
+
+`split="train"` builds the same kind of questions over the *training* modules instead (none held out), for
+drafters trained at the context they serve: the target answers them (`draftforge generate`) and a drafter trains
+on the rows. The two splits never share a module, and each file is checked for the other split's documents before
+it is written.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from draftforge.errors import DataError
 
 LENGTHS = (1024, 2048, 4096, 8192)
 GROUPS = ("single-doc", "multi-doc")
+SPLITS = ("heldout", "train")
 DOC_MAX_CHARS = 16000  # a module's documentation read at most this far (~4k tokens)
 HEADER = "Read the following documentation of Python modules, then answer the question after it.\n\n"
 
@@ -90,21 +96,25 @@ def _document(module: str, path: Path) -> Document | None:
 
 
 @functools.lru_cache(maxsize=4)
-def _documents(root: str) -> tuple[Document, ...]:
+def _documents(root: str, split: str = "heldout") -> tuple[Document, ...]:
     base, found = Path(root), []
     for dirpath, dirnames, filenames in os.walk(base):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP and not d.startswith(("_", ".")))
         for name in sorted(f for f in filenames if f.endswith(".py")):
             module = _module_name(base, Path(dirpath) / name)
-            doc = _document(module, Path(dirpath) / name) if module and is_heldout(module) else None
+            wanted = module and is_heldout(module) == (split == "heldout")
+            doc = _document(module, Path(dirpath) / name) if wanted else None
             if doc is not None:
                 found.append(doc)
     return tuple(sorted(found, key=lambda d: d.module))
 
 
-def heldout_documents(root: str | Path | None = None) -> list[Document]:
-    """The held-out modules' documents of the stdlib at `root` (default: this Python's), in a fixed order."""
-    return list(_documents(str(root or sysconfig.get_paths()["stdlib"])))
+def heldout_documents(root: str | Path | None = None, split: str = "heldout") -> list[Document]:
+    """The held-out (or, split="train", the training) modules' documents of the stdlib at `root` (default: this
+    Python's), in a fixed order."""
+    if split not in SPLITS:
+        raise DataError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    return list(_documents(str(root or sysconfig.get_paths()["stdlib"]), split))
 
 
 def _question(group: str, names: list[str]) -> str:
@@ -116,12 +126,12 @@ def _question(group: str, names: list[str]) -> str:
 
 
 def build_longctx(count: Callable[[str], int], lengths=LENGTHS, per_bucket: int = 6, *, seed: int = 0,
-                  root=None, context: int | None = None, new_tokens: int = 128) -> list[dict]:
+                  root=None, context: int | None = None, new_tokens: int = 128, split: str = "heldout") -> list[dict]:
     """`per_bucket` questions per length and group, as prompt rows ({prompt_id, category, messages, documents,
-    asked, length}); each prompt's `count` is at most its length, and at most `context - new_tokens` (the answer
-    must fit in the target's context too). A length beyond the target's context is refused. Deterministic for a
-    given stdlib, count and seed."""
-    docs = heldout_documents(root)
+    asked, length, split}); each prompt's `count` is at most its length, and at most `context - new_tokens` (the
+    answer must fit in the target's context too). A length beyond the target's context is refused. Deterministic
+    for a given stdlib, count, seed and split; the train split's ids start `longctx-train-`."""
+    docs = heldout_documents(root, split)
     if len(docs) < 4:
         raise DataError(f"only {len(docs)} held-out stdlib modules have documentation to ask about; need 4")
     count = functools.lru_cache(maxsize=None)(count)  # each document is counted once, whatever rows it fills
@@ -134,7 +144,10 @@ def build_longctx(count: Callable[[str], int], lengths=LENGTHS, per_bucket: int 
             for i in range(per_bucket):
                 rng = random.Random(f"{seed}:{length}:{group}:{i}")
                 limit = min(length, context - new_tokens) if context else length
-                rows.append(_row(count, docs, limit, length, group, i, rng))
+                row = _row(count, docs, limit, length, group, i, rng)
+                if split == "train":
+                    row["prompt_id"] = row["prompt_id"].replace("longctx-", "longctx-train-", 1)
+                rows.append({**row, "split": split})
     return rows
 
 
@@ -173,12 +186,15 @@ def _prompt(texts: list[str], question: str) -> str:
 
 
 def check_heldout(rows: list[dict]) -> None:
-    """DataError naming the first document of a row that is not held out (a training document would leak)."""
+    """DataError naming the first document of a row that is not in its row's split (`split`, default heldout): a
+    training document in a held-out question would leak, and a held-out one in a training question too."""
     for row in rows:
-        leaked = [m for m in row["documents"] if not is_heldout(m)]
+        split = row.get("split", "heldout")
+        leaked = [m for m in row["documents"] if is_heldout(m) != (split == "heldout")]
         if leaked:
-            raise DataError(f"{row['prompt_id']}: document {leaked[0]} is in the training split; a long-context "
-                            "question may hold held-out documents only")
+            other = "training" if split == "heldout" else "held-out"
+            raise DataError(f"{row['prompt_id']}: document {leaked[0]} is in the {other} split; a {split} "
+                            f"long-context question may hold {split} documents only")
 
 
 def write_longctx(path, rows: list[dict]) -> Path:

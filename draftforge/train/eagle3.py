@@ -255,6 +255,34 @@ def make_head(cfg: Eagle3TaskConfig, target, d2t, seed: int):
     return head, config
 
 
+def head_from_export(recipe: Recipe, cfg: Eagle3TaskConfig, target):
+    """(head, draft vocabulary, config) of the eagle3 export model.init_from names (an export or a finished run):
+    fine-tuning, e.g. at a longer context than the head first trained at. Its body, aux layers and draft
+    vocabulary are the export's; a recipe that asks for others is refused rather than silently overridden."""
+    from pathlib import Path
+
+    from draftforge.models.eagle3_export import is_eagle3_export, load_head
+
+    path = Path(recipe.model.init_from)
+    if not is_eagle3_export(path) and is_eagle3_export(path / "export"):  # a finished run: its export
+        path = path / "export"
+    require(is_eagle3_export(path), "model.init_from", f"{path} is not an eagle3 export (draftforge.json with task "
+            "eagle3); an eagle3 run starts from the target (eagle3.init) or from an exported head")
+    head, _ = load_head(path, target.config)
+    config = head.config
+    body = getattr(config, "body", "attention")
+    require(body == cfg.body, "eagle3.body", f"model.init_from {path} holds a {body} head; set eagle3.body: {body}")
+    require(cfg.aux_layers is None or list(cfg.aux_layers) == list(config.aux_layers), "eagle3.aux_layers",
+            f"model.init_from {path} reads target layers {list(config.aux_layers)}; drop the key or use those")
+    d2t = config.draft_vocab
+    want = recipe.model.draft_vocab
+    require(want is None or (d2t is not None and want == len(d2t)), "model.draft_vocab",
+            f"model.init_from {path} has {'no' if d2t is None else len(d2t)} draft vocabulary; drop the key")
+    head = head.float()
+    head.use_embedding(target.get_input_embeddings())
+    return head, (None if d2t is None else list(d2t)), config
+
+
 def build_eagle3_task(recipe: Recipe, accelerator, with_data: bool = True):
     """The head (trainable), the target (frozen, read once per step), blocks of input_ids + labels."""
     from draftforge.data import build_block_data, describe
@@ -272,12 +300,17 @@ def build_eagle3_task(recipe: Recipe, accelerator, with_data: bool = True):
             data = build_block_data(recipe.data, tokenizer, recipe.train.block_size, recipe.train.seed,
                                     vocab_size=target.config.vocab_size)
         accelerator.print(f"[draftforge] {describe(data)}")
-    d2t = choose_draft_vocab(recipe, target, data, tokenizer)  # the target stands in: it has no map of its own
-    head, config = make_head(cfg, target, d2t, recipe.train.seed)
+    if recipe.model.init_from:  # fine-tuning an exported head
+        head, d2t, config = head_from_export(recipe, cfg, target)
+        start = f"from {recipe.model.init_from}"
+    else:
+        d2t = choose_draft_vocab(recipe, target, data, tokenizer)  # the target stands in: it has no map of its own
+        head, config = make_head(cfg, target, d2t, recipe.train.seed)
+        start = f"init {cfg.init}"
     trainable = sum(p.numel() for p in head.parameters())
     rows = f"{len(d2t):,}-token draft vocabulary" if d2t is not None else "full vocabulary"
     accelerator.print(f"[draftforge] eagle3: {cfg.body} head on target layers {config.aux_layers} of "
-                      f"{config.num_target_layers} ({rows}, init {cfg.init}), {trainable:,} trainable parameters; training-time test over "
+                      f"{config.num_target_layers} ({rows}, {start}), {trainable:,} trainable parameters; training-time test over "
                       f"{cfg.steps} steps (decay {cfg.step_decay}), loss {cfg.loss}; target frozen in {target.dtype}")
     d2t_N = None if d2t is None else torch.tensor(d2t, dtype=torch.long)
     run_files = {DRAFT_VOCAB_FILE: json.dumps(d2t)} if d2t is not None else {}

@@ -56,3 +56,20 @@ def test_bad_lengths_and_lengths_beyond_the_context_are_refused():
         with pytest.raises(DataError, match="--lengths"):
             longctx.parse_lengths(text)
     assert longctx.parse_lengths("1k, 2k,8192") == (1024, 2048, 8192)
+
+
+def test_the_training_split_holds_training_documents_only_and_shares_no_module_with_the_held_out_one(rows):
+    train = longctx.build_longctx(count, (1024, 2048), per_bucket=2, seed=0, split="train")
+    training = {r["module"].split(".")[0] for r in build_instruction_prompts("train")}
+    held = {m.split(".")[0] for r in rows for m in r["documents"]}
+    for r in train:
+        assert r["split"] == "train" and r["prompt_id"].startswith("longctx-train-")
+        assert {m.split(".")[0] for m in r["documents"]} <= training, r["prompt_id"]
+        assert count(r["messages"][0]["content"]) <= r["length"]
+    assert not {m.split(".")[0] for r in train for m in r["documents"]} & held
+    assert not {r["prompt_id"] for r in train} & {r["prompt_id"] for r in rows}
+    module = rows[0]["documents"][0]  # a held-out document slipped into a training question is caught too
+    with pytest.raises(DataError, match=f"document {module} is in the held-out split"):
+        longctx.check_heldout([{**train[0], "documents": train[0]["documents"] + [module]}])
+    with pytest.raises(DataError, match="split must be one of"):
+        longctx.build_longctx(count, (1024,), per_bucket=1, split="test")

@@ -116,3 +116,36 @@ def test_bad_recipes_are_refused(tmp_path, target_dir):
     del values["model"]["target"]
     with pytest.raises(RecipeError, match="model.target"):
         recipe_from_dict(values)
+
+
+def test_a_run_starts_from_an_exported_head_and_refuses_one_of_another_shape(tmp_path, target_dir):
+    rows = token_rows(tmp_path / "rows.jsonl", target_dir)
+    first = recipe(tmp_path / "a", target_dir, rows, model={"draft_vocab": 64})
+    first["train"].update(max_steps=4, eval_every=4, save_every=4)
+    export = train(recipe_from_dict(first), build_eagle3_task).export_dir
+    from draftforge.models.eagle3_export import load_head
+
+    exported, _ = load_head(export)
+    built = {}
+
+    def build(r, acc, with_data=True):  # the head as the fine-tuning run builds it, before any step
+        spec = build_eagle3_task(r, acc, with_data)
+        built.setdefault("head0", {k: v.clone() for k, v in spec.model.state_dict().items()})
+        built.setdefault("d2t", spec.run_files)
+        return spec
+
+    again = recipe(tmp_path / "b", target_dir, rows, model={"init_from": str(export.parent)})  # the run dir
+    again["train"].update(max_steps=2, eval_every=2, save_every=2, block_size=64)  # a longer context
+    result = train(recipe_from_dict(again), build)
+    start = exported.float().state_dict()
+    assert built["head0"].keys() == start.keys()
+    assert all(torch.equal(built["head0"][k], start[k]) for k in start)
+    assert json.loads(built["d2t"]["draft_vocab.json"]) == list(exported.config.draft_vocab)
+    assert (result.export_dir / "model.safetensors").is_file()
+    for body, key in (({"body": "mamba2"}, "eagle3.body"), ({"aux_layers": [0, 1, 2]}, "eagle3.aux_layers")):
+        bad = recipe(tmp_path / key, target_dir, rows, model={"init_from": str(export)}, **body)
+        with pytest.raises(RecipeError, match=key):
+            train(recipe_from_dict(bad), build_eagle3_task)
+    bad = recipe(tmp_path / "c", target_dir, rows, model={"init_from": str(target_dir)})
+    with pytest.raises(RecipeError, match="not an eagle3 export"):
+        train(recipe_from_dict(bad), build_eagle3_task)
