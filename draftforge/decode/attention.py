@@ -23,10 +23,10 @@ from contextlib import contextmanager
 
 import torch
 
-from draftforge.kernels.attention import matmul_attention
+from draftforge.kernels.attention import MAX_ROWS, matmul_attention
 
 NAME = "draftforge_decode"
-FAST_ROWS = 64
+FAST_ROWS = MAX_ROWS
 FAST_DTYPES = (torch.bfloat16, torch.float16)
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # plain softmax attention, no sinks, softcap or biases
 _UNSUPPORTED = ("softcap", "position_bias", "s_aux", "sinks")

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import torch
 
+# Above this many query rows (a prompt, not a decoding step) the float32 score matrix costs Q x K x H x 4 bytes at
+# once (for an 8k-token prompt of a 9-head model: 9 x 8k x 8k x 4 B = 2.3 GiB, and the softmax as much again), where
+# torch's sdpa works block by block: callers keep sdpa there.
+MAX_ROWS = 64
 
 def matmul_attention(query, key, value, attention_mask, scaling=None, is_causal: bool = True) -> torch.Tensor:
     """Softmax attention in float32 by matmul, softmax, matmul: query [B, H, Q, D], key / value [B, Hkv, K, D],

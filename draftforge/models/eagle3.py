@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftforge.errors import CompatibilityError
-from draftforge.kernels.attention import matmul_attention
+from draftforge.kernels.attention import MAX_ROWS, matmul_attention
 from draftforge.kernels.kv_buffer import GrowingKV
 
 HEAD_KIND = "eagle3"
@@ -123,10 +123,12 @@ def check_shape(head_config, config, what: str, attention: bool) -> None:
                                  "trained on, or train one for this target (task eagle3)")
 
 
-def matmul_attention_for(q: torch.Tensor) -> bool:
-    """Decoding steps on CPU in bf16/fp16 use draftforge's float32 matmul attention (decode/attention.py): torch's
-    CPU sdpa kernel is several times slower for a few query rows against a long cache."""
-    return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
+def matmul_attention_for(q_QHE: torch.Tensor) -> bool:
+    """Decoding steps on CPU in bf16/fp16 use draftforge's float32 matmul attention (kernels/attention.py): torch's
+    CPU sdpa kernel is several times slower for a few query rows against a long cache. A prompt's rows (more than
+    MAX_ROWS) stay on sdpa, whose memory does not grow with rows x keys."""
+    return (q_QHE.device.type == "cpu" and q_QHE.dtype in (torch.bfloat16, torch.float16)
+            and q_QHE.shape[0] <= MAX_ROWS)
 
 
 class RMSNorm(nn.Module):

@@ -154,3 +154,29 @@ def test_eagle3_head_step_in_bf16_takes_the_matmul_path_and_agrees_with_sdpa(mon
     sdpa16 = run(head16)
     step = torch.finfo(torch.bfloat16).eps * want.abs().max().item()
     assert (fast - want).abs().max().item() <= (sdpa16 - want).abs().max().item() + step
+
+
+def test_the_heads_prompt_feed_keeps_sdpa_and_its_memory_bounded(monkeypatch):
+    """A prompt of more than MAX_ROWS anchors fed to the bf16 head in one step must not build the float32 score
+    matrix (rows x keys x heads x 4 bytes: 5 GiB with the softmax for an 8k prompt of SmolLM2's head); decoding
+    steps of up to MAX_ROWS rows keep the matmul path."""
+    import draftforge.models.eagle3 as e3
+    from draftforge.kernels.attention import MAX_ROWS
+    from tests.fixtures.decode import eagle3_head
+
+    target = tiny_llama(vocab=64, layers=4, hidden=64)
+    head = eagle3_head(target).to(torch.bfloat16)
+    head.use_embedding(target.get_input_embeddings())
+    heads, dim = head.config.num_attention_heads, head.config.head_dim
+    assert e3.matmul_attention_for(torch.zeros(MAX_ROWS, heads, dim, dtype=torch.bfloat16))
+    assert not e3.matmul_attention_for(torch.zeros(MAX_ROWS + 1, heads, dim, dtype=torch.bfloat16))
+    used = []
+    real = e3.matmul_attention
+    monkeypatch.setattr(e3, "matmul_attention", lambda *a, **k: used.append(a[0].shape[2]) or real(*a, **k))
+    n = 3 * MAX_ROWS
+    tokens = torch.randint(0, 64, (n + 1,), generator=torch.Generator().manual_seed(0))
+    feature = torch.randn(n + 1, head.config.hidden_size).to(torch.bfloat16)
+    cache = head.new_cache()
+    head.step(tokens[:n], feature[:n], torch.arange(n), cache, None)  # the prompt: sdpa
+    head.step(tokens[n:], feature[n:], torch.arange(n, n + 1), cache, None)  # a decoding step: matmul
+    assert used == [1]
