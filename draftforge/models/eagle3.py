@@ -287,13 +287,20 @@ class Eagle3Head(FeatureHead):
         cache.append(k_QGE.transpose(0, 1), v_QGE.transpose(0, 1))
         k_GKE, v_GKE = cache.view()
         n_q, n_k = len(tokens_Q), cache.length
+        att = self.config.num_attention_heads // self.config.num_key_value_heads
+        if mask_QK is None and n_q == n_k and n_q > MAX_ROWS:  # a prompt into an empty cache: causal, no mask
+            # made, so sdpa runs block by block (an explicit [Q, K] mask sends it to its math path, which holds the
+            # whole score matrix: +5.7 GiB for an 8k-token prompt in bf16)
+            q_GAQE = q_QHE.transpose(0, 1).unflatten(0, (-1, att))
+            k_GAKE, v_GAKE = (x[:, None].expand(-1, att, -1, -1) for x in (k_GKE, v_GKE))
+            out_GAQE = F.scaled_dot_product_attention(q_GAQE, k_GAKE, v_GAKE, is_causal=True)
+            return self.finish(out_GAQE.flatten(0, 1).transpose(0, 1), feature_QD.to(self.dtype))
         if mask_QK is None:
             mask_QK = torch.ones(n_q, n_k, dtype=torch.bool, device=q_QHE.device).tril(n_k - n_q)
         if matmul_attention_for(q_QHE):
             out_QHE = matmul_attention(q_QHE.transpose(0, 1)[None], k_GKE[None], v_GKE[None],
                                        mask_QK.to(q_QHE.device)[None, None])[0]
             return self.finish(out_QHE, feature_QD.to(self.dtype))
-        att = self.config.num_attention_heads // self.config.num_key_value_heads
         q_GAQE = q_QHE.transpose(0, 1).unflatten(0, (-1, att))  # query heads grouped by the K/V head they share
         out_GAQE = F.scaled_dot_product_attention(q_GAQE, k_GKE[:, None], v_GKE[:, None],
                                                   attn_mask=mask_QK.to(q_QHE.device))

@@ -157,9 +157,10 @@ def test_eagle3_head_step_in_bf16_takes_the_matmul_path_and_agrees_with_sdpa(mon
 
 
 def test_the_heads_prompt_feed_keeps_sdpa_and_its_memory_bounded(monkeypatch):
-    """A prompt of more than MAX_ROWS anchors fed to the bf16 head in one step must not build the float32 score
-    matrix (rows x keys x heads x 4 bytes: 5 GiB with the softmax for an 8k prompt of SmolLM2's head); decoding
-    steps of up to MAX_ROWS rows keep the matmul path."""
+    """A prompt of more than MAX_ROWS anchors fed to the bf16 head in one step must not build the whole score
+    matrix (rows x keys x heads: +5 GiB for an 8k prompt of SmolLM2's head, in the float32 matmul path or in
+    sdpa's math path, which an explicit mask selects): it goes to sdpa as causal with no mask; decoding steps of
+    up to MAX_ROWS rows keep the matmul path."""
     import draftforge.models.eagle3 as e3
     from draftforge.kernels.attention import MAX_ROWS
     from tests.fixtures.decode import eagle3_head
@@ -176,7 +177,19 @@ def test_the_heads_prompt_feed_keeps_sdpa_and_its_memory_bounded(monkeypatch):
     n = 3 * MAX_ROWS
     tokens = torch.randint(0, 64, (n + 1,), generator=torch.Generator().manual_seed(0))
     feature = torch.randn(n + 1, head.config.hidden_size).to(torch.bfloat16)
+    sdpa_calls = []
+    real_sdpa = e3.F.scaled_dot_product_attention
+    monkeypatch.setattr(e3.F, "scaled_dot_product_attention",
+                        lambda *a, **k: sdpa_calls.append((k.get("attn_mask"), k.get("is_causal"))) or real_sdpa(*a, **k))
     cache = head.new_cache()
-    head.step(tokens[:n], feature[:n], torch.arange(n), cache, None)  # the prompt: sdpa
+    head.step(tokens[:n], feature[:n], torch.arange(n), cache, None)  # the prompt: sdpa, causal, no mask made
     head.step(tokens[n:], feature[n:], torch.arange(n, n + 1), cache, None)  # a decoding step: matmul
-    assert used == [1]
+    assert used == [1] and sdpa_calls == [(None, True)]
+    # the causal prompt path computes what an explicit causal mask does (float32: the same sums, up to order)
+    head32 = eagle3_head(target)
+    head32.use_embedding(target.get_input_embeddings())
+    feature32 = feature[:n].float()
+    causal = head32.step(tokens[:n], feature32, torch.arange(n), head32.new_cache(), None)
+    masked = head32.step(tokens[:n], feature32, torch.arange(n), head32.new_cache(),
+                         torch.ones(n, n, dtype=torch.bool).tril())
+    assert torch.allclose(causal, masked, rtol=1e-5, atol=1e-5)
