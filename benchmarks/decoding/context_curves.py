@@ -126,15 +126,17 @@ def plot(rows: list[dict], path: Path) -> None:
     rows = [r for r in rows if r["group"] == "all"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), layout="constrained")
     series = dict.fromkeys((r["run"], r["method"], r["temperature"]) for r in rows if r["method"] != "ar")
+    colour = {key: f"C{i % 10}" for i, key in enumerate(series)}  # one colour per series in every panel
     for run, method, temp in series:
         pts = sorted((r for r in rows if (r["run"], r["method"], r["temperature"]) == (run, method, temp)),
                      key=lambda r: r["length_k"])
         xs = [r["context_tokens"] for r in pts]
         name = f"{run}, {method} T={temp:g}"
-        axes[0].plot(xs, [r["decode_speedup"] for r in pts], marker="o", label=name)
-        axes[1].plot(xs, [r["tau"] for r in pts], marker="o", label=name)
+        c = colour[(run, method, temp)]
+        axes[0].plot(xs, [r["decode_speedup"] for r in pts], marker="o", color=c, label=name)
+        axes[1].plot(xs, [r["tau"] for r in pts], marker="o", color=c, label=name)
         if any(r["drafter_state_mib"] for r in pts):
-            axes[2].plot(xs, [r["drafter_state_mib"] for r in pts], marker="o", label=f"{run} (drafter)")
+            axes[2].plot(xs, [r["drafter_state_mib"] for r in pts], marker="o", color=c, label=f"{run} (drafter)")
     ar = sorted((r for r in rows if r["method"] == "ar"), key=lambda r: r["length_k"])
     if ar:
         first = ar[0]["run"]
