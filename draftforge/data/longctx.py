@@ -133,7 +133,7 @@ def build_longctx(count: Callable[[str], int], lengths=LENGTHS, per_bucket: int 
     for a given stdlib, count, seed and split; the train split's ids start `longctx-train-`."""
     docs = heldout_documents(root, split)
     if len(docs) < 4:
-        raise DataError(f"only {len(docs)} held-out stdlib modules have documentation to ask about; need 4")
+        raise DataError(f"only {len(docs)} {split} stdlib modules have documentation to ask about; need 4")
     count = functools.lru_cache(maxsize=None)(count)  # each document is counted once, whatever rows it fills
     rows = []
     for length in lengths:
