@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from draftforge.decode.memory import tensor_bytes
 from draftforge.decode.drafters.base import Drafter, chain_stops, propose_level, stack_q
 from draftforge.decode.plan import as_plan
 from draftforge.decode.sampling import SamplingParams
@@ -233,7 +234,7 @@ class FeatureMambaDrafter(FeatureDrafter):
 
     def cache_bytes(self) -> int:
         """Bytes of the committed recurrent state: the same at any context."""
-        return sum(c.numel() * c.element_size() + s.numel() * s.element_size() for c, s in self.states)
+        return tensor_bytes(self.states)
 
     @property
     def steps_per_draft(self) -> str:
