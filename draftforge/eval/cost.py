@@ -9,7 +9,12 @@ puts the predicted speedup next to the measured one:
 
 τ, N_r (1 + the drafts verified in round r) and the draft seconds come from the method's own rounds; t
 from the curve (linear between measured points; a row count the grid missed is timed after the runs).
-AR predicts 1 by construction. What the model leaves out (prefill, sampling and bookkeeping: the report's
+AR predicts 1 by construction.
+
+Attention's share of a verification grows with the context, so t(N)/t(1) does too (SmolLM2 in bf16 on one CPU
+thread: a chain of 5 costs 1.29·t(1) at 1k tokens and 2.11·t(1) at 8k). A bench whose prompts span several length
+buckets (`length_bucket`: powers of two from MIN_BUCKET tokens up) gets one curve per bucket, timed on its first
+prompt, and every record is priced with its own bucket's curve. What the model leaves out (prefill, sampling and bookkeeping: the report's
 "other" share) is why measured can fall short of predicted. (STree, arXiv:2505.14969 §4, models a
 hybrid's t(N) the same way.)
 
@@ -47,18 +52,27 @@ SAMPLE_S = 0.005  # a timed sample of t(N) spans at least this long (tiny models
 def verify_curve(target, prompt_ids: list[int], rows: list[int], repeats: int = 5) -> dict[int, float]:
     """Median seconds of one verification of N rows, for each N in `rows`. The first pass is untimed and sets how
     many verifications each sample averages (enough to span SAMPLE_S: a sub-millisecond forward timed once is
-    mostly clock and scheduler noise); row counts are rotated across passes."""
+    mostly clock and scheduler noise); row counts are rotated across passes.
+
+    Each verification keeps one row (the root), so the context grows by a token per call; the prompt is encoded
+    again once it has grown by more than 1/64 of its length (or 1 token), not before every call: at 8k tokens a
+    prefill costs ~600 verifications."""
     rows = sorted(set(rows))
     times: dict[int, list[float]] = {n: [] for n in rows}
     calls = {n: 1 for n in rows}
     device = target.device
+    grown = [None]  # tokens kept since the last prefill (None: no prefill yet)
+    regrow = max(1, len(prompt_ids) // 64)
 
     def once(n: int) -> float:
-        target.prefill(prompt_ids)
+        if grown[0] is None or grown[0] >= regrow:
+            target.prefill(prompt_ids)
+            grown[0] = 0
         t0 = _clock(device)
         target.verify(prompt_ids[-1], chain_tree([prompt_ids[-1]] * (n - 1)))
         dt = _clock(device) - t0
         target.commit([])
+        grown[0] += 1
         return dt
 
     for rep in range(repeats + 1):
@@ -69,6 +83,33 @@ def verify_curve(target, prompt_ids: list[int], rows: list[int], repeats: int = 
                 continue
             times[n].append(sum(once(n) for _ in range(calls[n])) / calls[n])
     return {n: statistics.median(v) for n, v in times.items()}
+
+
+MIN_BUCKET = 512  # prompts up to this many tokens share one curve
+
+
+def length_bucket(n_tokens: int) -> int:
+    """The context-length bucket a prompt of `n_tokens` is priced in: the power of two at or above it, at least
+    MIN_BUCKET (513..1024 -> 1024, 1025..2048 -> 2048, every prompt up to 512 tokens -> 512)."""
+    return max(MIN_BUCKET, 1 << max(0, n_tokens - 1).bit_length())
+
+
+def bucket_prompts(lengths: list[int]) -> dict[int, int]:
+    """bucket -> index of its first prompt, for prompts of these token counts (in bench order)."""
+    out: dict[int, int] = {}
+    for i, n in enumerate(lengths):
+        out.setdefault(length_bucket(n), i)
+    return out
+
+
+def curve_for(by_length: dict[int, dict[int, float]], n_tokens: int) -> dict[int, float]:
+    """The curve of the bucket of `n_tokens`; a context in no timed bucket (a later turn grown past its first) gets
+    the nearest timed bucket below it, else the smallest."""
+    b = length_bucket(n_tokens)
+    if b in by_length:
+        return by_length[b]
+    below = [k for k in by_length if k < b]
+    return by_length[max(below) if below else min(by_length)]
 
 
 def t_of(curve: dict[int, float], n: int) -> float:
@@ -98,22 +139,47 @@ def missing_rows(curve: dict[int, float], records) -> list[int]:
     return sorted({n for n in rows_per_round(records) if n > max(curve)})
 
 
-def predict(summary: dict, records, curve: dict[int, float]) -> dict:
-    """Predicted vs measured speedup of one method at one temperature (records: its rounds)."""
-    rows = rows_per_round(records)
-    rounds = len(rows)
+def _rounds(records, curve, by_length) -> list[tuple[dict, int, int]]:
+    """(curve, accepted, drafted) for every round of every record; the curve is the record's length bucket's when
+    `by_length` has several, else `curve`."""
+    out = []
+    for r in records:
+        c = curve_for(by_length, r.prompt_len) if by_length and len(by_length) > 1 else curve
+        drafted = r.stats.drafted_per_round or [0] * r.stats.target_forwards
+        accepted = list(r.stats.accepted_per_round)[:len(drafted)]
+        out += [(c, a, d) for a, d in zip(accepted + [0] * (len(drafted) - len(accepted)), drafted)]
+    return out
+
+
+def _t1(records, curve, by_length) -> float:
+    """t(1) the AR baseline pays per token: the curve's, or, over several buckets, the records' new tokens'
+    average of their own buckets' t(1) (what AR would have spent on the same tokens, per token)."""
+    if not by_length or len(by_length) <= 1:
+        return curve[1]
+    tokens = sum(r.stats.new_tokens for r in records)
+    if not tokens:
+        return curve[1]
+    return sum(r.stats.new_tokens * curve_for(by_length, r.prompt_len)[1] for r in records) / tokens
+
+
+def predict(summary: dict, records, curve: dict[int, float], by_length: dict[int, dict[int, float]] | None = None) -> dict:
+    """Predicted vs measured speedup of one method at one temperature (records: its rounds). With `by_length`
+    (bucket -> curve, several buckets) each round is priced at its prompt's bucket, and `by_length` in the
+    result gives the prediction and the best chain length per bucket."""
+    rounds_cad = _rounds(records, curve, by_length)
+    rounds = len(rounds_cad)
     if not rounds or 1 not in curve:
         return {}
-    t1 = curve[1]
-    verify_s = statistics.fmean(t_of(curve, n) for n in rows)
+    t1 = _t1(records, curve, by_length)
+    verify_s = statistics.fmean(t_of(c, d + 1) for c, _, d in rounds_cad)
     draft_s = summary["time"]["draft_s"] / rounds
     steps = sum(sum(r.stats.proposed_by_position) for r in records) / rounds
     tau = summary["tau"] or 0.0
     predicted = tau * t1 / (verify_s + draft_s)
     measured = summary.get("speedup")
-    shorter = shorter_chains(records, curve, draft_step_s(records))
-    return {
-        "tau": tau, "rows_per_round": statistics.fmean(rows), "verify_s_per_round": verify_s,
+    shorter = shorter_chains(records, curve, draft_step_s(records), by_length)
+    out = {
+        "tau": tau, "rows_per_round": statistics.fmean(d + 1 for _, _, d in rounds_cad), "verify_s_per_round": verify_s,
         "verify_over_t1": verify_s / t1, "draft_steps_per_round": steps, "draft_s_per_round": draft_s,
         "draft_step_s": draft_s / steps if steps else None, "predicted_speedup": predicted,
         "measured_speedup": measured,
@@ -121,6 +187,20 @@ def predict(summary: dict, records, curve: dict[int, float]) -> dict:
         "shorter_chains": shorter,
         "best_chain_length": max(shorter, key=shorter.get) if shorter else None,
     }
+    if by_length and len(by_length) > 1:
+        out["by_length"] = {}
+        for b in sorted(by_length):
+            mine = [r for r in records if curve_for(by_length, r.prompt_len) is by_length[b]]
+            n_rounds = sum(len(r.stats.drafted_per_round or [0] * r.stats.target_forwards) for r in mine)
+            if not n_rounds:
+                continue
+            own = {"tau": sum(r.stats.new_tokens for r in mine) / n_rounds,
+                   "time": {"draft_s": sum(r.stats.draft_time_s for r in mine)}}
+            one = predict(own, mine, by_length[b])
+            out["by_length"][b] = {k: one[k] for k in ("tau", "verify_over_t1", "predicted_speedup",
+                                                       "shorter_chains", "best_chain_length")}
+            out["by_length"][b]["t1_s"] = by_length[b][1]
+    return out
 
 
 def draft_step_s(records) -> float:
@@ -129,19 +209,22 @@ def draft_step_s(records) -> float:
     return sum(r.stats.draft_time_s for r in records) / steps if steps else 0.0
 
 
-def shorter_chains(records, curve: dict[int, float], draft_step_s: float) -> dict[int, float]:
+def shorter_chains(records, curve: dict[int, float], draft_step_s: float,
+                   by_length: dict[int, dict[int, float]] | None = None) -> dict[int, float]:
     """γ' -> predicted speedup of the same rounds cut at γ' (module docstring), for every γ' up to the longest
-    chain drafted; {} unless every round drafted a chain (as many drafts as depths) and some drafted 2 or more."""
-    rounds = [(a, d) for r in records for a, d in zip(r.stats.accepted_per_round, r.stats.drafted_per_round)]
+    chain drafted; {} unless every round drafted a chain (as many drafts as depths) and some drafted 2 or more.
+    With `by_length` every round is priced at its own bucket's curve, as in `predict`."""
+    rounds = _rounds(records, curve, by_length)
     proposed = sum(sum(r.stats.proposed_by_position) for r in records)
-    longest = max((d for _, d in rounds), default=0)
-    if longest < 2 or proposed != sum(d for _, d in rounds) or 1 not in curve:
+    longest = max((d for _, _, d in rounds), default=0)
+    if longest < 2 or proposed != sum(d for _, _, d in rounds) or 1 not in curve:
         return {}
+    t1 = _t1(records, curve, by_length)
     out = {}
     for g in range(1, longest + 1):
-        tau = statistics.fmean(1 + min(a, g) for a, _ in rounds)
-        cost_s = statistics.fmean(t_of(curve, min(d, g) + 1) + draft_step_s * min(d, g) for _, d in rounds)
-        out[g] = tau * curve[1] / cost_s
+        tau = statistics.fmean(1 + min(a, g) for _, a, _ in rounds)
+        cost_s = statistics.fmean(t_of(c, min(d, g) + 1) + draft_step_s * min(d, g) for c, _, d in rounds)
+        out[g] = tau * t1 / cost_s
     return out
 
 
@@ -155,8 +238,21 @@ def curve_markdown(cost: dict) -> list[str]:
     head = "| N rows | " + " | ".join(str(n) for n in ns) + " |"
     ms = "| ms | " + " | ".join(f"{curve[n] * 1e3:.1f}" for n in ns) + " |"
     rel = "| t(N)/t(1) | " + " | ".join(f"{curve[n] / t1:.2f}" if t1 else "–" for n in ns) + " |"
-    return [f"Target verification cost, measured before the runs ({cost['what']}):", "", head,
-            "|" + "---|" * (len(ns) + 1), ms, rel]
+    lines = [f"Target verification cost, measured before the runs ({cost['what']}):", "", head,
+             "|" + "---|" * (len(ns) + 1), ms, rel]
+    by_length = {int(b): {int(k): v for k, v in c.items()} for b, c in (cost.get("curves_by_length_s") or {}).items()}
+    if by_length:
+        tokens = {int(b): n for b, n in (cost.get("bucket_prompt_tokens") or {}).items()}
+        ns = sorted(set().union(*by_length.values()))
+        lines += ["", "t(N)/t(1) per context length (each bucket's first prompt; every record is priced at its own "
+                      "bucket's curve):", "",
+                  "| context bucket | prompt tokens | t(1) ms | " + " | ".join(f"N={n}" for n in ns) + " |",
+                  "|" + "---|" * (len(ns) + 3)]
+        for b in sorted(by_length):
+            c = by_length[b]
+            lines.append(f"| ≤{b} | {tokens.get(b, '–')} | {c[1] * 1e3:.1f} | "
+                         + " | ".join(f"{c[n] / c[1]:.2f}" if n in c else "–" for n in ns) + " |")
+    return lines
 
 
 def prediction_markdown(results: list[dict]) -> list[str]:
@@ -184,6 +280,17 @@ def prediction_markdown(results: list[dict]) -> list[str]:
             each = ", ".join((f"**{g}: {v:.2f}×**" if int(g) == best else f"{g}: {v:.2f}×")
                              for g, v in c["shorter_chains"].items())
             lines.append(f"- {r['method']} T={r['temperature']:g}: {each}")
+    per = [r for r in rows if r["cost_model"].get("by_length")]
+    if per:
+        lines += ["", "Per context length (the same model, each bucket's rounds at its own curve):", "",
+                  "| method | T | context bucket | τ | t(N)/t(1) | predicted | best γ' (predicted) |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in per:
+            for b, c in r["cost_model"]["by_length"].items():
+                best, cut = c.get("best_chain_length"), {int(g): v for g, v in (c.get("shorter_chains") or {}).items()}
+                gain = f"{best} ({cut[int(best)]:.2f}×)" if best else "–"
+                lines.append(f"| {r['method']} | {r['temperature']:g} | ≤{b} | {c['tau']:.2f} | "
+                             f"{c['verify_over_t1']:.2f} | {c['predicted_speedup']:.2f}× | {gain} |")
     return lines
 
 

@@ -153,7 +153,8 @@ def _timed_runs(cfg, decoders, prompts, eos, tokenizer=None, per_temperature=Non
     return records, memory, orders
 
 
-def _tune_chain_length(cfg, decoders, target, drafter, options, prompts, curve, eos) -> tuple[dict, dict]:
+def _tune_chain_length(cfg, decoders, target, drafter, options, prompts, curve, eos,
+                       by_length=None) -> tuple[dict, dict]:
     """Per temperature: chain at its chain_length G over the warm-up prompts (first turns, untimed, after one
     warm-up call), its rounds cut at every γ' <= G (cost.shorter_chains), and a chain decoder at the best γ'
     (the shortest among equals). Returns ({T: {"chain": decoder}}, {T: what was probed and chosen})."""
@@ -170,7 +171,7 @@ def _tune_chain_length(cfg, decoders, target, drafter, options, prompts, curve, 
                    for i, p in enumerate(prompts[:probe])
                    for res in [_run_one(dec, p.input_ids, cfg, params, i, eos)]]
         draft_step_s = cost.draft_step_s(records)
-        predicted = cost.shorter_chains(records, curve, draft_step_s)
+        predicted = cost.shorter_chains(records, curve, draft_step_s, by_length)
         best = max(predicted, key=lambda g: (round(predicted[g], 6), -g)) if predicted else length
         tuning[temp] = {"probed_length": length, "prompts": [p.prompt_id for p in prompts[:probe]],
                         "rounds": sum(r.stats.target_forwards for r in records), "draft_step_s": draft_step_s,
@@ -183,7 +184,7 @@ def _tune_chain_length(cfg, decoders, target, drafter, options, prompts, curve, 
     return swaps, tuning
 
 
-def _summaries(cfg, records, memory, prompts, target, curve) -> list[dict]:
+def _summaries(cfg, records, memory, prompts, target, curve, by_length=None) -> list[dict]:
     ids_map = {p.prompt_id: list(p.input_ids) for p in prompts}
     categories = report_categories(prompts)  # None: no prompt has a category
     results = []
@@ -196,7 +197,7 @@ def _summaries(cfg, records, memory, prompts, target, curve) -> list[dict]:
             row["by_category"] = metrics.by_category(mine, ar, categories) if categories else None
             row["memory"] = memory.get(f"{method}@{temp:g}")
             row["verify_cost"] = _verify_cost(row, target)
-            row["cost_model"] = cost.predict(row, mine, curve) if curve else None
+            row["cost_model"] = cost.predict(row, mine, curve, by_length) if curve else None
             row["self_check"] = None
             if temp == 0 and method != "ar":
                 row["self_check"] = selfcheck.self_check(mine, ar, ids_map,
@@ -274,18 +275,24 @@ def planned_rows(cfg: EvalConfig) -> list[int]:
     return sorted(rows)
 
 
-def _cost_curve(cfg, target, prompts) -> dict[int, float]:
+def _cost_curves(cfg, target, prompts) -> dict[int, dict[int, float]]:
+    """Length bucket -> t(N) timed on the bucket's first prompt (cost.length_bucket; one bucket for a bench of
+    short prompts); {} with --cost-repeats 0."""
     if not cfg.cost_repeats or not prompts:
         return {}
-    rows = planned_rows(cfg)
-    if target.max_context is not None:
-        rows = [n for n in rows if len(prompts[0].input_ids) + n <= target.max_context]
-    _log(cfg, f"cost model: timing one verification of N = {', '.join(map(str, rows))} rows ({cfg.cost_repeats} "
-              "repeats after a warm-up)")
-    curve = cost.verify_curve(target, list(prompts[0].input_ids), rows, cfg.cost_repeats)
-    t1 = curve[1]
-    _log(cfg, "t(N)/t(1): " + ", ".join(f"{n}: {t / t1:.2f}" for n, t in curve.items()) + f" (t(1) = {t1 * 1e3:.1f} ms)")
-    return curve
+    curves = {}
+    for bucket, i in cost.bucket_prompts([len(p.input_ids) for p in prompts]).items():
+        ids = list(prompts[i].input_ids)
+        rows = planned_rows(cfg)
+        if target.max_context is not None:
+            rows = [n for n in rows if len(ids) + n <= target.max_context]
+        _log(cfg, f"cost model: timing one verification of N = {', '.join(map(str, rows))} rows on a prompt of "
+                  f"{len(ids)} tokens ({cfg.cost_repeats} repeats after a warm-up)")
+        curve = curves[bucket] = cost.verify_curve(target, ids, rows, cfg.cost_repeats)
+        t1 = curve[1]
+        _log(cfg, "t(N)/t(1): " + ", ".join(f"{n}: {t / t1:.2f}" for n, t in curve.items())
+             + f" (t(1) = {t1 * 1e3:.1f} ms)")
+    return curves
 
 
 def _load(cfg):
@@ -348,9 +355,11 @@ def run_eval(cfg: EvalConfig) -> dict:
             answers_mod.require_tokenizer(target.tokenizer, cfg.target)
         decoders, skipped = _build_decoders(cfg, target, drafter)
         hf_policy = _hf_policy(decoders)  # read before the runs: a "heuristic" schedule changes it as it goes
-        curve = _cost_curve(cfg, target, prompts)
+        curves = _cost_curves(cfg, target, prompts)
+        curve = curves.get(cost.length_bucket(len(prompts[0].input_ids)), {}) if curves else {}  # the first prompt's
+        by_length = curves if len(curves) > 1 else None
         swaps, tuning = ({}, None) if not cfg.tune_chain_length else _tune_chain_length(
-            cfg, decoders, target, drafter, options, prompts, curve, _eos_id(cfg, target))
+            cfg, decoders, target, drafter, options, prompts, curve, _eos_id(cfg, target), by_length)
         records, memory, orders = _timed_runs(cfg, decoders, prompts, _eos_id(cfg, target), target.tokenizer, swaps)
         after = None
         if curve:
@@ -360,7 +369,11 @@ def run_eval(cfg: EvalConfig) -> dict:
             late = cost.verify_curve(target, list(prompts[0].input_ids), [1] + extra_rows, cfg.cost_repeats)
             curve.update({n: late[n] * curve[1] / late[1] for n in extra_rows})
             after = {"t1_s": late[1], "t1_before_s": curve[1]}
-        results = _summaries(cfg, records, memory, prompts, target, curve)
+            for bucket, i in cost.bucket_prompts([len(p.input_ids) for p in prompts]).items():
+                if by_length and by_length[bucket] is not curve and extra_rows:  # the same rows at each length
+                    more = cost.verify_curve(target, list(prompts[i].input_ids), [1] + extra_rows, cfg.cost_repeats)
+                    by_length[bucket].update({n: more[n] * by_length[bucket][1] / more[1] for n in extra_rows})
+        results = _summaries(cfg, records, memory, prompts, target, curve, by_length)
         if after is not None:  # AR's own forward in its timed passes, against the t(1) it is priced at
             after["ar_forward_s"] = {f"{r['temperature']:g}": r["time"]["verify_s"] / r["target_forwards"]
                                      for r in results if r["method"] == "ar" and r["target_forwards"]}
@@ -382,7 +395,9 @@ def run_eval(cfg: EvalConfig) -> dict:
         "cost_model": {"curve_s": curve, "what": f"{type(target).__name__}, prompt of "
                                                 f"{len(prompts[0].input_ids) if prompts else 0} tokens, a chain of "
                                                 f"N-1 drafts, median of {cfg.cost_repeats}", "chain_tuning": tuning,
-                       "after_runs": after},
+                       "after_runs": after, "curves_by_length_s": by_length,
+                       "bucket_prompt_tokens": {b: len(prompts[i].input_ids) for b, i in cost.bucket_prompts(
+                           [len(p.input_ids) for p in prompts]).items()} if by_length else None},
         "prompts": [{"prompt_id": p.prompt_id, "category": p.category, "num_tokens": len(p.input_ids),
                      "chat_template": p.used_chat_template, "turns": len(p.turns or [None])} for p in prompts],
         "results": results,

@@ -83,3 +83,80 @@ def test_pace_warning_by_hand():
     assert "AR ran at 100.0–130.0 tok/s over its 2 timed passes (1.30×)" in moved
     slowed = pace_warning(steady, {"t1_s": 0.012, "t1_before_s": 0.010})
     assert "t(1) was 10.0 ms before the runs and 12.0 ms after (+20%)" in slowed
+
+
+def test_length_buckets_by_hand():
+    """Powers of two from 512 up: every short prompt in one bucket, 1k / 2k / 4k / 8k prompts in their own."""
+    assert [cost.length_bucket(n) for n in (1, 300, 512, 513, 1024, 1025, 2000, 7900)] == \
+        [512, 512, 512, 1024, 1024, 2048, 2048, 8192]
+    assert cost.bucket_prompts([100, 900, 40, 1000, 3000]) == {512: 0, 1024: 1, 4096: 4}  # each bucket's first
+    by_length = {512: {1: 0.1}, 2048: {1: 0.2}}
+    assert cost.curve_for(by_length, 2000) is by_length[2048]
+    assert cost.curve_for(by_length, 1000) is by_length[512]  # no 1024 curve: the nearest below
+    assert cost.curve_for({2048: {1: 0.2}}, 10) == {1: 0.2}  # nothing below: the smallest
+
+
+def long_record(prompt_len, drafted, accepted, draft_s):
+    r = record(drafted, accepted, draft_s)
+    r.prompt_len = prompt_len
+    return r
+
+
+def test_each_record_is_priced_at_its_own_length_by_hand():
+    """Two prompts, one at 1k and one at 8k, whose chains verify 4 and 8 rows: t(N) comes from each prompt's own
+    bucket, AR's t(1) is the tokens' average of the two buckets' t(1), and each bucket gets its own prediction."""
+    short, long_ = {1: 0.030, 4: 0.036, 8: 0.045}, {1: 0.050, 4: 0.090, 8: 0.140}
+    by_length = {1024: short, 8192: long_}
+    recs = [long_record(1000, [3], [3], 0.001), long_record(8000, [7, 7], [2, 0], 0.004)]  # 4 and 4 new tokens
+    summary = {"tau": 8 / 3, "time": {"draft_s": 0.005}}
+    got = cost.predict(summary, recs, short, by_length)
+    verify = (0.036 + 0.140 + 0.140) / 3
+    t1 = (4 * 0.030 + 4 * 0.050) / 8
+    assert got["verify_s_per_round"] == pytest.approx(verify)
+    assert got["predicted_speedup"] == pytest.approx(8 / 3 * t1 / (verify + 0.005 / 3))
+    at_8k = got["by_length"][8192]
+    assert at_8k["tau"] == 2.0 and at_8k["t1_s"] == 0.050  # 4 tokens in 2 rounds
+    assert at_8k["predicted_speedup"] == pytest.approx(2.0 * 0.050 / (0.140 + 0.004 / 2))
+    step = 0.004 / 14  # 14 drafted steps at 8k
+    # γ' = 1 at 8k: both rounds keep 1 draft + 1 token... the second accepted none: τ (2 + 1) / 2, 2 rows each
+    t2 = 0.050 + (0.090 - 0.050) / 3  # linear between 1 and 4 rows
+    assert at_8k["shorter_chains"][1] == pytest.approx(1.5 * 0.050 / (t2 + step))
+    assert got["by_length"][1024]["predicted_speedup"] == pytest.approx(4.0 * 0.030 / (0.036 + 0.001))
+    one = cost.predict(summary, recs, short)  # without by_length: everything at the first curve, as before
+    assert "by_length" not in one
+    assert one["verify_s_per_round"] == pytest.approx((0.036 + 0.045 + 0.045) / 3)
+    lines = cost.prediction_markdown([{"method": "chain", "temperature": 0.0, "cost_model": got}])
+    assert any(line.startswith("| chain | 0 | ≤8192 | 2.00 |") for line in lines)
+
+
+class CountingTarget:
+    """Counts prefills and the context each verification ran on (tokens committed since the prefill)."""
+
+    device = "cpu"
+
+    def __init__(self):
+        self.prefills, self.contexts, self.length = 0, [], 0
+
+    def prefill(self, seq):
+        self.prefills += 1
+        self.length = len(seq) - 1
+
+    def verify(self, last, tree):
+        self.contexts.append(self.length)
+
+    def commit(self, path):
+        self.length += 1 + len(path)
+
+
+def test_the_curve_encodes_a_long_prompt_once_per_sixtyfourth_of_its_length():
+    """A 6,400-token prompt: each verification keeps its root, so the context grows a token per call; the prompt
+    is encoded again only after 100 calls (1/64 of its length), and no call runs on more than 100 extra tokens.
+    A 10-token prompt is encoded again before every call (grown by 1 >= max(1, 10 // 64))."""
+    target = CountingTarget()
+    cost.verify_curve(target, list(range(6400)), [1, 2, 4], repeats=2)
+    calls = len(target.contexts)
+    assert target.prefills == -(-calls // 100)
+    assert min(target.contexts) == 6399 and max(target.contexts) <= 6399 + 99
+    short = CountingTarget()
+    cost.verify_curve(short, list(range(10)), [1, 2], repeats=2)
+    assert short.prefills == len(short.contexts) and set(short.contexts) == {9}

@@ -449,3 +449,33 @@ def test_self_check_identity_counts_without_classifying(bench, tmp_path, monkeyp
     monkeypatch.setattr(runner, "decode_api", FakeAPI(broken={"tree"}))
     with pytest.raises(SelfCheckError, match=r"tree: 0/3 prompts identical"):
         run_eval(cfg_for(bench, tmp_path / "fp32", plots=False, self_check="identity"))
+
+
+def test_a_bench_of_several_lengths_gets_a_curve_per_length_bucket(tmp_path, monkeypatch):
+    """Prompts of 3, 700 and 900 tokens: two buckets (≤512, ≤1024), each timed on its own first prompt; the chain
+    is priced per bucket and report.md shows both curves and the per-length prediction."""
+    from draftforge.eval import cost
+
+    f = tmp_path / "long.jsonl"
+    f.write_text("".join(json.dumps({"input_ids": [1 + i % 7] * n}) + "\n" for i, n in enumerate((3, 700, 900))))
+    timed = []
+
+    def curve(target, ids, rows, repeats):
+        timed.append((len(ids), tuple(rows)))
+        slope = 0.1 if len(ids) < 512 else 0.5  # the long bucket's t(N) rises five times faster
+        return {n: 0.02 * (1 + slope * (n - 1)) for n in rows}
+
+    monkeypatch.setattr(runner, "decode_api", FakeAPI())
+    monkeypatch.setattr(cost, "verify_curve", curve)
+    rep = run_eval(cfg_for(str(f), tmp_path, plots=False, cost_repeats=2))
+    first = [n for n, rows in timed if len(rows) > 1]
+    assert first == [3, 700]  # before the runs: each bucket's first prompt
+    c = rep["cost_model"]
+    assert sorted(c["curves_by_length_s"]) == [512, 1024] and c["bucket_prompt_tokens"] == {512: 3, 1024: 700}
+    chain = next(r for r in rep["results"] if r["method"] == "chain")["cost_model"]
+    # fake chain: 2 rounds of 3 drafts per prompt (4 rows); at ≤1024 t(4)/t(1) = 1 + 0.5 * 3
+    assert chain["by_length"][1024]["verify_over_t1"] == pytest.approx(2.5)
+    assert chain["by_length"][512]["verify_over_t1"] == pytest.approx(1.3)
+    assert chain["verify_s_per_round"] == pytest.approx((2 * 0.02 * 1.3 + 4 * 0.02 * 2.5) / 6)
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| ≤1024 | 700 | 20.0 |" in md and "| chain | 0 | ≤1024 | 3.00 | 2.50 |" in md
