@@ -193,3 +193,16 @@ def test_the_heads_prompt_feed_keeps_sdpa_and_its_memory_bounded(monkeypatch):
     masked = head32.step(tokens[:n], feature32, torch.arange(n), head32.new_cache(),
                          torch.ones(n, n, dtype=torch.bool).tril())
     assert torch.allclose(causal, masked, rtol=1e-5, atol=1e-5)
+
+
+def test_a_mask_hiding_a_cached_key_is_applied_in_full():
+    """The trailing-block shortcut applies only where every cached key is visible: a mask that also hides a cached
+    key (a sliding window, padding) must still hide it."""
+    query, key, value = _qkv(3, 20, seed=2)
+    visible = torch.arange(20)[None, :] <= torch.arange(17, 20)[:, None]
+    visible[:, 4] = False  # a cached key nobody may see
+    want = _sdpa(query, key, value, attn_mask=visible)
+    assert torch.allclose(matmul_attention(query, key, value, visible[None, None]).double(), want, atol=1e-6, rtol=0)
+    visible[1, 5] = False  # hidden from one row only
+    want = _sdpa(query, key, value, attn_mask=visible)
+    assert torch.allclose(matmul_attention(query, key, value, visible[None, None]).double(), want, atol=1e-6, rtol=0)
