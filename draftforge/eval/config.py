@@ -93,6 +93,10 @@ class EvalConfig:
         "64 query rows) as float32 matmul-softmax-matmul instead of torch's CPU sdpa kernel (several times faster "
         "against a long cache; bf16 outputs may part from sdpa's at near-ties, which the self-check classifies; "
         "fp32 untouched): auto = when it applies, off = transformers' sdpa")
+    prefill_chunk: int | None = option(
+        None, "encode each prompt in forwards of N tokens (a KV-cache Transformer target; default: one forward). "
+        "Bounds the prefill's attention scores to N x context instead of context x context; logits equal one "
+        "forward's within the dtype's rounding (not bitwise: CPU GEMM sums depend on the row count)", metavar="N")
     seed: int = option(0, "sampling seed; prompt i uses seed + i")
     out_dir: str = option("eval_out", "directory for report.json, report.md and PNG plots, checked before any "
                           "model loads", flag="--out", metavar="DIR")
@@ -120,6 +124,9 @@ def validate(cfg: EvalConfig) -> EvalConfig:
     check_eval_settings(cfg.temperatures, cfg.max_new_tokens, cfg.repeats, cfg.warmup, cfg.num_prompts, cfg.top_p,
                         cfg.top_k, cfg.threads, cfg.cost_repeats)  # the rules the CLI also checks before importing
     check_fields(cfg)  # the Literal settings: dtype, tree_draws, chat_template, cuda_graphs, ...
+    if cfg.prefill_chunk is not None and (isinstance(cfg.prefill_chunk, bool) or not isinstance(cfg.prefill_chunk, int)
+                                          or cfg.prefill_chunk < 1):
+        raise RecipeError(f"--prefill-chunk must be a whole number of tokens >= 1, got {cfg.prefill_chunk!r}")
     if cfg.tune_chain_length and ("chain" not in cfg.methods or not cfg.cost_repeats):
         raise RecipeError("--tune-chain-length picks chain's draft length with the cost model: run the chain method "
                           f"(--methods ...,chain) with --cost-repeats > 0 (methods: {', '.join(cfg.methods)}, "

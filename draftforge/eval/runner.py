@@ -303,8 +303,9 @@ def _load(cfg):
     announce(target_dtype, "target", say=lambda line: _log(cfg, line))
     _log(cfg, threads)
     _log(cfg, f"loading target {cfg.target}")
+    chunk = {"prefill_chunk": cfg.prefill_chunk} if cfg.prefill_chunk is not None else {}
     target = decode_api.load_target(cfg.target, device=cfg.device, dtype=target_dtype.torch_dtype,
-                                    pack_weights=cfg.pack_weights, decode_attention=cfg.decode_attention)
+                                    pack_weights=cfg.pack_weights, decode_attention=cfg.decode_attention, **chunk)
     target_packing = getattr(target.model, "draftforge_packing", None)  # None: the caller's model, as given
     packing = {"target": target_packing.describe() if target_packing else "the caller's model object, as given"}
     _log(cfg, f"target {packing['target']}")

@@ -346,6 +346,7 @@ def test_the_curve_is_timed_again_after_the_runs_and_ar_pace_is_set_beside_it(be
     (dict(drafter_dtype="fp8"), "--drafter-dtype must be one of"),
     (dict(threads=0), "--threads must be >= 1"),
     (dict(tree_draws="sorted"), "--tree-draws must be one of distinct, iid"),
+    (dict(prefill_chunk=0), "--prefill-chunk must be a whole number of tokens >= 1"),
 ])
 def test_bad_config_fails_before_loading(bench, tmp_path, monkeypatch, kw, match):
     api = FakeAPI()

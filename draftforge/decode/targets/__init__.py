@@ -180,8 +180,9 @@ class KVCacheTarget(Target):
 
     gives_features = True
 
-    def __init__(self, model, tokenizer=None):
+    def __init__(self, model, tokenizer=None, prefill_chunk: int | None = None):
         check_target_model(model)
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         self.model, self.tokenizer = model, tokenizer
         self.lm = CachedLM(model)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -191,12 +192,17 @@ class KVCacheTarget(Target):
         return cache_bytes(self.lm.cache)
 
     def prefill(self, seq: list[int]) -> None:
+        """Encode seq[:-1] in one forward, or in forwards of `prefill_chunk` tokens each (each chunk attends to
+        the cache the earlier ones filled: the same K/V and logits within the dtype's rounding, and a chunk's
+        attention scores are chunk x context instead of context x context)."""
         self.lm.reset()
         self.last = None
         if self.feature_layers is not None:
             self._features = []
-        if len(seq) > 1:
-            self.lm.forward(seq[:-1], last_only=True, layers=self.feature_layers)
+        prompt = seq[:-1]
+        step = self.prefill_chunk or len(prompt)
+        for start in range(0, len(prompt), max(step, 1)):
+            self.lm.forward(prompt[start:start + step], last_only=True, layers=self.feature_layers)
             if self.feature_layers is not None:
                 self._features.append(self.lm.features_QA)
 
@@ -219,6 +225,13 @@ class KVCacheTarget(Target):
         self.last.path = list(path)
         if self.feature_layers is not None:
             self._features.append(self.last.features_NA[rows])
+
+
+def check_prefill_chunk(chunk: int | None) -> int | None:
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise CompatibilityError(f"prefill_chunk must be a whole number of tokens >= 1 (or None: one forward), "
+                                 f"got {chunk!r}")
+    return chunk
 
 
 # Model types whose layers keep recurrent state: the KV-cache target cannot roll them back.

@@ -1,0 +1,97 @@
+"""Chunked prefill (#34: prompts encoded in forwards of `prefill_chunk` tokens). Oracles: a float64 forward of the
+whole prompt for the logits, the target's own generate() for the decodes.
+
+Not bitwise in fp32, and this file does not ask it to be: torch's CPU GEMM sums a row in an order that depends on
+how many rows the product has (`test_a_linear_row_depends_on_the_rows_beside_it` shows it on a bare matmul), so a
+prompt encoded in chunks differs from one encoded at once by an ulp or two, as a one-shot prefill differs from
+token-by-token decoding. The bound below is set before looking at either result: within 64 ulps (fp32) or 4 ulps
+(bf16) of the largest float64 logit, for a 2-layer model whose reductions are at most a few hundred terms long."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftforge.decode import build_decoder, load_drafter, load_target
+from draftforge.errors import CompatibilityError
+from draftforge.eval.selfcheck import chain_tree
+from tests.fixtures.decode import eagle3_head, greedy_runs, noisy_copy, tiny_llama, tiny_mamba2
+
+VOCAB = 64
+SEQ = torch.randint(1, VOCAB, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+ULPS = {torch.float32: 64, torch.bfloat16: 4}
+
+
+def verify_after_prefill(model, chunk, seq=SEQ, drafts=(3, 4, 5)):
+    target = load_target(model, prefill_chunk=chunk)
+    target.prefill(seq)
+    return target.verify(seq[-1], chain_tree(list(drafts))).double(), target
+
+
+def test_a_linear_row_depends_on_the_rows_beside_it():
+    """Why chunked prefill is not bitwise in fp32 on this CPU: the same row times the same weight, computed in a
+    product of 7 rows and of 90, can differ in the last bit."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(64, 32, generator=g), torch.randn(90, 32, generator=g)
+    full = x @ w.T
+    assert any(not torch.equal(full[i:i + 7], x[i:i + 7] @ w.T) for i in range(0, 90, 7))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 7, 16, 89, 500])
+def test_chunked_prefill_logits_are_a_float64_forward_within_the_dtypes_rounding(dtype, chunk):
+    model = tiny_llama(vocab=VOCAB, dtype=dtype)
+    reference, _ = verify_after_prefill(tiny_llama(vocab=VOCAB, dtype=torch.float64), None)
+    bound = ULPS[dtype] * torch.finfo(dtype).eps * reference.abs().max()
+    once, _ = verify_after_prefill(model, None)
+    chunked, target = verify_after_prefill(model, chunk)
+    assert (once - reference).abs().max() <= bound  # the bound holds for the one-shot prefill too
+    assert (chunked - reference).abs().max() <= bound
+    assert target.lm.length == len(SEQ) + 3  # prompt (less its last token) + the verified 4 rows
+
+
+def test_chunk_of_the_whole_prompt_or_more_is_one_forward_bitwise():
+    model = tiny_llama(vocab=VOCAB)
+    once, _ = verify_after_prefill(model, None)
+    for chunk in (len(SEQ) - 1, 10_000):
+        assert torch.equal(verify_after_prefill(model, chunk)[0], once)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16])
+def test_decodes_with_a_chunked_prefill_equal_generate(chunk):
+    """fp32: AR, a chain and a tree over a Transformer drafter, and a chain over an EAGLE-3 head (which reads the
+    prompt's features, gathered chunk by chunk), all equal to the target's own generate()."""
+    model = tiny_llama(vocab=VOCAB, layers=3)
+    target = load_target(model, prefill_chunk=chunk)
+    prompts = [SEQ[:1], SEQ[:7], SEQ[:40]]
+    drafter = load_drafter(noisy_copy(model, noise=0.05), target)
+    head = load_drafter(eagle3_head(model), target)
+    for method, d, opts in [("ar", None, {}), ("chain", drafter, {"chain_length": 3}),
+                            ("tree", drafter, {"tree": (2, 2, 1)}), ("chain", head, {"chain_length": 3})]:
+        dec = build_decoder(method, target, d, **opts)
+        for _ in greedy_runs(dec, target, prompts, (1, 12)):
+            pass
+
+
+def test_features_of_a_chunked_prefill_are_the_one_shot_features_within_rounding():
+    model = tiny_llama(vocab=VOCAB, layers=3)
+    feats = {}
+    for chunk in (None, 9):
+        target = load_target(model, prefill_chunk=chunk)
+        target.want_features([0, 1, 2])
+        target.prefill(SEQ)
+        feats[chunk] = target.take_features()
+    assert feats[9].shape == feats[None].shape == (len(SEQ) - 1, 3 * model.config.hidden_size)
+    assert torch.allclose(feats[9], feats[None], rtol=0, atol=64 * torch.finfo(torch.float32).eps
+                          * feats[None].abs().max())
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "64"])
+def test_a_bad_chunk_is_refused_in_one_line(bad):
+    with pytest.raises(CompatibilityError, match="prefill_chunk must be a whole number of tokens >= 1"):
+        load_target(tiny_llama(vocab=VOCAB), prefill_chunk=bad)
+
+
+def test_a_recurrent_target_refuses_a_chunk_naming_why():
+    with pytest.raises(CompatibilityError, match="applies to KV-cache Transformer targets.*own chunked scan"):
+        load_target(tiny_mamba2(vocab=VOCAB), prefill_chunk=64)
