@@ -109,7 +109,7 @@ def _documents(root: str, split: str = "heldout") -> tuple[Document, ...]:
     return tuple(sorted(found, key=lambda d: d.module))
 
 
-def split_documents(root: str | Path | None = None, split: str = "heldout") -> list[Document]:
+def stdlib_documents(root: str | Path | None = None, split: str = "heldout") -> list[Document]:
     """The held-out (or, split="train", the training) modules' documents of the stdlib at `root` (default: this
     Python's), in a fixed order."""
     if split not in SPLITS:
@@ -131,7 +131,7 @@ def build_longctx(count: Callable[[str], int], lengths=LENGTHS, per_bucket: int 
     asked, length, split}); each prompt's `count` is at most its length, and at most `context - new_tokens` (the
     answer must fit in the target's context too). A length beyond the target's context is refused. Deterministic
     for a given stdlib, count, seed and split; the train split's ids start `longctx-train-`."""
-    docs = split_documents(root, split)
+    docs = stdlib_documents(root, split)
     if len(docs) < 4:
         raise DataError(f"only {len(docs)} {split} stdlib modules have documentation to ask about; need 4")
     count = functools.lru_cache(maxsize=None)(count)  # each document is counted once, whatever rows it fills
