@@ -79,6 +79,7 @@ def rows_of(report: dict, label: str) -> list[dict]:
     if not where:
         raise SystemExit(f"{label}: no prompt category ends in @<n>k; this is not a long-context question set")
     records = [r for r in load_records(report) if r.prompt_id in where]
+    results = {(r["method"], r["temperature"]): r for r in report.get("results", [])}
     rows = []
     for grouping in ("all", "group"):
         category_of = {pid: (f"all@{n}" if grouping == "all" else f"{g}@{n}") for pid, (g, n) in where.items()}
@@ -98,8 +99,20 @@ def rows_of(report: dict, label: str) -> list[dict]:
                     "verify_ms": ms(cost.get("verify_s_per_forward")), "harness_ms": ms(cost.get("other_s_per_forward")),
                     "target_kv_mib": mib(f.get("held"), "target_cache_bytes"),
                     "drafter_state_mib": mib(f.get("held"), "drafter_state_bytes"),
+                    **best_chain(results.get((method, temp)), int(length)),
                 })
     return rows
+
+
+def best_chain(result: dict | None, length_k: int) -> dict:
+    """The eval's cost model at this length (its curve timed at the bucket, eval/cost.py): the chain length γ' it
+    predicts fastest for this method's rounds at that length, and that prediction; None where the report has none
+    (a tree, AR, a report from before per-length curves)."""
+    per_length = ((result or {}).get("cost_model") or {}).get("by_length") or {}
+    at = per_length.get(str(1024 * length_k)) or per_length.get(1024 * length_k) or {}
+    best = at.get("best_chain_length")
+    cut = {int(g): v for g, v in (at.get("shorter_chains") or {}).items()}
+    return {"best_chain_length": best, "best_chain_predicted_speedup": cut.get(best) if best else None}
 
 
 def fmt(v, digits=2):
@@ -110,11 +123,13 @@ def print_rows(rows: list[dict]) -> None:
     table = [[r["run"], f"{r['method']} T={r['temperature']:g}", f"{r['length_k']}k", fmt(r["context_tokens"], 0),
               fmt(r["tau"]), fmt(r["decode_tokens_per_s"], 1), fmt(r["decode_speedup"]), fmt(r["speedup"]),
               fmt(r["prefill_s"]), fmt(r["draft_ms"]), fmt(r["verify_ms"]), fmt(r["harness_ms"]),
-              fmt(r["target_kv_mib"], 1), fmt(r["drafter_state_mib"], 2)]
+              fmt(r["target_kv_mib"], 1), fmt(r["drafter_state_mib"], 2),
+              "–" if not r["best_chain_length"] else
+              f"{r['best_chain_length']} ({fmt(r['best_chain_predicted_speedup'])}×)"]
              for r in rows if r["group"] == "all"]
     print_table(["run", "method", "length", "context", "τ", "decode tok/s", "decode speedup", "speedup",
-                 "prefill s", "draft ms", "verify ms", "harness ms", "target KV MiB", "drafter MiB"],
-                table, right=set(range(3, 14)))
+                 "prefill s", "draft ms", "verify ms", "harness ms", "target KV MiB", "drafter MiB",
+                 "best γ' (predicted)"], table, right=set(range(3, 14)))
 
 
 def plot(rows: list[dict], path: Path) -> None:

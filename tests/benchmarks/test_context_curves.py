@@ -35,8 +35,10 @@ def report_dir(tmp_path):
         record("ar", "x", 10, 1.0, 0.0, 10, 1), record("chain", "x", 10, 0.1, 0.0, 1, 1, 1),  # no length: left out
     ]
     (tmp_path / "run").mkdir()
+    results = [{"method": "chain", "temperature": 0.0, "cost_model": {"by_length": {  # as JSON keeps it: str keys
+        "8192": {"best_chain_length": 1, "shorter_chains": {"1": 1.3, "2": 1.1}}}}}]
     (tmp_path / "run" / "report.json").write_text(json.dumps(
-        {"config": {"drafter": "d"}, "prompts": prompts, "records": records}))
+        {"config": {"drafter": "d"}, "prompts": prompts, "records": records, "results": results}))
     return tmp_path / "run"
 
 
@@ -52,6 +54,8 @@ def test_rows_per_length_are_the_hand_computed_figures(report_dir, tmp_path, cap
     eight = rows[("chain", "all", 8)]
     assert eight["decode_speedup"] == pytest.approx(2.0) and eight["speedup"] == pytest.approx(6.0 / 5.0)
     assert eight["drafter_state_mib"] == pytest.approx(1.0) and rows[("ar", "all", 8)]["target_kv_mib"] == 176
+    assert eight["best_chain_length"] == 1 and eight["best_chain_predicted_speedup"] == 1.3  # the cost model at 8k
+    assert one["best_chain_length"] is None and rows[("ar", "all", 8)]["best_chain_length"] is None
     assert rows[("ar", "all", 1)]["target_kv_mib"] == pytest.approx(21.0)  # the median of 20 and 22
     assert rows[("chain", "single-doc", 1)]["prompts"] == 1 and ("chain", "multi-doc", 8) not in rows
     assert not any(r["length_k"] is None for r in result["rows"])  # "other" has no length: not a row
