@@ -79,7 +79,11 @@ def tokens_per_s_by_repeat(records: list[RunRecord]) -> list[float]:
 
 
 def decode_tokens_per_s_by_repeat(records: list[RunRecord]) -> list[float]:
-    """Per repeat: all new tokens / all generate() time after the prefill."""
+    """Per repeat: all new tokens / all generate() time after the prefill; [] where the method does not time its
+    prefill apart (every record's prefill_time_s exactly 0: transformers' assisted generation prefills inside its
+    own generate(), so its "decoding" would include the prefill its AR peer leaves out)."""
+    if records and all(r.stats.prefill_time_s == 0.0 for r in records):
+        return []
     by_rep: dict[int, list[float]] = {}
     for r in records:
         acc = by_rep.setdefault(r.repeat, [0, 0.0])

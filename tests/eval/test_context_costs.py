@@ -53,3 +53,16 @@ def test_each_bucket_gets_its_costs_and_context_length_in_the_report():
     # drafter's state
     assert "| single-doc@8k | 8000 | 8.00 | 800.0 | 50.0 | 176.0 | 100.0 | 1000.0 | 100.0 | 0.5 |" in table, table
     assert "| single-doc@1k | 1000 | 1.00 | 400.0 | 0.0 | 22.0 | 100.0 | 500.0 | 100.0 | 0.5 |" in table, table
+
+
+def test_a_method_that_does_not_time_its_prefill_gets_no_decoding_speedup():
+    """transformers' assisted generation prefills inside its own generate() (prefill_time_s stays 0): its
+    decoding-only figures would count the prefill its AR peer leaves out, so there are none; end to end stays."""
+    from draftforge.eval.metrics import summarize
+
+    ar = [record("ar", "p", 8000, stats(4, 0, 3.0, 0.0, 1.0, 4.0))]  # 8 tokens: 4 s end to end, 1 s decoding
+    hf = [record("hf_assisted", "p", 8000, stats(4, 3, 0.0, 0.2, 3.3, 3.5))]  # 8 tokens; its prefill inside its 3.3 s
+    got = summarize(hf, ar)
+    assert got["decode_tokens_per_s"] is None and got["decode_speedup"] is None
+    assert got["speedup"] == pytest.approx(4.0 / 3.5)
+    assert summarize(ar, ar)["decode_speedup"] == pytest.approx(1.0)
