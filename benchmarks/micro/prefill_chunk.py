@@ -8,7 +8,7 @@ above the prefill's start (reset before each prefill, Linux), so the target's we
 prefill `--steps` tokens are decoded greedily (AR through the harness, not timed); the table says whether they
 equal the one-forward prefill's tokens and how far the first verification's logits are from its logits.
 
-    python -m benchmarks.micro.prefill_chunk --target ~/.cache/draftforge/smollm2 --contexts 2048 8192 \
+    python -m benchmarks.micro.prefill_chunk --target ~/.cache/draftforge/smollm2 --contexts 2048 8150 \
         --chunks 512 2048 --repeats 2 --out runs/bench/prefill_chunk.json
 """
 
@@ -83,7 +83,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--target", required=True, help="a KV-cache Transformer target (HF directory)")
-    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192], help="prompt lengths in tokens")
+    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8150],
+                   help="prompt lengths in tokens (each plus --steps must fit the target's context)")
     p.add_argument("--chunks", type=int, nargs="+", default=[512, 2048], help="prefill chunk sizes to compare")
     p.add_argument("--steps", type=int, default=16, help="greedy tokens decoded after each prefill (compared)")
     p.add_argument("--repeats", type=int, default=2, help="timed prefills per variant (median)")

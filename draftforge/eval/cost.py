@@ -9,14 +9,14 @@ puts the predicted speedup next to the measured one:
 
 τ, N_r (1 + the drafts verified in round r) and the draft seconds come from the method's own rounds; t
 from the curve (linear between measured points; a row count the grid missed is timed after the runs).
-AR predicts 1 by construction.
+AR predicts 1 by construction. What the model leaves out (prefill, sampling and bookkeeping: the report's
+"other" share) is why measured can fall short of predicted. (STree, arXiv:2505.14969 §4, models a hybrid's t(N)
+the same way.)
 
 Attention's share of a verification grows with the context, so t(N)/t(1) does too (SmolLM2 in bf16 on one CPU
 thread: a chain of 5 costs 1.29·t(1) at 1k tokens and 2.11·t(1) at 8k). A bench whose prompts span several length
 buckets (`length_bucket`: powers of two from MIN_BUCKET tokens up) gets one curve per bucket, timed on its first
-prompt, and every record is priced with its own bucket's curve. What the model leaves out (prefill, sampling and bookkeeping: the report's
-"other" share) is why measured can fall short of predicted. (STree, arXiv:2505.14969 §4, models a
-hybrid's t(N) the same way.)
+prompt, and every record is priced with its own bucket's curve.
 
 A chain's rounds also say what a shorter chain would have done: a draft at depth d is accepted or not by the
 same test whatever follows it (greedy match, or speculative sampling's min(1, p/q), arXiv:2211.17192 §2.3),
@@ -162,7 +162,8 @@ def _t1(records, curve, by_length) -> float:
     return sum(r.stats.new_tokens * curve_for(by_length, r.prompt_len)[1] for r in records) / tokens
 
 
-def predict(summary: dict, records, curve: dict[int, float], by_length: dict[int, dict[int, float]] | None = None) -> dict:
+def predict(summary: dict, records, curve: dict[int, float],
+            by_length: dict[int, dict[int, float]] | None = None) -> dict:
     """Predicted vs measured speedup of one method at one temperature (records: its rounds). With `by_length`
     (bucket -> curve, several buckets) each round is priced at its prompt's bucket, and `by_length` in the
     result gives the prediction and the best chain length per bucket."""
