@@ -18,7 +18,9 @@ keyed by request id would make it O(new tokens), but this interface gives batch 
 from __future__ import annotations
 
 import inspect
+import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -31,9 +33,40 @@ class MambaProposer:
         from transformers import AutoModelForCausalLM
 
         self.k = vllm_config.speculative_config.num_speculative_tokens
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        # draftforge's reduced draft vocabulary: the head has N rows, config.draft_vocab lists their target ids
+        self.draft_ids = json.loads((Path(path) / "config.json").read_text()).get("draft_vocab")
+        extra = {"ignore_mismatched_sizes": True} if self.draft_ids else {}
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
+        if self.draft_ids:
+            self._reduced_head(Path(path))
         params = inspect.signature(type(self.model).forward).parameters  # `cache` from transformers 5.24
         self.cache_arg = "cache" if "cache" in params else "cache_params"
+
+    def _reduced_head(self, path: Path) -> None:
+        """Put back the trained N-row head (from_pretrained made a full-vocabulary one) and keep the draft-id ->
+        target-id map; as draftforge.loading.restore_reduced_head does, with torch and safetensors only."""
+        from safetensors import safe_open
+
+        weight = None
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                name = next((k for k in st.keys() if k.endswith("lm_head.weight")), None)
+                if name is not None:
+                    weight = st.get_tensor(name).float()
+                    break
+        if weight is None or weight.shape[0] != len(self.draft_ids):
+            raise ValueError(f"{path}: config.draft_vocab lists {len(self.draft_ids)} ids but the lm_head weight "
+                             f"has {None if weight is None else weight.shape[0]} rows")
+        head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        with torch.no_grad():
+            head.weight.copy_(weight)
+        self.model.set_output_embeddings(head)
+        self.d2t = torch.tensor(self.draft_ids)
+
+    def _target_id(self, logits_V) -> int:
+        """The drafted target id: the head's argmax, mapped through the draft vocabulary where there is one."""
+        best = int(logits_V.argmax())
+        return int(self.d2t[best]) if self.draft_ids else best
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM hands its proposer the target to share weights with; this drafter loaded its own in __init__."""
@@ -42,14 +75,14 @@ class MambaProposer:
     def _draft(self, seq: list[int]) -> list[int]:
         ids = torch.tensor([seq])
         out = self.model(input_ids=ids, use_cache=True)
-        drafts = [int(out.logits[0, -1].argmax())]
+        drafts = [self._target_id(out.logits[0, -1])]
         cache = getattr(out, "cache", None) or getattr(out, "cache_params", None)
         for _ in range(self.k - 1):
             step = torch.tensor([[drafts[-1]]])
             out = self.model(input_ids=step, use_cache=True, **{self.cache_arg: cache},
                              cache_position=torch.tensor([len(seq) + len(drafts) - 1]))
             cache = getattr(out, "cache", None) or getattr(out, "cache_params", None)
-            drafts.append(int(out.logits[0, -1].argmax()))
+            drafts.append(self._target_id(out.logits[0, -1]))
         return drafts
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_):

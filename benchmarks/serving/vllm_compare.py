@@ -195,8 +195,13 @@ def main(argv=None) -> dict:
         if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
             env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD")) if x)
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
-        if done.returncode != 0:
-            raise SystemExit(f"vLLM failed:\n{done.stderr[-3000:]}")
+        if done.returncode != 0:  # the root cause is usually far above the last lines: keep all of it
+            log = (Path(args.out).with_suffix(".vllm-stderr.log") if args.out else
+                   Path(tempfile.gettempdir()) / "vllm_compare.vllm-stderr.log")
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(done.stderr)
+            errors = [line for line in done.stderr.splitlines() if "Error" in line or "Exception" in line]
+            raise SystemExit(f"vLLM failed (its whole stderr: {log}); error lines:\n" + "\n".join(errors[-12:]))
         served = json.loads(vllm_out.read_text())["results"]
     plain = served["plain"]["tokens"]
     import torch

@@ -66,6 +66,40 @@ def test_the_mamba_proposer_drafts_what_the_drafter_would_greedily(tmp_path, mon
     assert proposer.propose([[], [2]], np.array([5, 3]), rows)[0] == []  # a row that sampled nothing drafts nothing
 
 
+def test_the_mamba_proposer_serves_a_reduced_draft_vocabulary(tmp_path, monkeypatch):
+    """A drafter whose head predicts 16 of 64 ids (config.draft_vocab, as `model.draft_vocab` recipes export):
+    the proposer drafts target ids, each the draft vocabulary's id at the head's argmax; oracle: draftforge's own
+    loader and a greedy loop that re-encodes the whole sequence every step (no cache)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from benchmarks.serving.mamba_proposer import MambaProposer
+    from draftforge.loading import load_causal_lm
+    from tests.fixtures.decode import tiny_mamba2
+
+    model = tiny_mamba2(vocab=64)
+    draft_ids = list(range(0, 64, 4))  # 16 target ids
+    torch.manual_seed(3)
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, len(draft_ids), bias=False)
+    model.config.draft_vocab = draft_ids
+    model.save_pretrained(tmp_path / "m")
+    monkeypatch.setenv("DRAFTFORGE_MAMBA_DRAFTER", str(tmp_path / "m"))
+    proposer = MambaProposer(SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3)))
+    rows = np.zeros((1, 16), dtype=np.int64)
+    rows[0, :4] = [5, 17, 42, 9]
+    got = proposer.propose([[9]], np.array([4]), rows)[0]
+    reference = load_causal_lm(str(tmp_path / "m")).float().eval()
+    seq, want = [5, 17, 42, 9], []
+    with torch.no_grad():
+        for _ in range(3):
+            best = int(reference(input_ids=torch.tensor([seq])).logits[0, -1].argmax())
+            want.append(draft_ids[best])
+            seq.append(want[-1])
+    assert got == want and all(t in draft_ids for t in got)
+
+
 def test_per_position_and_vllm_rounds():
     # rounds of a draftforge run: (accepted, drafted)
     assert vllm_compare.per_position([2, 0, 3, 1], [3, 3, 3, 0], 3) == [2, 2, 1]  # the last round drafted nothing
