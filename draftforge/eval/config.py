@@ -96,7 +96,8 @@ class EvalConfig:
     prefill_chunk: int | None = option(
         None, "encode each prompt in forwards of N tokens (a KV-cache Transformer target; default: one forward). "
         "Bounds the prefill's attention scores to N x context instead of context x context; logits equal one "
-        "forward's within the dtype's rounding (not bitwise: CPU GEMM sums depend on the row count)", metavar="N")
+        "forward's within the dtype's rounding (not always bitwise: CPU GEMM sums may depend on the row count)",
+        metavar="N")
     seed: int = option(0, "sampling seed; prompt i uses seed + i")
     out_dir: str = option("eval_out", "directory for report.json, report.md and PNG plots, checked before any "
                           "model loads", flag="--out", metavar="DIR")
