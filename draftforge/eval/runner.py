@@ -275,13 +275,13 @@ def planned_rows(cfg: EvalConfig) -> list[int]:
     return sorted(rows)
 
 
-def _cost_curves(cfg, target, prompts) -> dict[int, dict[int, float]]:
-    """Length bucket -> t(N) timed on the bucket's first prompt (cost.length_bucket; one bucket for a bench of
-    short prompts); {} with --cost-repeats 0."""
+def _cost_curves(cfg, target, prompts, firsts: dict[int, int]) -> dict[int, dict[int, float]]:
+    """Length bucket -> t(N) timed on the bucket's first prompt (`firsts`: cost.bucket_prompts; one bucket for a
+    bench of short prompts); {} with --cost-repeats 0."""
     if not cfg.cost_repeats or not prompts:
         return {}
     curves = {}
-    for bucket, i in cost.bucket_prompts([len(p.input_ids) for p in prompts]).items():
+    for bucket, i in firsts.items():
         ids = list(prompts[i].input_ids)
         rows = planned_rows(cfg)
         if target.max_context is not None:
@@ -356,7 +356,8 @@ def run_eval(cfg: EvalConfig) -> dict:
             answers_mod.require_tokenizer(target.tokenizer, cfg.target)
         decoders, skipped = _build_decoders(cfg, target, drafter)
         hf_policy = _hf_policy(decoders)  # read before the runs: a "heuristic" schedule changes it as it goes
-        curves = _cost_curves(cfg, target, prompts)
+        firsts = cost.bucket_prompts([len(p.input_ids) for p in prompts])  # length bucket -> its first prompt
+        curves = _cost_curves(cfg, target, prompts, firsts)
         curve = curves.get(cost.length_bucket(len(prompts[0].input_ids)), {}) if curves else {}  # the first prompt's
         by_length = curves if len(curves) > 1 else None
         swaps, tuning = ({}, None) if not cfg.tune_chain_length else _tune_chain_length(
@@ -370,7 +371,7 @@ def run_eval(cfg: EvalConfig) -> dict:
             late = cost.verify_curve(target, list(prompts[0].input_ids), [1] + extra_rows, cfg.cost_repeats)
             curve.update({n: late[n] * curve[1] / late[1] for n in extra_rows})
             after = {"t1_s": late[1], "t1_before_s": curve[1]}
-            for bucket, i in cost.bucket_prompts([len(p.input_ids) for p in prompts]).items():
+            for bucket, i in firsts.items():
                 if by_length and by_length[bucket] is not curve and extra_rows:  # the same rows at each length
                     more = cost.verify_curve(target, list(prompts[i].input_ids), [1] + extra_rows, cfg.cost_repeats)
                     by_length[bucket].update({n: more[n] * by_length[bucket][1] / more[1] for n in extra_rows})
@@ -397,8 +398,8 @@ def run_eval(cfg: EvalConfig) -> dict:
                                                 f"{len(prompts[0].input_ids) if prompts else 0} tokens, a chain of "
                                                 f"N-1 drafts, median of {cfg.cost_repeats}", "chain_tuning": tuning,
                        "after_runs": after, "curves_by_length_s": by_length,
-                       "bucket_prompt_tokens": {b: len(prompts[i].input_ids) for b, i in cost.bucket_prompts(
-                           [len(p.input_ids) for p in prompts]).items()} if by_length else None},
+                       "bucket_prompt_tokens": {b: len(prompts[i].input_ids) for b, i in firsts.items()}
+                       if by_length else None},
         "prompts": [{"prompt_id": p.prompt_id, "category": p.category, "num_tokens": len(p.input_ids),
                      "chat_template": p.used_chat_template, "turns": len(p.turns or [None])} for p in prompts],
         "results": results,
