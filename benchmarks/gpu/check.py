@@ -11,6 +11,8 @@ never stops the next:
   3. cuda_graph   the Mamba2 drafter's decode step and one draft(), CUDA graph vs eager
   4. train_mfu    bf16 training tokens/s of the Mamba2 drafter recipe, and MFU on a GPU of known peak
   5. eval         `draftforge eval`'s runner: AR / chain / tree tokens/s, speedup, τ and the T=0 self-check
+  6. feature_eval the drafters that read the target (EAGLE-3 head, feature Mamba2): chain / tree / EAGLE-2,
+                  the T=0 self-check
 
 Timings: warm-up first, medians over repeats, methods in rotating order; nothing is asserted on a time. Writes
 OUT/check.json and OUT/check.md (OUT: --out, default runs/gpu-check), each step's output in OUT/logs/, the
@@ -42,6 +44,8 @@ STEPS = (
     Step("cuda_graph", "Mamba2 drafter step: CUDA graph vs eager", "benchmarks.gpu.kernel_steps:cuda_graph_step"),
     Step("train_mfu", "bf16 training tokens/s and MFU, Mamba2 drafter recipe", "benchmarks.gpu.model_steps:train_step"),
     Step("eval", "AR / chain / tree eval: tokens/s and self-check", "benchmarks.gpu.model_steps:eval_step"),
+    Step("feature_eval", "EAGLE-3 head and feature Mamba2 drafter: chain / tree / EAGLE-2 self-check",
+         "benchmarks.gpu.model_steps:feature_eval_step"),
 )
 
 

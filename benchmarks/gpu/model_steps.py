@@ -30,6 +30,8 @@ EVAL = {
     "full": dict(num_prompts=8, max_new_tokens=64, repeats=3, warmup=1, cost_repeats=3),
     "dry": dict(num_prompts=2, max_new_tokens=8, repeats=2, warmup=1, cost_repeats=1),
 }
+
+NOISE = 0.0  # init_from_target alone: the EAGLE-3 head accepts a few drafts (noise on top accepted none)
 FLOPS_NOTE = ("FLOPs per token estimated as 6 x parameters (forward 2N + backward 4N, tied embedding counted once; "
               "the SSM scan's own FLOPs left out)")
 
@@ -124,6 +126,63 @@ def eval_step(ctx) -> dict:
                       f"{size['repeats']} rotated repeats after warm-up, dtype {manifest.get('dtype')}; tiny random "
                       "Llama target + Mamba drafter (τ near 1 by construction)"],
             "table": {"headers": ["method", "tokens/s", "speedup", "τ", "self-check vs AR"], "rows": table}}
+
+
+def feature_eval_step(ctx) -> dict:
+    """Step 6: the drafters that read the target's hidden states (an EAGLE-3 head and the feature-conditioned
+    Mamba2 drafter) through run_eval: chain, tree and EAGLE-2 at T=0 with the self-check against AR, and the
+    drafter's state bytes. Heads are started from the tiny random target (draftforge's own init_from_target) and,
+    so a few drafts are accepted (EAGLE-2 τ 1.3-1.6 on CPU) and the rollback paths run."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.common import versus_ar_cell
+    from benchmarks.decoding.spec_decode import save_random_models, write_random_prompts
+    from draftforge.eval.runner import EvalConfig, run_eval
+    from draftforge.models import eagle3, feature_mamba
+    from draftforge.models.eagle3_export import save_head
+
+    size = ctx.size(EVAL)
+    paths = save_random_models(ctx.work / "feature-models")
+    bench = write_random_prompts(ctx.work / "feature-prompts.jsonl", size["num_prompts"])
+    target = AutoModelForCausalLM.from_pretrained(paths["target"]).eval()
+    config = AutoConfig.from_pretrained(paths["target"])
+    torch.manual_seed(0)
+    heads = {"eagle3": eagle3.Eagle3Head(eagle3.Eagle3Config.from_target(config)),
+             "feature_mamba2": feature_mamba.FeatureMamba2Head(
+                 feature_mamba.FeatureMambaConfig.from_target(config, head_dim=16, state_size=8))}
+    eagle3.init_from_target(heads["eagle3"], target)
+    feature_mamba.init_from_target(heads["feature_mamba2"], target)
+    with torch.no_grad():
+        for p in heads["eagle3"].parameters():
+            p.add_(NOISE * torch.randn_like(p))
+    rows, table = [], []
+    for kind, head in heads.items():
+        export = save_head(head, config, None, ctx.work / f"head-{kind}", {"target": paths["target"]})
+        cfg = EvalConfig(target=paths["target"], drafter=str(export), bench=bench,
+                         methods=("ar", "chain", "tree", "eagle2"), baselines=("ar",),
+                         max_new_tokens=size["max_new_tokens"], num_prompts=size["num_prompts"],
+                         repeats=size["repeats"], warmup=size["warmup"], cost_repeats=size["cost_repeats"],
+                         ignore_eos=True, device=ctx.device, dtype="auto", out_dir=str(ctx.out / f"eval-{kind}"),
+                         plots=False, command="python -m benchmarks.gpu.check",
+                         extra_manifest={"benchmark": "gpu/check", "drafter_kind": kind})
+        report = run_eval(cfg)
+        for r in report["results"]:
+            if r["method"] == "ar":
+                continue
+            cell = "-" if r["self_check"] is None else versus_ar_cell(r["self_check"])
+            rows.append({"drafter": kind, "method": r["method"], "tokens_per_s": r["tokens_per_s"],
+                         "speedup": r["speedup"], "tau": r["tau"], "self_check": r["self_check"]})
+            table.append([kind, r["method"], _num(r["tokens_per_s"]), _num(r["speedup"], ".2f", "x"),
+                          _num(r["tau"], ".2f"), cell])
+        ctx.say(f"  {kind}: " + "; ".join(f"{row[1]} τ {row[4]} self-check {row[5]}" for row in table
+                                          if row[0] == kind))
+    summary = "; ".join(f"{r[0]} {r[1]} {r[5]}" for r in table)
+    return {"rows": rows, "summary": summary,
+            "notes": [f"{size['num_prompts']} random prompts x {size['max_new_tokens']} tokens, T=0, dtype auto; "
+                      "tiny random Llama target; heads from init_from_target, unperturbed"],
+            "table": {"headers": ["drafter", "method", "tokens/s", "speedup", "τ", "self-check vs AR"],
+                      "rows": table}}
 
 
 def _num(value, fmt: str = ",.0f", suffix: str = "") -> str:

@@ -23,7 +23,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from benchmarks.common import memory_mb, print_table, time_ms, tiny_model, write_json
+from benchmarks.common import memory_mb, print_table, sync, time_ms, tiny_model, write_json
 from draftforge.hfcompat import cache_kwargs
 
 
@@ -87,7 +87,7 @@ def measure_harness(path: str, ctx: int, steps: int, repeats: int, full_head: bo
 
 @torch.inference_mode()
 def measure_feature(kind: str, target_dir: str, ctx: int, steps: int, repeats: int, draft_vocab: int = 8192,
-                    dtype=torch.bfloat16) -> dict:
+                    dtype=torch.bfloat16, device=torch.device("cpu")) -> dict:
     """ms per drafted token of a drafter that reads the target (kind "eagle3" or "feature_mamba2") after ctx
     committed anchors, and the bytes its committed state holds. The anchors' features are random: a step's cost
     does not depend on their values, so the target's ctx-token prefill is not run; the head is untrained (the
@@ -107,16 +107,20 @@ def measure_feature(kind: str, target_dir: str, ctx: int, steps: int, repeats: i
     else:
         head = FeatureMamba2Head(FeatureMambaConfig.from_target(config, draft_vocab=d2t))
         drafter_class = FeatureMambaDrafter
-    head = head.to(dtype).eval()
-    embedding = torch.nn.Embedding.from_pretrained(read_target_embedding(target_dir).to(dtype))
+    head = head.to(device=device, dtype=dtype).eval()
+    embedding = torch.nn.Embedding.from_pretrained(read_target_embedding(target_dir).to(device=device, dtype=dtype))
     head.use_embedding(embedding)
     drafter = drafter_class(head, config.vocab_size)
-    mem_before = memory_mb(torch.device("cpu"))
-    features = torch.randn(ctx, len(head.config.aux_layers) * config.hidden_size, dtype=dtype)
-    tokens = torch.randint(0, config.vocab_size, (ctx + 1,))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    mem_before = memory_mb(device)
+    features = torch.randn(ctx, len(head.config.aux_layers) * config.hidden_size, dtype=dtype, device=device)
+    tokens = torch.randint(0, config.vocab_size, (ctx + 1,), device=device)
+    sync(device)
     t_prompt = time.perf_counter()
     with torch.inference_mode():  # the prompt's ctx anchors in one step, as the harness's first draft feeds them
-        out = drafter._feed_anchors(tokens[1:], head.fuse(features), torch.arange(1, ctx + 1))
+        out = drafter._feed_anchors(tokens[1:], head.fuse(features), torch.arange(1, ctx + 1, device=device))
+    sync(device)
     prompt_ms = (time.perf_counter() - t_prompt) * 1e3
     drafter.anchors, drafter.committed = ctx, ctx + 1
     drafter.node_out[-1] = out[-1]
@@ -126,10 +130,10 @@ def measure_feature(kind: str, target_dir: str, ctx: int, steps: int, repeats: i
         drafter.node_out[-1] = out[-1]
         drafter.feed([-1], [int(tokens[0])], [0])
 
-    times = time_ms(step, torch.device("cpu"), repeats, calls=steps, warmup=1)
+    times = time_ms(step, device, repeats, calls=steps, warmup=1)
     return {"context": ctx, "ms_per_token": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
             "prompt_ms": prompt_ms, "state_mb": drafter.cache_bytes() / 2**20,
-            "memory_growth_mb": memory_mb(torch.device("cpu")) - mem_before,
+            "memory_growth_mb": memory_mb(device) - mem_before,
             "params_m": sum(p.numel() for p in head.parameters()) / 1e6}
 
 
@@ -158,13 +162,13 @@ def main():
                                                              "instead of the checkpoint's reduced one")
     ap.add_argument("--feature-target", metavar="DIR",
                     help="time the two drafters that read this target (the EAGLE-3 head and the feature-conditioned "
-                         "Mamba2 drafter, bf16, 8,192-row heads) through the harness's drafter code; CPU")
+                         "Mamba2 drafter, bf16, 8,192-row heads) through the harness's drafter code, on --device")
     args = ap.parse_args()
     device = torch.device(args.device)
     rows = []
     for kind in ("eagle3", "feature_mamba2") if args.feature_target else ():
         for ctx in args.contexts:
-            r = measure_feature(kind, args.feature_target, ctx, args.steps, args.repeats)
+            r = measure_feature(kind, args.feature_target, ctx, args.steps, args.repeats, device=device)
             rows.append({"drafter": kind, "params_m": round(r.pop("params_m"), 2), **r})
             print(rows[-1], flush=True)
     for path in args.drafter or []:
