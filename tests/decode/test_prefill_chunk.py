@@ -87,3 +87,52 @@ def test_a_bad_chunk_is_refused_in_one_line(bad):
 def test_a_recurrent_target_refuses_a_chunk_naming_why():
     with pytest.raises(CompatibilityError, match="applies to KV-cache Transformer targets.*own chunked scan"):
         load_target(tiny_mamba2(vocab=VOCAB), prefill_chunk=64)
+
+
+# ---- a Mamba2 drafter encodes a long prompt in chunks (drafters/mamba.py PROMPT_CHUNK)
+
+
+def encoded(drafter, seq, chunk):
+    drafter.prompt_chunk = chunk
+    drafter.reset()
+    logits = drafter._sync(seq).double().clone()
+    return logits, [(c.double().clone(), s.double().clone()) for c, s in drafter.live]
+
+
+def test_mamba2_drafter_prompt_in_chunks_is_a_float64_encode_within_fp32_rounding():
+    """Oracle: the same drafter in float64 encoding the prompt in one forward. Chunks of 16 are the model's own
+    scan chunk; 5 and 23 cut across it (the scan then restarts mid-chunk from the cached state)."""
+    model = tiny_mamba2(vocab=VOCAB)
+    target = load_target(tiny_llama(vocab=VOCAB))
+    reference = load_drafter(tiny_mamba2(vocab=VOCAB, dtype=torch.float64), target)
+    ref_logits, ref_states = encoded(reference, SEQ, None)
+    drafter = load_drafter(model, target)
+    assert drafter.prompt_chunk == 512  # the default for Mamba2
+    for chunk in (5, 16, 23, None):
+        logits, states = encoded(drafter, SEQ, chunk)
+        bound = 64 * torch.finfo(torch.float32).eps
+        assert (logits - ref_logits).abs().max() <= bound * ref_logits.abs().max()
+        for (c, s), (c_ref, s_ref) in zip(states, ref_states):
+            assert (c - c_ref).abs().max() <= bound * c_ref.abs().max()
+            assert (s - s_ref).abs().max() <= bound * s_ref.abs().max()
+
+
+def test_mamba1_drafter_encodes_a_prompt_in_one_forward():
+    """transformers' Mamba1 multi-token path starts from a zero state: chunks would drop the earlier ones."""
+    from tests.fixtures.decode import tiny_mamba
+
+    assert load_drafter(tiny_mamba(vocab=VOCAB), load_target(tiny_llama(vocab=VOCAB))).prompt_chunk is None
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_decodes_over_a_chunk_encoded_mamba2_drafter_equal_generate(method):
+    model = tiny_llama(vocab=VOCAB, layers=3)
+    target = load_target(model)
+    drafter = load_drafter(tiny_mamba2(vocab=VOCAB), target)
+    drafter.prompt_chunk = 6
+    options = {"chain": {"chain_length": 4}, "tree": {"tree": "3,2,1"}}[method]
+    for prompt in (SEQ[:3], SEQ[:40], SEQ[:85]):
+        ids = torch.tensor([prompt])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+        assert build_decoder(method, target, drafter, **options).generate(prompt, max_new_tokens=12).tokens == \
+            ref[0, len(prompt):].tolist()
