@@ -107,6 +107,10 @@ class EvalConfig:
         "question), for Spec-Bench's evaluation/speed.py and equal.py; files of the same name are replaced",
         metavar="DIR")
     plots: bool = option(True, "skip the PNG plots", flag="--no-plots")
+    component_memory: bool = option(
+        True, "skip the memory-by-component decode (after the timed runs, one untimed decode of each context "
+        "length's first prompt per method, metering the target's and the drafter's calls apart)",
+        flag="--no-component-memory")
     self_check: Literal["classify", "identity"] = option(
         "classify", "T=0 self-check against AR: classify = each output that differs from AR's is classified as a "
         "near-tie or a defect (one float32 and two plain forwards over its prefix, and AR's tokens checked by one "

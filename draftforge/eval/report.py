@@ -289,6 +289,35 @@ def category_cost_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def component_memory_markdown(report: dict) -> str:
+    """Memory of the target and the drafter apart, per method and context (eval/components.py); '' without it."""
+    found = report.get("component_memory")
+    if not found:
+        return ""
+
+    def mib(part, key):
+        value = (part or {}).get(key)
+        return "–" if value is None else f"{value / 2**20:,.1f}"
+
+    lines = ["## Memory by component", "",
+             f"{found['what']}. MiB. weights: parameters and buffers; state: the most context state (KV cache, SSM "
+             "state) held after any call; working: the largest rise of memory during one call above what was held "
+             "when it began (activations, attention scores, scan intermediates).", "",
+             "| method | context | target weights | target state | target working | drafter weights | drafter state "
+             "| drafter working |", "|---|---|---|---|---|---|---|---|"]
+    how = None
+    for method, buckets in found["by_method"].items():
+        for _, m in sorted(buckets.items(), key=lambda kv: int(kv[0])):
+            t, d = m["target"], m["drafter"]
+            how = m["how"]
+            lines.append(f"| {method} | {m['prompt_tokens']:,} | {mib(t, 'weights_bytes')} | {mib(t, 'state_bytes')} | "
+                         f"{mib(t, 'working_bytes')} | {mib(d, 'weights_bytes')} | {mib(d, 'state_bytes')} | "
+                         f"{mib(d, 'working_bytes')} |")
+    if how:
+        lines += ["", f"Working memory: {how}."]
+    return "\n".join(lines) + "\n"
+
+
 def protocol_markdown(report: dict) -> str:
     """How the timing was done: the method order of every repeat and hf_assisted's own draft policy."""
     m = report["manifest"]
@@ -349,7 +378,7 @@ def write_reports(report: dict, out_dir: str | Path, *, plots: bool = True) -> d
         plot_paths = write_plots(report, out)
     pace = [f"**Warning:** {report['pace_warning']}", ""] if report.get("pace_warning") else []
     md = ["# draftforge eval", "", heading_markdown(report), "", *pace, markdown_table(report), "", acceptance_markdown(report), "",
-          category_markdown(report), "", category_cost_markdown(report), "", plots_markdown(plot_paths), protocol_markdown(report), "", definitions_markdown(), "",
+          category_markdown(report), "", category_cost_markdown(report), "", component_memory_markdown(report), plots_markdown(plot_paths), protocol_markdown(report), "", definitions_markdown(), "",
           "Command: `" + report["manifest"]["command"] + "`", ""]
     atomic_write_text(out / "report.md", "\n".join(md))
     paths.update(plot_paths)

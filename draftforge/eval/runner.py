@@ -17,10 +17,11 @@ from dataclasses import asdict, replace
 
 import draftforge.decode as decode_api
 from draftforge.decode import methods as method_registry
+from draftforge.decode.engine import SpeculativeDecoder
 from draftforge.decode.sampling import SamplingParams
 from draftforge.errors import DraftforgeError
 from draftforge.eval import answers as answers_mod
-from draftforge.eval import cost, metrics, selfcheck
+from draftforge.eval import components, cost, metrics, selfcheck
 from draftforge.eval.config import (  # noqa: F401  (EvalConfig, validate: run_eval's inputs, importable from here)
     EvalConfig, check_paths, method_order, resolve_method_options, resolved_options, validate)
 from draftforge.eval.output import save_or_rescue
@@ -275,6 +276,31 @@ def planned_rows(cfg: EvalConfig) -> list[int]:
     return sorted(rows)
 
 
+def _component_memory(cfg, decoders, target, drafter, prompts, firsts: dict[int, int], eos) -> dict:
+    """method -> length bucket -> memory of the target and the drafter apart (eval/components.py), from one
+    untimed decode of the bucket's first prompt at the first temperature; {} with --no-component-memory. Methods
+    that never call draftforge's target (transformers' assisted generation) are left out."""
+    if not cfg.component_memory or not prompts:
+        return {}
+    params = sampling_params(cfg, cfg.temperatures[0])
+    out = {}
+    for method, dec in decoders.items():
+        if not isinstance(dec, SpeculativeDecoder):  # transformers' own generate(), not draftforge's target
+            continue
+        for bucket, i in firsts.items():
+            ids = prompts[i].input_ids
+            found = components.measure(lambda: _run_one(dec, ids, cfg, params, i, eos), target, drafter, cfg.device)
+            if not found["target"]["calls"]:
+                break
+            out.setdefault(method, {})[bucket] = {"prompt_tokens": len(ids), **found}
+            parts = [f"{name} state {part['state_bytes'] / 2**20:.2f} MiB, working +"
+                     + ("?" if part["working_bytes"] is None else f"{part['working_bytes'] / 2**20:.1f}") + " MiB"
+                     for name, part in (("target", found["target"]), ("drafter", found["drafter"]))
+                     if part is not None and part["state_bytes"] is not None]
+            _log(cfg, f"memory by component, {method} on {len(ids)} tokens: " + "; ".join(parts))
+    return out
+
+
 def _cost_curves(cfg, target, prompts, firsts: dict[int, int]) -> dict[int, dict[int, float]]:
     """Length bucket -> t(N) timed on the bucket's first prompt (`firsts`: cost.bucket_prompts; one bucket for a
     bench of short prompts); {} with --cost-repeats 0."""
@@ -363,6 +389,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         swaps, tuning = ({}, None) if not cfg.tune_chain_length else _tune_chain_length(
             cfg, decoders, target, drafter, options, prompts, curve, _eos_id(cfg, target), by_length)
         records, memory, orders = _timed_runs(cfg, decoders, prompts, _eos_id(cfg, target), target.tokenizer, swaps)
+        by_component = _component_memory(cfg, decoders, target, drafter, prompts, firsts, _eos_id(cfg, target))
         after = None
         if curve:
             # t(1) again (did the machine's pace move during the runs?), and every row count a dynamic method
@@ -403,6 +430,9 @@ def run_eval(cfg: EvalConfig) -> dict:
         "prompts": [{"prompt_id": p.prompt_id, "category": p.category, "num_tokens": len(p.input_ids),
                      "chat_template": p.used_chat_template, "turns": len(p.turns or [None])} for p in prompts],
         "results": results,
+        "component_memory": {"what": "one untimed decode of each length bucket's first prompt per method, at T="
+                                     f"{cfg.temperatures[0]:g} (eval/components.py)", "by_method": by_component}
+        if by_component else None,
         "skipped": skipped,
         "target_notes": sorted(getattr(target, "notes", ())),
         "answers": answer_files,
