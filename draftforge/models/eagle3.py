@@ -308,8 +308,10 @@ class Eagle3Head(FeatureHead):
 
     # ---- training: K unrolled steps over whole sequences (training-time test)
 
-    def forward(self, tokens_BT: torch.Tensor, aux_BTA: torch.Tensor, steps: int) -> list[torch.Tensor]:
-        """Head logits [B, T, N] of every anchor at steps 0..steps-1 (ttt_forward, then norm and head)."""
+    def forward(self, tokens_BT: torch.Tensor, aux_BTA: torch.Tensor, steps: int,
+                unroll_BT: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Head logits [B, T, N] of every anchor at steps 0..steps-1 (ttt_forward, then norm and head). unroll_BT
+        (the anchors a later step is scored at) is not used: step k attends over every anchor's chain."""
         return [self.logits(out) for out in self.ttt_forward(tokens_BT, aux_BTA, steps)]
 
     def ttt_forward(self, tokens_BT: torch.Tensor, aux_BTA: torch.Tensor, steps: int) -> list[torch.Tensor]:

@@ -248,26 +248,40 @@ class FeatureMamba2Head(FeatureHead):
             states.append((conv_1KC[:, 0], ssm_1HPN[:, 0]))
         return r_1TD[0], states
 
-    def ttt_forward(self, tokens_BT: torch.Tensor, aux_BTA: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def ttt_forward(self, tokens_BT: torch.Tensor, aux_BTA: torch.Tensor, steps: int,
+                    unroll_BT: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Output states [B, T, D] of every anchor at steps 0..steps-1: step 0 runs the anchors from the empty state
         (a parallel scan keeping the state after every position); step k at anchor t continues from the state
         anchor t's chain had after step k-1 (step 0: after anchor t itself), fed x_{t+1+k} and that chain's
-        previous output (what drafting from t does)."""
+        previous output (what drafting from t does).
+
+        unroll_BT (bool, optional): the anchors whose chains steps 1.. need (those a later step is scored at);
+        the other anchors' outputs at steps >= 1 are zeros. Each chain is computed on its own, so a kept anchor's
+        outputs are what the full unroll gives (up to the rounding of a product over fewer rows); the states
+        carried through steps 1.. shrink to the kept anchors (a 2k block whose loss falls on a 128-token answer
+        keeps ~1/16)."""
         b, t = tokens_BT.shape
         r_BTD, per_block = self.entry(tokens_BT, self.fuse(aux_BTA)), []
         for block in self.blocks:  # step 0: every anchor in parallel (Mixer.scan)
             r_BTD, states = block.scan(r_BTD)
             per_block.append(states)
         outs = [r_BTD]
-        states = [(c.flatten(0, 1), s.flatten(0, 1)) for c, s in per_block]
+        rows = None if unroll_BT is None else unroll_BT.flatten().nonzero().squeeze(1)
+        pick = (lambda x: x) if rows is None else (lambda x: x.index_select(0, rows))
+        states = [(pick(c.flatten(0, 1)), pick(s.flatten(0, 1))) for c, s in per_block]
+        out_ND = pick(r_BTD.flatten(0, 1))
         for k in range(1, steps):
-            tok_BT = F.pad(tokens_BT[:, k:], (0, k), value=0)
-            out_N, states = self.step(tok_BT.flatten(), outs[-1].flatten(0, 1), states)
-            outs.append(out_N.view(b, t, -1))
+            tok_N = pick(F.pad(tokens_BT[:, k:], (0, k), value=0).flatten())
+            out_ND, states = self.step(tok_N, out_ND, states)
+            if rows is None:
+                outs.append(out_ND.view(b, t, -1))
+            else:
+                outs.append(out_ND.new_zeros(b * t, out_ND.shape[-1]).index_copy(0, rows, out_ND).view(b, t, -1))
         return outs
 
-    def forward(self, tokens_BT: torch.Tensor, aux_BTA: torch.Tensor, steps: int) -> list[torch.Tensor]:
-        return [self.logits(out) for out in self.ttt_forward(tokens_BT, aux_BTA, steps)]
+    def forward(self, tokens_BT: torch.Tensor, aux_BTA: torch.Tensor, steps: int,
+                unroll_BT: torch.Tensor | None = None) -> list[torch.Tensor]:
+        return [self.logits(out) for out in self.ttt_forward(tokens_BT, aux_BTA, steps, unroll_BT)]
 
     def state_bytes(self) -> int:
         """Bytes of one row's recurrent state (all blocks): constant at any context."""

@@ -106,6 +106,20 @@ def loss_positions(batch) -> torch.Tensor:
     return (next_labels(batch)[:, 1:] != -100).sum()
 
 
+def unrolled_anchors(next_BT: torch.Tensor, steps: int) -> torch.Tensor | None:
+    """Anchors t that some step k >= 1 scores (scored_steps: the token after t + 1 + k is labelled): the chains a
+    head need unroll past step 0 (None for steps = 1)."""
+    if steps < 2:
+        return None
+    labelled_BT = next_BT != -100
+    out_BT = torch.zeros_like(labelled_BT)
+    t_len = next_BT.shape[1]
+    for k in range(1, steps):
+        if t_len - 1 - k > 0:
+            out_BT[:, : t_len - 1 - k] |= labelled_BT[:, 1 + k :][:, : t_len - 1 - k]
+    return out_BT
+
+
 def ttt_loss(target, layers: list[int], cfg: Eagle3TaskConfig, d2t_N: torch.Tensor | None):
     """loss(model, batch) -> (summed weighted loss, step-0 positions, metric sums)."""
     weights = cfg.weights()
@@ -117,7 +131,7 @@ def ttt_loss(target, layers: list[int], cfg: Eagle3TaskConfig, d2t_N: torch.Tens
             aux_BTA = torch.cat([out.hidden_states[i] for i in layers], -1)
             teacher_BTV = out.logits
         tokens_BT = F.pad(ids_BT[:, 1:], (0, 1), value=0)  # anchor t consumes x_{t+1}
-        logits_by_step = model(tokens_BT, aux_BTA, cfg.steps)
+        logits_by_step = model(tokens_BT, aux_BTA, cfg.steps, unrolled_anchors(next_labels(batch), cfg.steps))
         return step_losses(logits_by_step, teacher_BTV, next_labels(batch), cfg, weights, d2t_N,
                            evaluating=not model.training)
 

@@ -245,3 +245,52 @@ def test_mamba_body_prefill_equals_feeding_the_prompt_one_token_at_a_time():
         for (conv, ssm), (want_conv, want_ssm) in zip(states, want_states):
             torch.testing.assert_close(conv, want_conv, rtol=0, atol=1e-12)
             torch.testing.assert_close(ssm, want_ssm, rtol=0, atol=1e-12)
+
+
+def test_unrolled_anchors_by_hand():
+    """Anchor t needs steps >= 1 when some step k >= 1 scores it: the label after t + 1 + k exists."""
+    from draftforge.train.eagle3 import unrolled_anchors
+
+    next_BT = torch.full((1, 10), -100)
+    next_BT[0, 6] = 5  # scored at step k for anchor 5 - k: anchors 4 (k=1) and 3 (k=2) with 3 steps
+    assert unrolled_anchors(next_BT, 1) is None
+    assert unrolled_anchors(next_BT, 3)[0].nonzero().flatten().tolist() == [3, 4]
+    assert unrolled_anchors(next_BT, 2)[0].nonzero().flatten().tolist() == [4]
+
+
+def test_mamba_body_unrolls_only_the_anchors_asked_and_its_loss_and_gradients_are_the_full_unrolls():
+    """Oracle: the full unroll (every anchor, every step). Kept anchors' outputs are the full unroll's to float64
+    rounding, the others are zero past step 0, and the TTT loss (scored only where unrolled_anchors keeps) and
+    its gradients match."""
+    from draftforge.models.feature_mamba import FeatureMamba2Head, FeatureMambaConfig
+    from draftforge.train.eagle3 import full_teacher, scored_steps, unrolled_anchors
+
+    target = tiny_target()
+    torch.manual_seed(3)
+    head = FeatureMamba2Head(FeatureMambaConfig.from_target(target.config, head_dim=16, state_size=8)).double()
+    head.use_embedding(target.get_input_embeddings())
+    steps, T = 3, 12
+    tokens = torch.randint(0, V, (2, T))
+    aux = torch.randn(2, T, 3 * D, dtype=torch.float64)
+    next_BT = torch.full((2, T), -100)
+    next_BT[0, 7:10], next_BT[1, 4] = 1, 1  # two answers' labels
+    keep = unrolled_anchors(next_BT, steps)
+    full, part = head.ttt_forward(tokens, aux, steps), head.ttt_forward(tokens, aux, steps, keep)
+    assert torch.equal(full[0], part[0])
+    for k in range(1, steps):
+        torch.testing.assert_close(part[k][keep], full[k][keep], rtol=0, atol=1e-12)
+        assert not part[k][~keep].any()
+    cfg = Eagle3TaskConfig(steps=steps)
+    teacher = torch.randn(2, T, V, dtype=torch.float64)
+
+    def loss_and_grads(unroll):
+        head.zero_grad()
+        logits = head(tokens, aux, steps, unroll)
+        total, count, _ = scored_steps(logits, full_teacher(teacher, 1.0, None), next_BT, cfg, cfg.weights(), False)
+        total.backward()
+        return total.detach(), [p.grad.clone() for p in head.parameters() if p.grad is not None]
+
+    (loss_full, grads_full), (loss_part, grads_part) = loss_and_grads(None), loss_and_grads(keep)
+    torch.testing.assert_close(loss_part, loss_full, rtol=1e-12, atol=0)
+    for g_part, g_full in zip(grads_part, grads_full):
+        torch.testing.assert_close(g_part, g_full, rtol=1e-10, atol=1e-12)
