@@ -252,7 +252,8 @@ def test_cuda_graph_replay_equals_eager_for_every_batch_size(kind):
 @cuda
 @pytest.mark.parametrize("kind", ["mamba", "mamba2"])
 def test_cuda_graphs_decoding_stays_lossless(kind):
-    target = load_target(tiny_llama(vocab=VOCAB).cuda())
+    target = load_target(tiny_llama(vocab=VOCAB), device="cuda")  # (a model object is moved to `device`)
+    assert target.model.device.type == "cuda"
     graphed = load_drafter(MAKERS[kind](vocab=VOCAB), target, device="cuda", cuda_graphs="on")
     eager = load_drafter(MAKERS[kind](vocab=VOCAB), target, device="cuda", cuda_graphs="off")
     assert graphed.cuda_graphs and not eager.cuda_graphs

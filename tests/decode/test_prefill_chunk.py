@@ -107,7 +107,7 @@ def test_mamba2_drafter_prompt_in_chunks_is_a_float64_encode_within_fp32_roundin
     reference = load_drafter(tiny_mamba2(vocab=VOCAB, dtype=torch.float64), target)
     ref_logits, ref_states = encoded(reference, SEQ, None)
     drafter = load_drafter(model, target)
-    assert drafter.prompt_chunk == 512  # the default for Mamba2
+    assert drafter.prompt_chunk == 512  # the default for a Mamba2 drafter on CPU
     for chunk in (5, 16, 23, None):
         logits, states = encoded(drafter, SEQ, chunk)
         bound = 64 * torch.finfo(torch.float32).eps
