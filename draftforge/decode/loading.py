@@ -82,18 +82,14 @@ def load_target(model_or_path, device="cpu", dtype=None, tokenizer=None, scan_im
     Transformers get the KV-cache target; Mamba2 and Mamba2+attention hybrids get `HybridTarget`
     (STree tree scan + replay; `scan_impl` = "auto" | "ref" | "triton"); other recurrent models
     are refused with one message listing what is supported. pack_weights, decode_attention: see
-    load_hf_causal_lm. prefill_chunk: encode a prompt in forwards of that many tokens (KV-cache targets; None =
-    one forward); a Mamba2 / hybrid target's prefill already runs its model's own chunked scan and refuses it."""
+    load_hf_causal_lm. prefill_chunk: encode a prompt in forwards of that many tokens (None = one forward), each
+    continuing the cache, K/V and SSM states alike."""
     model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "target", pack_weights, decode_attention)
     tokenizer = tokenizer if tokenizer is not None else found_tokenizer
     if is_recurrent_model(model.config) and not getattr(model.config, "is_encoder_decoder", False):
         from draftforge.decode.targets.hybrid import HybridTarget  # here: it loads the tree-scan kernels
 
-        if prefill_chunk is not None:
-            raise CompatibilityError(
-                f"prefill_chunk={prefill_chunk} applies to KV-cache Transformer targets; {model.config.model_type!r} "
-                "keeps SSM state, whose prefill runs the model's own chunked scan in one call: leave it unset")
-        return HybridTarget(model, tokenizer, impl=scan_impl)
+        return HybridTarget(model, tokenizer, impl=scan_impl, prefill_chunk=prefill_chunk)
     return KVCacheTarget(model, tokenizer, prefill_chunk=prefill_chunk)
 
 

@@ -94,7 +94,8 @@ class EvalConfig:
         "against a long cache; bf16 outputs may part from sdpa's at near-ties, which the self-check classifies; "
         "fp32 untouched): auto = when it applies, off = transformers' sdpa")
     prefill_chunk: int | None = option(
-        None, "encode each prompt in forwards of N tokens (a KV-cache Transformer target; default: one forward). "
+        None, "encode each prompt in forwards of N tokens, each continuing the K/V cache (and an SSM / hybrid "
+        "target's conv and SSM states; default: one forward). "
         "Bounds the prefill's attention scores to N x context instead of context x context; logits equal one "
         "forward's within the dtype's rounding (not always bitwise: CPU GEMM sums may depend on the row count)",
         metavar="N")

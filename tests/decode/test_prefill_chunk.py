@@ -17,6 +17,7 @@ from draftforge.decode import build_decoder, load_drafter, load_target
 from draftforge.errors import CompatibilityError
 from draftforge.eval.selfcheck import chain_tree
 from tests.fixtures.decode import eagle3_head, greedy_runs, noisy_copy, tiny_llama, tiny_mamba2
+from tests.fixtures.hybrid import HYBRIDS
 
 VOCAB = 64
 SEQ = torch.randint(1, VOCAB, (90,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -84,9 +85,39 @@ def test_a_bad_chunk_is_refused_in_one_line(bad):
         load_target(tiny_llama(vocab=VOCAB), prefill_chunk=bad)
 
 
-def test_a_recurrent_target_refuses_a_chunk_naming_why():
-    with pytest.raises(CompatibilityError, match="applies to KV-cache Transformer targets.*own chunked scan"):
-        load_target(tiny_mamba2(vocab=VOCAB), prefill_chunk=64)
+# ---- SSM / hybrid targets (HybridTarget): chunks continue the K/V and the conv / SSM states
+
+
+@pytest.mark.parametrize("kind", [k if k in ("bamba", "mamba2") else pytest.param(k, marks=pytest.mark.slow)
+                                  for k in sorted(HYBRIDS)])  # ~10 s each on 2 cores: two in the fast suite
+def test_hybrid_target_chunked_prefill_is_a_float64_prefill_within_fp32_rounding(kind):
+    """Oracle: the same model in float64, one plain forward over the prompt and the drafts (the tree scan runs in
+    float32 at most, so the harness cannot verify in float64). The one-shot prefill meets the bound too. Chunks of
+    5 and 13 cut across the models' own scan chunks; each continues from the cached conv window and SSM state (and
+    K/V for attention layers)."""
+    seq = [t % 48 for t in SEQ[:60]]  # the fixtures' vocabulary is 48
+    with torch.no_grad():
+        reference = HYBRIDS[kind](dtype=torch.float64)(input_ids=torch.tensor([seq + [3, 4, 5]])).logits[0, -4:]
+    bound = 64 * torch.finfo(torch.float32).eps * reference.abs().max()
+    for chunk in (None, 5, 13, 59):
+        chunked, target = verify_after_prefill(HYBRIDS[kind](), chunk, seq)
+        assert (chunked - reference).abs().max() <= bound, chunk
+        assert target.length == len(seq) - 1  # the prompt less its last token (a verify moves nothing until commit)
+
+
+@pytest.mark.parametrize("kind", ["bamba", "mamba2"])
+def test_decodes_after_a_chunked_hybrid_prefill_equal_generate(kind):
+    model = HYBRIDS[kind]()
+    target = load_target(model, prefill_chunk=7)
+    drafter = load_drafter(tiny_mamba2(vocab=48), target)
+    for prompt in (SEQ[:3], SEQ[:30]):
+        prompt = [t % 48 for t in prompt]
+        ids = torch.tensor([prompt])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
+        for method, options in (("ar", {}), ("chain", {"chain_length": 3}), ("tree", {"tree": "2,1"})):
+            res = build_decoder(method, target, None if method == "ar" else drafter, **options).generate(
+                prompt, max_new_tokens=10)
+            assert res.tokens == ref[0, len(prompt):].tolist(), method
 
 
 # ---- a Mamba2 drafter encodes a long prompt in chunks (drafters/mamba.py PROMPT_CHUNK)

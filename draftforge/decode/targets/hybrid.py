@@ -90,9 +90,12 @@ class VerifyCost:
 class HybridTarget(Target):
     """A transformers SSM / hybrid causal LM verified with the tree scan and rolled forward by replay."""
 
-    def __init__(self, model, tokenizer=None, impl: str = "auto"):
+    def __init__(self, model, tokenizer=None, impl: str = "auto", prefill_chunk: int | None = None):
+        from draftforge.decode.targets import check_prefill_chunk
+
         check_hybrid_model(model)
         self.model, self.tokenizer, self.impl = model, tokenizer, impl
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         self.mixers = find_mixers(model)
         self.conv_width = next(iter(self.mixers.values())).conv1d.weight.shape[-1]
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -129,13 +132,18 @@ class HybridTarget(Target):
         return (logits_QV, out.hidden_states[-1][0]) if hidden else logits_QV
 
     def prefill(self, seq: list[int]) -> None:
-        """Encode seq[:-1] with the model's own (chunked) forward: fills K/V and every conv/SSM state."""
+        """Encode seq[:-1] with the model's own forward (its chunked scan), in one call or, with `prefill_chunk`,
+        in calls of that many tokens, each continuing the cache the earlier ones filled (K/V, conv and SSM states:
+        transformers' Mamba2 mixers start a multi-token scan from the cached state): fills K/V and every
+        conv/SSM state."""
         self.reset()
         self.costs = []
         self._features = []
-        if len(seq) > 1:
-            self._forward(seq[:-1], list(range(len(seq) - 1)))
-            self.length = len(seq) - 1
+        prompt = seq[:-1]
+        step = self.prefill_chunk or max(len(prompt), 1)
+        for start in range(0, len(prompt), step):
+            self._forward(prompt[start : start + step], list(range(start, min(start + step, len(prompt)))))
+            self.length = min(start + step, len(prompt))
             if self.feature_layers is not None:
                 self._features.append(self.features_QA)
 
