@@ -168,13 +168,17 @@ def test_dry_run_end_to_end_on_cpu(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     result = json.loads((out / "check.json").read_text())
     statuses = {s["name"]: s["status"] for s in result["steps"]}
-    assert list(statuses) == ["cuda_tests", "tree_scan", "cuda_graph", "train_mfu", "eval"]
+    assert list(statuses) == ["cuda_tests", "tree_scan", "cuda_graph", "train_mfu", "eval", "feature_eval"]
     assert statuses == {"cuda_tests": "ok", "tree_scan": "ok", "cuda_graph": "skipped", "train_mfu": "ok",
-                        "eval": "ok"}, [s.get("error") for s in result["steps"]]
+                        "eval": "ok", "feature_eval": "ok"}, [s.get("error") for s in result["steps"]]
     steps = {s["name"]: s for s in result["steps"]}
     assert steps["cuda_graph"]["reason"] == "needs CUDA"
     assert steps["cuda_tests"]["result"]["counts"]["passed"] == 0  # on CPU every CUDA-only test skips
     assert steps["train_mfu"]["result"]["mfu"] is None and steps["train_mfu"]["result"]["mfu_reason"]
     assert {r["method"] for r in steps["eval"]["result"]["rows"]} == {"ar", "chain", "tree"}
+    feature = steps["feature_eval"]["result"]["table"]["rows"]  # drafter, method, ..., self-check vs AR
+    assert {(r[0], r[1]) for r in feature} == {(d, m) for d in ("eagle3", "feature_mamba2")
+                                               for m in ("chain", "tree", "eagle2")}
+    assert all(r[-1] == "2/2" for r in feature), feature  # the dry run's 2 prompts, each identical to AR
     assert "| step | what | status | seconds | result |" in (out / "check.md").read_text()
-    assert done.returncode == 0 and "4 ok, 0 failed, 1 skipped in" in done.stdout.strip().splitlines()[-1]
+    assert done.returncode == 0 and "5 ok, 0 failed, 1 skipped in" in done.stdout.strip().splitlines()[-1]
