@@ -122,8 +122,10 @@ class Mixer(nn.Module):
         return self.out_proj(y_BE), (window_BKC[:, 1:], ssm_BHPN)
 
 
-    def scan(self, u_BTD: torch.Tensor, chunk: int = 32, every: bool = True) -> tuple[torch.Tensor, State]:
-        """A whole sequence from the empty state, in parallel: (outputs [B, T, D], the state after every position:
+    def scan(self, u_BTD: torch.Tensor, chunk: int = 32, every: bool = True,
+             initial: State | None = None) -> tuple[torch.Tensor, State]:
+        """A whole sequence from the empty state (or from `initial`, a state [B, ...] as `step` takes it), in
+        parallel: (outputs [B, T, D], the state after every position:
         conv windows [B, T, K-1, C] and SSM states [B, T, H, P, N]). The recurrence h_t = a_t·h_{t-1} + b_t is
         summed in chunks: inside one, h_t = Σ_{s<=t} exp(Σ_{s<r<=t} log a_r)·b_s (every factor <= 1), plus the
         carried state decayed by the chunk's running product. Equal to `step` position by position. With
@@ -133,7 +135,10 @@ class Mixer(nn.Module):
         wide = torch.promote_types(u_BTD.dtype, torch.float32)  # the SSM in at least fp32
         b, t, _ = u_BTD.shape
         z_BTE, xbc_BTC, dt_BTH = self.in_proj(u_BTD).split([c.inner, c.conv_dim, c.heads], -1)
-        padded_BXC = F.pad(xbc_BTC, (0, 0, c.conv_kernel - 1, 0))
+        if initial is None:
+            padded_BXC, carry = F.pad(xbc_BTC, (0, 0, c.conv_kernel - 1, 0)), None
+        else:  # the conv window holds the last K-1 inputs before this sequence; the SSM state carries in
+            padded_BXC, carry = torch.cat([initial[0].to(xbc_BTC.dtype), xbc_BTC], 1), initial[1].to(wide)
         window_BTKC = padded_BXC.unfold(1, c.conv_kernel, 1).transpose(2, 3)  # inputs t-K+1..t
         xbc_BTC = F.silu((window_BTKC * self.conv_weight).sum(2) + self.conv_bias)
         x_BTE, b_BTN, c_BTN = xbc_BTC.split([c.inner, c.state_size, c.state_size], -1)
@@ -141,7 +146,7 @@ class Mixer(nn.Module):
         log_a_BTH = dt_BTH * -torch.exp(self.A_log.to(wide))
         x_BTHP = x_BTE.to(wide).unflatten(-1, (c.heads, c.head_dim))
         dx_BTHP = dt_BTH[..., None] * x_BTHP
-        states, ys, carry = [], [], None
+        states, ys = [], []
         for start in range(0, t, chunk):
             end = min(t, start + chunk)
             cum_BLH = log_a_BTH[:, start:end].cumsum(1)
@@ -175,8 +180,8 @@ class Block(nn.Module):
         out_BD, state = self.mixer.step(self.norm(r_BD), state)
         return r_BD + out_BD, state
 
-    def scan(self, r_BTD, every: bool = True):
-        out_BTD, states = self.mixer.scan(self.norm(r_BTD), every=every)
+    def scan(self, r_BTD, every: bool = True, initial: State | None = None):
+        out_BTD, states = self.mixer.scan(self.norm(r_BTD), every=every, initial=initial)
         return r_BTD + out_BTD, states
 
 
@@ -239,14 +244,16 @@ class FeatureMamba2Head(FeatureHead):
                          for j in range(len(self.blocks))]
         return torch.stack(outs, 1), states, per_block
 
-    def prefill(self, tokens_T: torch.Tensor, feature_TD: torch.Tensor) -> tuple[torch.Tensor, list[State]]:
-        """The first anchors of a prompt from the empty state in one parallel scan: (outputs [T, D], every block's
-        state after the last one, [1, ...]): what `run` gives one position at a time."""
-        r_1TD, states = self.entry(tokens_T[None], feature_TD[None]), []
-        for block in self.blocks:
-            r_1TD, (conv_1KC, ssm_1HPN) = block.scan(r_1TD, every=False)
-            states.append((conv_1KC[:, 0], ssm_1HPN[:, 0]))
-        return r_1TD[0], states
+    def prefill(self, tokens_T: torch.Tensor, feature_TD: torch.Tensor,
+                states: list[State] | None = None) -> tuple[torch.Tensor, list[State]]:
+        """Anchors of a prompt in one parallel scan, from the empty state or from `states` (a previous piece of
+        the same prompt): (outputs [T, D], every block's state after the last one, [1, ...]): what `run` gives
+        one position at a time."""
+        r_1TD, after = self.entry(tokens_T[None], feature_TD[None]), []
+        for j, block in enumerate(self.blocks):
+            r_1TD, (conv_1KC, ssm_1HPN) = block.scan(r_1TD, every=False, initial=None if states is None else states[j])
+            after.append((conv_1KC[:, 0], ssm_1HPN[:, 0]))
+        return r_1TD[0], after
 
     def ttt_forward(self, tokens_BT: torch.Tensor, aux_BTA: torch.Tensor, steps: int,
                     unroll_BT: torch.Tensor | None = None) -> list[torch.Tensor]:

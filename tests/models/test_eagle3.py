@@ -247,6 +247,47 @@ def test_mamba_body_prefill_equals_feeding_the_prompt_one_token_at_a_time():
             torch.testing.assert_close(ssm, want_ssm, rtol=0, atol=1e-12)
 
 
+def test_mamba_body_prefill_in_pieces_equals_feeding_the_prompt_one_token_at_a_time():
+    """A prompt prefilled in pieces (each piece's scan starting from the last one's conv window and SSM state, as
+    the drafter does for a long prompt) == `run`, position by position; pieces shorter than the conv window too."""
+    from draftforge.models.feature_mamba import FeatureMamba2Head, FeatureMambaConfig
+
+    target = tiny_target()
+    torch.manual_seed(7)
+    head = FeatureMamba2Head(FeatureMambaConfig.from_target(target.config, head_dim=16, state_size=8)).double()
+    head.use_embedding(target.get_input_embeddings())
+    n = 45
+    tokens, feature = torch.randint(0, V, (n,)), head.fuse(torch.randn(n, 3 * D, dtype=torch.float64))
+    want_out, want_states, _ = head.run(tokens[None], feature[None])
+    for cuts in ([2, 5], [20], [1, 2, 3, 40]):
+        outs, states, start = [], None, 0
+        for end in [*cuts, n]:
+            out, states = head.prefill(tokens[start:end], feature[start:end], states)
+            outs.append(out)
+            start = end
+        torch.testing.assert_close(torch.cat(outs), want_out[0], rtol=0, atol=1e-12)
+        for (conv, ssm), (want_conv, want_ssm) in zip(states, want_states):
+            torch.testing.assert_close(conv, want_conv, rtol=0, atol=1e-12)
+            torch.testing.assert_close(ssm, want_ssm, rtol=0, atol=1e-12)
+
+
+def test_feature_mamba_drafter_decodes_a_prompt_fed_in_pieces_as_generate_does():
+    from draftforge.decode import build_decoder, load_drafter, load_target
+    from tests.fixtures.decode import feature_mamba_head
+
+    model = tiny_target()
+    target = load_target(model)
+    drafter = load_drafter(feature_mamba_head(model), target)
+    assert drafter.prompt_chunk == 512  # CPU
+    drafter.prompt_chunk = 6
+    prompt = [(5 * i + 3) % V for i in range(40)]
+    ids = torch.tensor([prompt])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    for method, options in (("chain", {"chain_length": 3}), ("eagle2", {})):
+        res = build_decoder(method, target, drafter, **options).generate(prompt, max_new_tokens=12)
+        assert res.tokens == ref[0, len(prompt):].tolist(), method
+
+
 def test_unrolled_anchors_by_hand():
     """Anchor t needs steps >= 1 when some step k >= 1 scores it: the label after t + 1 + k exists."""
     from draftforge.train.eagle3 import unrolled_anchors

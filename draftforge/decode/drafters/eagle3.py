@@ -19,6 +19,7 @@ import torch
 
 from draftforge.decode.memory import tensor_bytes
 from draftforge.decode.drafters.base import Drafter, chain_stops, propose_level, stack_q
+from draftforge.decode.drafters.ssm_state import prompt_chunk
 from draftforge.decode.plan import as_plan
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.tree import DraftTree
@@ -209,6 +210,10 @@ class FeatureMambaDrafter(FeatureDrafter):
     kind = "feature_mamba2"
     body = "mamba2"
 
+    def __init__(self, head, vocab_size: int, tokenizer=None):
+        self.prompt_chunk = prompt_chunk(head.device)  # anchors per parallel scan of a prompt (None: one scan)
+        super().__init__(head, vocab_size, tokenizer)
+
     def _reset_body(self) -> None:
         self.states = self.model.empty_state(1)
 
@@ -217,9 +222,14 @@ class FeatureMambaDrafter(FeatureDrafter):
         self.node_state: dict[int, list] = {}
 
     def _feed_anchors(self, tokens, features, positions):
-        if self.anchors == 0:  # a prompt: one parallel scan instead of a step per token
-            out_QD, self.states = self.model.prefill(tokens, features)
-            return out_QD
+        if self.anchors == 0:  # a prompt: parallel scans (in pieces, as the token Mamba drafters encode one)
+            step, outs, states = self.prompt_chunk or len(tokens), [], None
+            for start in range(0, len(tokens), step):
+                out_QD, states = self.model.prefill(tokens[start : start + step], features[start : start + step],
+                                                    states)
+                outs.append(out_QD)
+            self.states = states
+            return torch.cat(outs)
         out_1QD, self.states, _ = self.model.run(tokens[None], features[None], self.states)
         return out_1QD[0]
 

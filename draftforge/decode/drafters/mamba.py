@@ -10,7 +10,7 @@ tensors through a StaticStep (cuda_graphs.py), captured as a CUDA graph when `cu
 to on. The live batch-1 state is therefore one persistent buffer: each prompt is encoded eagerly
 with a throw-away cache and its states are copied into that buffer.
 
-A Mamba2 drafter encodes a long prompt PROMPT_CHUNK[device] tokens at a time, each forward continuing from
+A Mamba2 drafter encodes a long prompt ssm_state.PROMPT_CHUNK[device] tokens at a time, each forward continuing from
 the cache the last one left (transformers' Mamba2 chunk scan takes the cached state as its initial state):
 without a fused kernel the scan's intermediates grow with the tokens of one forward. On CPU small chunks
 cost less memory and less time (an 8k prompt, bf16: +514 MiB and 972 ms in one forward, +32 MiB and 619 ms
@@ -31,14 +31,11 @@ from draftforge.decode.drafters.cuda_graphs import MODES, StaticStep, StepRunner
 from draftforge.decode.drafters.base import Drafter, chain_stops, draft_map, propose_children, stack_q, wants_hidden
 from draftforge.decode.memory import tensor_bytes
 from draftforge.decode.sampling import SamplingParams
-from draftforge.decode.drafters.ssm_state import StateBank, copy_states, layer_states
+from draftforge.decode.drafters.ssm_state import StateBank, copy_states, layer_states, prompt_chunk
 from draftforge.decode.tree import DraftTree
 from draftforge.decode.tree_shape import TreeShape
 from draftforge.errors import DraftforgeError
 from draftforge.hfcompat import cache_kwargs
-
-
-PROMPT_CHUNK = {"cpu": 512, "cuda": 8192}  # tokens per forward when a Mamba2 drafter encodes a prompt, by device
 
 
 class MambaDrafter(Drafter):
@@ -67,8 +64,7 @@ class MambaDrafter(Drafter):
         self.depth_steps: dict[tuple, list[StaticStep | None]] = {}
         self.dyn_steps: dict[tuple[int, int], StaticStep] = {}  # dynamic trees: one step per (depth, batch)
         # tokens per forward of a prompt's encode (None: one forward; see the module docstring)
-        self.prompt_chunk = (PROMPT_CHUNK.get(model.device.type, PROMPT_CHUNK["cuda"])
-                             if model.config.model_type == "mamba2" else None)
+        self.prompt_chunk = prompt_chunk(model.device) if model.config.model_type == "mamba2" else None
         self.reset()
 
     def reset(self) -> None:

@@ -20,6 +20,16 @@ import torch
 from draftforge.decode.tree_shape import TreeShape
 
 
+# tokens per forward when an SSM drafter encodes a prompt, by device: small pieces on CPU cost less memory and less
+# time, on a GPU each piece is a train of small kernel launches (measurements: drafters/mamba.py)
+PROMPT_CHUNK = {"cpu": 512, "cuda": 8192}
+
+
+def prompt_chunk(device) -> int:
+    """PROMPT_CHUNK for `device` (a torch.device); an accelerator other than CUDA gets CUDA's."""
+    return PROMPT_CHUNK.get(device.type, PROMPT_CHUNK["cuda"])
+
+
 def layer_states(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(conv, ssm) state tensors of every layer, as the model will read them next step."""
     return [(layer.conv_states[0], layer.recurrent_states[0]) for layer in cache.layers]
