@@ -11,9 +11,9 @@
 # docs/results/long-context.md used runs/smollm2/eagle3-a300, its 225-step extension) and MAMBA
 # [runs/smollm2/eagle3-mamba2]. Environment: CACHE [~/.cache/draftforge]; TRAIN_PER_BUCKET [64] training
 # questions per task group (at 1,920 prompt tokens; the target answers each greedily, ~5.6 s a row at 1 thread);
-# FT_STEPS [32] fine-tuning steps of 4 x 2,048 tokens (~35 s a step for the attention head, ~80 s for the Mamba2
-# body at 1 thread beside another job); PER_BUCKET [6] eval questions per task group and length; METHODS
-# [chain]. CPU budget at 1 thread: rows ~13 min, fine-tunes ~20 + ~42 min, each eval ~25 min (chain; +20 min
+# FT_STEPS [32] fine-tuning steps of 4 x 2,048 tokens (~35 s a step for the attention head at 1 thread beside
+# another job; the Mamba2 body, whose training-time test unrolls only the scored anchors, ~16-40 s at 2 threads); PER_BUCKET [6] eval questions per task group and length; METHODS
+# [chain]. CPU budget: rows ~13 min, fine-tunes ~20 min + ~23 min (2 threads), each eval ~25 min (chain; +20 min
 # with tree); the token-only drafters' 2k fine-tunes ~3 min each, their evals ~35 min (chain + tree, T = 0; Llama
 # with transformers' assisted generation) and ~22 min (chain, T = 1) each. Resumable: every step whose output
 # exists is skipped (generate continues row by row).
@@ -44,15 +44,15 @@ python -m draftforge generate --target "$TARGET" --prompts "$OUT/train_questions
 
 phase "fine-tune both heads at 2,048 tokens ($FT_STEPS steps each)"
 finetune() {  # run name, init, extra --set flags
-  local run="$1" init="$2"; shift 2
+  local run="$1" init="$2" again=(); shift 2
+  [ -d "$OUT/$run" ] && again=(--resume)  # a run stopped part-way continues from its last checkpoint
   [ -f "$OUT/$run/export/draftforge.json" ] || python -m draftforge train recipes/smollm2/eagle3-longctx.yaml \
     --set output_dir="$OUT/$run" --set model.init_from="$init" --set train.max_steps="$FT_STEPS" "$@" \
-    > "$OUT/$run.log" 2>&1
+    ${again[@]+"${again[@]}"} > "$OUT/$run.log" 2>&1
   grep -h "held-out" "$OUT/$run.log" || true
 }
 finetune eagle3-2k "$HEAD"
-# the feature Mamba2 body's 2k fine-tune needs more than 24 GB (docs/results/long-context.md §2): FM_2K=1 to try
-[ "${FM_2K:-0}" = 1 ] && finetune fm-2k "$MAMBA" --set eagle3.body=mamba2
+OMP_NUM_THREADS=2 finetune fm-2k "$MAMBA" --set eagle3.body=mamba2
 
 phase "fine-tune the token-only Mamba2 and Llama drafters at 2,048 tokens (recipes/smollm2/sft-*-longctx.yaml)"
 for arch in mamba2 llama; do
@@ -71,7 +71,7 @@ suite lookup-t0 prompt-lookup chain
 suite e3-t0 "$HEAD/export" "$METHODS"
 suite fm-t0 "$MAMBA/export" "$METHODS"
 suite e3-2k-t0 "$OUT/eagle3-2k/export" "$METHODS"
-[ "${FM_2K:-0}" = 1 ] && suite fm-2k-t0 "$OUT/fm-2k/export" "$METHODS"
+suite fm-2k-t0 "$OUT/fm-2k/export" "$METHODS"
 suite m2-2k-t0 "$OUT/mamba2-2k/export" chain,tree
 suite llama-2k-t0 "$OUT/llama-2k/export" chain,tree  # transformers' assisted generation runs beside it
 suite_t1() {  # report name, drafter, extra flags: chain at T = 1
@@ -83,10 +83,9 @@ suite_t1 m2-2k-t1 "$OUT/mamba2-2k/export"
 suite_t1 llama-2k-t1 "$OUT/llama-2k/export" --baseline ar
 
 phase "per length: table, JSON and plot"
-fm2k=(); [ "${FM_2K:-0}" = 1 ] && fm2k=("$OUT"/fm-2k-t0 --label fm-2k-t0="feature Mamba2, 2k")
-python -m benchmarks.decoding.context_curves "$OUT"/lookup-t0 "$OUT"/e3-t0 "$OUT"/fm-t0 "$OUT"/e3-2k-t0 "${fm2k[@]}" \
+python -m benchmarks.decoding.context_curves "$OUT"/lookup-t0 "$OUT"/e3-t0 "$OUT"/fm-t0 "$OUT"/e3-2k-t0 "$OUT"/fm-2k-t0 \
   --label lookup-t0="prompt lookup" --label e3-t0="EAGLE-3 head" --label fm-t0="feature Mamba2" \
-  --label e3-2k-t0="EAGLE-3 head, 2k" --out "$OUT/curves"
+  --label e3-2k-t0="EAGLE-3 head, 2k" --label fm-2k-t0="feature Mamba2, 2k" --out "$OUT/curves"
 python -m benchmarks.decoding.context_curves "$OUT"/m2-2k-t0 "$OUT"/llama-2k-t0 "$OUT"/m2-2k-t1 "$OUT"/llama-2k-t1 \
   --label m2-2k-t0="Mamba2, 2k" --label llama-2k-t0="Llama, 2k" --label m2-2k-t1="Mamba2, 2k" \
   --label llama-2k-t1="Llama, 2k" --out "$OUT/curves-tok"
