@@ -7,6 +7,7 @@ Legend: Q query tokens, N tree rows (1 + nodes), V vocabulary, D hidden size, L 
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -31,6 +32,35 @@ def max_context(config) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def decoder_layers(model):
+    """The model's list of decoder layers (`model.model.layers`, the Llama-family layout), or None."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return layers if isinstance(layers, torch.nn.ModuleList) and len(layers) else None
+
+
+class LayerInputs:
+    """Keep the hidden states entering chosen decoder layers (HF's hidden_states[i]) during one forward, by a
+    forward pre-hook on each: the other layers' states are never gathered (output_hidden_states would return all
+    L + 1 of them, +240 MiB at 7.6k tokens on SmolLM2, to keep three)."""
+
+    def __init__(self, layers, ids: list[int]):
+        self.found: dict[int, torch.Tensor] = {}
+        self.handles = [layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True) for i in ids]
+
+    def _hook(self, i):
+        def keep(module, args, kwargs):
+            self.found[i] = args[0] if args else kwargs["hidden_states"]
+
+        return keep
+
+    def __enter__(self) -> "LayerInputs":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 class CachedLM:
@@ -61,17 +91,20 @@ class CachedLM:
         q = len(tokens)
         cache_position_Q = torch.arange(self.length, self.length + q, device=self.device)
         position_ids_1Q = cache_position_Q[None] if positions is None else torch.tensor([positions], device=self.device)
-        out = self.model(
-            input_ids=torch.tensor([tokens], device=self.device),
-            position_ids=position_ids_1Q,
-            cache_position=cache_position_Q,
-            attention_mask=mask_11QK,
-            use_cache=True,
-            logits_to_keep=1 if last_only else 0,
-            output_hidden_states=hidden or bool(layers),
-            **cache_kwargs(self.model, self.cache),
-        )
-        self.features_QA = torch.cat([out.hidden_states[i][0] for i in layers], -1) if layers else None
+        hooked = bool(layers) and not hidden and decoder_layers(self.model) is not None
+        with LayerInputs(decoder_layers(self.model), layers) if hooked else contextlib.nullcontext() as kept:
+            out = self.model(
+                input_ids=torch.tensor([tokens], device=self.device),
+                position_ids=position_ids_1Q,
+                cache_position=cache_position_Q,
+                attention_mask=mask_11QK,
+                use_cache=True,
+                logits_to_keep=1 if last_only else 0,
+                output_hidden_states=hidden or (bool(layers) and not hooked),
+                **cache_kwargs(self.model, self.cache),
+            )
+        states = kept.found if hooked else out.hidden_states
+        self.features_QA = torch.cat([states[i][0] for i in layers], -1) if layers else None
         self.cache = output_cache(out)
         self.length += q
         logits_QV = out.logits[0].float() if out.logits.dtype in (torch.float16, torch.bfloat16) else out.logits[0]
