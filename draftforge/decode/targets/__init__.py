@@ -73,6 +73,7 @@ class CachedLM:
         self.model = model
         self.device = model.device
         self.grow = grow
+        self.layers = decoder_layers(model)  # where feature layers are kept by hooks (None: output_hidden_states)
         self.reset()
 
     def reset(self) -> None:
@@ -91,8 +92,8 @@ class CachedLM:
         q = len(tokens)
         cache_position_Q = torch.arange(self.length, self.length + q, device=self.device)
         position_ids_1Q = cache_position_Q[None] if positions is None else torch.tensor([positions], device=self.device)
-        hooked = bool(layers) and not hidden and decoder_layers(self.model) is not None
-        with LayerInputs(decoder_layers(self.model), layers) if hooked else contextlib.nullcontext() as kept:
+        hooked = bool(layers) and not hidden and self.layers is not None
+        with LayerInputs(self.layers, layers) if hooked else contextlib.nullcontext() as kept:
             out = self.model(
                 input_ids=torch.tensor([tokens], device=self.device),
                 position_ids=position_ids_1Q,

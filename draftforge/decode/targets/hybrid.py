@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 from draftforge.decode.memory import cache_bytes
 from draftforge.decode.targets.stree import cache_states, mixer_tree_forward, replay_states
-from draftforge.decode.targets import Target, Verification, max_context
+from draftforge.decode.targets import Target, Verification, check_prefill_chunk, max_context
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
 from draftforge.errors import CompatibilityError
 from draftforge.hfcompat import cache_kwargs, cache_param, passed_cache
@@ -91,8 +91,6 @@ class HybridTarget(Target):
     """A transformers SSM / hybrid causal LM verified with the tree scan and rolled forward by replay."""
 
     def __init__(self, model, tokenizer=None, impl: str = "auto", prefill_chunk: int | None = None):
-        from draftforge.decode.targets import check_prefill_chunk
-
         check_hybrid_model(model)
         self.model, self.tokenizer, self.impl = model, tokenizer, impl
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
