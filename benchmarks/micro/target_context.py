@@ -1,21 +1,24 @@
 """Plain decoding through the harness against context length: where a round's time goes, before and after the
-three changes that remove per-token work (packed linear weights, decode/packing.py; the growing KV cache,
-decode/targets/growing_cache.py; the decode attention, decode/attention.py).
+four changes that remove per-token work (packed linear weights, decode/packing.py; the growing KV cache,
+decode/targets/growing_cache.py; the decode attention, decode/attention.py; the lean forward,
+decode/lean_forward.py).
 
 For each context length a random prompt of that many tokens is prefilled (not timed), then `--steps` tokens are
 decoded AR through `draftforge.decode` (EOS ignored). Per decoded token: the round's time, the time inside the
-target model's forward (a hook around it; the KV cache's append happens inside it), and the rest, the harness's
+target model's forward (a hook around it, or around the lean forward; the KV cache's append happens inside it),
+and the rest, the harness's
 own overhead per round (verification, commit, bookkeeping). Variants are rotated within each repeat; medians
 over repeats; one torch thread unless --threads.
 
     python -m benchmarks.micro.target_context --target ~/.cache/draftforge/smollm2 --contexts 1024 2048 4096 8192 \
         --steps 32 --repeats 3 --out runs/bench/target_context.json
 
-Variants: "before" (plain torch linears, transformers' DynamicCache, sdpa), "packed" (packed linears only),
-"packed+growing" (and the growing cache), "after" (and draftforge's decode attention, decode/attention.py: what
-the harness does now). The first three compute the same numbers, so their greedy tokens must be equal (checked; the
-run fails otherwise); "after" rounds attention differently in bf16, and the JSON says for how many tokens its
-answer agrees.
+Variants: "before" (plain torch linears, transformers' DynamicCache, sdpa, the model's own forward), "packed"
+(packed linears only), "packed+growing" (and the growing cache), "after" (and draftforge's decode attention,
+decode/attention.py), "lean" (and the lean forward: what the harness does now). The first three compute the same
+numbers, so their greedy tokens must be equal, and so must "after" and "lean" (checked; the run fails otherwise);
+"after" rounds attention differently in bf16 from the first three, and the JSON says for how many tokens its answer
+agrees.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ import torch
 
 from benchmarks.common import print_table, write_json
 
-# name: (pack_weights, growing cache, decode_attention)
-VARIANTS = {"before": ("off", False, "off"), "packed": ("on", False, "off"), "packed+growing": ("on", True, "off"),
-            "after": ("on", True, "on")}
-SAME_NUMBERS = ("before", "packed", "packed+growing")  # bitwise-equal variants: their tokens must agree
+# name: (pack_weights, growing cache, decode_attention, lean_forward)
+VARIANTS = {"before": ("off", False, "off", "off"), "packed": ("on", False, "off", "off"),
+            "packed+growing": ("on", True, "off", "off"), "after": ("on", True, "on", "off"),
+            "lean": ("on", True, "on", "on")}
+SAME_NUMBERS = (("before", "packed", "packed+growing"), ("after", "lean"))  # bitwise-equal groups: tokens agree
 
 
 def kv_bytes(target) -> tuple[int, int]:
@@ -58,6 +62,23 @@ class ForwardClock:
 
     def _post(self, *_):
         self.durations.append(time.perf_counter() - self._t0)
+
+    def timed(self, lean):
+        """`lean` (a LeanForward) with each call's duration recorded too: it runs instead of model.forward."""
+        clock = self
+
+        class Timed:
+            def applies(self, model, rows):
+                return lean.applies(model, rows)
+
+            def __call__(self, *args, **kwargs):
+                clock._pre()
+                try:
+                    return lean(*args, **kwargs)
+                finally:
+                    clock._post()
+
+        return Timed()
 
 
 def run(targets: dict, clocks: dict, ctx: int, steps: int, repeats: int, vocab: int, seed: int) -> dict:
@@ -88,8 +109,9 @@ def run(targets: dict, clocks: dict, ctx: int, steps: int, repeats: int, vocab: 
     for name in targets:
         row[name] = {k: statistics.median(v) for k, v in per[name].items()} | {
             "kv_mb": kv[name][0] / 2**20, "kv_allocated_mb": kv[name][1] / 2**20}
-    same = [tokens[n] for n in order if n in SAME_NUMBERS]
-    row["tokens_equal"] = all(t == same[0] for t in same)  # the bitwise-equal variants
+    groups = [[tokens[n] for n in group if n in tokens] for group in SAME_NUMBERS]
+    row["tokens_equal"] = all(t == g[0] for g in groups for t in g)  # within each bitwise-equal group
+    same = groups[0]
     if "after" in tokens and same:  # the decode attention rounds differently in bf16: how long the answers agree
         row["after_agrees_for"] = next((i for i, (a, b) in enumerate(zip(tokens["after"], same[0])) if a != b),
                                        len(same[0]))
@@ -116,13 +138,15 @@ def main(argv=None) -> dict:
     dtype = getattr(torch, args.dtype)
     targets, clocks = {}, {}
     for name in args.variants:
-        pack, grow, attention = VARIANTS[name]
-        t = load_target(args.target, dtype=dtype, pack_weights=pack, decode_attention=attention)
+        pack, grow, attention, lean = VARIANTS[name]
+        t = load_target(args.target, dtype=dtype, pack_weights=pack, decode_attention=attention, lean_forward=lean)
         t.lm.grow = grow
         targets[name], clocks[name] = t, ForwardClock(t.model)
+        if t.lm.lean is not None:
+            t.lm.lean = clocks[name].timed(t.lm.lean)
         print(f"{name}: {t.model.draftforge_packing.describe()}; KV cache: "
               f"{'growing buffer' if grow else 'torch.cat (transformers DynamicCache)'}; "
-              f"{t.model.draftforge_attention}", flush=True)
+              f"{t.model.draftforge_attention}; {t.model.draftforge_forward}", flush=True)
     limit = targets[args.variants[0]].max_context
     if limit is not None and max(args.contexts) + args.steps + 2 > limit:
         p.error(f"context {max(args.contexts)} + {args.steps + 2} decoded tokens exceeds the target's {limit}")
@@ -144,7 +168,8 @@ def main(argv=None) -> dict:
                  "KV MiB (held / allocated)"], table, {2, 3, 4, 5, 6})
     result = {"target": args.target, "dtype": args.dtype, "threads": args.threads, "steps": args.steps,
               "repeats": args.repeats, "rows": rows,
-              "variants": {n: dict(zip(("pack_weights", "growing_cache", "decode_attention"), VARIANTS[n]))
+              "variants": {n: dict(zip(("pack_weights", "growing_cache", "decode_attention", "lean_forward"),
+                                       VARIANTS[n]))
                            for n in args.variants}}
     write_json(args.out, result)
     return result

@@ -108,15 +108,18 @@ def harness(target_dir: str, drafter_dir: str | None, prompts: list[list[int]], 
             answers: list[list[int]] | None = None):
     """draftforge's AR, prompt lookup and chain (with the drafter) on the same prompts: tokens, tok/s, τ; with
     `answers` (vLLM's plain outputs) the chain once more on vLLM's rounds. AR also runs as the harness ran before
-    its CPU speed work (plain torch linears, transformers' sdpa and torch.cat KV cache): the ratio in the same run."""
+    its CPU speed work (plain torch linears, transformers' sdpa and torch.cat KV cache, transformers' own forward)
+    and with everything but the lean forward: the ratios in the same run."""
     from draftforge.decode import build_decoder, load_drafter, load_target
 
     target = load_target(target_dir, dtype=dtype)
-    print(f"draftforge target: {target.model.draftforge_packing.describe()}; {target.model.draftforge_attention}",
-          flush=True)
-    before = load_target(target_dir, dtype=dtype, pack_weights="off", decode_attention="off")
+    print(f"draftforge target: {target.model.draftforge_packing.describe()}; {target.model.draftforge_attention}; "
+          f"{target.model.draftforge_forward}", flush=True)
+    own = load_target(target_dir, dtype=dtype, lean_forward="off")
+    before = load_target(target_dir, dtype=dtype, pack_weights="off", decode_attention="off", lean_forward="off")
     before.lm.grow = False
-    decoders = {"ar": build_decoder("ar", target), "ar, as before (plain linears, sdpa, torch.cat cache)":
+    decoders = {"ar": build_decoder("ar", target), "ar, the model's own forward (lean_forward off)":
+                build_decoder("ar", own), "ar, as before (plain linears, sdpa, torch.cat cache, own forward)":
                 build_decoder("ar", before)}
     decoders[f"prompt-lookup-{k}"] = build_decoder("chain", target, load_drafter(f"prompt-lookup:tokens={k}", target),
                                                    chain_length=k)

@@ -15,6 +15,7 @@ from draftforge.decode.drafters.transformer import TransformerDrafter
 from draftforge.decode.drafters.lookup import DEFAULT_MAX_NGRAM, PromptLookupDrafter
 from draftforge.decode.drafters.mamba import MambaDrafter
 from draftforge.decode.attention import use_decode_attention
+from draftforge.decode.lean_forward import lean_forward
 from draftforge.decode.packing import PackReport, pack_linears
 from draftforge.decode.targets import SSM_MODEL_TYPES, KVCacheTarget, Target, is_recurrent_model
 from draftforge.errors import CompatibilityError, RecipeError
@@ -29,14 +30,15 @@ LOOKUP_FORM = ("prompt-lookup, or prompt-lookup:KEY=N,... with keys ngram (longe
 PACK_CHOICES = ("auto", "on", "off")
 
 
-def check_speed_choices(pack_weights: str, decode_attention: str) -> None:
-    for name, value in (("pack_weights", pack_weights), ("decode_attention", decode_attention)):
+def check_speed_choices(pack_weights: str, decode_attention: str, lean: str = "auto") -> None:
+    for name, value in (("pack_weights", pack_weights), ("decode_attention", decode_attention),
+                        ("lean_forward", lean)):
         if value not in PACK_CHOICES:
             raise RecipeError(f"{name} must be one of {', '.join(PACK_CHOICES)}, got {value!r}")
 
 
 def load_hf_causal_lm(model_or_path, device, dtype, what: str, pack_weights: str = "auto",
-                      decode_attention: str = "auto"):
+                      decode_attention: str = "auto", lean: str = "auto"):
     """(model, tokenizer or None) from a loaded model or a local/Hub path, in eval mode.
 
     pack_weights: "on" packs its linear weights for oneDNN where that changes no number (decode/packing.py: faster
@@ -47,8 +49,14 @@ def load_hf_causal_lm(model_or_path, device, dtype, what: str, pack_weights: str
     decode_attention: "on" switches a CPU bf16/fp16 Llama-family model's attention to draftforge's float32
     matmul attention for few query rows (decode/attention.py: much faster against a long cache; bf16 outputs may
     part from transformers' sdpa at near-ties, fp32 untouched); "auto" as for pack_weights; "off" never. What
-    happened is in `model.draftforge_attention` (words)."""
-    check_speed_choices(pack_weights, decode_attention)
+    happened is in `model.draftforge_attention` (words).
+
+    lean: "on" gives a Llama model draftforge's decoding forward for up to 64 tokens (decode/lean_forward.py: the
+    same tensor operations without transformers' per-layer Python, q/k/v and gate/up fused where packed; built only
+    where a probe decode is bitwise equal to the model's own forward, so no output changes); "auto" as for
+    pack_weights; "off" never. It is in `model.draftforge_lean` (None: the model's own forward), what happened
+    in `model.draftforge_forward` (words)."""
+    check_speed_choices(pack_weights, decode_attention, lean)
     tokenizer = None
     given = isinstance(model_or_path, PreTrainedModel)
     if given:
@@ -72,19 +80,25 @@ def load_hf_causal_lm(model_or_path, device, dtype, what: str, pack_weights: str
         model.draftforge_attention = use_decode_attention(model)
     elif not given:
         model.draftforge_attention = "attention left as it is: decode_attention off"
+    if lean == "on" or (lean == "auto" and not given):
+        model.draftforge_lean, model.draftforge_forward = lean_forward(model)
+    elif not given:
+        model.draftforge_lean, model.draftforge_forward = None, "decoding forward: the model's own (lean_forward off)"
     return model, tokenizer
 
 
 def load_target(model_or_path, device="cpu", dtype=None, tokenizer=None, scan_impl: str = "auto",
-                pack_weights: str = "auto", decode_attention: str = "auto", prefill_chunk: int | None = None) -> Target:
+                pack_weights: str = "auto", decode_attention: str = "auto", prefill_chunk: int | None = None,
+                lean_forward: str = "auto") -> Target:
     """A Target from a HF decoder-only Transformer, or an SSM / hybrid model (model object or path).
 
     Transformers get the KV-cache target; Mamba2 and Mamba2+attention hybrids get `HybridTarget`
     (STree tree scan + replay; `scan_impl` = "auto" | "ref" | "triton"); other recurrent models
-    are refused with one message listing what is supported. pack_weights, decode_attention: see
+    are refused with one message listing what is supported. pack_weights, decode_attention, lean_forward: see
     load_hf_causal_lm. prefill_chunk: encode a prompt in forwards of that many tokens (None = one forward), each
     continuing the cache, K/V and SSM states alike."""
-    model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "target", pack_weights, decode_attention)
+    model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "target", pack_weights, decode_attention,
+                                               lean_forward)
     tokenizer = tokenizer if tokenizer is not None else found_tokenizer
     if is_recurrent_model(model.config) and not getattr(model.config, "is_encoder_decoder", False):
         from draftforge.decode.targets.hybrid import HybridTarget  # here: it loads the tree-scan kernels
@@ -182,18 +196,19 @@ def _export_tokenizer(path):
 
 
 def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_vocab_mismatch=False, tokenizer=None,
-                 cuda_graphs="auto", pack_weights: str = "auto", decode_attention: str = "auto"):
+                 cuda_graphs="auto", pack_weights: str = "auto", decode_attention: str = "auto",
+                 lean_forward: str = "auto"):
     """A PromptLookupDrafter for the spec 'prompt-lookup[:options]' (no model; see lookup_options; a folder of
     that name is ./prompt-lookup), a MambaDrafter for Mamba/Mamba2 checkpoints (HF or draftforge export), an
     EarlyExitDrafter for an EESD export (task eesd), else a TransformerDrafter.
 
     cuda_graphs ("auto" | "on" | "off") applies to Mamba drafters: their per-batch-size decode steps
     are CUDA graphs when on (auto: exactly when the drafter is on CUDA); Transformer drafters ignore it.
-    pack_weights and decode_attention apply to HF drafters (see load_hf_causal_lm).
+    pack_weights, decode_attention and lean_forward apply to HF drafters (see load_hf_causal_lm).
     """
     from draftforge.models.eesd_export import is_eesd_export
 
-    check_speed_choices(pack_weights, decode_attention)
+    check_speed_choices(pack_weights, decode_attention, lean_forward)
     lookup = lookup_options(model_or_path)
     if lookup is not None:  # reads only token ids: no model, dtype, device or tokenizer of its own
         drafter = PromptLookupDrafter(target.vocab_size, **lookup)
@@ -207,7 +222,7 @@ def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_
     if eagle3 is not None:
         return eagle3
     model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "drafter", pack_weights,
-                                               decode_attention)
+                                               decode_attention, lean_forward)
     tokenizer = tokenizer if tokenizer is not None else found_tokenizer
     check_vocab(target, model, tokenizer, allow_vocab_mismatch)
     if model.config.model_type in SSM_MODEL_TYPES:

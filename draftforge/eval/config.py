@@ -93,6 +93,11 @@ class EvalConfig:
         "64 query rows) as float32 matmul-softmax-matmul instead of torch's CPU sdpa kernel (several times faster "
         "against a long cache; bf16 outputs may part from sdpa's at near-ties, which the self-check classifies; "
         "fp32 untouched): auto = when it applies, off = transformers' sdpa")
+    lean_forward: Literal["auto", "on", "off"] = option(
+        "auto", "CPU or GPU Llama target and drafter: decoding steps (up to 64 tokens) through draftforge's lean "
+        "forward, the model's tensor operations without transformers' per-layer Python and with q/k/v and gate/up "
+        "fused where the weights are packed; used only where a probe decode at load is bitwise equal to the "
+        "model's own forward, so no output changes: auto = when it applies, off = the model's own forward")
     prefill_chunk: int | None = option(
         None, "encode each prompt in forwards of N tokens, each continuing the K/V cache (and an SSM / hybrid "
         "target's conv and SSM states; default: one forward). "

@@ -331,19 +331,23 @@ def _load(cfg):
     _log(cfg, f"loading target {cfg.target}")
     chunk = {"prefill_chunk": cfg.prefill_chunk} if cfg.prefill_chunk is not None else {}
     target = decode_api.load_target(cfg.target, device=cfg.device, dtype=target_dtype.torch_dtype,
-                                    pack_weights=cfg.pack_weights, decode_attention=cfg.decode_attention, **chunk)
+                                    pack_weights=cfg.pack_weights, decode_attention=cfg.decode_attention,
+                                    lean_forward=cfg.lean_forward, **chunk)
     target_packing = getattr(target.model, "draftforge_packing", None)  # None: the caller's model, as given
     packing = {"target": target_packing.describe() if target_packing else "the caller's model object, as given"}
     _log(cfg, f"target {packing['target']}")
     attention = {"target": getattr(target.model, "draftforge_attention", "the caller's model object, as given")}
     _log(cfg, f"target {attention['target']}")
+    forward = {"target": getattr(target.model, "draftforge_forward", "the caller's model object, as given")}
+    _log(cfg, f"target {forward['target']}")
     drafter = None
     if cfg.drafter is not None:
         announce(drafter_dtype, "drafter", say=lambda line: _log(cfg, line))
         _log(cfg, f"loading drafter {cfg.drafter}")
         drafter = decode_api.load_drafter(cfg.drafter, target, device=cfg.device, dtype=drafter_dtype.torch_dtype,
                                           allow_vocab_mismatch=cfg.allow_vocab_mismatch, cuda_graphs=cfg.cuda_graphs,
-                                          pack_weights=cfg.pack_weights, decode_attention=cfg.decode_attention)
+                                          pack_weights=cfg.pack_weights, decode_attention=cfg.decode_attention,
+                                          lean_forward=cfg.lean_forward)
         drafter_packing = getattr(getattr(drafter, "model", None), "draftforge_packing", None)
         if drafter_packing is not None:
             packing["drafter"] = drafter_packing.describe()
@@ -352,10 +356,14 @@ def _load(cfg):
         if drafter_attention is not None:
             attention["drafter"] = drafter_attention
             _log(cfg, f"drafter {drafter_attention}")
+        drafter_forward = getattr(getattr(drafter, "model", None), "draftforge_forward", None)
+        if drafter_forward is not None:
+            forward["drafter"] = drafter_forward
+            _log(cfg, f"drafter {drafter_forward}")
     regime = {"dtype_choice": {"target": target_dtype.as_dict(),
                                **({"drafter": drafter_dtype.as_dict()} if drafter is not None else {})},
               "threads": threads, "weight_packing": packing,
-              "attention": attention}
+              "attention": attention, "forward": forward}
     return target, drafter, regime
 
 

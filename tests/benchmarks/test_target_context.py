@@ -1,5 +1,6 @@
 """benchmarks/micro/target_context.py on a tiny bf16 Llama: every variant runs, the bitwise-equal variants decode
-the same tokens, and each variant really is what its name says (packed or not, growing cache or not)."""
+the same tokens, and each variant really is what its name says (packed or not, growing cache or not, lean forward
+or not; the lean forward's time is counted as the model's forward)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def test_target_context_runs_every_variant(tmp_path, capsys):
     out = tmp_path / "tc.json"
     result = target_context.main(["--target", str(tmp_path / "t"), "--contexts", "24", "80", "--steps", "3",
                                   "--repeats", "1", "--out", str(out)])
-    assert out.is_file() and set(result["variants"]) == {"before", "packed", "packed+growing", "after"}
+    assert out.is_file() and set(result["variants"]) == {"before", "packed", "packed+growing", "after", "lean"}
     for row in result["rows"]:
         assert row["tokens_equal"]
         for name in result["variants"]:
@@ -26,6 +27,8 @@ def test_target_context_runs_every_variant(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "before: linear weights not packed" in printed and "after: linear weights packed" in printed
     assert "draftforge_decode" in printed.split("after:")[1]
+    assert "decoding forward: the model's own" in printed.split("after:")[1].split("lean:")[0]
+    assert "decoding forward: lean" in printed.split("lean:")[1]
 
 
 def test_target_context_refuses_a_context_past_the_targets(tmp_path):

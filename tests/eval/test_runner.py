@@ -99,13 +99,14 @@ class FakeAPI:
         self.decoders, self.loaded = {}, []
         self.log, self.assistant = log, assistant  # log: every decoder's calls in order; assistant: hf model
 
-    def load_target(self, path, device="cpu", dtype=None, pack_weights="auto", decode_attention="auto"):
+    def load_target(self, path, device="cpu", dtype=None, pack_weights="auto", decode_attention="auto",
+                    lean_forward="auto"):
         self.loaded.append(path)
         self.target = FakeTarget(FakeModel(self.dtype, self.logits_V), self.logits_V)
         return self.target
 
     def load_drafter(self, path, target, device="cpu", dtype=None, allow_vocab_mismatch=False, cuda_graphs="auto",
-                     pack_weights="auto", decode_attention="auto"):
+                     pack_weights="auto", decode_attention="auto", lean_forward="auto"):
         return SimpleNamespace(path=path, cuda_graphs=None)  # what a Drafter declares
 
     def build_decoder(self, method, target, drafter=None, **opts):

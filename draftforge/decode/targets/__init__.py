@@ -74,6 +74,7 @@ class CachedLM:
         self.device = model.device
         self.grow = grow
         self.layers = decoder_layers(model)  # where feature layers are kept by hooks (None: output_hidden_states)
+        self.lean = getattr(model, "draftforge_lean", None)  # decode/lean_forward.py, set at load where it applies
         self.reset()
 
     def reset(self) -> None:
@@ -92,6 +93,14 @@ class CachedLM:
         q = len(tokens)
         cache_position_Q = torch.arange(self.length, self.length + q, device=self.device)
         position_ids_1Q = cache_position_Q[None] if positions is None else torch.tensor([positions], device=self.device)
+        if self.lean is not None and self.lean.applies(self.model, q):  # a decoding step: the same logits, faster
+            logits, final, kept = self.lean(self.model, torch.tensor([tokens], device=self.device), position_ids_1Q,
+                                            cache_position_Q, self.cache, mask_11QK, 1 if last_only else 0, layers,
+                                            hidden)
+            self.features_QA = torch.cat([kept[i][0] for i in layers], -1) if layers else None
+            self.length += q
+            logits_QV = logits[0].float() if logits.dtype in (torch.float16, torch.bfloat16) else logits[0]
+            return (logits_QV, final[0]) if hidden else logits_QV
         hooked = bool(layers) and not hidden and self.layers is not None
         with LayerInputs(self.layers, layers) if hooked else contextlib.nullcontext() as kept:
             out = self.model(
