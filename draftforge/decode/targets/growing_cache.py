@@ -3,7 +3,7 @@
 transformers' `DynamicLayer.update` appends with `torch.cat`, so every forward copies the layer's whole cache: at
 8k tokens of SmolLM2 context that is 2 x 30 layers x 3 MB per decoded token, more memory traffic than the
 attention itself. `GrowingLayer` keeps keys and values in a buffer with spare rows (kernels/kv_buffer.py, the one
-the EAGLE-3 head's cache uses; capacity doubled when full) and hands attention views of the filled part.
+the EAGLE-3 head's cache uses; grown by an eighth when full) and hands attention views of the filled part.
 Trimming to the accepted path moves only the rows that follow the kept prefix. The values attention reads are the same as with `torch.cat`, so logits are bitwise equal
 (tests/decode/test_growing_cache.py).
 
