@@ -225,6 +225,9 @@ def main(argv=None) -> dict:
                          "–" if not per_pos else " ".join(f"{x:.2f}" for x in per_pos), f"{same}/{len(plain)}"])
             result["engines"][f"{engine}/{name}"] = {k2: v for k2, v in r.items() if k2 != "tokens"} | {
                 "identical_to_vllm_plain": same}
+            if engine == "draftforge" and name.startswith("ar, "):  # a variant of draftforge's AR: its tokens too
+                result["engines"][f"{engine}/{name}"]["identical_to_draftforge_ar"] = sum(
+                    a == b for a, b in zip(r["tokens"], ours["ar"]["tokens"]))
     print_table(["engine", "setting", "tok/s", "acceptance length (1 + accepted / drafts)", "per position",
                  "= vLLM plain"], rows, {2, 3})
     theirs, mine = served.get(f"{kind}-{k}", {}), ours.get(f"chain-{k} on vLLM's rounds")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks.serving import vllm_compare
 from benchmarks.serving.vllm_serve import parse_setting
@@ -182,3 +183,14 @@ def test_vllm_serves_an_eagle3_export(eagle3_export, tiny_target, tmp_path):
     assert result["drafter_counts_equal_per_prompt"] == 3, result["drafter_counts_per_prompt"]
     accepted = result["engines"]["vLLM/eagle3-3"]["spec"]["accepted_per_pos"]
     assert accepted[0] > 0 and accepted[-1] > 0  # drafts accepted at every depth: the counts compare something
+
+
+def test_the_harness_side_runs_ar_with_and_without_the_lean_forward_to_the_same_tokens(tmp_path):
+    from tests.fixtures.decode import tiny_llama
+
+    tiny_llama(vocab=64, layers=2, hidden=64).save_pretrained(tmp_path / "t")
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    out = vllm_compare.harness(str(tmp_path / "t"), None, prompts, 12, 3, torch.bfloat16)
+    own = "ar, the model's own forward (lean_forward off)"
+    assert {"ar", own, "prompt-lookup-3"} <= set(out)
+    assert out[own]["tokens"] == out["ar"]["tokens"] and all(len(t) == 12 for t in out["ar"]["tokens"])
