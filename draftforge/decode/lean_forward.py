@@ -95,7 +95,7 @@ class LeanForward:
     def __init__(self, model):
         self._model = weakref.ref(model)  # a deep copy of the model does not carry this (see __deepcopy__)
         inner = model.model
-        self.dtype = model.lm_head.weight.dtype
+        self.dtype, self.device = model.lm_head.weight.dtype, model.lm_head.weight.device
         self.layers = [_Layer(layer) for layer in inner.layers[: model.config.num_hidden_layers]]
         groups = [g for layer in self.layers for g in (layer.qkv, layer.gate_up) if g is not None]
         self.fused = len(groups)
@@ -113,7 +113,11 @@ class LeanForward:
         return None  # bound to one model object and its packed weights: a copy (the self-check's) runs its own
 
     def applies(self, model, rows: int) -> bool:
-        return rows <= FAST_ROWS and self._model() is model and model.lm_head.weight.dtype == self.dtype
+        """A forward of `rows` tokens of `model` may run here: the model it was built for, still in the dtype and on
+        the device its fused products were packed for."""
+        weight = model.lm_head.weight
+        return (rows <= FAST_ROWS and self._model() is model and weight.dtype == self.dtype
+                and weight.device == self.device)
 
     @torch.inference_mode()
     def __call__(self, model, input_ids_1Q, position_ids_1Q, cache_position_Q, cache, mask=None,
