@@ -19,18 +19,14 @@ from draftforge.decode import lean_forward as lean_module
 from draftforge.decode.lean_forward import FAST_ROWS, lean_forward
 from draftforge.decode.tree import DraftTree
 from draftforge.errors import RecipeError
-from tests.fixtures.decode import noisy_copy, tiny_llama
+from tests.fixtures.decode import save_target_and_drafter, tiny_llama
 
 VOCAB = 96
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lean")
-    target = tiny_llama(vocab=VOCAB, layers=3, hidden=64)
-    target.save_pretrained(root / "target")
-    noisy_copy(target, noise=0.03).save_pretrained(root / "drafter")
-    return root
+    return save_target_and_drafter(tmp_path_factory.mktemp("lean"), VOCAB, layers=3)
 
 
 def _pair(saved, dtype):

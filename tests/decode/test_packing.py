@@ -18,7 +18,7 @@ from draftforge.decode import packing
 from draftforge.decode.packing import PackedLinear, pack_linears, packing_unavailable
 from draftforge.decode.tree import DraftTree
 from draftforge.errors import RecipeError
-from tests.fixtures.decode import noisy_copy, tiny_llama
+from tests.fixtures.decode import save_target_and_drafter, tiny_llama
 
 VOCAB = 96
 
@@ -29,11 +29,7 @@ def _linears(model):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("packing")
-    target = tiny_llama(vocab=VOCAB, layers=2, hidden=64)
-    target.save_pretrained(root / "target")
-    noisy_copy(target, noise=0.03).save_pretrained(root / "drafter")
-    return root
+    return save_target_and_drafter(tmp_path_factory.mktemp("packing"), VOCAB, layers=2)
 
 
 def _pair(saved, **kw):
