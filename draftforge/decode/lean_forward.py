@@ -17,7 +17,9 @@ It covers forwards of up to `FAST_ROWS` tokens (a decoding step, a verified chai
 where Python is a negligible share, goes through the model's own forward. `lean_forward(model)` builds it only for
 the Llama architecture it was written against, and only after a probe decode (a short prompt, one token, a chain
 and a tree, with a feature layer) gave logits and states bitwise equal to the model's own forward; otherwise it
-says why and the model keeps its forward. Measured: docs/results/serving.md ("A leaner decoding forward").
+says why and the model keeps its forward. A forward also goes through the model's own code while anyone but
+transformers has forward hooks on the model, its decoder or a layer (they expect to be called). Measured:
+docs/results/serving.md ("A leaner decoding forward").
 
 Legend: Q query tokens, D hidden size, H heads, Hkv KV heads, d head dim.
 """
@@ -97,6 +99,7 @@ class LeanForward:
         inner = model.model
         self.dtype, self.device = model.lm_head.weight.dtype, model.lm_head.weight.device
         self.layers = [_Layer(layer) for layer in inner.layers[: model.config.num_hidden_layers]]
+        self._layer_modules = list(inner.layers[: model.config.num_hidden_layers])
         groups = [g for layer in self.layers for g in (layer.qkv, layer.gate_up) if g is not None]
         self.fused = len(groups)
         # the stacked weights' packed copies (both groups read the hidden state: [sum of widths, D])
@@ -117,7 +120,19 @@ class LeanForward:
         the device its fused products were packed for."""
         weight = model.lm_head.weight
         return (rows <= FAST_ROWS and self._model() is model and weight.dtype == self.dtype
-                and weight.device == self.device)
+                and weight.device == self.device and not self._watched(model))
+
+    def _watched(self, model) -> bool:
+        """Forward hooks on the model, its decoder or a layer (or torch's global ones) that are not transformers'
+        own output capture (idle unless its forward is asked for hidden states): whoever registered them expects
+        the model's own forward to run, which calls them; this loop would not."""
+        from torch.nn.modules import module as torch_module
+
+        hooks = [*torch_module._global_forward_hooks.values(), *torch_module._global_forward_pre_hooks.values()]
+        for m in (model, model.model, *self._layer_modules):
+            if m._forward_hooks or m._forward_pre_hooks:
+                hooks += [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+        return any(not getattr(h, "__module__", "").startswith("transformers.") for h in hooks)
 
     @torch.inference_mode()
     def __call__(self, model, input_ids_1Q, position_ids_1Q, cache_position_Q, cache, mask=None,

@@ -123,6 +123,20 @@ def test_copies_and_converted_models_run_their_own_forward(saved):
     assert not other.draftforge_lean.applies(other, 1)
 
 
+def test_a_model_with_forward_hooks_runs_its_own_forward_so_the_hooks_are_called(saved):
+    target = load_target(saved / "target", dtype=torch.bfloat16)
+    lean = target.model.draftforge_lean
+    assert lean.applies(target.model, 1)
+    calls = []
+    handle = target.model.model.layers[1].register_forward_hook(lambda *args: calls.append(1))
+    assert not lean.applies(target.model, 1)
+    target.prefill([1, 2, 3, 4])
+    target.verify(4, DraftTree([5, 6], [-1, 0], [1, 2]))
+    assert len(calls) == 2  # the prefill and the verification both went through the model's forward
+    handle.remove()
+    assert lean.applies(target.model, 1)
+
+
 def test_a_bad_setting_is_refused_before_loading(saved):
     with pytest.raises(RecipeError, match="lean_forward must be one of auto, on, off"):
         load_target(saved / "target", lean_forward="yes")
