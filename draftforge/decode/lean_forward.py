@@ -1,7 +1,7 @@
 """A decoding forward for Llama models without transformers' per-layer Python, with fused projections.
 
 A decoding step of SmolLM2-135M in bf16 on one CPU thread spends ~11.6 ms in its 211 linear products and ~5 ms in
-everything else, much of it Python: per layer, transformers' forward goes through several module calls, kwarg
+everything else, part of it Python: per layer, transformers' forward goes through several module calls, kwarg
 plumbing and decorators (deprecated-argument checks, output capture) around a handful of tiny tensor operations.
 `LeanForward` runs the same tensor operations in the same order, with three changes that alter no number:
 
@@ -11,12 +11,12 @@ plumbing and decorators (deprecated-argument checks, output capture) around a ha
 - where the linears are oneDNN-packed (decode/packing.py), q / k / v become one product and gate / up another,
   on a packed copy of the stacked weights: per layer 5 products instead of 7 (on SmolLM2, 47 -> 25 us for q / k
   / v and 69 -> 52 us for gate / up). A fused product is kept only where it equals the separate products bitwise
-  on probe inputs of 1 to `FAST_ROWS` rows (checked per layer, at build).
+  on probe inputs of 1, 5 and `FAST_ROWS` rows (checked per layer, at build).
 
 It covers forwards of up to `FAST_ROWS` tokens (a decoding step, a verified chain or tree); a prompt's prefill,
 where Python is a negligible share, goes through the model's own forward. `lean_forward(model)` builds it only for
 the Llama architecture it was written against, and only after a probe decode (a short prompt, one token, a chain
-and a tree, with a feature layer) gave logits and states bitwise equal to the model's own forward; otherwise it
+and a tree, keeping two layers' input states) gave logits and states bitwise equal to the model's own forward; otherwise it
 says why and the model keeps its forward. A forward also goes through the model's own code while anyone but
 transformers has forward hooks on the model, its decoder or a layer (they expect to be called). Measured:
 docs/results/serving.md ("A leaner decoding forward").
@@ -31,6 +31,8 @@ import weakref
 
 import torch
 from torch import nn
+
+from draftforge.decode.packing import PackedLinear
 
 FAST_ROWS = 64  # as the decode attention's fast path: above it (a prompt) the model's own forward runs
 ARCHITECTURES = {"LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP", "LlamaRMSNorm")}
@@ -53,7 +55,7 @@ def _rotate(x, cos, sin):
 def _fused(linears: list[nn.Module]):
     """A packed copy of the stacked weights of `linears` (PackedLinear with equal dtypes) and the output widths,
     or None where the stacked product differs from the separate ones on a probe (or they are not packed)."""
-    if not all(type(m).__name__ == "PackedLinear" and m.packed is not None for m in linears):
+    if not all(isinstance(m, PackedLinear) and m.packed is not None for m in linears):
         return None
     weight = torch.cat([m.weight.detach() for m in linears])
     biases = [m.bias for m in linears]
