@@ -118,11 +118,11 @@ class LeanForward:
         return None  # bound to one model object and its packed weights: a copy (the self-check's) runs its own
 
     def applies(self, model, rows: int) -> bool:
-        """A forward of `rows` tokens of `model` may run here: the model it was built for, still in the dtype and on
-        the device its fused products were packed for."""
+        """A forward of `rows` tokens of `model` may run here: the model it was built for, still in eval mode, in the
+        dtype and on the device its fused products were packed for, and not watched by hooks."""
         weight = model.lm_head.weight
         return (rows <= FAST_ROWS and self._model() is model and weight.dtype == self.dtype
-                and weight.device == self.device and not self._watched(model))
+                and weight.device == self.device and not model.training and not self._watched(model))
 
     def _watched(self, model) -> bool:
         """Forward hooks on the model, its decoder or a layer (or torch's global ones) that are not transformers'

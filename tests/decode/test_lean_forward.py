@@ -119,6 +119,9 @@ def test_copies_and_converted_models_run_their_own_forward(saved):
     assert not model.draftforge_lean.applies(model, 1)
     other = load_target(saved / "target", dtype=torch.bfloat16).model
     assert other.draftforge_lean.applies(other, 1)
+    other.train()
+    assert not other.draftforge_lean.applies(other, 1)
+    other.eval()
     other.draftforge_lean.device = torch.device("meta")  # as if the model had moved since it was built
     assert not other.draftforge_lean.applies(other, 1)
 
