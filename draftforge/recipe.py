@@ -38,6 +38,10 @@ class DataConfig:
     split: str = doc("train", "split to read from HF datasets")
     streaming: bool = doc(False, "stream HF datasets instead of downloading them whole")
     eval_fraction: float = doc(0.01, "fraction of documents held out for the eval loss (0 disables)")
+    eval_sources: list[str] = doc([], "held-out documents read from these sources (same format as `sources`) "
+                                  "instead of a split of `sources`: every document of `sources` trains and "
+                                  "eval_fraction is not used; the eval set stays the same when the training data "
+                                  "grows, so runs on more rows stay comparable")
     max_documents: int | None = doc(None, "read at most this many documents (None: all)")
     num_proc: int = doc(1, "tokenization worker processes")
     file_glob: str = doc("**/*", "which files of a folder source to read")
@@ -48,6 +52,8 @@ class DataConfig:
         require(0.0 <= self.eval_fraction < 1.0, f"{at}.eval_fraction", "must be in [0, 1)")
         require(self.num_proc >= 1, f"{at}.num_proc", "must be >= 1")
         require(self.max_documents is None or self.max_documents > 0, f"{at}.max_documents", "must be > 0")
+        require(not (self.eval_sources and self.streaming), f"{at}.eval_sources",
+                "is not read when streaming; use eval_fraction")
 
 
 @dataclass
@@ -129,6 +135,9 @@ class TrainConfig:
                                         "bfloat16, float16: the words eval's --dtype takes)")
     eval_every: int = doc(200, "eval loss every N steps (0: only at the end)")
     eval_batches: int = doc(8, "micro-batches of held-out data per eval")
+    eval_at_start: bool = doc(False, "also evaluate before the first step, logged as step 0: the starting weights' "
+                                     "metrics (e.g. of model.init_from) next to the fine-tuned ones; with keep_best the "
+                                     "start competes, so a run that never beats it exports the starting weights")
     save_every: int = doc(500, "checkpoint every N steps (a final one is always written)")
     keep_checkpoints: int = doc(2, "how many recent checkpoints to keep")
     log_every: int = doc(10, "log metrics every N steps")
@@ -302,6 +311,7 @@ def recipe_from_dict(values: dict, overrides: list[str] = ()) -> Recipe:
     m.init_from, m.tokenizer, m.target = _expand(m.init_from), _expand(m.tokenizer), _expand(m.target)
     m.draft_vocab_from = _expand(m.draft_vocab_from)
     recipe.data.sources = [_expand(s) for s in recipe.data.sources]
+    recipe.data.eval_sources = [_expand(s) for s in recipe.data.eval_sources]
     recipe.check()
     return recipe
 

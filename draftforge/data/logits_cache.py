@@ -410,6 +410,9 @@ def cached_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: in
 
     from draftforge.data.pipeline import BlockData, _special_ids, split_documents
 
+    if cfg.eval_sources:
+        raise DataError(f"data.eval_sources {cfg.eval_sources}: a cache holds the rows of data.sources only, so "
+                        "held-out rows from other files have nothing cached; use data.eval_fraction with a cache")
     cache.check_rows_files(cfg.sources)
     rows = [row for source in cfg.sources for row in read_token_rows(source, tokenizer)]
     check_ids_below(rows, vocab_size)

@@ -10,6 +10,7 @@ token for input_ids + labels). For corpora that do not fit, use `streaming: true
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections import Counter
@@ -44,6 +45,9 @@ class BlockData:
 def build_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: int | None = None) -> BlockData:
     """Read `cfg.sources`, hold out `cfg.eval_fraction` of documents (chosen by `seed`), pack.
 
+    With `cfg.eval_sources` every document of `cfg.sources` trains and the held-out documents are read from
+    those sources instead (same format, same checks).
+
     vocab_size: ids of format=tokens rows must be below it (default: len(tokenizer)).
     """
     eos_id, pad_id = _special_ids(tokenizer)
@@ -57,7 +61,10 @@ def build_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: int
     if cfg.format == "tokens":  # before _usable_rows: its select() would hide the row index behind a mapping
         _check_vocab(docs, vocab_size)
     docs, stats = _usable_rows(docs, cfg)
-    train_docs, eval_docs = split_documents(docs, cfg.eval_fraction, seed)
+    if cfg.eval_sources:
+        train_docs, eval_docs = docs, _eval_source_docs(cfg, tokenizer, vocab_size)
+    else:
+        train_docs, eval_docs = split_documents(docs, cfg.eval_fraction, seed)
     train, train_stats = _to_blocks(train_docs, cfg, tokenizer, block_size, eos_id, pad_id)
     stats["rows_skipped"] += train_stats.pop("truncated_away")
     stats.update(train_stats, format=cfg.format, block_size=block_size, eval_documents=0, eval_blocks=0)
@@ -72,6 +79,17 @@ def build_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: int
         raise DataError("no training blocks: every conversation lost its assistant tokens to truncation; "
                         "raise the block size or shorten the conversations")
     return BlockData(train=train, eval=eval_ds, stats=stats, block_size=block_size)
+
+
+def _eval_source_docs(cfg, tokenizer, vocab_size: int) -> datasets.Dataset:
+    """The usable rows of `cfg.eval_sources`, read and checked as `cfg.sources` are (max_documents not applied)."""
+    eval_cfg = dataclasses.replace(cfg, sources=list(cfg.eval_sources), eval_sources=[], max_documents=None)
+    if eval_cfg.format == "tokens":
+        check_token_sources(eval_cfg, tokenizer)
+    docs = load_sources(eval_cfg)
+    if eval_cfg.format == "tokens":
+        _check_vocab(docs, vocab_size)
+    return _usable_rows(docs, eval_cfg)[0]
 
 
 def describe(bd: BlockData) -> str:

@@ -103,6 +103,8 @@ def mixed_blocks(recipe: Recipe, tokenizer, vocab_size: int):
     if recipe.data.streaming:
         raise RecipeError("recipe key 'eesd.open_sources': mixing needs map-style data (data.streaming: false)")
     open_cfg = dataclasses.replace(recipe.data, sources=list(cfg.open_sources), format=cfg.open_format)
+    if recipe.data.eval_sources:  # the held-out set is data.eval_sources alone: all open data trains
+        open_cfg = dataclasses.replace(open_cfg, eval_sources=[], eval_fraction=0.0)
     extra = build_block_data(open_cfg, tokenizer, t.block_size, t.seed, vocab_size=vocab_size)
     main.train, n_main, n_open = _mix(main.train, extra.train, cfg.open_fraction)
     if extra.eval is not None:

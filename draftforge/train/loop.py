@@ -156,6 +156,8 @@ class Trainer:
         bar = tqdm(total=t.max_steps, initial=self.start, disable=not self.acc.is_main_process,
                    desc=self.recipe.task, dynamic_ncols=True, mininterval=1.0)
         step, ended = self.start, None
+        if t.eval_at_start and self.start == 0:
+            self._eval_at_start()
         for step in range(self.start + 1, t.max_steps + 1):
             micro, ended = _next_batches(self.plan, step, self.acc)
             if ended is not None:
@@ -190,16 +192,31 @@ class Trainer:
         bar.update(1)
         record = {"step": step, "loss": self.last_loss, "lr": lr, self.spec.unit: self.units_seen, **metrics}
         if self.t.eval_every and step % self.t.eval_every == 0 or step == self.t.max_steps:
-            eval_metrics = {}
-            self.eval_loss = evaluate(self.model, self.spec, self.acc, self.t, eval_metrics)
-            if self.eval_loss is not None:
-                record.update(eval_loss=self.eval_loss, **{f"eval_{k}": v for k, v in eval_metrics.items()})
-            value = self.best.value(self.eval_loss, eval_metrics)
-            if self.best.improves(value):  # the same verdict on every process: eval metrics are reduced
-                self._keep_best(step, value)
+            self._eval(step, record)
         if step % self.t.log_every == 0 or "eval_loss" in record or step == self.t.max_steps:
             self.metrics_log.write(record)
             self.acc.log({k: v for k, v in record.items() if k != "step"}, step=step)
+
+    def _eval(self, step: int, record: dict) -> None:
+        """Held-out loss and metrics into `record`; keep the weights when train.keep_best's metric improves."""
+        eval_metrics = {}
+        self.eval_loss = evaluate(self.model, self.spec, self.acc, self.t, eval_metrics)
+        if self.eval_loss is not None:
+            record.update(eval_loss=self.eval_loss, **{f"eval_{k}": v for k, v in eval_metrics.items()})
+        value = self.best.value(self.eval_loss, eval_metrics)
+        if self.best.improves(value):  # the same verdict on every process: eval metrics are reduced
+            self._keep_best(step, value)
+
+    def _eval_at_start(self) -> None:
+        """train.eval_at_start: the starting weights' held-out metrics, logged as step 0 (not on a resume)."""
+        record = {"step": 0}
+        self._eval(0, record)
+        if "eval_loss" not in record:
+            self.say("[draftforge] train.eval_at_start: there is no held-out data to evaluate on")
+            return
+        self.say(f"[draftforge] step 0 (the starting weights): eval loss {record['eval_loss']:.4f}")
+        self.metrics_log.write(record)
+        self.acc.log({k: v for k, v in record.items() if k != "step"}, step=0)
 
     def train_step(self, micro: list[dict], step: int) -> tuple[float, dict]:
         """One optimizer step over this process's micro-batches: (global mean loss, mean metrics)."""

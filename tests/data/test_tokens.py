@@ -156,3 +156,33 @@ def test_demo_distill_rows_train_on_exactly_the_emitted_ids(tmp_path, tok):
     (ids, labels), = _unpack(build_block_data(data_cfg([src], format="tokens"), tok, 16, seed=0).train, pad)
     assert ids == stopped["input_ids"] + cut["input_ids"]
     assert [t for t in labels if t != IGNORE_INDEX] == [20, 21, eos, 30, 31, 32]
+
+
+def test_eval_sources_hold_out_their_rows_and_every_source_row_trains(tmp_path, tok):
+    train_rows, held = _rows(), [{"input_ids": [60, 61, 62, 63], "prompt_len": 1}]
+    src = write_jsonl(tmp_path / "d.jsonl", train_rows)
+    ev = write_jsonl(tmp_path / "heldout.jsonl", held)
+    # eval_fraction would hold out 2 of the 3 rows; with eval_sources it is not used
+    bd = build_block_data(data_cfg([src], format="tokens", eval_fraction=0.5, eval_sources=[str(ev)]), tok, 16, seed=0)
+    assert _unpack(bd.train, tok.pad_token_id) == [(sum((r["input_ids"] for r in train_rows), []),
+                                                     sum((_expected_labels(r) for r in train_rows), []))]
+    assert _unpack(bd.eval, tok.pad_token_id) == [(held[0]["input_ids"], _expected_labels(held[0]))]
+    assert bd.stats["documents"] == 3 and bd.stats["eval_documents"] == 1
+
+
+def test_eval_sources_are_checked_like_sources(tmp_path, tok):
+    src = write_jsonl(tmp_path / "d.jsonl", _rows())
+    ev = write_jsonl(tmp_path / "heldout.jsonl", [{"input_ids": [1, len(tok) + 3]}])
+    with pytest.raises(DataError, match="heldout.jsonl"):
+        build_block_data(data_cfg([src], format="tokens", eval_sources=[str(ev)]), tok, 16, seed=0)
+
+
+def test_eval_sources_refused_where_they_cannot_be_read(tmp_path, tok):
+    from draftforge.data.logits_cache import cached_block_data
+    from draftforge.recipe import DataConfig
+
+    with pytest.raises(RecipeError, match="eval_sources"):
+        DataConfig(sources=["a.jsonl"], eval_sources=["b.jsonl"], streaming=True).check("data")
+    cfg = data_cfg([tmp_path / "d.jsonl"], format="tokens", eval_sources=[str(tmp_path / "b.jsonl")])
+    with pytest.raises(DataError, match="eval_sources.*nothing cached"):
+        cached_block_data(cfg, tok, 16, 0, len(tok), cache=None)

@@ -272,3 +272,19 @@ def test_eesd_on_two_processes_matches_one(tmp_path, target_dir):
         assert (out / "export" / "exit_head.safetensors").is_file()
         losses[config] = [r["loss"] for r in read_metrics(out)]
     assert losses["multi_cpu.yaml"] == pytest.approx(losses[None], rel=1e-4)
+
+
+def test_eval_sources_are_the_whole_held_out_set_when_open_data_is_mixed_in(tmp_path, target_dir, tiny_corpus_dir):
+    from transformers import AutoTokenizer
+
+    from draftforge.train.eesd import mixed_blocks
+
+    rows = token_rows(tmp_path / "rows.jsonl", target_dir, n=6)
+    held = token_rows(tmp_path / "held.jsonl", target_dir, n=2)
+    values = recipe(tmp_path, target_dir, rows, tiny_corpus_dir)
+    values["data"]["eval_sources"] = [str(held)]
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    data = mixed_blocks(recipe_from_dict(values), tok, len(tok))
+    held_ids = [json.loads(line)["input_ids"] for line in held.read_text().splitlines()]
+    assert all(len(ids) == 32 for ids in held_ids)  # one whole row per 32-token block
+    assert list(data.eval["input_ids"]) == held_ids  # only the eval_sources rows: no open data held out

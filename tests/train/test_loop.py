@@ -194,3 +194,30 @@ def test_keep_best_names_the_metrics_the_eval_logs(tmp_path, tiny_corpus_dir, ti
     values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, keep_best="tau_g5")
     with pytest.raises(DraftforgeError, match="train.keep_best: the eval logs no metric 'tau_g5'; it logs: loss"):
         run(recipe_from_dict(values))
+
+
+def test_eval_at_start_logs_the_starting_weights_and_they_compete_for_keep_best(tmp_path, tiny_corpus_dir,
+                                                                                   tiny_tokenizer_dir):
+    from safetensors.torch import load_file
+
+    from draftforge.train.lm import build_model, load_tokenizer
+
+    train = dict(max_steps=4, eval_every=2, export=True, keep_best="loss")
+    values = tiny_recipe(tmp_path / "a", tiny_corpus_dir, tiny_tokenizer_dir, eval_at_start=True, **train)
+    values["optim"].update(lr=1.0, schedule="constant", warmup_steps=0)  # every step makes the model worse
+    started = run(recipe_from_dict(values))
+    evals = {r["step"]: r["eval_loss"] for r in read_metrics(started.run_dir) if "eval_loss" in r}
+    assert sorted(evals) == [0, 2, 4]
+    assert min(evals, key=evals.get) == 0, f"the test needs a run that never beats its start: {evals}"
+    recipe = recipe_from_dict(values)
+    torch.manual_seed(recipe.train.seed)  # the loop builds the model under this seed: the starting weights
+    start = build_model(recipe, load_tokenizer(recipe)).state_dict()
+    exported = load_file(str(started.export_dir / "model.safetensors"))
+    assert exported and all(torch.equal(exported[k], start[k]) for k in exported)
+
+    plain = tiny_recipe(tmp_path / "b", tiny_corpus_dir, tiny_tokenizer_dir, **train)
+    plain["optim"].update(lr=1.0, schedule="constant", warmup_steps=0)
+    without = run(recipe_from_dict(plain))
+    assert without.losses == started.losses  # the extra eval leaves training bitwise as it was
+    assert {r["step"]: r["eval_loss"] for r in read_metrics(without.run_dir) if "eval_loss" in r} == \
+        {2: evals[2], 4: evals[4]}
