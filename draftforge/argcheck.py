@@ -34,6 +34,13 @@ def check_eval_settings(temperatures, max_new_tokens: int, repeats: int, warmup:
         raise RecipeError(f"--cost-repeats must be >= 0, got {cost_repeats}")
 
 
+def check_prefill_chunk(chunk, name: str = "prefill_chunk", error: type[Exception] = RecipeError) -> int | None:
+    """A prompt-chunk size: a whole number of tokens >= 1, or None (the whole prompt in one forward)."""
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise error(f"{name} must be a whole number of tokens >= 1 (or None: one forward), got {chunk!r}")
+    return chunk
+
+
 def floats(values: list[str] | None, flag: str) -> tuple[float, ...]:
     """Repeated flags and comma lists alike: --temperature 0 --temperature 0.7,1."""
     out = []

@@ -6,8 +6,7 @@ decode/lean_forward.py).
 For each context length a random prompt of that many tokens is prefilled (not timed), then `--steps` tokens are
 decoded AR through `draftforge.decode` (EOS ignored). Per decoded token: the round's time, the time inside the
 target model's forward (a hook around it, or around the lean forward; the KV cache's append happens inside it),
-and the rest, the harness's
-own overhead per round (verification, commit, bookkeeping). Variants are rotated within each repeat; medians
+and the rest, the harness's own overhead per round (verification, commit, bookkeeping). Variants are rotated within each repeat; medians
 over repeats; one torch thread unless --threads.
 
     python -m benchmarks.micro.target_context --target ~/.cache/draftforge/smollm2 --contexts 1024 2048 4096 8192 \

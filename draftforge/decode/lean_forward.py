@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from draftforge.decode.packing import PackedLinear
+from draftforge.kernels.attention import rotate
 
 FAST_ROWS = 64  # as the decode attention's fast path: above it (a prompt) the model's own forward runs
 ARCHITECTURES = {"LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP", "LlamaRMSNorm")}
@@ -45,11 +46,6 @@ def _rms(norm, h):
     x = h.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
     return norm.weight * x.to(dtype)
-
-
-def _rotate(x, cos, sin):
-    half = x.shape[-1] // 2
-    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
 
 def _fused(linears: list[nn.Module]):
@@ -162,8 +158,8 @@ class LeanForward:
             attn, d = layer.attn, layer.head_dim
             x = _rms(layer.norm1, h)
             qs, ks, vs = layer.projections(x, layer.qkv, (attn.q_proj, attn.k_proj, attn.v_proj))
-            qs = _rotate(qs.view(b, q, -1, d).transpose(1, 2), cos, sin)
-            ks = _rotate(ks.view(b, q, -1, d).transpose(1, 2), cos, sin)
+            qs = rotate(qs.view(b, q, -1, d).transpose(1, 2), cos, sin)
+            ks = rotate(ks.view(b, q, -1, d).transpose(1, 2), cos, sin)
             ks, vs = cache.update(ks, vs.view(b, q, -1, d).transpose(1, 2), layer.index)
             out, _ = attention(attn, qs, ks, vs, causal, dropout=0.0, scaling=attn.scaling)
             h = h + attn.o_proj(out.reshape(b, q, -1).contiguous())

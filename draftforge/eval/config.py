@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, replace
 from typing import Literal
 
-from draftforge.argcheck import EVAL_DEFAULTS, check_eval_settings, temperature_list
+from draftforge.argcheck import EVAL_DEFAULTS, check_eval_settings, check_prefill_chunk, temperature_list
 from draftforge.data.prompts import BENCHES
 from draftforge.decode import methods as method_registry
 from draftforge.decode.drafters.cuda_graphs import use_cuda_graphs
@@ -135,9 +135,7 @@ def validate(cfg: EvalConfig) -> EvalConfig:
     check_eval_settings(cfg.temperatures, cfg.max_new_tokens, cfg.repeats, cfg.warmup, cfg.num_prompts, cfg.top_p,
                         cfg.top_k, cfg.threads, cfg.cost_repeats)  # the rules the CLI also checks before importing
     check_fields(cfg)  # the Literal settings: dtype, tree_draws, chat_template, cuda_graphs, ...
-    if cfg.prefill_chunk is not None and (isinstance(cfg.prefill_chunk, bool) or not isinstance(cfg.prefill_chunk, int)
-                                          or cfg.prefill_chunk < 1):
-        raise RecipeError(f"--prefill-chunk must be a whole number of tokens >= 1, got {cfg.prefill_chunk!r}")
+    check_prefill_chunk(cfg.prefill_chunk, "--prefill-chunk")
     if cfg.tune_chain_length and ("chain" not in cfg.methods or not cfg.cost_repeats):
         raise RecipeError("--tune-chain-length picks chain's draft length with the cost model: run the chain method "
                           f"(--methods ...,chain) with --cost-repeats > 0 (methods: {', '.join(cfg.methods)}, "

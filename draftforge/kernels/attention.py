@@ -14,6 +14,13 @@ import torch
 # torch's sdpa works block by block: callers keep sdpa there.
 MAX_ROWS = 64
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding as the Llama family applies it (x·cos + rotate_half(x)·sin): the same tensor
+    operations in the same order as transformers' `apply_rotary_pos_emb`, so the results are bitwise its own."""
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
 def matmul_attention(query, key, value, attention_mask, scaling=None, is_causal: bool = True) -> torch.Tensor:
     """Softmax attention in float32 by matmul, softmax, matmul: query [B, H, Q, D], key / value [B, Hkv, K, D],
     mask None (causal over the last Q keys when Q > 1 and `is_causal`), bool (True = visible) or additive, shaped

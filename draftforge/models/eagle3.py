@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftforge.errors import CompatibilityError
-from draftforge.kernels.attention import MAX_ROWS, matmul_attention
+from draftforge.kernels.attention import MAX_ROWS, matmul_attention, rotate
 from draftforge.kernels.kv_buffer import GrowingKV
 
 HEAD_KIND = "eagle3"
@@ -248,11 +248,6 @@ class Eagle3Head(FeatureHead):
         angle = torch.cat([angle, angle], -1)
         return angle.cos().to(self.dtype), angle.sin().to(self.dtype)
 
-    @staticmethod
-    def _rotate(x, cos, sin):
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
-
     def project(self, tokens: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor):
         """q [..., H, E], k / v [..., G, E] (rotated at `positions`) and the residual (the feature) for tokens
         [...] with their input features [..., D]."""
@@ -265,7 +260,7 @@ class Eagle3Head(FeatureHead):
         v = att.v_proj(x).unflatten(-1, (att.groups, e))
         cos, sin = self.rope(positions)
         cos, sin = cos[..., None, :], sin[..., None, :]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The layer after attention: o_proj + residual, then the MLP block -> the output state [..., D]."""

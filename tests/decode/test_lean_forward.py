@@ -90,8 +90,8 @@ def test_a_forward_that_computes_differently_is_refused_by_the_probe(monkeypatch
     model = tiny_llama(vocab=VOCAB, layers=2, hidden=64)
     lean, words = lean_forward(model)
     assert lean is not None, words
-    rotate = lean_module._rotate
-    monkeypatch.setattr(lean_module, "_rotate", lambda x, cos, sin: rotate(x, cos, sin) * 1.0001)
+    rotate = lean_module.rotate
+    monkeypatch.setattr(lean_module, "rotate", lambda x, cos, sin: rotate(x, cos, sin) * 1.0001)
     lean, words = lean_forward(model)
     assert lean is None and "not bitwise equal" in words and "logits differ" in words
 

@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 from transformers import DynamicCache
 
+from draftforge import argcheck
 from draftforge.decode.memory import cache_bytes
 from draftforge.decode.targets.growing_cache import growing
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
@@ -271,10 +272,7 @@ class KVCacheTarget(Target):
 
 
 def check_prefill_chunk(chunk: int | None) -> int | None:
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise CompatibilityError(f"prefill_chunk must be a whole number of tokens >= 1 (or None: one forward), "
-                                 f"got {chunk!r}")
-    return chunk
+    return argcheck.check_prefill_chunk(chunk, "prefill_chunk", CompatibilityError)
 
 
 # Model types whose layers keep recurrent state: the KV-cache target cannot roll them back.
