@@ -87,9 +87,10 @@ def run(args) -> int:
     bars = []  # opened at the first finished batch, so an error before it is a line of its own
 
     def progress(n_rows: int, tokens_per_s: float) -> None:
-        if not bars:
-            bars.append(tqdm(total=total, unit="row", dynamic_ncols=True))
-        bars[0].update(n_rows)
+        if not bars:  # that batch as the bar's start: its rows/s and ETA count only the batches after it
+            bars.append(tqdm(total=total, initial=n_rows, unit="row", dynamic_ncols=True))
+        else:
+            bars[0].update(n_rows)
         bars[0].set_postfix_str(f"{tokens_per_s:.1f} tok/s")
 
     stats = generate_rows(model, tokenizer, jobs, args.out, temperatures=list(args.temperature),

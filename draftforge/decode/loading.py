@@ -13,6 +13,8 @@ from draftforge.decode.drafters.cuda_graphs import use_cuda_graphs
 from draftforge.decode.drafters.base import Drafter, propose_children  # noqa: F401  (public names)
 from draftforge.decode.drafters.transformer import TransformerDrafter
 from draftforge.decode.drafters.lookup import DEFAULT_MAX_NGRAM, PromptLookupDrafter
+from draftforge.decode.drafters.lookup_first import DEFAULT_MIN_NGRAM as DEFAULT_LOOKUP_FIRST_MIN_NGRAM
+from draftforge.decode.drafters.lookup_first import LookupFirstDrafter
 from draftforge.decode.drafters.mamba import MambaDrafter
 from draftforge.decode.attention import use_decode_attention
 from draftforge.decode.lean_forward import lean_forward
@@ -197,7 +199,7 @@ def _export_tokenizer(path):
 
 def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_vocab_mismatch=False, tokenizer=None,
                  cuda_graphs="auto", pack_weights: str = "auto", decode_attention: str = "auto",
-                 lean_forward: str = "auto"):
+                 lean_forward: str = "auto", lookup_first: str | None = None):
     """A PromptLookupDrafter for the spec 'prompt-lookup[:options]' (no model; see lookup_options; a folder of
     that name is ./prompt-lookup), a MambaDrafter for Mamba/Mamba2 checkpoints (HF or draftforge export), an
     EarlyExitDrafter for an EESD export (task eesd), else a TransformerDrafter.
@@ -205,7 +207,29 @@ def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_
     cuda_graphs ("auto" | "on" | "off") applies to Mamba drafters: their per-batch-size decode steps
     are CUDA graphs when on (auto: exactly when the drafter is on CUDA); Transformer drafters ignore it.
     pack_weights, decode_attention and lean_forward apply to HF drafters (see load_hf_causal_lm).
+
+    lookup_first (a prompt-lookup spec such as "prompt-lookup" or "prompt-lookup:min_ngram=3"): the drafter wrapped
+    so that prompt lookup drafts every round where the text's last min_ngram tokens occurred before (min_ngram 2
+    unless the spec says) and the drafter drafts the others (drafters/lookup_first.py).
     """
+    options = None
+    if lookup_first is not None:
+        options = lookup_options(lookup_first)
+        if options is None:
+            raise RecipeError(f"lookup_first {lookup_first!r} is not a prompt-lookup spec; give {LOOKUP_FORM}")
+        if "min_ngram" not in options:
+            options["min_ngram"] = min(DEFAULT_LOOKUP_FIRST_MIN_NGRAM, options["max_ngram"])
+    drafter = _load_drafter(model_or_path, target, device, dtype, allow_vocab_mismatch, tokenizer, cuda_graphs,
+                            pack_weights, decode_attention, lean_forward)
+    if options is None:
+        return drafter
+    return LookupFirstDrafter(PromptLookupDrafter(target.vocab_size, **options), drafter)
+
+
+def _load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_vocab_mismatch=False, tokenizer=None,
+                  cuda_graphs="auto", pack_weights: str = "auto", decode_attention: str = "auto",
+                  lean_forward: str = "auto"):
+    """The drafter itself (load_drafter without lookup_first)."""
     from draftforge.models.eesd_export import is_eesd_export
 
     check_speed_choices(pack_weights, decode_attention, lean_forward)

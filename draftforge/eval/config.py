@@ -81,6 +81,10 @@ class EvalConfig:
         "length from those rounds with the cost model, and time chain at the best one, per temperature (the "
         "report lists the predictions; needs --cost-repeats > 0)")
     allow_vocab_mismatch: bool = option(False, "run a drafter whose tokenizer differs from the target's")
+    lookup_first: str | None = option(
+        None, "prompt lookup first: each round, where the text's last n tokens occurred earlier (n >= min_ngram, 2 "
+        "unless given) lookup drafts what followed, and the drafter drafts the other rounds; a prompt-lookup spec, "
+        "e.g. prompt-lookup or prompt-lookup:min_ngram=3 (chain, tree and ucb; not eagle2 / c2t)", metavar="SPEC")
     cuda_graphs: Literal["auto", "on", "off"] = option(
         "auto", "capture the Mamba drafter's per-batch-size decode steps in CUDA graphs: auto = on when --device is "
         "CUDA, on = require CUDA, off = eager")
@@ -147,7 +151,24 @@ def validate(cfg: EvalConfig) -> EvalConfig:
             raise RecipeError(f"unknown method {m!r}; {method_registry.suggest(m)}")
         if cfg.drafter is None and method_registry.METHODS[m].needs_drafter:
             raise RecipeError(f"speculative methods need --drafter ({m!r} does); give one or use --methods ar")
+    if cfg.lookup_first is not None:
+        check_lookup_first(cfg)
     return replace(cfg, method_options=resolve_method_options(cfg))  # every option checked here, once
+
+
+def check_lookup_first(cfg: EvalConfig) -> None:
+    """--lookup-first: a prompt-lookup spec, a trained drafter to fall back on, no dynamic-tree method."""
+    from draftforge.decode.loading import LOOKUP_FORM, lookup_options
+
+    if lookup_options(cfg.lookup_first) is None:
+        raise RecipeError(f"--lookup-first {cfg.lookup_first!r} is not a prompt-lookup spec; give {LOOKUP_FORM}")
+    if cfg.drafter is None or lookup_options(cfg.drafter) is not None:
+        raise RecipeError("--lookup-first falls back on a trained drafter: give --drafter a checkpoint, not "
+                          f"{cfg.drafter or 'nothing'}")
+    dynamic = [m for m in cfg.methods if method_registry.METHODS[m].dynamic_trees]
+    if dynamic:
+        raise RecipeError(f"--lookup-first drafts static trees and chains; {', '.join(dynamic)} build dynamic trees "
+                          "(run them in another eval without --lookup-first)")
 
 
 def check_paths(cfg: EvalConfig) -> None:

@@ -113,6 +113,8 @@ def _timed_pass(cfg, method, dec, prompts, params, rep, eos, records, memory, to
     """One method over all prompts, timed; its memory (metrics.PassMemory: held at the start, the pass's
     peak above it) goes into `memory`, the pass with the largest peak above its start kept over repeats."""
     temp = params.temperature
+    rounds = getattr(getattr(dec, "drafter", None), "rounds", None)  # lookup-first: rounds each drafter drafted
+    rounds_before = dict(rounds) if rounds is not None else None
     with metrics.PassMemory(cfg.device) as pass_memory:
         start, n_tok = time.perf_counter(), 0
         said = start
@@ -133,6 +135,10 @@ def _timed_pass(cfg, method, dec, prompts, params, rep, eos, records, memory, to
     _log(cfg, f"T={temp:g} repeat {rep + 1}/{cfg.repeats} {method:<12} "
               f"{len(prompts)} prompts, {n_tok} tokens, {n_tok / max(secs, 1e-9):.1f} tok/s, "
               f"memory +{mem['bytes'] / 2**20:.1f} MiB over {mem['start_bytes'] / 2**20:.0f} MiB")
+    if rounds_before is not None:
+        by = {k: rounds[k] - rounds_before.get(k, 0) for k in rounds}
+        _log(cfg, f"T={temp:g} repeat {rep + 1}/{cfg.repeats} {method:<12} lookup first: lookup drafted "
+                  f"{by.get('lookup', 0)} of {sum(by.values())} rounds")
 
 
 def _timed_runs(cfg, decoders, prompts, eos, tokenizer=None, per_temperature=None) -> tuple[list, dict, list]:
@@ -347,7 +353,10 @@ def _load(cfg):
         drafter = decode_api.load_drafter(cfg.drafter, target, device=cfg.device, dtype=drafter_dtype.torch_dtype,
                                           allow_vocab_mismatch=cfg.allow_vocab_mismatch, cuda_graphs=cfg.cuda_graphs,
                                           pack_weights=cfg.pack_weights, decode_attention=cfg.decode_attention,
-                                          lean_forward=cfg.lean_forward)
+                                          lean_forward=cfg.lean_forward, lookup_first=cfg.lookup_first)
+        if cfg.lookup_first is not None:
+            _log(cfg, f"lookup first ({cfg.lookup_first}): prompt lookup drafts the rounds where it finds a match, "
+                      f"the {drafter.drafter.kind} drafter the others")
         drafter_packing = getattr(getattr(drafter, "model", None), "draftforge_packing", None)
         if drafter_packing is not None:
             packing["drafter"] = drafter_packing.describe()

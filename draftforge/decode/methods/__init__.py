@@ -92,6 +92,7 @@ class Method:
     options: type[MethodOptions] = NoOptions
     baseline: bool = False  # an external baseline (hf_assisted): eval may skip it when it cannot run
     rows: Callable[[Any], tuple[int, ...]] = lambda options: ()  # static verification sizes (the cost model's)
+    dynamic_trees: bool = False  # drafts through a TreeBuilder (begin / feed): drafters must follow dynamic trees
 
 
 METHODS: dict[str, Method] = {}

@@ -102,4 +102,4 @@ def make_c2t(target, drafter, o: C2TOptions):
 # ---------------------------------------------------------------- the method
 
 register_method(Method("c2t", "C2T: dynamic tree pruned by a classifier on (P, H, d) (--c2t PATH --beta; "
-                       "greedy only)", True, make_c2t, C2TOptions))
+                       "greedy only)", True, make_c2t, C2TOptions, dynamic_trees=True))

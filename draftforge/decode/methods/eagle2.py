@@ -101,4 +101,4 @@ def make_eagle2(target, drafter, o: Eagle2Options):
 # ---------------------------------------------------------------- the method
 
 register_method(Method("eagle2", "EAGLE-2 dynamic tree: top-k expand + rerank to --total-tokens (greedy only)",
-                       True, make_eagle2, Eagle2Options))
+                       True, make_eagle2, Eagle2Options, dynamic_trees=True))
