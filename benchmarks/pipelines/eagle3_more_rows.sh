@@ -4,21 +4,23 @@
 # fixed eval set (`data.eval_sources`: modules no training prompt uses, and the same documents for every run however
 # many rows it trains on), and a fine-tune of an existing head (HEAD) on all the rows, scored before its first step
 # (`train.eval_at_start`: the head as it was, on the same held-out rows) and every EVAL_EVERY steps, keeping the
-# best simulated τ. Then `draftforge eval` of the new head on the instructions (T = 0 and 1) and HumanEval (T = 0).
+# best simulated τ. Then `draftforge eval` of the new head on the instructions (T = 0 and 1) and HumanEval (T = 0),
+# alone and behind prompt lookup (`--lookup-first`), chains cut to the cost model's best length, and prompt lookup
+# alone on HumanEval as the peer.
 #
 #   bash benchmarks/pipelines/eagle3_more_rows.sh
 #
 # Environment (defaults in brackets): CACHE [~/.cache/draftforge]; HEAD [runs/smollm2/eagle3-b/export], an
 # exported head to start from; ROWS [runs/smollm2/e3_rows.jsonl], rows already answered (read, never written);
 # the other prompts' answers go to ROWS_MORE [runs/smollm2/e3_rows_c.jsonl] (resumable row by row); RUN [eagle3-c];
-# STEPS [500]; EVAL_EVERY [125]; EVAL_PROMPTS [6]; NEW_TOKENS [128].
+# STEPS [600]; EVAL_EVERY [100]; EVAL_PROMPTS [6]; NEW_TOKENS [128].
 # CPU budget on a 2-core Zen 5 (2 threads): generating 3,281 answers ~40 min (~300-500 new tokens/s at batch 32),
 # the fine-tune ~4-7 s a step plus ~2 min per eval of the 128 held-out rows, each eval suite 5-10 min at 1 thread.
 # A finished run or report is kept (delete it to redo it).
 source "$(dirname "$0")/common.sh"  # strict mode, cd to the repository root, OMP_NUM_THREADS=1, phase
 CACHE="${CACHE:-$HOME/.cache/draftforge}"; HEAD="${HEAD:-runs/smollm2/eagle3-b/export}"
 ROWS="${ROWS:-runs/smollm2/e3_rows.jsonl}"; ROWS_MORE="${ROWS_MORE:-runs/smollm2/e3_rows_c.jsonl}"
-RUN="${RUN:-eagle3-c}"; STEPS="${STEPS:-500}"; EVAL_EVERY="${EVAL_EVERY:-125}"
+RUN="${RUN:-eagle3-c}"; STEPS="${STEPS:-600}"; EVAL_EVERY="${EVAL_EVERY:-100}"
 EVAL_PROMPTS="${EVAL_PROMPTS:-6}"; NEW_TOKENS="${NEW_TOKENS:-128}"
 TARGET="$CACHE/smollm2"; OUT=runs/smollm2
 mkdir -p "$OUT"
@@ -52,15 +54,20 @@ phase "train: $RUN, $STEPS steps from $HEAD on every row, 2 threads"
 grep -h "held-out\|step 0" "$OUT/$RUN.log" || true
 
 phase "eval: instructions (T=0, T=1) and HumanEval (T=0), 1 thread, each suite with its own AR"
-suite() {  # name, bench, temperatures, methods, extra flags
-  local name="$1" bench="$2" temps="$3" methods="$4"; shift 4
-  [ -f "$OUT/eval-$name/report.json" ] || python -m draftforge eval --target "$TARGET" --drafter "$OUT/$RUN/export" \
+suite() {  # name, drafter, bench, temperatures, methods, extra flags
+  local name="$1" drafter="$2" bench="$3" temps="$4" methods="$5"; shift 5
+  [ -f "$OUT/eval-$name/report.json" ] || python -m draftforge eval --target "$TARGET" --drafter "$drafter" \
     --bench "$bench" --temperature "$temps" --methods "$methods" --num-prompts "$EVAL_PROMPTS" \
     --max-new-tokens "$NEW_TOKENS" --repeats 1 --threads 1 --no-plots "$@" --out "$OUT/eval-$name" \
     > "$OUT/eval-$name.log" 2>&1
   grep '^|' "$OUT/eval-$name/report.md" | head -20
 }
-suite "$RUN-instructions-t0" instructions 0 chain,tree,eagle2 --tune-chain-length
-suite "$RUN-instructions-t1" instructions 1 chain,tree --tune-chain-length
-suite "$RUN-humaneval-t0" humaneval 0 chain,tree,eagle2 --tune-chain-length
+H="$OUT/$RUN/export"
+suite "$RUN-instructions-t0" "$H" instructions 0 chain,tree,eagle2 --tune-chain-length
+suite "$RUN-lf-instructions-t0" "$H" instructions 0 chain,tree --tune-chain-length --lookup-first prompt-lookup
+suite "$RUN-humaneval-t0" "$H" humaneval 0 chain,tree,eagle2 --tune-chain-length
+suite "$RUN-lf-humaneval-t0" "$H" humaneval 0 chain,tree --tune-chain-length --lookup-first prompt-lookup
+suite lookup-humaneval-lean prompt-lookup humaneval 0 chain
+suite "$RUN-instructions-t1" "$H" instructions 1 chain,tree --tune-chain-length
+suite "$RUN-lf-instructions-t1" "$H" instructions 1 chain --tune-chain-length --lookup-first prompt-lookup
 phase "done"
