@@ -137,9 +137,14 @@ def check_vocab(target: Target, model, tokenizer, allow_vocab_mismatch: bool) ->
         )
 
 
-def lookup_options(spec) -> dict | None:
+LOOKUP_FIRST_KEYS = {"drafter_tokens": "drafter_depth"}  # lookup_first specs also take: the drafter's depth cap
+
+
+def lookup_options(spec, extra_keys: dict | None = None) -> dict | None:
     """PromptLookupDrafter keywords from a drafter spec like 'prompt-lookup:ngram=3,tokens=10'; None when the
-    spec is not a prompt-lookup one (a checkpoint). RecipeError for a prompt-lookup spec that cannot be read."""
+    spec is not a prompt-lookup one (a checkpoint). RecipeError for a prompt-lookup spec that cannot be read.
+    `extra_keys` (spec key -> keyword) are accepted too (LOOKUP_FIRST_KEYS for a lookup_first spec)."""
+    keys = {**LOOKUP_KEYS, **(extra_keys or {})}
     if not isinstance(spec, str):
         return None
     name, _, text = spec.partition(":")
@@ -148,12 +153,13 @@ def lookup_options(spec) -> dict | None:
     options = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, eq, value = (x.strip() for x in part.partition("="))
-        if not eq or key not in LOOKUP_KEYS or LOOKUP_KEYS[key] in options:
-            what = "repeats" if key in LOOKUP_KEYS and eq else "has an unknown or malformed option"
-            raise RecipeError(f"drafter spec {spec!r} {what} {part!r}; give {LOOKUP_FORM}")
+        if not eq or key not in keys or keys[key] in options:
+            what = "repeats" if key in keys and eq else "has an unknown or malformed option"
+            form = LOOKUP_FORM + (f" (here also {', '.join(extra_keys)})" if extra_keys else "")
+            raise RecipeError(f"drafter spec {spec!r} {what} {part!r}; give {form}")
         if not value.isdigit() or int(value) < 1:
             raise RecipeError(f"drafter spec {spec!r}: {key} must be an integer >= 1, got {value!r}")
-        options[LOOKUP_KEYS[key]] = int(value)
+        options[keys[key]] = int(value)
     max_ngram = options.setdefault("max_ngram", DEFAULT_MAX_NGRAM)
     if options.get("min_ngram", 1) > max_ngram:
         raise RecipeError(f"drafter spec {spec!r}: min_ngram {options['min_ngram']} is above ngram {max_ngram} "
@@ -208,13 +214,14 @@ def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_
     are CUDA graphs when on (auto: exactly when the drafter is on CUDA); Transformer drafters ignore it.
     pack_weights, decode_attention and lean_forward apply to HF drafters (see load_hf_causal_lm).
 
-    lookup_first (a prompt-lookup spec such as "prompt-lookup" or "prompt-lookup:min_ngram=3"): the drafter wrapped
-    so that prompt lookup drafts every round where the text's last min_ngram tokens occurred before (min_ngram 2
-    unless the spec says) and the drafter drafts the others (drafters/lookup_first.py).
+    lookup_first (a prompt-lookup spec such as "prompt-lookup" or "prompt-lookup:min_ngram=3,drafter_tokens=2"):
+    the drafter wrapped so that prompt lookup drafts every round where the text's last min_ngram tokens occurred
+    before (min_ngram 2 unless the spec says) and the drafter drafts the others, at most drafter_tokens deep when
+    given (drafters/lookup_first.py).
     """
     options = None
     if lookup_first is not None:
-        options = lookup_options(lookup_first)
+        options = lookup_options(lookup_first, LOOKUP_FIRST_KEYS)
         if options is None:
             raise RecipeError(f"lookup_first {lookup_first!r} is not a prompt-lookup spec; give {LOOKUP_FORM}")
         if "min_ngram" not in options:
@@ -223,7 +230,8 @@ def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_
                             pack_weights, decode_attention, lean_forward)
     if options is None:
         return drafter
-    return LookupFirstDrafter(PromptLookupDrafter(target.vocab_size, **options), drafter)
+    depth = options.pop("drafter_depth", None)
+    return LookupFirstDrafter(PromptLookupDrafter(target.vocab_size, **options), drafter, drafter_depth=depth)
 
 
 def _load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_vocab_mismatch=False, tokenizer=None,

@@ -83,8 +83,9 @@ class EvalConfig:
     allow_vocab_mismatch: bool = option(False, "run a drafter whose tokenizer differs from the target's")
     lookup_first: str | None = option(
         None, "prompt lookup first: each round, where the text's last n tokens occurred earlier (n >= min_ngram, 2 "
-        "unless given) lookup drafts what followed, and the drafter drafts the other rounds; a prompt-lookup spec, "
-        "e.g. prompt-lookup or prompt-lookup:min_ngram=3 (chain, tree and ucb; not eagle2 / c2t)", metavar="SPEC")
+        "unless given) lookup drafts what followed, and the drafter drafts the other rounds (at most drafter_tokens "
+        "deep when given); a prompt-lookup spec, e.g. prompt-lookup or prompt-lookup:min_ngram=3,drafter_tokens=2 "
+        "(chain, tree and ucb; not eagle2 / c2t)", metavar="SPEC")
     cuda_graphs: Literal["auto", "on", "off"] = option(
         "auto", "capture the Mamba drafter's per-batch-size decode steps in CUDA graphs: auto = on when --device is "
         "CUDA, on = require CUDA, off = eager")
@@ -158,9 +159,9 @@ def validate(cfg: EvalConfig) -> EvalConfig:
 
 def check_lookup_first(cfg: EvalConfig) -> None:
     """--lookup-first: a prompt-lookup spec, a trained drafter to fall back on, no dynamic-tree method."""
-    from draftforge.decode.loading import LOOKUP_FORM, lookup_options
+    from draftforge.decode.loading import LOOKUP_FIRST_KEYS, LOOKUP_FORM, lookup_options
 
-    if lookup_options(cfg.lookup_first) is None:
+    if lookup_options(cfg.lookup_first, LOOKUP_FIRST_KEYS) is None:
         raise RecipeError(f"--lookup-first {cfg.lookup_first!r} is not a prompt-lookup spec; give {LOOKUP_FORM}")
     if cfg.drafter is None or lookup_options(cfg.drafter) is not None:
         raise RecipeError("--lookup-first falls back on a trained drafter: give --drafter a checkpoint, not "

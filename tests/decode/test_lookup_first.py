@@ -51,6 +51,33 @@ def test_only_the_drafter_that_drafted_hears_what_was_accepted(target, drafters)
     assert Spy.told == mixed.rounds["lookup"] > 0
 
 
+def test_drafter_depth_caps_only_the_drafters_rounds(target, drafters, monkeypatch):
+    inner, sizes = drafters["mamba2"], []
+    draft = inner.draft
+
+    def recorded(*args, **kwargs):
+        tree = draft(*args, **kwargs)
+        sizes.append(len(tree))
+        return tree
+
+    monkeypatch.setattr(inner, "draft", recorded)
+    mixed = LookupFirstDrafter(PromptLookupDrafter(VOCAB, min_ngram=2), inner, drafter_depth=1)
+    dec = build_decoder("chain", target, mixed, chain_length=4)
+    longest = 0
+    for prompt in [*PROMPTS, looping_prompt(target)]:
+        res = dec.generate(prompt, max_new_tokens=24)
+        assert res.tokens == greedy_reference(target, prompt, 24)
+        longest = max(longest, *res.stats.drafted_per_round)
+    assert sizes and max(sizes) == 1  # the drafter's rounds: one draft at most
+    assert longest == 4  # lookup's rounds still draft the plan's whole chain
+    with pytest.raises(DraftforgeError, match="drafter depth must be an integer >= 1"):
+        LookupFirstDrafter(PromptLookupDrafter(VOCAB), inner, drafter_depth=0)
+    spec = load_drafter(drafters["transformer"].model, target, lookup_first="prompt-lookup:drafter_tokens=2")
+    assert spec.drafter_depth == 2 and spec.lookup.index.min_ngram == 2
+    with pytest.raises(RecipeError, match="unknown or malformed option 'drafter_tokens=2'"):
+        load_drafter("prompt-lookup:drafter_tokens=2", target)  # only a lookup_first spec takes it
+
+
 @pytest.fixture(scope="module")
 def small_target():
     return load_target(tiny_llama(vocab=S_VOCAB, hidden=16, layers=1, dtype=torch.float64))
