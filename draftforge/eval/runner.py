@@ -353,7 +353,8 @@ def _load(cfg):
         drafter = decode_api.load_drafter(cfg.drafter, target, device=cfg.device, dtype=drafter_dtype.torch_dtype,
                                           allow_vocab_mismatch=cfg.allow_vocab_mismatch, cuda_graphs=cfg.cuda_graphs,
                                           pack_weights=cfg.pack_weights, decode_attention=cfg.decode_attention,
-                                          lean_forward=cfg.lean_forward, lookup_first=cfg.lookup_first)
+                                          lean_forward=cfg.lean_forward,
+                                          **({"lookup_first": cfg.lookup_first} if cfg.lookup_first else {}))
         if cfg.lookup_first is not None:
             _log(cfg, f"lookup first ({cfg.lookup_first}): prompt lookup drafts the rounds where it finds a match, "
                       f"the {drafter.drafter.kind} drafter the others")
