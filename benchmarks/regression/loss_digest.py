@@ -1,7 +1,7 @@
-"""Loss-curve digest of tiny pretrain, sft, distill and eesd runs: the proof a refactor moved nothing.
+"""Loss-curve digest of tiny pretrain, sft, distill, eesd and eagle3 runs: the proof a refactor moved nothing.
 
 Runs recipes/tiny/pretrain.yaml then recipes/tiny/sft.yaml, then recipes/tiny/distill.yaml twice (the teacher
-on the fly, then on a logits cache harvested here) and an eesd run, all shortened, on a small stdlib corpus,
+on the fly, then on a logits cache harvested here), an eesd run and an eagle3 head, all shortened, on a small stdlib corpus,
 tokenizer and random Llama target this script builds, fp32 on CPU with 1 thread. It writes every logged loss,
 the eval losses, metrics.jsonl (train and eval metrics, distill's acceptance among them), and of each export
 every file's sha256 plus its JSON files (draftforge.json with distill's held-out acceptance, config.json) with
@@ -123,8 +123,8 @@ def export_digest(export: Path, work: Path) -> dict:
 
 
 def distill_and_eesd(work: Path, tok_dir: Path, corpus: Path, common: list[str]) -> dict:
-    """distill on the fly, distill on a logits cache (exporting its best eval's weights), and eesd, on one tiny
-    random target."""
+    """distill on the fly, distill on a logits cache (exporting its best eval's weights), eesd and an eagle3 head,
+    on one tiny random target."""
     from draftforge.data.harvest_logits import harvest_logits
     from draftforge.recipe import load_recipe, recipe_from_dict
     from draftforge.train import run
@@ -152,6 +152,15 @@ def distill_and_eesd(work: Path, tok_dir: Path, corpus: Path, common: list[str])
         "train": {"max_steps": 8, "global_batch_size": 8, "micro_batch_size": 4, "block_size": 64, "eval_every": 4,
                   "save_every": 8, "log_every": 1, "eval_batches": 3, "trackers": [], "precision": "fp32"}})
     runs["eesd"] = run(eesd, overwrite=True)
+    eagle3 = recipe_from_dict({  # a reduced draft vocabulary, so the loss reads the teacher at the draft ids
+        "task": "eagle3", "output_dir": str(work / "eagle3"),
+        "model": {"target": str(target), "tokenizer": str(tok_dir), "draft_vocab": 64, "draft_vocab_from": str(rows)},
+        "data": {"sources": [str(rows)], "format": "tokens", "eval_fraction": 0.2},
+        "eagle3": {"steps": 3, "loss": "mix"},
+        "optim": {"lr": 3e-3, "warmup_steps": 0, "weight_decay": 0.0},
+        "train": {"max_steps": 6, "global_batch_size": 8, "micro_batch_size": 4, "block_size": 64, "eval_every": 3,
+                  "save_every": 6, "log_every": 1, "eval_batches": 3, "trackers": [], "precision": "fp32"}})
+    runs["eagle3"] = run(eagle3, overwrite=True)
     out = {}
     for name, r in runs.items():
         out.update({f"{name}_losses": r.losses, f"{name}_eval": r.eval_loss,
