@@ -28,12 +28,30 @@ def kl_full(student_PS, teacher_PS, temperature: float = 1.0):
     return (t_logp_PS.exp() * (t_logp_PS - s_logq_PS)).sum(-1) * temperature**2
 
 
+CHUNK_BYTES = 1 << 24  # fp32 [rows, S] temporaries per chunk of full_terms: 16 MiB
+
+
 def full_terms(student_PS, teacher_PS, temperature: float = 1.0, teacher_lZ_P=None) -> dict[str, torch.Tensor]:
     """Per-position kl (at τ, times τ²), tvd, ce_target and alpha (all three at T=1) of full distributions.
 
     teacher_PS: the teacher's logits over S; for a reduced head its logits at the draft ids, with teacher_lZ_P
     the log-normaliser of its logits over the whole vocabulary (α takes the unrestricted p); None: S is V.
+
+    Positions are taken CHUNK_BYTES of fp32 rows at a time (every term is per row, so the values are the same
+    bitwise): glibc hands each allocation above 32 MiB fresh pages from the kernel, so a whole-batch [P, S]
+    temporary pays a page fault per 4 KiB every time it is made, where chunk-sized ones reuse the heap. On a
+    2-core Xeon, an EAGLE-3 step's loss over 5 unrolled steps (P ≈ 1,900, S = 8,192) fell from ~3.7 s to ~0.8 s.
     """
+    rows = max(1, CHUNK_BYTES // (4 * student_PS.shape[-1]))
+    if student_PS.shape[0] <= rows:
+        return _full_terms(student_PS, teacher_PS, temperature, teacher_lZ_P)
+    lz_parts = [None] * len(student_PS.split(rows)) if teacher_lZ_P is None else teacher_lZ_P.split(rows)
+    parts = [_full_terms(s, t, temperature, lz)
+             for s, t, lz in zip(student_PS.split(rows), teacher_PS.split(rows), lz_parts)]
+    return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+
+
+def _full_terms(student_PS, teacher_PS, temperature: float, teacher_lZ_P) -> dict[str, torch.Tensor]:
     s_PS, t_PS = student_PS.float(), teacher_PS.float()
     lp_PS, lq_PS = t_PS.log_softmax(-1), s_PS.log_softmax(-1)
     kl_P = (lp_PS.exp() * (lp_PS - lq_PS)).sum(-1) if temperature == 1.0 else kl_full(s_PS, t_PS, temperature)
