@@ -1,16 +1,18 @@
-"""Where one EAGLE-3 training step spends its time: the frozen target's forward, the head's unrolled forward, and
-the loss with its backward, the loss in two forms side by side.
+"""Where one EAGLE-3 training step spends its time: the frozen target's forward, then the head's unrolled forward,
+its loss and the backward, that part in two forms side by side.
 
 The step is task eagle3's (train/eagle3.py): B blocks of T tokens, `--ttt-steps` unrolled drafting steps, a head
-over a `--draft-vocab` subset of the target's vocabulary. "loss + backward" is timed for
-- `draftforge`: the teacher's logits at the draft ids, log-normaliser and top-1 taken once per batch, the terms
-  in 16 MiB chunks of positions (train/eagle3.py full_teacher, train/divergences.py full_terms);
-- `per step, whole batch`: the form before that, kept here as the reference: each unrolled step copies the
-  teacher's [positions, V] rows to fp32 and takes every term over all positions at once.
-Both give the same loss bitwise (tests/train/test_loss_chunks.py); this says what the difference costs. Tokens
-are random (the cost does not depend on them; every position carries a loss). Per precision: the target in that
-dtype, the head under bf16 autocast or in fp32, as `train.precision` runs them. Each repeat times every part once,
-the two loss forms in alternating order; medians over repeats after one warm-up step.
+over a `--draft-vocab` subset of the target's vocabulary, the first `--prompt` positions of each block without a
+loss (as SFT rows' prompts). "head + loss + backward" is timed for
+- `draftforge`: the head's norm and LM head on the rows a loss reads only (kept_by_step), the teacher's logits
+  at the draft ids, log-normaliser and top-1 taken once per batch, the terms in 16 MiB chunks of positions
+  (train/eagle3.py, train/divergences.py full_terms);
+- `before`: the form before those changes, kept here as the reference: logits for every anchor, each unrolled
+  step copying the teacher's [positions, V] rows to fp32 and taking every term over all positions at once.
+Both give the same loss bitwise (checked here, and in tests/train/test_loss_chunks.py; the gradients are the same
+sums less the zero rows of unscored anchors). Tokens are random (the cost does not depend on them). Per precision:
+the target in that dtype, the head under bf16 autocast or in fp32, as `train.precision` runs them. Each repeat
+times the target once and the two forms in alternating order; medians over repeats after one warm-up repeat.
 
     python -m benchmarks.micro.eagle3_step --target ~/.cache/draftforge/smollm2 --threads 2 --repeats 3 \\
         --precision bf16 fp32 --out runs/bench/eagle3_step.json
@@ -28,11 +30,13 @@ import torch
 from benchmarks.common import add_flags, print_table, write_json
 
 
-def per_step_whole_batch(logits_by_step, teacher_BTV, next_BT, d2t, decay: float):
-    """The reference form: for each step, the teacher's rows copied to fp32 over the whole vocabulary, every term
-    over all kept positions at once (what train/eagle3.py did before taking the teacher once per batch)."""
+def before(head, tokens_BT, aux_BTA, ttt_steps, teacher_BTV, next_BT, d2t, decay: float):
+    """The reference form: logits for every anchor; for each step, the teacher's rows copied to fp32 over the
+    whole vocabulary and every term taken over all kept positions at once (train/eagle3.py before 2026-11-26)."""
     from draftforge.train.divergences import _full_terms
+    from draftforge.train.eagle3 import unrolled_anchors
 
+    logits_by_step = head(tokens_BT, aux_BTA, ttt_steps, unrolled_anchors(next_BT, ttt_steps))
     total, t_len = 0.0, next_BT.shape[1]
     for k, s_BTS in enumerate(logits_by_step):
         span = t_len - 1 - k
@@ -44,16 +48,22 @@ def per_step_whole_batch(logits_by_step, teacher_BTV, next_BT, d2t, decay: float
     return total
 
 
-def draftforge_form(logits_by_step, teacher_BTV, next_BT, d2t, cfg):
-    from draftforge.train.eagle3 import step_losses
+def draftforge_form(head, tokens_BT, aux_BTA, ttt_steps, teacher_BTV, next_BT, d2t, cfg):
+    """What task eagle3's loss runs (train/eagle3.py ttt_loss, after the target's forward)."""
+    from draftforge.train.eagle3 import kept_by_step, step_losses, unrolled_anchors
 
+    logits_by_step = head(tokens_BT, aux_BTA, ttt_steps, unrolled_anchors(next_BT, ttt_steps),
+                          kept_by_step(next_BT, ttt_steps))
     return step_losses(logits_by_step, teacher_BTV, next_BT, cfg, cfg.weights(), d2t, evaluating=False)[0]
 
 
-def measure(target_dir: str, precision: str, batch: int, block: int, ttt_steps: int, draft_vocab: int,
+FORMS = ("before", "draftforge")
+
+
+def measure(target_dir: str, precision: str, batch: int, block: int, prompt: int, ttt_steps: int, draft_vocab: int,
             repeats: int) -> dict:
     from draftforge.loading import load_causal_lm
-    from draftforge.train.eagle3 import Eagle3TaskConfig, make_head, unrolled_anchors
+    from draftforge.train.eagle3 import Eagle3TaskConfig, make_head
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     target = load_causal_lm(target_dir, what="target", dtype=dtype).eval().requires_grad_(False)
@@ -64,11 +74,13 @@ def measure(target_dir: str, precision: str, batch: int, block: int, ttt_steps: 
     d2t_N = torch.tensor(d2t)
     ids_BT = torch.randint(0, vocab, (batch, block), generator=torch.Generator().manual_seed(0))
     next_BT = torch.nn.functional.pad(ids_BT[:, 2:], (0, 2), value=-100)  # the label after each position
+    next_BT[:, : max(0, prompt - 1)] = -100  # the prompt's positions carry no loss
     tokens_BT = torch.nn.functional.pad(ids_BT[:, 1:], (0, 1), value=0)
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
-    forms = {"draftforge": lambda logits, teacher: draftforge_form(logits, teacher, next_BT, d2t_N, cfg),
-             "per step, whole batch": lambda logits, teacher: per_step_whole_batch(logits, teacher, next_BT, d2t_N,
-                                                                                   cfg.step_decay)}
+    forms = {"before": lambda aux, teacher: before(head, tokens_BT, aux, ttt_steps, teacher, next_BT, d2t_N,
+                                                   cfg.step_decay),
+             "draftforge": lambda aux, teacher: draftforge_form(head, tokens_BT, aux, ttt_steps, teacher, next_BT,
+                                                                d2t_N, cfg)}
     times: dict[str, list[float]] = {}
     losses = {}
 
@@ -84,23 +96,20 @@ def measure(target_dir: str, precision: str, batch: int, block: int, ttt_steps: 
                 out = clock("target forward", lambda: target(input_ids=ids_BT, output_hidden_states=True))
             aux = torch.cat([out.hidden_states[i] for i in config.aux_layers], -1)
             teacher = out.logits
-            order = list(forms) if r % 2 == 0 else list(forms)[::-1]
-            for name in order:
+            for name in (FORMS if r % 2 == 0 else FORMS[::-1]):
                 head.zero_grad(set_to_none=True)
-                logits = clock("head forward", lambda: head(tokens_BT, aux, ttt_steps,
-                                                            unrolled_anchors(next_BT, ttt_steps)))
 
-                def loss_and_backward():
-                    loss = forms[name](logits, teacher)
+                def step():
+                    loss = forms[name](aux, teacher)
                     loss.backward()
                     return loss
 
-                losses[name] = float(clock(f"loss + backward: {name}", loss_and_backward).detach())
-        del out, aux, teacher, logits
-    med = {name: statistics.median(v[2 if name == "head forward" else 1:]) for name, v in times.items()}
+                losses[name] = float(clock(f"head + loss + backward: {name}", step).detach())
+        del out, aux, teacher
+    med = {name: statistics.median(v[1:]) for name, v in times.items()}
     return {"precision": precision, "ms": med, "ms_all": times, "losses": losses,
-            "ratio_loss_backward": med["loss + backward: per step, whole batch"] / med["loss + backward: draftforge"],
-            "step_ms": med["target forward"] + med["head forward"] + med["loss + backward: draftforge"]}
+            "ratio": med["head + loss + backward: before"] / med["head + loss + backward: draftforge"],
+            "step_ms": med["target forward"] + med["head + loss + backward: draftforge"]}
 
 
 def main(argv=None) -> int:
@@ -109,25 +118,27 @@ def main(argv=None) -> int:
     parser.add_argument("--precision", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"],
                         help="train.precision forms to time (bf16: the target in bf16, the head under autocast)")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
-    add_flags(parser, batch=8, block=256, ttt_steps=5, draft_vocab=8192, repeats=3, threads=1)
+    add_flags(parser, batch=8, block=256, prompt=64, ttt_steps=5, draft_vocab=8192, repeats=3, threads=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     results = []
     for precision in args.precision:
-        print(f"[eagle3_step] {precision}: {args.batch} x {args.block} tokens, {args.ttt_steps} unrolled steps, "
-              f"{args.draft_vocab:,}-id head, {args.threads} thread(s), {args.repeats} repeats", flush=True)
-        results.append(measure(args.target, precision, args.batch, args.block, args.ttt_steps, args.draft_vocab,
-                               args.repeats))
-    rows = [[r["precision"], f"{r['ms']['target forward']:.0f}", f"{r['ms']['head forward']:.0f}",
-             f"{r['ms']['loss + backward: per step, whole batch']:.0f}", f"{r['ms']['loss + backward: draftforge']:.0f}",
-             f"{r['ratio_loss_backward']:.2f}x", f"{r['step_ms'] / 1e3:.2f}"] for r in results]
-    print_table(["precision", "target fwd ms", "head fwd ms", "loss+bwd ms (per step, whole batch)",
-                 "loss+bwd ms (draftforge)", "ratio", "step s (draftforge)"], rows, right={1, 2, 3, 4, 5, 6})
-    same = all(r["losses"]["draftforge"] == r["losses"]["per step, whole batch"] for r in results)
-    print(f"the two loss forms gave {'the same loss bitwise' if same else 'DIFFERENT losses'} in every precision")
+        print(f"[eagle3_step] {precision}: {args.batch} x {args.block} tokens ({args.prompt} without a loss), "
+              f"{args.ttt_steps} unrolled steps, {args.draft_vocab:,}-id head, {args.threads} thread(s), "
+              f"{args.repeats} repeats", flush=True)
+        results.append(measure(args.target, precision, args.batch, args.block, args.prompt, args.ttt_steps,
+                               args.draft_vocab, args.repeats))
+    rows = [[r["precision"], f"{r['ms']['target forward']:.0f}", f"{r['ms']['head + loss + backward: before']:.0f}",
+             f"{r['ms']['head + loss + backward: draftforge']:.0f}", f"{r['ratio']:.2f}x",
+             f"{r['step_ms'] / 1e3:.2f}"] for r in results]
+    print_table(["precision", "target fwd ms", "head + loss + bwd ms (before)", "head + loss + bwd ms (draftforge)",
+                 "ratio", "step s (draftforge)"], rows, right={1, 2, 3, 4, 5})
+    same = all(r["losses"]["draftforge"] == r["losses"]["before"] for r in results)
+    print(f"the two forms gave {'the same loss bitwise' if same else 'DIFFERENT losses'} in every precision")
     if args.out:
         write_json(args.out, {"threads": args.threads, "batch": args.batch, "block": args.block,
-                              "ttt_steps": args.ttt_steps, "draft_vocab": args.draft_vocab, "results": results})
+                              "prompt": args.prompt, "ttt_steps": args.ttt_steps, "draft_vocab": args.draft_vocab,
+                              "results": results})
     return 0 if same else 1
 
 

@@ -223,6 +223,14 @@ class FeatureHead(nn.Module):
         """Head logits [..., N] of output states."""
         return self.lm_head(self.norm(out))
 
+    def step_logits(self, outs: list[torch.Tensor], keep_by_step: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Head logits of each unrolled step's output states [B, T, D]: [B, T, N] each, or with keep_by_step (step
+        k's bool mask [B, span] over anchors 0..span-1, as the loss keeps them) only those rows, [P_k, N]: the
+        norm and head run on the rows a loss reads, and their backward scatters [P_k, D] rows, not [B, T, N]."""
+        if keep_by_step is None:
+            return [self.logits(out) for out in outs]
+        return [self.logits(out[:, : keep.shape[1]][keep]) for out, keep in zip(outs, keep_by_step)]
+
 
 class Eagle3Head(FeatureHead):
     """fc + one decoder layer + norm + head."""
@@ -304,10 +312,12 @@ class Eagle3Head(FeatureHead):
     # ---- training: K unrolled steps over whole sequences (training-time test)
 
     def forward(self, tokens_BT: torch.Tensor, aux_BTA: torch.Tensor, steps: int,
-                unroll_BT: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Head logits [B, T, N] of every anchor at steps 0..steps-1 (ttt_forward, then norm and head). unroll_BT
-        (the anchors a later step is scored at) is not used: step k attends over every anchor's chain."""
-        return [self.logits(out) for out in self.ttt_forward(tokens_BT, aux_BTA, steps)]
+                unroll_BT: torch.Tensor | None = None,
+                keep_by_step: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Head logits [B, T, N] of every anchor at steps 0..steps-1 (ttt_forward, then norm and head), or at the
+        kept anchors only (step_logits). unroll_BT (the anchors a later step is scored at) is not used: step k
+        attends over every anchor's chain."""
+        return self.step_logits(self.ttt_forward(tokens_BT, aux_BTA, steps), keep_by_step)
 
     def ttt_forward(self, tokens_BT: torch.Tensor, aux_BTA: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Output states [B, T, D] of every anchor t at steps 0..steps-1.

@@ -287,8 +287,10 @@ class FeatureMamba2Head(FeatureHead):
         return outs
 
     def forward(self, tokens_BT: torch.Tensor, aux_BTA: torch.Tensor, steps: int,
-                unroll_BT: torch.Tensor | None = None) -> list[torch.Tensor]:
-        return [self.logits(out) for out in self.ttt_forward(tokens_BT, aux_BTA, steps, unroll_BT)]
+                unroll_BT: torch.Tensor | None = None,
+                keep_by_step: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Head logits of every anchor at each step, or of the kept anchors only (FeatureHead.step_logits)."""
+        return self.step_logits(self.ttt_forward(tokens_BT, aux_BTA, steps, unroll_BT), keep_by_step)
 
     def state_bytes(self) -> int:
         """Bytes of one row's recurrent state (all blocks): constant at any context."""

@@ -40,7 +40,8 @@ def full_terms(student_PS, teacher_PS, temperature: float = 1.0, teacher_lZ_P=No
     Positions are taken CHUNK_BYTES of fp32 rows at a time (every term is per row, so the values are the same
     bitwise): glibc hands each allocation above 32 MiB fresh pages from the kernel, so a whole-batch [P, S]
     temporary pays a page fault per 4 KiB every time it is made, where chunk-sized ones reuse the heap. On a
-    2-core Xeon, an EAGLE-3 step's loss over 5 unrolled steps (P ≈ 1,900, S = 8,192) fell from ~3.7 s to ~0.8 s.
+    2-core Xeon, the forward of an EAGLE-3 step's loss over 5 unrolled steps (P ≈ 1,900, S = 8,192) fell from
+    ~3.7 s to ~1.1 s (docs/training.md, "Speed on a CPU").
     """
     rows = max(1, CHUNK_BYTES // (4 * student_PS.shape[-1]))
     if student_PS.shape[0] <= rows:

@@ -120,6 +120,13 @@ def unrolled_anchors(next_BT: torch.Tensor, steps: int) -> torch.Tensor | None:
     return out_BT
 
 
+def kept_by_step(next_BT: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Step k's scored anchors: [B, T - 1 - k] bool, True where the token after t + 1 + k is labelled (the rows
+    scored_steps reads; steps with no anchor inside the block are left out)."""
+    t_len = next_BT.shape[1]
+    return [next_BT[:, 1 + k :] != -100 for k in range(steps) if t_len - 1 - k > 0]
+
+
 def ttt_loss(target, layers: list[int], cfg: Eagle3TaskConfig, d2t_N: torch.Tensor | None):
     """loss(model, batch) -> (summed weighted loss, step-0 positions, metric sums)."""
     weights = cfg.weights()
@@ -131,8 +138,10 @@ def ttt_loss(target, layers: list[int], cfg: Eagle3TaskConfig, d2t_N: torch.Tens
             aux_BTA = torch.cat([out.hidden_states[i] for i in layers], -1)
             teacher_BTV = out.logits
         tokens_BT = F.pad(ids_BT[:, 1:], (0, 1), value=0)  # anchor t consumes x_{t+1}
-        logits_by_step = model(tokens_BT, aux_BTA, cfg.steps, unrolled_anchors(next_labels(batch), cfg.steps))
-        return step_losses(logits_by_step, teacher_BTV, next_labels(batch), cfg, weights, d2t_N,
+        next_BT = next_labels(batch)
+        logits_by_step = model(tokens_BT, aux_BTA, cfg.steps, unrolled_anchors(next_BT, cfg.steps),
+                               kept_by_step(next_BT, cfg.steps))
+        return step_losses(logits_by_step, teacher_BTV, next_BT, cfg, weights, d2t_N,
                            evaluating=not model.training)
 
     return loss
@@ -179,7 +188,8 @@ def full_teacher(teacher_BTV, temperature: float, d2t_N, rows: int = 256):
 
 def scored_steps(logits_by_step, terms_at, next_BT, cfg: Eagle3TaskConfig, weights: dict, evaluating: bool):
     """step_losses with the teacher's terms from `terms_at` (full_teacher's form; a cache: train/eagle3_cache.py).
-    Step k at anchor t is scored against the teacher at position t + 1 + k where the token after it has a label."""
+    Step k at anchor t is scored against the teacher at position t + 1 + k where the token after it has a label.
+    logits_by_step: per step the head's logits [B, T, S], or [P_k, S] at kept_by_step's rows only."""
     t_len = next_BT.shape[1]
     total, metrics, count = 0.0, {}, None
     chain_greedy = chain_alpha = None  # running Π over steps, per anchor that reaches every step
@@ -193,7 +203,9 @@ def scored_steps(logits_by_step, terms_at, next_BT, cfg: Eagle3TaskConfig, weigh
         if span <= 0:
             break
         keep_BT = next_BT[:, 1 + k :] != -100  # [B, span]
-        s_PS = s_BTS[:, :span][keep_BT]  # in the head's dtype: the terms take it to fp32 chunk by chunk
+        # the head's rows at the kept anchors (already so when the head was given kept_by_step), in its dtype:
+        # the terms take them to fp32 chunk by chunk
+        s_PS = s_BTS if s_BTS.dim() == 2 else s_BTS[:, :span][keep_BT]
         terms, agree_P = terms_at(k, keep_BT, s_PS)
         step_loss = sum(w * terms[name].sum() for name, w in weights.items())
         total = total + cfg.step_decay**k * step_loss

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from draftforge.errors import CheckpointError
 from draftforge.recipe import Recipe, require
 from draftforge.train.divergences import TopK, topk_terms
-from draftforge.train.eagle3 import (Eagle3TaskConfig, acceptance_report, derive, next_labels, scored_steps,
-                                     unrolled_anchors)
+from draftforge.train.eagle3 import (Eagle3TaskConfig, acceptance_report, derive, kept_by_step, next_labels,
+                                     scored_steps, unrolled_anchors)
 
 
 def build_task(recipe: Recipe, accelerator, with_data: bool = True):
@@ -108,7 +108,8 @@ def cached_ttt_loss(cfg: Eagle3TaskConfig, d2t_N: torch.Tensor | None):
     def loss(model, batch):
         tokens_BT = F.pad(batch["input_ids"][:, 1:], (0, 1), value=0)  # anchor t consumes x_{t+1}
         next_BT = cached_next(batch)
-        logits_by_step = model(tokens_BT, batch["aux"], cfg.steps, unrolled_anchors(next_BT, cfg.steps))
+        logits_by_step = model(tokens_BT, batch["aux"], cfg.steps, unrolled_anchors(next_BT, cfg.steps),
+                               kept_by_step(next_BT, cfg.steps))
         return scored_steps(logits_by_step, cached_teacher(batch, d2t_N), next_BT, cfg, weights,
                             evaluating=not model.training)
 

@@ -1,5 +1,6 @@
-"""The full-distribution loss terms taken in chunks of positions, and the EAGLE-3 teacher's per-position values
-taken once per batch, give what the whole-batch, per-step forms give, bitwise, gradients included."""
+"""The EAGLE-3 loss's fast paths against the plain forms they replace: the full-distribution terms taken in chunks
+of positions, the teacher's per-position values taken once per batch, and the head's logits taken at the scored
+anchors only, each against the whole-batch, per-step, every-anchor form (bitwise where the sums are the same)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,51 @@ def test_the_reduced_teacher_taken_once_equals_the_per_step_form(dtype):
         for name in want:
             assert torch.equal(got[name], want[name]), (k, name)
         assert torch.equal(agree, d2t[s.argmax(-1)] == t_PV.argmax(-1))
+
+
+@pytest.mark.parametrize("body", ["attention", "mamba2"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_logits_at_the_kept_rows_give_the_full_logits_loss_and_gradients(body, dtype):
+    """Oracle: the head's logits over every anchor, indexed by the loss. The head asked for the kept rows only
+    (kept_by_step, as training asks) gives the same logits there and the same loss, bitwise. Its gradients are the
+    same sums without the zero rows of the anchors no loss reads, so a weight's gradient may round differently:
+    they are compared in float64, to its rounding."""
+    from draftforge.models.eagle3 import Eagle3Config, Eagle3Head
+    from draftforge.models.feature_mamba import FeatureMamba2Head, FeatureMambaConfig
+    from draftforge.train.eagle3 import Eagle3TaskConfig, kept_by_step, step_losses, unrolled_anchors
+    from tests.models.test_eagle3 import V, tiny_target
+
+    target = tiny_target().float()
+    torch.manual_seed(3)
+    head = (Eagle3Head(Eagle3Config.from_target(target.config, draft_vocab=list(range(0, V, 2))))
+            if body == "attention" else
+            FeatureMamba2Head(FeatureMambaConfig.from_target(target.config, draft_vocab=list(range(0, V, 2)),
+                                                             head_dim=16, state_size=8)))
+    head = head.to(dtype)
+    head.use_embedding(target.get_input_embeddings())
+    steps, t_len = 3, 12
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, V, (2, t_len), generator=g)
+    aux = torch.randn(2, t_len, head.fc.in_features, generator=g).to(dtype)
+    next_BT = torch.full((2, t_len), -100)
+    next_BT[0, 2:11], next_BT[1, 5:9] = 1, 1  # two answers' labels after their prompts
+    teacher = torch.randn(2, t_len, V, generator=g).to(dtype)
+    cfg, d2t = Eagle3TaskConfig(steps=steps, loss="mix"), torch.arange(0, V, 2)
+    keep = kept_by_step(next_BT, steps)
+
+    def run(kept):
+        head.zero_grad()
+        logits = head(tokens, aux, steps, unrolled_anchors(next_BT, steps), kept)
+        total, _, metrics = step_losses(logits, teacher, next_BT, cfg, cfg.weights(), d2t, evaluating=True)
+        total.backward()
+        return logits, total.detach(), metrics, [p.grad.clone() for p in head.parameters() if p.grad is not None]
+
+    (full, loss_full, m_full, g_full), (part, loss_part, m_part, g_part) = run(None), run(keep)
+    for k, rows in enumerate(keep):
+        assert torch.equal(part[k], full[k][:, : rows.shape[1]][rows])
+    assert torch.equal(loss_part, loss_full) and m_part.keys() == m_full.keys()
+    assert all(torch.equal(m_part[name], m_full[name]) for name in m_full)
+    assert len(g_full) == len(g_part) > 0
+    if dtype == torch.float64:
+        for a, b in zip(g_full, g_part):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-14)
