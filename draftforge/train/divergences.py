@@ -43,12 +43,27 @@ def full_terms(student_PS, teacher_PS, temperature: float = 1.0, teacher_lZ_P=No
     2-core Xeon, the forward of an EAGLE-3 step's loss over 5 unrolled steps (P ≈ 1,900, S = 8,192) fell from
     ~3.7 s to ~1.1 s (docs/training.md, "Speed on a CPU").
     """
+    return in_chunks(lambda s, t, lz: _full_terms(s, t, temperature, lz), student_PS, teacher_PS, teacher_lZ_P)
+
+
+def in_chunks(terms, student_PS, *rows_of):
+    """terms(student rows, *the same rows of each of `rows_of`) over CHUNK_BYTES of fp32 student rows at a time,
+    its per-row outputs concatenated. `rows_of` holds tensors with a row per student row, None, or TopK. Chunks
+    are torch.split views, whose backward is one concatenation (slices would each scatter into a zeroed copy of
+    the whole gradient)."""
     rows = max(1, CHUNK_BYTES // (4 * student_PS.shape[-1]))
     if student_PS.shape[0] <= rows:
-        return _full_terms(student_PS, teacher_PS, temperature, teacher_lZ_P)
-    lz_parts = [None] * len(student_PS.split(rows)) if teacher_lZ_P is None else teacher_lZ_P.split(rows)
-    parts = [_full_terms(s, t, temperature, lz)
-             for s, t, lz in zip(student_PS.split(rows), teacher_PS.split(rows), lz_parts)]
+        return terms(student_PS, *rows_of)
+    chunks = student_PS.split(rows)
+
+    def split(x):
+        if x is None:
+            return [None] * len(chunks)
+        if isinstance(x, TopK):
+            return [TopK(*parts) for parts in zip(x.ids_PK.split(rows), x.logp_PK.split(rows), x.rest_P.split(rows))]
+        return x.split(rows)
+
+    parts = [terms(*args) for args in zip(chunks, *(split(x) for x in rows_of))]
     return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
 
 
@@ -103,7 +118,12 @@ def _tail_term(lm_P, lQ_P):
 
 
 def topk_terms(student_PS, top: TopK) -> dict[str, torch.Tensor]:
-    """Per-position kl, tvd, ce_target and alpha of the K+1-outcome form (module docstring)."""
+    """Per-position kl, tvd, ce_target and alpha of the K+1-outcome form (module docstring), taken in chunks of
+    positions as full_terms takes its own (every term is per row: the same values bitwise)."""
+    return in_chunks(_topk_terms, student_PS, top)
+
+
+def _topk_terms(student_PS, top: TopK) -> dict[str, torch.Tensor]:
     b = _buckets(student_PS, top)
     p_PK = b.lp_PK.exp()
     kl_P = (torch.xlogy(p_PK, p_PK) - p_PK * b.lq_PK).sum(-1) + _tail_term(b.lrest_P, b.lQ_P)

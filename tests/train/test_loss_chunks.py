@@ -36,6 +36,27 @@ def test_chunked_terms_and_their_gradients_equal_the_whole_batch_bitwise(monkeyp
     assert torch.equal(want_grad, s.grad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_topk_terms_and_their_gradients_equal_the_whole_batch_bitwise(monkeypatch, dtype):
+    from draftforge.train.divergences import TopK, _topk_terms, topk_terms
+
+    s, t = _inputs(dtype, rows=37, width=301)
+    logp = t.float().log_softmax(-1)
+    top_p, ids = logp.topk(8, -1)
+    rest = (1 - top_p.exp().sum(-1)).clamp_min(0).log()
+    rest[::4] = float("-inf")  # rows whose cache holds every id: no tail
+    top = TopK(ids, top_p, rest)
+    whole = _topk_terms(s, top)
+    (whole["kl"].sum() + whole["tvd"].sum()).backward()
+    want_grad, s.grad = s.grad.clone(), None
+    monkeypatch.setattr(divergences, "CHUNK_BYTES", 4 * 301 * 6)  # 6 rows a chunk
+    chunked = topk_terms(s, top)
+    (chunked["kl"].sum() + chunked["tvd"].sum()).backward()
+    for name in whole:
+        assert torch.equal(whole[name], chunked[name]), name
+    assert torch.equal(want_grad, s.grad)
+
+
 def test_the_default_chunk_is_one_chunk_for_small_inputs_and_many_for_a_real_batch():
     rows = divergences.CHUNK_BYTES // (4 * 8192)
     assert 64 <= rows <= 4096  # a real head (8,192 ids) gets chunks of some hundreds of positions
