@@ -61,7 +61,7 @@ FORMS = ("before", "draftforge")
 
 
 def measure(target_dir: str, precision: str, batch: int, block: int, prompt: int, ttt_steps: int, draft_vocab: int,
-            repeats: int) -> dict:
+            repeats: int, body: str = "attention") -> dict:
     from draftforge.loading import load_causal_lm
     from draftforge.train.eagle3 import Eagle3TaskConfig, make_head
 
@@ -69,7 +69,7 @@ def measure(target_dir: str, precision: str, batch: int, block: int, prompt: int
     target = load_causal_lm(target_dir, what="target", dtype=dtype).eval().requires_grad_(False)
     vocab = target.config.vocab_size
     d2t = list(range(min(draft_vocab, vocab)))
-    cfg = Eagle3TaskConfig(steps=ttt_steps)
+    cfg = Eagle3TaskConfig(steps=ttt_steps, body=body)
     head, config = make_head(cfg, target, d2t, seed=0)
     d2t_N = torch.tensor(d2t)
     ids_BT = torch.randint(0, vocab, (batch, block), generator=torch.Generator().manual_seed(0))
@@ -107,7 +107,7 @@ def measure(target_dir: str, precision: str, batch: int, block: int, prompt: int
                 losses[name] = float(clock(f"head + loss + backward: {name}", step).detach())
         del out, aux, teacher
     med = {name: statistics.median(v[1:]) for name, v in times.items()}
-    return {"precision": precision, "ms": med, "ms_all": times, "losses": losses,
+    return {"precision": precision, "body": body, "ms": med, "ms_all": times, "losses": losses,
             "ratio": med["head + loss + backward: before"] / med["head + loss + backward: draftforge"],
             "step_ms": med["target forward"] + med["head + loss + backward: draftforge"]}
 
@@ -117,17 +117,19 @@ def main(argv=None) -> int:
     parser.add_argument("--target", required=True, help="a Llama-family target directory (draftforge target smollm2)")
     parser.add_argument("--precision", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"],
                         help="train.precision forms to time (bf16: the target in bf16, the head under autocast)")
+    parser.add_argument("--body", default="attention", choices=["attention", "mamba2"],
+                        help="the head's body (eagle3.body): EAGLE-3's decoder layer or the feature Mamba2 drafter's")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     add_flags(parser, batch=8, block=256, prompt=64, ttt_steps=5, draft_vocab=8192, repeats=3, threads=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     results = []
     for precision in args.precision:
-        print(f"[eagle3_step] {precision}: {args.batch} x {args.block} tokens ({args.prompt} without a loss), "
+        print(f"[eagle3_step] {args.body} head, {precision}: {args.batch} x {args.block} tokens ({args.prompt} without a loss), "
               f"{args.ttt_steps} unrolled steps, {args.draft_vocab:,}-id head, {args.threads} thread(s), "
               f"{args.repeats} repeats", flush=True)
         results.append(measure(args.target, precision, args.batch, args.block, args.prompt, args.ttt_steps,
-                               args.draft_vocab, args.repeats))
+                               args.draft_vocab, args.repeats, args.body))
     rows = [[r["precision"], f"{r['ms']['target forward']:.0f}", f"{r['ms']['head + loss + backward: before']:.0f}",
              f"{r['ms']['head + loss + backward: draftforge']:.0f}", f"{r['ratio']:.2f}x",
              f"{r['step_ms'] / 1e3:.2f}"] for r in results]
@@ -136,7 +138,7 @@ def main(argv=None) -> int:
     same = all(r["losses"]["draftforge"] == r["losses"]["before"] for r in results)
     print(f"the two forms gave {'the same loss bitwise' if same else 'DIFFERENT losses'} in every precision")
     if args.out:
-        write_json(args.out, {"threads": args.threads, "batch": args.batch, "block": args.block,
+        write_json(args.out, {"body": args.body, "threads": args.threads, "batch": args.batch, "block": args.block,
                               "prompt": args.prompt, "ttt_steps": args.ttt_steps, "draft_vocab": args.draft_vocab,
                               "results": results})
     return 0 if same else 1
