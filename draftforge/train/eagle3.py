@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from draftforge.recipe import Recipe, doc, require
+from draftforge.train import divergences
 from draftforge.train.divergences import full_terms
 
 LOSSES = ("kl", "tvd", "mix")
@@ -154,13 +155,13 @@ def step_losses(logits_by_step, teacher_BTV, next_BT, cfg: Eagle3TaskConfig, wei
                         evaluating)
 
 
-def full_teacher(teacher_BTV, temperature: float, d2t_N, rows: int = 256):
+def full_teacher(teacher_BTV, temperature: float, d2t_N, rows: int | None = None):
     """terms_at(k, keep_BT, s_PS) -> (per-position terms, top-1 agreement) of the head's step-k logits s_PS at the
     kept anchors, against the teacher's whole distribution at t + 1 + k (a reduced head: restricted to its ids).
 
     A reduced head reads, per position, only the teacher's logits at the draft ids, the log-normaliser over the
-    whole vocabulary and the top-1 id; they are taken once per batch (`rows` positions at a time, fp32 like the
-    per-step form) rather than once per unrolled step over [positions, V] copies: steps x less memory traffic, the
+    whole vocabulary and the top-1 id; they are taken once per batch (`rows` positions at a time, by default
+    divergences.CHUNK_BYTES of fp32 rows, in fp32 like the per-step form) rather than once per unrolled step over [positions, V] copies: steps x less memory traffic, the
     same values bitwise (a row's logsumexp and argmax do not depend on which rows are taken with it)."""
     if d2t_N is None:
         def terms_at(k, keep_BT, s_PS):
@@ -170,6 +171,7 @@ def full_teacher(teacher_BTV, temperature: float, d2t_N, rows: int = 256):
         return terms_at
     d2t = d2t_N.to(teacher_BTV.device)
     flat_XV = teacher_BTV.flatten(0, 1)
+    rows = rows or max(1, divergences.CHUNK_BYTES // (4 * flat_XV.shape[-1]))
     lz_X = torch.empty(flat_XV.shape[0], dtype=torch.float32, device=flat_XV.device)
     top_X = torch.empty(flat_XV.shape[0], dtype=torch.long, device=flat_XV.device)
     for i in range(0, flat_XV.shape[0], rows):
