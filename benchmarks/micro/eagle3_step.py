@@ -63,7 +63,7 @@ FORMS = ("before", "draftforge")
 def measure(target_dir: str, precision: str, batch: int, block: int, prompt: int, ttt_steps: int, draft_vocab: int,
             repeats: int, body: str = "attention") -> dict:
     from draftforge.loading import load_causal_lm
-    from draftforge.train.eagle3 import Eagle3TaskConfig, make_head
+    from draftforge.train.eagle3 import Eagle3TaskConfig, kept_by_step, make_head, unrolled_anchors
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     target = load_causal_lm(target_dir, what="target", dtype=dtype).eval().requires_grad_(False)
@@ -105,9 +105,17 @@ def measure(target_dir: str, precision: str, batch: int, block: int, prompt: int
                     return loss
 
                 losses[name] = float(clock(f"head + loss + backward: {name}", step).detach())
+            if r == repeats:  # after the timings: the head's logits at the scored anchors, the same rows bitwise?
+                with torch.no_grad():
+                    full = head(tokens_BT, aux, ttt_steps, unrolled_anchors(next_BT, ttt_steps))
+                    keep = kept_by_step(next_BT, ttt_steps)
+                    kept = head(tokens_BT, aux, ttt_steps, unrolled_anchors(next_BT, ttt_steps), keep)
+                    same_logits = all(torch.equal(f[:, : k.shape[1]][k], p) for f, p, k in zip(full, kept, keep))
+                del full, kept
         del out, aux, teacher
     med = {name: statistics.median(v[1:]) for name, v in times.items()}
     return {"precision": precision, "body": body, "ms": med, "ms_all": times, "losses": losses,
+            "same_logits": same_logits,
             "ratio": med["head + loss + backward: before"] / med["head + loss + backward: draftforge"],
             "step_ms": med["target forward"] + med["head + loss + backward: draftforge"]}
 
@@ -137,6 +145,9 @@ def main(argv=None) -> int:
                  "ratio", "step s (draftforge)"], rows, right={1, 2, 3, 4, 5})
     same = all(r["losses"]["draftforge"] == r["losses"]["before"] for r in results)
     print(f"the two forms gave {'the same loss bitwise' if same else 'DIFFERENT losses'} in every precision")
+    rounded = [r["precision"] for r in results if not r["same_logits"]]
+    print("the head's logits at the scored anchors: " + (f"rounded differently in {', '.join(rounded)} (a product "
+          "over fewer rows)" if rounded else "the same bitwise as every anchor's, indexed, in every precision"))
     if args.out:
         write_json(args.out, {"body": args.body, "threads": args.threads, "batch": args.batch, "block": args.block,
                               "prompt": args.prompt, "ttt_steps": args.ttt_steps, "draft_vocab": args.draft_vocab,
