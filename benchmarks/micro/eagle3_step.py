@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     results = []
     for precision in args.precision:
-        print(f"[eagle3_step] {args.body} head, {precision}: {args.batch} x {args.block} tokens ({args.prompt} without a loss), "
+        print(f"[eagle3_step] {args.body} head, {precision}: {args.batch} x {args.block} tokens "
+              f"({args.prompt} without a loss), "
               f"{args.ttt_steps} unrolled steps, {args.draft_vocab:,}-id head, {args.threads} thread(s), "
               f"{args.repeats} repeats", flush=True)
         results.append(measure(args.target, precision, args.batch, args.block, args.prompt, args.ttt_steps,

@@ -1,10 +1,10 @@
 """Loss-curve digest of tiny pretrain, sft, distill, eesd and eagle3 runs: the proof a refactor moved nothing.
 
 Runs recipes/tiny/pretrain.yaml then recipes/tiny/sft.yaml, then recipes/tiny/distill.yaml twice (the teacher
-on the fly, then on a logits cache harvested here), an eesd run and an eagle3 head, all shortened, on a small stdlib corpus,
-tokenizer and random Llama target this script builds, fp32 on CPU with 1 thread. It writes every logged loss,
-the eval losses, metrics.jsonl (train and eval metrics, distill's acceptance among them), and of each export
-every file's sha256 plus its JSON files (draftforge.json with distill's held-out acceptance, config.json) with
+on the fly, then on a logits cache harvested here), an eesd run and an eagle3 head, all shortened, on a small
+stdlib corpus, tokenizer and random Llama target this script builds, fp32 on CPU with 1 thread. It writes every
+logged loss, the eval losses, metrics.jsonl (train and eval metrics, distill's acceptance among them), and of each
+export every file's sha256 plus its JSON files (draftforge.json with distill's held-out acceptance, config.json) with
 the run's temporary path and creation time taken out. Run it on two checkouts and compare:
 
     python -m benchmarks.regression.loss_digest --out /tmp/new.json

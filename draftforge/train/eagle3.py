@@ -161,8 +161,9 @@ def full_teacher(teacher_BTV, temperature: float, d2t_N, rows: int | None = None
 
     A reduced head reads, per position, only the teacher's logits at the draft ids, the log-normaliser over the
     whole vocabulary and the top-1 id; they are taken once per batch (`rows` positions at a time, by default
-    divergences.CHUNK_BYTES of fp32 rows, in fp32 like the per-step form) rather than once per unrolled step over [positions, V] copies: steps x less memory traffic, the
-    same values bitwise (a row's logsumexp and argmax do not depend on which rows are taken with it)."""
+    divergences.CHUNK_BYTES of fp32 rows, in fp32 like the per-step form) rather than once per unrolled step over
+    [positions, V] copies: steps x less memory traffic, the same values bitwise (a row's logsumexp and argmax do
+    not depend on which rows are taken with it)."""
     if d2t_N is None:
         def terms_at(k, keep_BT, s_PS):
             t_PV = teacher_BTV[:, 1 + k :][keep_BT].float()
