@@ -8,7 +8,8 @@ loss (as SFT rows' prompts). "head + loss + backward" is timed for
   at the draft ids, log-normaliser and top-1 taken once per batch, the terms in 16 MiB chunks of positions
   (train/eagle3.py, train/divergences.py full_terms);
 - `before`: the form before those changes, kept here as the reference: logits for every anchor, each unrolled
-  step copying the teacher's [positions, V] rows to fp32 and taking every term over all positions at once.
+  step copying the teacher's [positions, V] rows to fp32 and taking every term over all positions at once (its
+  per-step metric sums and top-1 argmax over [positions, V] left out, so the old step was slower than this form).
 Both give the same loss bitwise (checked here, and in tests/train/test_loss_chunks.py; the gradients are the same
 sums less the zero rows of unscored anchors). Tokens are random (the cost does not depend on them). Per precision:
 the target in that dtype, the head under bf16 autocast or in fp32, as `train.precision` runs them. Each repeat
