@@ -1,35 +1,43 @@
-"""Attention for decoding on CPU in bf16/fp16: a few query rows against a long KV cache, computed in float32 with
-plain matrix products, where torch's fused CPU kernel is slow for that shape.
+"""Attention for decoding on CPU in bf16/fp16: a few query rows against a long KV cache, by whichever of two kernels
+(draftforge/kernels/attention.py) a probe finds faster on this machine, where transformers' "sdpa" path is slow
+for that shape.
 
-torch's `scaled_dot_product_attention` on CPU (the flash kernel transformers' "sdpa" calls) takes, in bf16, for one
-query row of SmolLM2's shape (9 query heads over 3 KV heads, head dim 64), 0.77 ms against 1k cached tokens and
-6.3 ms against 8k, per layer; the same attention done as float32 matmul, softmax, matmul takes 0.11 ms and 0.75 ms
-with the same error against a float64 reference (it is the float64 result rounded to bf16 once). Over 30 layers
-that is most of a decoding step at long context (docs/results/serving.md).
-
-`use_decode_attention(model)` registers this function with transformers' attention interface (masks as for
-"sdpa") and switches the model to it: up to `FAST_ROWS` query rows (a decoding step, a verified chain or tree)
-take the float32 path; longer inputs (a prompt's prefill) and anything this path does not cover (dropout,
-softcap, position bias, attention sinks, fp32 and wider) go to transformers' sdpa unchanged.
-`standard_attention(model)` switches back for a block (the self-check's reference forwards use transformers' own
-attention, not this code).
+transformers' sdpa, given a mask (a verified chain or tree), repeats the keys and values for every query head
+(repeat_kv) before torch's fused kernel: at 8k keys of SmolLM2 (9 query heads over 3 KV heads) that is 3x the
+layer's cache copied per layer and forward. The two kernels here never copy the cache per head: the float32
+matmul-softmax-matmul path (the float64 result rounded once; it converts the cache to float32 each call) and
+torch's flash kernel with each KV head's query heads stacked as rows. Per layer, one query row, bf16, 1 thread:
+on an AMD Zen 5 the matmul path took 0.11 / 0.75 ms at 1k / 8k keys where sdpa took 0.77 / 6.3 ms; on an Intel
+Xeon (AVX512-BF16, AMX hidden) the packed flash kernel took 0.08 / 0.65 ms where the matmul path took
+0.25 / 1.61 ms (docs/results/long-context.md). So `use_decode_attention(model)` times both at the model's
+attention shape (`probe_flash_rows`: 1 to 64 rows against 2,048 keys, ~0.2 s) and routes up to the probed row
+count to the flash kernel, up to `FAST_ROWS` to the matmul path; `DRAFTFORGE_FLASH_ROWS=N` fixes the count
+instead (0: matmul only, as before the probe). The choice is stored on each attention module
+(`draftforge_flash_rows`) and named in `model.draftforge_attention`. Longer inputs (a prompt's prefill) and
+anything these paths do not cover (dropout, softcap, position bias, attention sinks, fp32 and wider) go to
+transformers' sdpa unchanged. `standard_attention(model)` switches back for a block (the self-check's reference
+forwards use transformers' own attention, not this code).
 
 Legend: B batch, H query heads, G query heads per KV head, Q query rows, K keys, D head dim.
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
 
-from draftforge.kernels.attention import MAX_ROWS, matmul_attention
+from draftforge.errors import RecipeError
+from draftforge.kernels.attention import (MAX_ROWS, PROBE_KEYS, matmul_attention, packed_flash_attention,
+                                          probe_flash_rows)
 
 NAME = "draftforge_decode"
 FAST_ROWS = MAX_ROWS
 FAST_DTYPES = (torch.bfloat16, torch.float16)
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # plain softmax attention, no sinks, softcap or biases
 _UNSUPPORTED = ("softcap", "position_bias", "s_aux", "sinks")
+FLASH_ROWS_ENV = "DRAFTFORGE_FLASH_ROWS"
 
 
 def _sdpa():
@@ -47,8 +55,9 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
             or any(kwargs.get(name) is not None for name in _UNSUPPORTED)):
         return _sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                        is_causal=is_causal, **kwargs)
-    return matmul_attention(query, key, value, attention_mask, scaling,
-                            is_causal if is_causal is not None else getattr(module, "is_causal", True)), None
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    kernel = packed_flash_attention if rows <= getattr(module, "draftforge_flash_rows", 0) else matmul_attention
+    return kernel(query, key, value, attention_mask, scaling, causal), None
 
 
 def _register() -> bool:
@@ -75,15 +84,43 @@ def decode_attention_unavailable(model) -> str | None:
     return None
 
 
-def use_decode_attention(model) -> str:
-    """Switch `model` to the decode attention where it applies; returns what was done, in words."""
+def _fixed_flash_rows() -> int | None:
+    """DRAFTFORGE_FLASH_ROWS as a row count (None when unset)."""
+    text = os.environ.get(FLASH_ROWS_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit():
+        raise RecipeError(f"{FLASH_ROWS_ENV} must be a number of query rows (0 to {FAST_ROWS}), got {text!r}")
+    return min(int(text), FAST_ROWS)
+
+
+def use_decode_attention(model, flash_rows: int | None = None) -> str:
+    """Switch `model` to the decode attention where it applies; returns what was done, in words. flash_rows:
+    query rows up to which the packed flash kernel runs (None: DRAFTFORGE_FLASH_ROWS if set, else the probe's)."""
     why = decode_attention_unavailable(model)
     if why is not None:
         return f"attention left as it is: {why}"
     if not _register():
         return "attention left as it is: this transformers has no attention interface"
-    model.config._attn_implementation = NAME
-    return f"attention: {NAME} for up to {FAST_ROWS} query rows (float32 matmul-softmax), sdpa beyond"
+    config = model.config
+    how = "given"
+    if flash_rows is None:
+        flash_rows, how = _fixed_flash_rows(), f"set by {FLASH_ROWS_ENV}"
+    if flash_rows is None:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        flash_rows, times = probe_flash_rows(heads, getattr(config, "num_key_value_heads", None) or heads, head_dim,
+                                             next(model.parameters()).dtype)
+        one = times[1]
+        how = (f"probed at {PROBE_KEYS} keys, {torch.get_num_threads()} thread(s): one row {one[0]:.2f} ms flash "
+               f"vs {one[1]:.2f} ms matmul per layer")
+    for module in model.modules():
+        if hasattr(module, "num_key_value_groups"):  # the Llama family's attention modules
+            module.draftforge_flash_rows = flash_rows
+    config._attn_implementation = NAME
+    flash = (f"torch's flash kernel (query heads packed per KV head) up to {flash_rows} query rows, "
+             if flash_rows else "")
+    return f"attention: {NAME}: {flash}float32 matmul-softmax up to {FAST_ROWS}, sdpa beyond ({how})"
 
 
 @contextmanager

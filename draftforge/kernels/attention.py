@@ -1,6 +1,12 @@
-"""Softmax attention for a few query rows against a long cache, as float32 matmul, softmax, matmul: on CPU in
-bf16 several times faster than torch's fused sdpa kernel for that shape (draftforge/decode/attention.py, where
-transformers models get it; the EAGLE-3 head's decoding step uses it directly).
+"""Softmax attention for a few query rows against a long cache, two ways, and a probe that times them on this
+machine: `matmul_attention` (float32 matmul, softmax, matmul: the float64 result rounded once to the query's
+dtype) and `packed_flash_attention` (torch's fused sdpa kernel with the query heads that share a KV head stacked
+as rows of that head, so the cache is neither copied per query head nor masked per head). Which is faster depends
+on the CPU: at SmolLM2's shape (9 query heads over 3 KV heads, head dim 64), bf16, 1 thread, per layer and one
+query row, the matmul path took 0.11 / 0.75 ms at 1k / 8k keys on an AMD Zen 5 where sdpa took 0.77 / 6.3 ms, and
+0.25 / 1.61 ms on an Intel Xeon (AVX512-BF16, no AMX) where the packed flash kernel took 0.08 / 0.65 ms (there
+the matmul path wins from ~16 rows up, a tree's verification). draftforge/decode/attention.py uses the probe's
+verdict; the EAGLE-3 head's decoding step uses the matmul path directly.
 
 Legend: B batch, H query heads, G query heads per KV head, Q query rows, K keys, D head dim.
 """
@@ -52,3 +58,63 @@ def matmul_attention(query, key, value, attention_mask, scaling=None, is_causal:
         scores_BKGQK[..., k - q:].masked_fill_(hidden_QQ, float("-inf"))
     out_BKgD = torch.matmul(scores_BKgK.softmax(-1), value.float())
     return out_BKgD.view(b, h, q, d).transpose(1, 2).to(query.dtype).contiguous()
+
+
+def packed_flash_attention(query, key, value, attention_mask, scaling=None, is_causal: bool = True) -> torch.Tensor:
+    """The same attention as `matmul_attention` (same arguments, same [B, Q, H, D] result) by torch's fused sdpa
+    kernel, with the G query heads of each KV head stacked as G x Q rows of that head (row g·Q + i is head g's
+    query i), so neither keys nor values are repeated per query head. Its arithmetic is torch's flash kernel's
+    (float32 inside, the probabilities rounded to the input dtype before the product with the values), as
+    transformers' own "sdpa" computes it."""
+    b, h, q, d = query.shape
+    hkv, k = key.shape[1], key.shape[2]
+    g = h // hkv
+    q_BKgD = query.reshape(b, hkv, g * q, d)
+    mask = None
+    if attention_mask is not None:
+        mask = attention_mask[..., :k]
+        if mask.dtype != torch.bool and mask.dtype != query.dtype:
+            mask = mask.to(query.dtype)
+        # [B, 1, Q, K] -> rows g·Q + i see what query row i sees; per-head masks [B, H, Q, K] regroup by KV head
+        mask = mask.repeat(1, 1, g, 1) if mask.shape[1] == 1 else mask.reshape(b, hkv, g * q, k)
+    elif q > 1 and is_causal:  # query row i sees keys up to K - Q + i (sdpa's is_causal aligns to the top left)
+        mask = torch.arange(k, device=query.device) <= torch.arange(k - q, k, device=query.device)[:, None]
+        mask = mask.repeat(g, 1)
+    out_BKgD = torch.nn.functional.scaled_dot_product_attention(q_BKgD, key, value, attn_mask=mask, scale=scaling)
+    return out_BKgD.view(b, h, q, d).transpose(1, 2).contiguous()
+
+
+PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+PROBE_KEYS = 2048
+PROBE_MARGIN = 0.9  # the flash kernel must take < 90% of the matmul path's time: near ties keep the exact rounding
+
+
+def probe_flash_rows(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, keys: int = PROBE_KEYS,
+                     repeats: int = 5) -> tuple[int, dict[int, tuple[float, float]]]:
+    """(the most query rows up to which `packed_flash_attention` beat `matmul_attention` at every probed row
+    count, 0 if it lost at one row; {rows: (flash ms, matmul ms)}): both timed here, on random inputs of the
+    model's attention shape against `keys` cached keys with a chain's causal mask, median of `repeats` after one
+    warm-up, the two alternating, at torch's current thread count."""
+    import statistics
+    import time
+
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(1, kv_heads, keys, head_dim, generator=gen).to(dtype)
+    value = torch.randn(1, kv_heads, keys, head_dim, generator=gen).to(dtype)
+    times, best, winning = {}, 0, True
+    with torch.inference_mode():
+        for rows in PROBE_ROWS:
+            query = torch.randn(1, heads, rows, head_dim, generator=gen).to(dtype)
+            runs = {packed_flash_attention: [], matmul_attention: []}
+            for i in range(repeats + 1):
+                for fn, took in runs.items():
+                    start = time.perf_counter()
+                    fn(query, key, value, None)
+                    if i:
+                        took.append(time.perf_counter() - start)
+            flash, matmul = (statistics.median(t) * 1e3 for t in runs.values())
+            times[rows] = (flash, matmul)
+            winning = winning and flash < PROBE_MARGIN * matmul  # at this row count and every smaller one
+            if winning:
+                best = rows
+    return best, times

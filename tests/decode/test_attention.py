@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from draftforge.decode import build_decoder, load_target
-from draftforge.decode.attention import (NAME, decode_attention_unavailable, matmul_attention, standard_attention,
-                                         use_decode_attention)
+from draftforge.decode import attention as decode_attention_mod
+from draftforge.decode.attention import (FLASH_ROWS_ENV, NAME, decode_attention_unavailable, matmul_attention,
+                                         standard_attention, use_decode_attention)
+from draftforge.kernels.attention import packed_flash_attention, probe_flash_rows
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
 from draftforge.errors import RecipeError
 from tests.fixtures.decode import tiny_llama
@@ -71,14 +73,104 @@ def test_only_cpu_bf16_llama_family_models_switch(tmp_path):
         load_target(tmp_path / "m", decode_attention="fast")
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+@pytest.mark.parametrize("q,k", [(1, 1), (1, 37), (4, 37), (9, 9)])
+def test_packed_flash_causal_and_unmasked_rows_match_sdpa_in_float64(q, k):
+    """The flash path regroups query heads and masks; in float64 its arithmetic is sdpa's own, so any error of
+    the regrouping (a head paired with the wrong KV head, a mask row with the wrong query row) shows at once."""
+    query, key, value = _qkv(q, k, heads=6, kv_heads=2)
+    got = packed_flash_attention(query, key, value, None, is_causal=True)
+    visible = torch.arange(k)[None, :] <= torch.arange(k - q, k)[:, None]
+    assert torch.allclose(got, _sdpa(query, key, value, attn_mask=visible), atol=1e-12, rtol=0)
+
+
+def test_packed_flash_tree_masks_bool_additive_and_per_head():
+    parents = [-1, -1, 0, 1, 3]
+    past = 11
+    anc = ancestor_matrix([-1] + [p + 1 for p in parents])
+    additive = packed_tree_mask(anc, past, torch.float64, "cpu")
+    visible = additive == 0
+    query, key, value = _qkv(6, past + 6, seed=1)
+    want = _sdpa(query, key, value, attn_mask=visible)
+    for mask in (additive, visible, visible.expand(1, 6, 6, past + 6)):
+        assert torch.allclose(packed_flash_attention(query, key, value, mask), want, atol=1e-12, rtol=0)
+    # a per-head mask that differs between the heads of one KV head: each head must get its own rows
+    per_head = visible.expand(1, 6, 6, past + 6).clone()
+    per_head[0, 1, :, 3] = False
+    per_head[0, 4, 2, past + 1] = False
+    rep = 3
+    want = F.scaled_dot_product_attention(query, key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1),
+                                          attn_mask=per_head).transpose(1, 2)
+    assert torch.allclose(packed_flash_attention(query, key, value, per_head), want, atol=1e-12, rtol=0)
+    # a mask longer than the keys (a static cache's spare columns) is cut to them
+    longer = torch.cat([visible, torch.zeros(1, 1, 6, 4, dtype=torch.bool)], dim=-1)
+    assert torch.allclose(packed_flash_attention(query, key, value, longer), _sdpa(query, key, value,
+                          attn_mask=visible), atol=1e-12, rtol=0)
+
+
+def test_packed_flash_in_bf16_is_as_close_to_float64_as_transformers_sdpa():
+    """In bf16 the flash path rounds as torch's fused kernel does (not once, as the matmul path): it must be no
+    further from the float64 result than transformers' own sdpa path (repeat_kv, then the same kernel), plus one
+    bf16 rounding step of the output's scale."""
+    query, key, value = _qkv(6, 300, heads=9, kv_heads=3, d=64, seed=4)
+    visible = torch.arange(300)[None, :] <= torch.arange(294, 300)[:, None]
+    want = _sdpa(query, key, value, attn_mask=visible)
+    q16, k16, v16 = (t.to(torch.bfloat16) for t in (query, key, value))
+    flash = packed_flash_attention(q16, k16, v16, visible[None, None]).double()
+    sdpa = _sdpa(q16, k16, v16, attn_mask=visible).double()
+    step = torch.finfo(torch.bfloat16).eps * want.abs().max().item()
+    assert (flash - want).abs().max().item() <= (sdpa - want).abs().max().item() + step
+
+
+def test_the_probe_times_both_kernels_at_every_row_count():
+    best, times = probe_flash_rows(4, 2, 16, torch.bfloat16, keys=64, repeats=1)
+    assert sorted(times) == [1, 2, 4, 8, 16, 32, 64] and all(f > 0 and m > 0 for f, m in times.values())
+    # best is the largest row count up to which flash won every probe by the margin (0 if it lost at one row)
+    wins = [r for r, (f, m) in sorted(times.items()) if f < 0.9 * m]
+    prefix = 0
+    for r in sorted(times):
+        if r not in wins:
+            break
+        prefix = r
+    assert best == prefix
+
+
+def test_decode_attention_routes_rows_by_the_modules_flash_rows(monkeypatch):
+    model = tiny_llama(vocab=64, dtype=torch.bfloat16)
+    monkeypatch.setenv(FLASH_ROWS_ENV, "2")
+    said = use_decode_attention(model)
+    assert "flash kernel" in said and "up to 2 query rows" in said and f"set by {FLASH_ROWS_ENV}" in said
+    modules = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
+    assert modules and all(m.draftforge_flash_rows == 2 for m in modules)
+    used = []
+    for name in ("packed_flash_attention", "matmul_attention"):
+        real = getattr(decode_attention_mod, name)
+        monkeypatch.setattr(decode_attention_mod, name,
+                            lambda *a, _n=name, _r=real, **k: used.append((_n, a[0].shape[2])) or _r(*a, **k))
+    query, key, value = (t.to(torch.bfloat16) for t in _qkv(1, 9, heads=4, kv_heads=2))
+    for rows in (1, 2, 3):
+        q = query.expand(1, 4, rows, 8).contiguous()
+        decode_attention_mod.decode_attention(modules[0], q, key, value, None)
+    assert used == [("packed_flash_attention", 1), ("packed_flash_attention", 2), ("matmul_attention", 3)]
+    monkeypatch.setenv(FLASH_ROWS_ENV, "many")
+    with pytest.raises(RecipeError, match=f"{FLASH_ROWS_ENV} must be a number of query rows"):
+        use_decode_attention(tiny_llama(vocab=64, dtype=torch.bfloat16))
+    monkeypatch.delenv(FLASH_ROWS_ENV)
+    said = use_decode_attention(tiny_llama(vocab=64, dtype=torch.bfloat16))  # the probe decides
+    assert "probed at" in said
+
+
+@pytest.fixture(scope="module", params=[0, 64], ids=["matmul", "flash"])
+def pair(tmp_path_factory, request):
     path = tmp_path_factory.mktemp("attn") / "target"
     tiny_llama(vocab=96, layers=2, hidden=64, ctx=512).save_pretrained(path)
-    fast = load_target(path, dtype=torch.bfloat16)
+    with pytest.MonkeyPatch.context() as env:  # every decoding row on one kernel, whatever the probe would pick
+        env.setenv(FLASH_ROWS_ENV, str(request.param))
+        fast = load_target(path, dtype=torch.bfloat16)
     plain = load_target(path, dtype=torch.bfloat16, decode_attention="off")
     exact = load_target(path, dtype=torch.float32)
     assert fast.model.config._attn_implementation == NAME
+    assert {m.draftforge_flash_rows for m in fast.model.modules() if hasattr(m, "num_key_value_groups")} == {
+        request.param}
     assert plain.model.config._attn_implementation == "sdpa" == exact.model.config._attn_implementation
     return fast, plain, exact
 
