@@ -12,11 +12,13 @@ Xeon (AVX512-BF16, AMX hidden) the packed flash kernel took 0.08 / 0.65 ms where
 0.25 / 1.61 ms (docs/results/long-context.md). So `use_decode_attention(model)` times both at the model's
 attention shape (`probe_flash_rows`: 1 to 64 rows against 2,048 keys, ~0.2 s) and routes up to the probed row
 count to the flash kernel, up to `FAST_ROWS` to the matmul path; `DRAFTFORGE_FLASH_ROWS=N` fixes the count
-instead (0: matmul only, as before the probe). The choice is stored on each attention module
-(`draftforge_flash_rows`) and named in `model.draftforge_attention`. Longer inputs (a prompt's prefill) and
-anything these paths do not cover (dropout, softcap, position bias, attention sinks, fp32 and wider) go to
-transformers' sdpa unchanged. `standard_attention(model)` switches back for a block (the self-check's reference
-forwards use transformers' own attention, not this code).
+instead (0: matmul only, as before the probe). The probe runs once per process and attention shape (every model
+loaded in one process computes alike); another process may choose differently where the two kernels nearly tie.
+The choice is stored on each attention module (`draftforge_flash_rows`) and named in
+`model.draftforge_attention`. Longer inputs (a prompt's prefill) and anything these paths do not cover (dropout,
+softcap, position bias, attention sinks, fp32 and wider) go to transformers' sdpa unchanged.
+`standard_attention(model)` switches back for a block (the self-check's reference forwards use transformers' own
+attention, not this code).
 
 Legend: B batch, H query heads, G query heads per KV head, Q query rows, K keys, D head dim.
 """
@@ -38,6 +40,7 @@ FAST_DTYPES = (torch.bfloat16, torch.float16)
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # plain softmax attention, no sinks, softcap or biases
 _UNSUPPORTED = ("softcap", "position_bias", "s_aux", "sinks")
 FLASH_ROWS_ENV = "DRAFTFORGE_FLASH_ROWS"
+_PROBED: dict[tuple, tuple[int, str]] = {}  # (heads, kv heads, head dim, dtype, threads) -> choose_flash_rows' answer
 
 
 def _sdpa():
@@ -94,6 +97,24 @@ def _fixed_flash_rows() -> int | None:
     return min(int(text), FAST_ROWS)
 
 
+def choose_flash_rows(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      flash_rows: int | None = None) -> tuple[int, str]:
+    """(query rows up to which the packed flash kernel runs, how that was decided in words): `flash_rows` if
+    given, else DRAFTFORGE_FLASH_ROWS if set, else the probe's verdict for this attention shape."""
+    if flash_rows is not None:
+        return flash_rows, "given"
+    fixed = _fixed_flash_rows()
+    if fixed is not None:
+        return fixed, f"set by {FLASH_ROWS_ENV}"
+    key = (heads, kv_heads, head_dim, dtype, torch.get_num_threads())
+    if key not in _PROBED:  # once per process and shape: every model loaded here computes alike
+        flash_rows, times = probe_flash_rows(heads, kv_heads, head_dim, dtype)
+        one = times[1]
+        _PROBED[key] = flash_rows, (f"probed at {PROBE_KEYS} keys, {key[-1]} thread(s): one row {one[0]:.2f} ms "
+                                    f"flash vs {one[1]:.2f} ms matmul per layer")
+    return _PROBED[key]
+
+
 def use_decode_attention(model, flash_rows: int | None = None) -> str:
     """Switch `model` to the decode attention where it applies; returns what was done, in words. flash_rows:
     query rows up to which the packed flash kernel runs (None: DRAFTFORGE_FLASH_ROWS if set, else the probe's)."""
@@ -103,17 +124,10 @@ def use_decode_attention(model, flash_rows: int | None = None) -> str:
     if not _register():
         return "attention left as it is: this transformers has no attention interface"
     config = model.config
-    how = "given"
-    if flash_rows is None:
-        flash_rows, how = _fixed_flash_rows(), f"set by {FLASH_ROWS_ENV}"
-    if flash_rows is None:
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        flash_rows, times = probe_flash_rows(heads, getattr(config, "num_key_value_heads", None) or heads, head_dim,
-                                             next(model.parameters()).dtype)
-        one = times[1]
-        how = (f"probed at {PROBE_KEYS} keys, {torch.get_num_threads()} thread(s): one row {one[0]:.2f} ms flash "
-               f"vs {one[1]:.2f} ms matmul per layer")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    flash_rows, how = choose_flash_rows(heads, getattr(config, "num_key_value_heads", None) or heads, head_dim,
+                                        next(model.parameters()).dtype, flash_rows)
     for module in model.modules():
         if hasattr(module, "num_key_value_groups"):  # the Llama family's attention modules
             module.draftforge_flash_rows = flash_rows

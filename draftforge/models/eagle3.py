@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftforge.errors import CompatibilityError
-from draftforge.kernels.attention import MAX_ROWS, matmul_attention, rotate
+from draftforge.kernels.attention import MAX_ROWS, matmul_attention, packed_flash_attention, rotate
 from draftforge.kernels.kv_buffer import GrowingKV
 
 HEAD_KIND = "eagle3"
@@ -124,9 +124,11 @@ def check_shape(head_config, config, what: str, attention: bool) -> None:
 
 
 def matmul_attention_for(q_QHE: torch.Tensor) -> bool:
-    """Decoding steps on CPU in bf16/fp16 use draftforge's float32 matmul attention (kernels/attention.py): torch's
-    CPU sdpa kernel is several times slower for a few query rows against a long cache. A prompt's rows (more than
-    MAX_ROWS) stay on sdpa, whose memory does not grow with rows x keys."""
+    """Decoding steps on CPU in bf16/fp16 use draftforge's float32 matmul attention or, up to the head's
+    `draftforge_flash_rows` (a probe's verdict, set when the drafter is loaded: decode/loading.py), the packed
+    flash kernel (kernels/attention.py): transformers-style sdpa with a mask is several times slower for a few
+    query rows against a long cache on some CPUs. A prompt's rows (more than MAX_ROWS) stay on sdpa, whose memory
+    does not grow with rows x keys."""
     return (q_QHE.device.type == "cpu" and q_QHE.dtype in (torch.bfloat16, torch.float16)
             and q_QHE.shape[0] <= MAX_ROWS)
 
@@ -300,9 +302,10 @@ class Eagle3Head(FeatureHead):
             return self.finish(out_GAQE.flatten(0, 1).transpose(0, 1), feature_QD.to(self.dtype))
         if mask_QK is None:
             mask_QK = torch.ones(n_q, n_k, dtype=torch.bool, device=q_QHE.device).tril(n_k - n_q)
-        if matmul_attention_for(q_QHE):
-            out_QHE = matmul_attention(q_QHE.transpose(0, 1)[None], k_GKE[None], v_GKE[None],
-                                       mask_QK.to(q_QHE.device)[None, None])[0]
+        if matmul_attention_for(q_QHE):  # up to draftforge_flash_rows rows (set at load by a probe) flash instead
+            kernel = packed_flash_attention if n_q <= getattr(self, "draftforge_flash_rows", 0) else matmul_attention
+            out_QHE = kernel(q_QHE.transpose(0, 1)[None], k_GKE[None], v_GKE[None],
+                             mask_QK.to(q_QHE.device)[None, None])[0]
             return self.finish(out_QHE, feature_QD.to(self.dtype))
         q_GAQE = q_QHE.transpose(0, 1).unflatten(0, (-1, att))  # query heads grouped by the K/V head they share
         out_GAQE = F.scaled_dot_product_attention(q_GAQE, k_GKE[:, None], v_GKE[:, None],

@@ -157,6 +157,8 @@ def test_decode_attention_routes_rows_by_the_modules_flash_rows(monkeypatch):
     monkeypatch.delenv(FLASH_ROWS_ENV)
     said = use_decode_attention(tiny_llama(vocab=64, dtype=torch.bfloat16))  # the probe decides
     assert "probed at" in said
+    # once per process and shape: a second model of the same shape gets the same choice, whatever the timings now
+    assert use_decode_attention(tiny_llama(vocab=64, dtype=torch.bfloat16)) == said
 
 
 @pytest.fixture(scope="module", params=[0, 64], ids=["matmul", "flash"])
@@ -242,10 +244,19 @@ def test_eagle3_head_step_in_bf16_takes_the_matmul_path_and_agrees_with_sdpa(mon
     monkeypatch.setattr(e3, "matmul_attention_for", lambda q_: calls.append(q_.dtype) or real(q_))
     want, fast = run(head32), run(head16)
     assert calls == [torch.float32] * 2 + [torch.bfloat16] * 2 and not real(torch.zeros(1))
+    kernels = []
+    for name in ("packed_flash_attention", "matmul_attention"):
+        real_kernel = getattr(e3, name)
+        monkeypatch.setattr(e3, name, lambda *a, _n=name, _r=real_kernel, **k: kernels.append(_n) or _r(*a, **k))
+    head16.draftforge_flash_rows = q  # what load_eagle3 sets from the probe: the packed flash kernel up to q rows
+    flash = run(head16)
+    assert kernels == ["matmul_attention", "packed_flash_attention"], kernels  # the 40-row prompt, then q rows
+    head16.draftforge_flash_rows = 0
     monkeypatch.setattr(e3, "matmul_attention_for", lambda q_: False)
     sdpa16 = run(head16)
     step = torch.finfo(torch.bfloat16).eps * want.abs().max().item()
     assert (fast - want).abs().max().item() <= (sdpa16 - want).abs().max().item() + step
+    assert (flash - want).abs().max().item() <= (sdpa16 - want).abs().max().item() + step
 
 
 def test_the_heads_prompt_feed_keeps_sdpa_and_its_memory_bounded(monkeypatch):
@@ -298,3 +309,16 @@ def test_a_mask_hiding_a_cached_key_is_applied_in_full():
     visible[1, 5] = False  # hidden from one row only
     want = _sdpa(query, key, value, attn_mask=visible)
     assert torch.allclose(matmul_attention(query, key, value, visible[None, None]).double(), want, atol=1e-6, rtol=0)
+
+
+def test_a_bf16_eagle3_head_gets_the_kernel_choice_at_load(tmp_path, monkeypatch):
+    from draftforge.decode import load_drafter
+    from tests.fixtures.decode import eagle3_head
+
+    model = tiny_llama(vocab=64, layers=4, hidden=64)
+    model.save_pretrained(tmp_path / "t")
+    monkeypatch.setenv(FLASH_ROWS_ENV, "3")
+    drafter = load_drafter(eagle3_head(model), load_target(tmp_path / "t", dtype=torch.bfloat16))
+    assert drafter.model.draftforge_flash_rows == 3 and f"set by {FLASH_ROWS_ENV}" in drafter.model.draftforge_attention
+    fp32 = load_drafter(eagle3_head(model), load_target(tmp_path / "t", dtype=torch.float32))
+    assert not hasattr(fp32.model, "draftforge_flash_rows")  # fp32 decodes with sdpa: nothing to choose
