@@ -267,9 +267,12 @@ def _manifest(cfg, dtype, results, drafter, orders, hf_policy, regime: dict) -> 
     extra = {"cuda_graphs": _graphs_used(drafter), "method_order": orders, **regime}
     if hf_policy is not None:
         extra["hf_assisted_policy"] = hf_policy
-    return build_manifest(device=cfg.device, dtype=str(dtype).replace("torch.", ""), seed=cfg.seed,
-                          repeats=cfg.repeats, command=cfg.command, tokens_per_s_spread=spreads,
-                          extra={**extra, **cfg.extra_manifest})
+    manifest = build_manifest(device=cfg.device, dtype=str(dtype).replace("torch.", ""), seed=cfg.seed,
+                              repeats=cfg.repeats, command=cfg.command, tokens_per_s_spread=spreads,
+                              extra={**extra, **cfg.extra_manifest})
+    manifest["hardware"]["torch_threads"] = manifest.pop("torch_threads")  # the runs' count, not the caller's
+    # (restored by the time the manifest is built)
+    return manifest
 
 
 def planned_rows(cfg: EvalConfig) -> list[int]:
@@ -329,6 +332,8 @@ def _cost_curves(cfg, target, prompts, firsts: dict[int, int]) -> dict[int, dict
 
 def _load(cfg):
     """Threads, dtypes (each said once, with the reason), target, drafter; the regime for the manifest."""
+    import torch
+
     threads = choose_threads(cfg.threads)
     target_dtype = resolve_dtype(cfg.dtype, cfg.device)
     drafter_dtype = resolve_dtype(cfg.drafter_dtype or cfg.dtype, cfg.device)
@@ -374,7 +379,7 @@ def _load(cfg):
                                **({"drafter": drafter_dtype.as_dict()} if drafter is not None else {})},
               "threads": threads, "weight_packing": packing,
               "attention": attention, "forward": forward}
-    return target, drafter, regime
+    return target, drafter, regime | {"torch_threads": torch.get_num_threads()}
 
 
 def run_eval(cfg: EvalConfig) -> dict:

@@ -209,7 +209,13 @@ def test_manifest_records_hf_assisted_policy_threads_and_order(bench, tmp_path, 
     assistant = SimpleNamespace(generation_config=GenerationConfig(num_assistant_tokens=7,
                                                                    num_assistant_tokens_schedule="heuristic"))
     monkeypatch.setattr(runner, "decode_api", FakeAPI(hf_ok=True, assistant=assistant))
-    rep = run_eval(cfg_for(bench, tmp_path, plots=False))
+    caller = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:  # the runs' thread count is recorded, not the caller's (restored before the manifest is written)
+        rep = run_eval(cfg_for(bench, tmp_path, plots=False, threads=1))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(caller)
     man = rep["manifest"]
     hf = man["hf_assisted_policy"]
     assert (hf["num_assistant_tokens"], hf["num_assistant_tokens_schedule"]) == (7, "heuristic")
@@ -217,7 +223,8 @@ def test_manifest_records_hf_assisted_policy_threads_and_order(bench, tmp_path, 
     assert hf["source"]["num_assistant_tokens"] == "generation_config"
     assert hf["source"]["assistant_confidence_threshold"] == "transformers default"
     assert "at_end" not in hf  # the fake never moved it
-    assert man["hardware"]["torch_threads"] == torch.get_num_threads()
+    assert man["hardware"]["torch_threads"] == 1 and "torch_threads" not in man
+    assert "torch threads 1" in (tmp_path / "out" / "report.md").read_text()
     assert man["method_order"][0]["order"] == ["ar", "chain", "tree", "hf_assisted"]
     md = (tmp_path / "out" / "report.md").read_text()
     assert "num_assistant_tokens 7 (generation_config), schedule heuristic" in md
