@@ -108,6 +108,10 @@ def measure_feature(kind: str, target_dir: str, ctx: int, steps: int, repeats: i
         head = FeatureMamba2Head(FeatureMambaConfig.from_target(config, draft_vocab=d2t))
         drafter_class = FeatureMambaDrafter
     head = head.to(device=device, dtype=dtype).eval()
+    if kind == "eagle3":  # its decoding attention kernel, chosen as load_drafter chooses it
+        from draftforge.decode.attention import use_head_attention
+
+        use_head_attention(head)
     embedding = torch.nn.Embedding.from_pretrained(read_target_embedding(target_dir).to(device=device, dtype=dtype))
     head.use_embedding(embedding)
     drafter = drafter_class(head, config.vocab_size)
@@ -134,7 +138,8 @@ def measure_feature(kind: str, target_dir: str, ctx: int, steps: int, repeats: i
     return {"context": ctx, "ms_per_token": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
             "prompt_ms": prompt_ms, "state_mb": drafter.cache_bytes() / 2**20,
             "memory_growth_mb": memory_mb(device) - mem_before,
-            "params_m": sum(p.numel() for p in head.parameters()) / 1e6}
+            "params_m": sum(p.numel() for p in head.parameters()) / 1e6,
+            **({"attention": head.draftforge_attention} if hasattr(head, "draftforge_attention") else {})}
 
 
 def _cache_tensors(cache):

@@ -137,6 +137,20 @@ def use_decode_attention(model, flash_rows: int | None = None) -> str:
     return f"attention: {NAME}: {flash}float32 matmul-softmax up to {FAST_ROWS}, sdpa beyond ({how})"
 
 
+def use_head_attention(head) -> str | None:
+    """An EAGLE-3 head (models/eagle3.py) on CPU in bf16/fp16: its decoding steps take the packed flash kernel up
+    to the rows `choose_flash_rows` gives for its attention shape (the float32 matmul path above); what was done,
+    in words, also in `head.draftforge_attention` (None: any other device or dtype, where it keeps its kernels)."""
+    weight = head.fc.weight
+    if weight.device.type != "cpu" or weight.dtype not in FAST_DTYPES:
+        return None
+    c = head.config
+    rows, how = choose_flash_rows(c.num_attention_heads, c.num_key_value_heads, c.head_dim, weight.dtype)
+    head.draftforge_flash_rows = rows
+    head.draftforge_attention = f"packed flash kernel up to {rows} query rows, float32 matmul above ({how})"
+    return head.draftforge_attention
+
+
 @contextmanager
 def standard_attention(model):
     """Within the block, `model` computes attention with transformers' sdpa (no-op for any other model)."""

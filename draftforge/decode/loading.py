@@ -6,7 +6,6 @@ The interfaces live in targets.py and drafter_base.py (Drafter re-exported here)
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel
 
@@ -17,7 +16,7 @@ from draftforge.decode.drafters.lookup import DEFAULT_MAX_NGRAM, PromptLookupDra
 from draftforge.decode.drafters.lookup_first import DEFAULT_MIN_NGRAM as DEFAULT_LOOKUP_FIRST_MIN_NGRAM
 from draftforge.decode.drafters.lookup_first import LookupFirstDrafter
 from draftforge.decode.drafters.mamba import MambaDrafter
-from draftforge.decode.attention import choose_flash_rows, use_decode_attention
+from draftforge.decode.attention import use_decode_attention, use_head_attention
 from draftforge.decode.lean_forward import lean_forward
 from draftforge.decode.packing import PackReport, pack_linears
 from draftforge.decode.targets import SSM_MODEL_TYPES, KVCacheTarget, Target, is_recurrent_model
@@ -191,12 +190,8 @@ def load_eagle3(model_or_path, target: Target, device, dtype, pack_weights: str 
     head = head.to(device=device, dtype=dtype or target.model.dtype).eval()
     if pack_weights == "on" or (pack_weights == "auto" and not isinstance(model_or_path, nn.Module)):
         head.draftforge_packing = pack_linears(head)
-    if isinstance(head, Eagle3Head) and head.fc.weight.device.type == "cpu" and head.fc.weight.dtype in (
-            torch.bfloat16, torch.float16):  # its decoding steps' attention kernel, as the target's (attention.py)
-        c = head.config
-        rows, how = choose_flash_rows(c.num_attention_heads, c.num_key_value_heads, c.head_dim, head.fc.weight.dtype)
-        head.draftforge_flash_rows = rows
-        head.draftforge_attention = f"packed flash kernel up to {rows} query rows, float32 matmul above ({how})"
+    if isinstance(head, Eagle3Head):
+        use_head_attention(head)
     kind = FeatureMambaDrafter if isinstance(head, FeatureMamba2Head) else Eagle3Drafter
     drafter = kind(head, target.vocab_size, tokenizer)
     drafter.bind(target)
