@@ -147,7 +147,8 @@ def use_head_attention(head) -> str | None:
     c = head.config
     rows, how = choose_flash_rows(c.num_attention_heads, c.num_key_value_heads, c.head_dim, weight.dtype)
     head.draftforge_flash_rows = rows
-    head.draftforge_attention = f"packed flash kernel up to {rows} query rows, float32 matmul above ({how})"
+    kernels = f"packed flash kernel up to {rows} query rows, float32 matmul above" if rows else "float32 matmul"
+    head.draftforge_attention = f"{kernels} ({how})"
     return head.draftforge_attention
 
 
