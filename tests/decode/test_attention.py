@@ -44,14 +44,19 @@ def test_causal_and_unmasked_rows_match_sdpa_in_float64(q, k):
     assert torch.allclose(got, want, atol=1e-6, rtol=0)  # float32 arithmetic inside
 
 
-def test_tree_masks_bool_and_additive_match_sdpa():
-    parents = [-1, -1, 0, 1, 3]
-    past = 11
-    anc = ancestor_matrix([-1] + [p + 1 for p in parents])
+def _tree_case(past=11):
+    """A verified tree's masks (additive and bool [1, 1, 6, past + 6]) over `past` cached keys, its float64 inputs
+    and sdpa's float64 answer."""
+    anc = ancestor_matrix([-1] + [p + 1 for p in [-1, -1, 0, 1, 3]])
     additive = packed_tree_mask(anc, past, torch.float64, "cpu")
     visible = additive == 0
     query, key, value = _qkv(6, past + 6, seed=1)
-    want = _sdpa(query, key, value, attn_mask=visible)
+    return (query, key, value), additive, visible, _sdpa(query, key, value, attn_mask=visible)
+
+
+def test_tree_masks_bool_and_additive_match_sdpa():
+    past = 11
+    (query, key, value), additive, visible, want = _tree_case(past)
     for mask in (additive, visible):
         assert torch.allclose(matmul_attention(query, key, value, mask).double(), want, atol=1e-6, rtol=0)
     per_head = visible.expand(1, 6, 6, past + 6)
@@ -84,13 +89,8 @@ def test_packed_flash_causal_and_unmasked_rows_match_sdpa_in_float64(q, k):
 
 
 def test_packed_flash_tree_masks_bool_additive_and_per_head():
-    parents = [-1, -1, 0, 1, 3]
     past = 11
-    anc = ancestor_matrix([-1] + [p + 1 for p in parents])
-    additive = packed_tree_mask(anc, past, torch.float64, "cpu")
-    visible = additive == 0
-    query, key, value = _qkv(6, past + 6, seed=1)
-    want = _sdpa(query, key, value, attn_mask=visible)
+    (query, key, value), additive, visible, want = _tree_case(past)
     for mask in (additive, visible, visible.expand(1, 6, 6, past + 6)):
         assert torch.allclose(packed_flash_attention(query, key, value, mask), want, atol=1e-12, rtol=0)
     # a per-head mask that differs between the heads of one KV head: each head must get its own rows
