@@ -165,6 +165,8 @@ def markdown_table(report: dict) -> str:
         "[min–max] = spread over repeats, so a reader sees the noise.",
         "τ (+bonus) counts the bonus/correction token; τ (no bonus) counts accepted draft tokens only.",
     ]
+    for who, words in (m.get("attention") or {}).items():  # kernels may differ between machines: say which ran
+        lines.append(f"{who} {words if words.startswith('attention') else 'attention: ' + words}.")
     checks = [f"{r['method']} {_self_check_cell(r['self_check'])}" for r in report["results"] if r["self_check"]]
     if checks:
         lines.append(f"self-check (T=0, prompts identical to AR in this run, every repeat): {', '.join(checks)}.")

@@ -225,6 +225,8 @@ def test_manifest_records_hf_assisted_policy_threads_and_order(bench, tmp_path, 
     assert "at_end" not in hf  # the fake never moved it
     assert man["hardware"]["torch_threads"] == 1 and "torch_threads" not in man
     assert "torch threads 1" in (tmp_path / "out" / "report.md").read_text()
+    # which attention ran is in the report (kernels are chosen per machine: decode/attention.py)
+    assert f"target attention: {man['attention']['target']}." in (tmp_path / "out" / "report.md").read_text()
     assert man["method_order"][0]["order"] == ["ar", "chain", "tree", "hf_assisted"]
     md = (tmp_path / "out" / "report.md").read_text()
     assert "num_assistant_tokens 7 (generation_config), schedule heuristic" in md
