@@ -95,9 +95,11 @@ class EvalConfig:
         "when it applies, off = plain torch linears (the speed every earlier draftforge number was measured at)")
     decode_attention: Literal["auto", "on", "off"] = option(
         "auto", "CPU bf16/fp16 Llama-family target and drafter: attention of a decoding step / verified draft (up to "
-        "64 query rows) as float32 matmul-softmax-matmul instead of torch's CPU sdpa kernel (several times faster "
-        "against a long cache; bf16 outputs may part from sdpa's at near-ties, which the self-check classifies; "
-        "fp32 untouched): auto = when it applies, off = transformers' sdpa")
+        "64 query rows) without copying the KV cache per query head, by float32 matmul-softmax-matmul or torch's "
+        "flash kernel with query heads packed per KV head, whichever a probe at load finds faster on this CPU for "
+        "each row count (DRAFTFORGE_FLASH_ROWS=N fixes it; the report names the choice; bf16 outputs may part from "
+        "sdpa's at near-ties, which the self-check classifies; fp32 untouched): auto = when it applies, off = "
+        "transformers' sdpa")
     lean_forward: Literal["auto", "on", "off"] = option(
         "auto", "CPU or GPU Llama target and drafter: decoding steps (up to 64 tokens) through draftforge's lean "
         "forward, the model's tensor operations without transformers' per-layer Python and with q/k/v and gate/up "
