@@ -155,13 +155,13 @@ def step_losses(logits_by_step, teacher_BTV, next_BT, cfg: Eagle3TaskConfig, wei
                         evaluating)
 
 
-def full_teacher(teacher_BTV, temperature: float, d2t_N, rows: int | None = None):
+def full_teacher(teacher_BTV, temperature: float, d2t_N):
     """terms_at(k, keep_BT, s_PS) -> (per-position terms, top-1 agreement) of the head's step-k logits s_PS at the
     kept anchors, against the teacher's whole distribution at t + 1 + k (a reduced head: restricted to its ids).
 
     A reduced head reads, per position, only the teacher's logits at the draft ids, the log-normaliser over the
-    whole vocabulary and the top-1 id; they are taken once per batch (`rows` positions at a time, by default
-    divergences.CHUNK_BYTES of fp32 rows, in fp32 like the per-step form) rather than once per unrolled step over
+    whole vocabulary and the top-1 id; they are taken once per batch (divergences.CHUNK_BYTES of fp32 rows at a
+    time, divergences.in_chunks, in fp32 like the per-step form) rather than once per unrolled step over
     [positions, V] copies: steps x less memory traffic, the same values bitwise (a row's logsumexp and argmax do
     not depend on which rows are taken with it)."""
     if d2t_N is None:
@@ -171,14 +171,8 @@ def full_teacher(teacher_BTV, temperature: float, d2t_N, rows: int | None = None
 
         return terms_at
     d2t = d2t_N.to(teacher_BTV.device)
-    flat_XV = teacher_BTV.flatten(0, 1)
-    rows = rows or max(1, divergences.CHUNK_BYTES // (4 * flat_XV.shape[-1]))
-    lz_X = torch.empty(flat_XV.shape[0], dtype=torch.float32, device=flat_XV.device)
-    top_X = torch.empty(flat_XV.shape[0], dtype=torch.long, device=flat_XV.device)
-    for i in range(0, flat_XV.shape[0], rows):
-        chunk = flat_XV[i : i + rows].float()
-        lz_X[i : i + rows], top_X[i : i + rows] = chunk.logsumexp(-1), chunk.argmax(-1)
-    lz_BT, top_BT = lz_X.view(teacher_BTV.shape[:2]), top_X.view(teacher_BTV.shape[:2])
+    per_row = divergences.in_chunks(_normaliser_and_top, teacher_BTV.flatten(0, 1))
+    lz_BT, top_BT = per_row["lz"].view(teacher_BTV.shape[:2]), per_row["top"].view(teacher_BTV.shape[:2])
     at_ids_BTN = teacher_BTV[..., d2t]
 
     def terms_at(k, keep_BT, s_PS):
@@ -187,6 +181,11 @@ def full_teacher(teacher_BTV, temperature: float, d2t_N, rows: int | None = None
         return terms, d2t[s_PS.argmax(-1)] == top_BT[:, 1 + k :][keep_BT]
 
     return terms_at
+
+
+def _normaliser_and_top(logits_XV) -> dict[str, torch.Tensor]:
+    x_XV = logits_XV.float()
+    return {"lz": x_XV.logsumexp(-1), "top": x_XV.argmax(-1)}
 
 
 def scored_steps(logits_by_step, terms_at, next_BT, cfg: Eagle3TaskConfig, weights: dict, evaluating: bool):

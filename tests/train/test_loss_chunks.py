@@ -65,14 +65,15 @@ def test_the_default_chunk_is_one_chunk_for_small_inputs_and_many_for_a_real_bat
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_reduced_teacher_taken_once_equals_the_per_step_form(dtype):
+def test_the_reduced_teacher_taken_once_equals_the_per_step_form(dtype, monkeypatch):
     g = torch.Generator().manual_seed(1)
     b, t_len, v = 2, 9, 50
     teacher = (4 * torch.randn(b, t_len, v, generator=g)).to(dtype)
     teacher[0, 3, 7] = teacher[0, 3, 11] = teacher[0, 3].max() + 1  # a tie: the first id is the top-1 both ways
     d2t = torch.tensor([0, 3, 7, 11, 20, 33, 49])
     keep = torch.rand(b, t_len, generator=g) > 0.3
-    terms_at = full_teacher(teacher, 1.0, d2t, rows=4)  # 4 positions a chunk: 5 chunks over the 18
+    monkeypatch.setattr(divergences, "CHUNK_BYTES", 4 * v * 4)  # 4 teacher positions a chunk: 5 over the 18
+    terms_at = full_teacher(teacher, 1.0, d2t)
     for k in range(3):
         keep_BT = keep[:, 1 + k :]
         s = (2 * torch.randn(int(keep_BT.sum()), len(d2t), generator=g)).to(dtype)
