@@ -10,6 +10,9 @@ forward where they apply. Each variant prefills a random prompt of each context 
 one verification of N rows (a chain of N - 1 drafts, the root kept, so the context grows by one token per call)
 is timed `--calls` times per sample, variants and row counts rotated, medians over `--repeats` samples after one
 warm-up pass; one torch thread unless --threads. The table gives ms per forward and t(N) / t(1) per variant.
+The eval's cost model (`draftforge.eval.cost.verify_curve`) times the same forward, but for one target and
+prefilling again as the context grows; here the variants share each prefill's length and alternate, so an 8k
+prompt is encoded once per variant rather than once per sample.
 
     python -m benchmarks.micro.verify_context --target ~/.cache/draftforge/smollm2 --contexts 1024 7600 \
         --rows 1 2 6 34 --repeats 3 --out runs/bench/verify_context.json
