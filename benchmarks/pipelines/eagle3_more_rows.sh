@@ -11,9 +11,14 @@
 #   bash benchmarks/pipelines/eagle3_more_rows.sh
 #
 # Environment (defaults in brackets): CACHE [~/.cache/draftforge]; HEAD [runs/smollm2/eagle3-b/export], an
-# exported head to start from; ROWS [runs/smollm2/e3_rows.jsonl], rows already answered (read, never written);
-# the other prompts' answers go to ROWS_MORE [runs/smollm2/e3_rows_c.jsonl] (resumable row by row); RUN [eagle3-c];
-# STEPS [600]; EVAL_EVERY [100]; EVAL_PROMPTS [6]; NEW_TOKENS [128].
+# exported head to start from, or `none` to train one from the recipe's start (its learning rate 1e-3 and warm-up
+# 20 instead of the fine-tune's 4e-4 and 10); ROWS [runs/smollm2/e3_rows.jsonl], rows already answered (read, never
+# written); the other prompts' answers go to ROWS_MORE [runs/smollm2/e3_rows_c.jsonl] (resumable row by row); RUN
+# [eagle3-c]; STEPS [600]; EVAL_EVERY [100]; EVAL_PROMPTS [6]; NEW_TOKENS [128]; GEN_DTYPE [auto] and GEN_BATCH
+# [32] for `generate`; PRECISION [auto] for training (`train.precision`). On a CPU without AMX, fp32 can be the
+# faster choice for both: on a 2-core Intel Xeon VM (CPU model 207, avx512_bf16), generate at batch 64 ran 242
+# new tokens/s in fp32 against 181 in bf16 at batch 32, and a training step 5.3 s against 8.6
+# (docs/training.md, "Speed on a CPU"); time both before a long run.
 # CPU budget on a 2-core Zen 5 (2 threads): generating 3,281 answers ~40 min (~300-500 new tokens/s at batch 32),
 # the fine-tune ~4-7 s a step plus ~2 min per eval of the 128 held-out rows, each eval suite 5-10 min at 1 thread.
 # A finished run or report is kept (delete it to redo it).
@@ -21,6 +26,7 @@ source "$(dirname "$0")/common.sh"  # strict mode, cd to the repository root, OM
 CACHE="${CACHE:-$HOME/.cache/draftforge}"; HEAD="${HEAD:-runs/smollm2/eagle3-b/export}"
 ROWS="${ROWS:-runs/smollm2/e3_rows.jsonl}"; ROWS_MORE="${ROWS_MORE:-runs/smollm2/e3_rows_c.jsonl}"
 RUN="${RUN:-eagle3-c}"; STEPS="${STEPS:-600}"; EVAL_EVERY="${EVAL_EVERY:-100}"
+GEN_DTYPE="${GEN_DTYPE:-auto}"; GEN_BATCH="${GEN_BATCH:-32}"; PRECISION="${PRECISION:-auto}"
 EVAL_PROMPTS="${EVAL_PROMPTS:-6}"; NEW_TOKENS="${NEW_TOKENS:-128}"
 TARGET="$CACHE/smollm2"; OUT=runs/smollm2
 mkdir -p "$OUT"
@@ -40,15 +46,16 @@ EOF
 
 phase "generate: the held-out rows, then the rest of the training prompts (resumable), 2 threads"
 python -m draftforge generate --target "$TARGET" --prompts "$OUT/heldout_prompts.jsonl" -n 128 --temperature 0 \
-  --max-new-tokens 192 --batch-size 32 --threads 2 --out "$OUT/e3_heldout_rows.jsonl"
+  --max-new-tokens 192 --batch-size "$GEN_BATCH" --dtype "$GEN_DTYPE" --threads 2 --out "$OUT/e3_heldout_rows.jsonl"
 python -m draftforge generate --target "$TARGET" --prompts "$OUT/train_prompts_rest.jsonl" --temperature 0 \
-  --max-new-tokens 192 --batch-size 32 --threads 2 --out "$ROWS_MORE"
+  --max-new-tokens 192 --batch-size "$GEN_BATCH" --dtype "$GEN_DTYPE" --threads 2 --out "$ROWS_MORE"
 
-phase "train: $RUN, $STEPS steps from $HEAD on every row, 2 threads"
+phase "train: $RUN, $STEPS steps from $HEAD on every row, 2 threads, precision $PRECISION"
+if [ "$HEAD" = none ]; then START=(); else START=(--set model.init_from="$HEAD" --set optim.lr=4e-4 --set optim.warmup_steps=10); fi
 [ -f "$OUT/$RUN/export/draftforge.json" ] || OMP_NUM_THREADS=2 python -m draftforge train recipes/smollm2/eagle3.yaml \
-  --set output_dir="$OUT/$RUN" --set model.init_from="$HEAD" --set model.draft_vocab_from="$ROWS" \
+  --set output_dir="$OUT/$RUN" "${START[@]}" --set model.draft_vocab_from="$ROWS" \
   --set "data.sources=[$ROWS,$ROWS_MORE]" --set "data.eval_sources=[$OUT/e3_heldout_rows.jsonl]" \
-  --set optim.lr=4e-4 --set optim.warmup_steps=10 --set train.max_steps="$STEPS" \
+  --set train.precision="$PRECISION" --set train.max_steps="$STEPS" \
   --set train.eval_every="$EVAL_EVERY" --set train.eval_batches=16 --set train.save_every=25 \
   --set train.eval_at_start=true --overwrite > "$OUT/$RUN.log" 2>&1
 grep -h "held-out\|step 0" "$OUT/$RUN.log" || true

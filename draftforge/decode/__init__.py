@@ -24,7 +24,7 @@ from draftforge.decode.tree_shape import TREE_PRESETS, TreeShape, parse_tree
 
 # Each method's module registers its methods and options on import, in this order: the order of METHODS
 # and of eval's flags. No module above imports one of them.
-from draftforge.decode.methods import core, hf_baselines, length_control, eagle2, c2t, eesd  # noqa: F401,I001
+from draftforge.decode.methods import core, hf_baselines, length_control, eagle2, c2t, eesd, lookup  # noqa: F401,I001
 from draftforge.decode.methods.hf_baselines import HFAssistedDecoder, HFPromptLookupDecoder
 
 METHODS = method_names()  # the built-in methods; register_method adds more

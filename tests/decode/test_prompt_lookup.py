@@ -286,3 +286,45 @@ def test_dynamic_trees_are_refused_with_a_reason(target):
     dec = build_decoder("eagle2", target, load_drafter("prompt-lookup", target))
     with pytest.raises(DraftforgeError, match="dynamic tree"):
         dec.generate([1, 2, 1], max_new_tokens=3)
+
+
+# ---------------------------------------------------------------- the `lookup` method: lookup in any run
+
+def test_the_lookup_method_is_the_lookup_chain_whatever_drafter_the_run_loaded():
+    """`lookup` decodes exactly as chain over a prompt-lookup drafter (tokens and rounds, T = 0 and T = 1 with the
+    same seed), with no drafter or with an EAGLE-3 head bound to the same target (which makes the target keep
+    feature rows the lookup never takes); the head, run between the lookup's runs, still decodes the target's
+    greedy text."""
+    from tests.fixtures.decode import eagle3_head
+
+    assert not METHODS["lookup"].needs_drafter and not METHODS["lookup"].baseline
+    target = load_target(tiny_llama(vocab=VOCAB, dtype=torch.float64))  # its own: a head binds to it
+    head = load_drafter(eagle3_head(target.model), target)
+    reference = build_decoder("chain", target, load_drafter("prompt-lookup", target), chain_length=4)
+    runs = {"none": build_decoder("lookup", target, lookup_chain_length=4),
+            "head": build_decoder("lookup", target, head, lookup_chain_length=4)}
+    head_chain = build_decoder("chain", target, head, chain_length=3)
+    accepted = 0
+    for prompt in (looping_prompt(target), [1, 2, 3, 4, 5, 1, 2, 3]):
+        for temperature in (0.0, 1.0):
+            want = reference.generate(prompt, max_new_tokens=13, seed=3, temperature=temperature)
+            for name, dec in runs.items():
+                got = dec.generate(prompt, max_new_tokens=13, seed=3, temperature=temperature)
+                assert got.tokens == want.tokens, (name, temperature)
+                assert got.stats.drafted_per_round == want.stats.drafted_per_round, name
+                assert got.stats.accepted_per_round == want.stats.accepted_per_round, name
+                assert head_chain.generate(prompt, max_new_tokens=13).tokens == greedy_reference(target, prompt, 13)
+            accepted += sum(want.stats.accepted_per_round)
+    assert accepted > 5
+    assert max(runs["none"].generate(looping_prompt(target), max_new_tokens=13).stats.drafted_per_round) == 4
+
+
+def test_the_lookup_method_refuses_bad_options(target):
+    with pytest.raises(RecipeError, match="--lookup-chain-length"):
+        build_decoder("lookup", target, lookup_chain_length=0)
+    with pytest.raises(RecipeError, match="--lookup-spec must be a prompt-lookup spec"):
+        build_decoder("lookup", target, lookup_spec="some/checkpoint")
+    with pytest.raises(RecipeError, match="unknown"):
+        build_decoder("lookup", target, lookup_spec="prompt-lookup:size=3")
+    dec = build_decoder("lookup", target, lookup_spec="prompt-lookup:ngram=1,tokens=2")
+    assert dec.drafter.index.max_ngram == 1 and dec.drafter.max_tokens == 2
