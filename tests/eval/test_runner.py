@@ -407,6 +407,23 @@ def test_command_refuses_an_option_no_running_method_reads(bench):
     assert shared.method_options == {"chain": {"chain_length": 4}, "eesd": {"chain_length": 4}}  # one flag, both
 
 
+def test_the_lookup_method_needs_no_drafter_and_reads_its_own_flags(bench):
+    from draftforge.eval.config import validate
+
+    alone = command.config_from_args(parser().parse_args(["--target", "t", "--bench", bench, "--methods", "lookup",
+                                                          "--lookup-chain-length", "2"]))
+    options = validate(alone).method_options
+    assert alone.drafter is None and options["lookup"].lookup_chain_length == 2
+    assert options["lookup"].lookup_spec == "prompt-lookup"
+    beside = command.config_from_args(parser().parse_args([
+        "--target", "t", "--drafter", "d", "--bench", bench, "--methods", "chain,lookup", "--chain-length", "3",
+        "--lookup-spec", "prompt-lookup:ngram=2"]))
+    assert beside.method_options == {"chain": {"chain_length": 3}, "lookup": {"lookup_spec": "prompt-lookup:ngram=2"}}
+    with pytest.raises(RecipeError, match="--lookup-chain-length given, but no method of this run reads it"):
+        command.config_from_args(parser().parse_args(["--target", "t", "--drafter", "d", "--bench", bench,
+                                                      "--methods", "chain", "--lookup-chain-length", "2"]))
+
+
 def test_command_rejects_bad_tree_and_temperature_text():
     with pytest.raises(RecipeError, match="every tree width must be >= 1"):
         parse_tree("3,-1")
