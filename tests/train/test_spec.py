@@ -130,3 +130,23 @@ def test_the_loops_eval_gives_the_acceptance_a_hand_computation_gives(capsys):
         assert logged[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
         assert report[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-9), key
     assert report["positions"] == expected["positions"] and not any(k.startswith("chain_") for k in report)
+
+
+def test_the_eval_pass_builds_no_autograd_graph():
+    """The loop's evals and the export's report run every micro-batch's loss with autograd off: a graph kept alive
+    by the running sums grew an EAGLE-3 eval past 24 GiB."""
+    import datasets
+    from accelerate import Accelerator
+
+    seen = []
+
+    def loss(model, batch):
+        seen.append(torch.is_grad_enabled())
+        out = model(torch.ones(1, 2)).sum()
+        return out, torch.tensor(1), {"m": out}
+
+    spec = TaskSpec(model=torch.nn.Linear(2, 2), loss=loss, collate=lambda rows, device: rows,
+                    eval_data=datasets.Dataset.from_dict({"x": [0, 1, 2]}))
+    t, acc = SimpleNamespace(eval_batches=3, micro_batch_size=1), Accelerator(cpu=True)
+    assert evaluate(spec.model, spec, acc, t) is not None and evaluate_pass(spec.model, spec, acc, t, alone=True)
+    assert seen == [False] * 6 and torch.is_grad_enabled()
