@@ -6,7 +6,7 @@
 # (`train.eval_at_start`: the head as it was, on the same held-out rows) and every EVAL_EVERY steps, keeping the
 # best simulated τ. Then `draftforge eval` of the new head on the instructions (T = 0 and 1) and HumanEval (T = 0),
 # alone and behind prompt lookup (`--lookup-first`), chains cut to the cost model's best length, and prompt lookup
-# alone on HumanEval as the peer.
+# alone (the `lookup` method) in the lookup-first suites as the peer.
 #
 #   bash benchmarks/pipelines/eagle3_more_rows.sh
 #
@@ -74,7 +74,10 @@ suite "$RUN-instructions-t0" "$H" instructions 0 chain,tree,eagle2 --tune-chain-
 suite "$RUN-lf-instructions-t0" "$H" instructions 0 chain,tree --tune-chain-length --lookup-first prompt-lookup
 suite "$RUN-humaneval-t0" "$H" humaneval 0 chain,tree,eagle2 --tune-chain-length
 suite "$RUN-lf-humaneval-t0" "$H" humaneval 0 chain,tree --tune-chain-length --lookup-first prompt-lookup
-suite lookup-humaneval-lean prompt-lookup humaneval 0 chain
+# the head capped at 2 drafts behind lookup's chain of 5, and prompt lookup alone (`lookup`) in the same run: the two
+# are rotated and share one AR, so their tokens per second compare directly
+suite "$RUN-lf2-instructions-t0" "$H" instructions 0 chain,lookup --lookup-first prompt-lookup:drafter_tokens=2
+suite "$RUN-lf2-humaneval-t0" "$H" humaneval 0 chain,lookup --lookup-first prompt-lookup:drafter_tokens=2
 suite "$RUN-instructions-t1" "$H" instructions 1 chain,tree --tune-chain-length
 suite "$RUN-lf-instructions-t1" "$H" instructions 1 chain --tune-chain-length --lookup-first prompt-lookup
 phase "done"
