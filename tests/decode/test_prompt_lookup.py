@@ -313,7 +313,7 @@ def test_the_lookup_method_is_the_lookup_chain_whatever_drafter_the_run_loaded()
                 assert got.tokens == want.tokens, (name, temperature)
                 assert got.stats.drafted_per_round == want.stats.drafted_per_round, name
                 assert got.stats.accepted_per_round == want.stats.accepted_per_round, name
-            assert head_chain.generate(prompt, max_new_tokens=13).tokens == greedy_reference(target, prompt, 13)
+                assert head_chain.generate(prompt, max_new_tokens=13).tokens == greedy_reference(target, prompt, 13)
             accepted += sum(want.stats.accepted_per_round)
     assert accepted > 5
     assert max(runs["none"].generate(looping_prompt(target), max_new_tokens=13).stats.drafted_per_round) == 4
