@@ -167,11 +167,12 @@ def lookup_options(spec, extra_keys: dict | None = None) -> dict | None:
     return options
 
 
-def load_eagle3(model_or_path, target: Target, device, dtype, pack_weights: str = "auto"):
+def load_eagle3(model_or_path, target: Target, device, dtype, pack_weights: str = "auto", head_window=None):
     """A drafter bound to `target` for a head that reads it (an EAGLE-3 head or a feature-conditioned Mamba2
     drafter; module or export directory), else None. It runs in the target's dtype unless `dtype` says otherwise:
     it reads the target's states as they are. pack_weights as in load_hf_causal_lm (an export's head is packed
-    under "auto", a module you pass is not)."""
+    under "auto", a module you pass is not). head_window: the EAGLE-3 head attends to the last that many
+    committed tokens only (drafters/eagle3.py); refused for the Mamba2 body, whose state is constant anyway."""
     from draftforge.models.eagle3 import Eagle3Head
     from draftforge.models.eagle3_export import is_eagle3_export, load_head
     from draftforge.models.feature_mamba import FeatureMamba2Head
@@ -192,8 +193,13 @@ def load_eagle3(model_or_path, target: Target, device, dtype, pack_weights: str 
         head.draftforge_packing = pack_linears(head)
     if isinstance(head, Eagle3Head):
         use_head_attention(head)
-    kind = FeatureMambaDrafter if isinstance(head, FeatureMamba2Head) else Eagle3Drafter
-    drafter = kind(head, target.vocab_size, tokenizer)
+    if isinstance(head, FeatureMamba2Head):
+        if head_window is not None:
+            raise RecipeError("head_window keeps the last N keys of an EAGLE-3 attention head; this is a feature "
+                              "Mamba2 drafter, whose state is the same size at any context (drop --head-window)")
+        drafter = FeatureMambaDrafter(head, target.vocab_size, tokenizer)
+    else:
+        drafter = Eagle3Drafter(head, target.vocab_size, tokenizer, window=head_window)
     drafter.bind(target)
     return drafter
 
@@ -207,7 +213,7 @@ def _export_tokenizer(path):
 
 def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_vocab_mismatch=False, tokenizer=None,
                  cuda_graphs="auto", pack_weights: str = "auto", decode_attention: str = "auto",
-                 lean_forward: str = "auto", lookup_first: str | None = None):
+                 lean_forward: str = "auto", lookup_first: str | None = None, head_window: int | None = None):
     """A PromptLookupDrafter for the spec 'prompt-lookup[:options]' (no model; see lookup_options; a folder of
     that name is ./prompt-lookup), a MambaDrafter for Mamba/Mamba2 checkpoints (HF or draftforge export), an
     EarlyExitDrafter for an EESD export (task eesd), else a TransformerDrafter.
@@ -220,6 +226,9 @@ def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_
     the drafter wrapped so that prompt lookup drafts every round where the text's last min_ngram tokens occurred
     before (min_ngram 2 unless the spec says) and the drafter drafts the others, at most drafter_tokens deep when
     given (drafters/lookup_first.py).
+
+    head_window: an EAGLE-3 head attends to the last that many committed tokens only (its cache holds that many
+    rows; a long prompt is encoded as its last rows); refused for any other drafter.
     """
     options = None
     if lookup_first is not None:
@@ -229,7 +238,10 @@ def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_
         if "min_ngram" not in options:
             options["min_ngram"] = min(DEFAULT_LOOKUP_FIRST_MIN_NGRAM, options["max_ngram"])
     drafter = _load_drafter(model_or_path, target, device, dtype, allow_vocab_mismatch, tokenizer, cuda_graphs,
-                            pack_weights, decode_attention, lean_forward)
+                            pack_weights, decode_attention, lean_forward, head_window)
+    if head_window is not None and getattr(drafter, "kind", None) != "eagle3":
+        raise RecipeError(f"head_window keeps the last N keys of an EAGLE-3 head; {model_or_path} is a "
+                          f"{getattr(drafter, 'kind', type(drafter).__name__)} drafter (drop --head-window)")
     if options is None:
         return drafter
     depth = options.pop("drafter_depth", None)
@@ -238,7 +250,7 @@ def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_
 
 def _load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_vocab_mismatch=False, tokenizer=None,
                   cuda_graphs="auto", pack_weights: str = "auto", decode_attention: str = "auto",
-                  lean_forward: str = "auto"):
+                  lean_forward: str = "auto", head_window: int | None = None):
     """The drafter itself (load_drafter without lookup_first)."""
     from draftforge.models.eesd_export import is_eesd_export
 
@@ -252,7 +264,7 @@ def _load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow
         from draftforge.decode.methods.eesd import load_early_exit
 
         return load_early_exit(model_or_path, target, device=device, dtype=dtype)
-    eagle3 = load_eagle3(model_or_path, target, device, dtype, pack_weights)
+    eagle3 = load_eagle3(model_or_path, target, device, dtype, pack_weights, head_window)
     if eagle3 is not None:
         return eagle3
     model, found_tokenizer = load_hf_causal_lm(model_or_path, device, dtype, "drafter", pack_weights,

@@ -86,6 +86,11 @@ class EvalConfig:
         "unless given) lookup drafts what followed, and the drafter drafts the other rounds (at most drafter_tokens "
         "deep when given); a prompt-lookup spec, e.g. prompt-lookup or prompt-lookup:min_ngram=3,drafter_tokens=2 "
         "(chain, tree and ucb; not eagle2 / c2t)", metavar="SPEC")
+    head_window: int | None = option(
+        None, "an EAGLE-3 head attends to the last N committed tokens only (default: every token): a long prompt "
+        "is encoded as its last N tokens and the head's cache holds N rows at any context. Lossless either way (the "
+        "target verifies); acceptance is what it changes, so measure it. A head trained on blocks of B tokens has "
+        "never attended to more than B", metavar="N")
     cuda_graphs: Literal["auto", "on", "off"] = option(
         "auto", "capture the Mamba drafter's per-batch-size decode steps in CUDA graphs: auto = on when --device is "
         "CUDA, on = require CUDA, off = eager")
@@ -156,7 +161,19 @@ def validate(cfg: EvalConfig) -> EvalConfig:
             raise RecipeError(f"speculative methods need --drafter ({m!r} does); give one or use --methods ar")
     if cfg.lookup_first is not None:
         check_lookup_first(cfg)
+    if cfg.head_window is not None:
+        if isinstance(cfg.head_window, bool) or not isinstance(cfg.head_window, int) or cfg.head_window < 1:
+            raise RecipeError(f"--head-window must be a whole number of tokens >= 1, got {cfg.head_window!r}")
+        if cfg.drafter is None or _is_lookup_spec(cfg.drafter):
+            raise RecipeError("--head-window applies to a --drafter that is an EAGLE-3 head, not to "
+                              f"{cfg.drafter or 'no drafter'}")
     return replace(cfg, method_options=resolve_method_options(cfg))  # every option checked here, once
+
+
+def _is_lookup_spec(drafter) -> bool:
+    from draftforge.decode.loading import lookup_options
+
+    return lookup_options(drafter) is not None
 
 
 def check_lookup_first(cfg: EvalConfig) -> None:

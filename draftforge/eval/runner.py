@@ -359,7 +359,10 @@ def _load(cfg):
                                           allow_vocab_mismatch=cfg.allow_vocab_mismatch, cuda_graphs=cfg.cuda_graphs,
                                           pack_weights=cfg.pack_weights, decode_attention=cfg.decode_attention,
                                           lean_forward=cfg.lean_forward,
-                                          **({"lookup_first": cfg.lookup_first} if cfg.lookup_first else {}))
+                                          **({"lookup_first": cfg.lookup_first} if cfg.lookup_first else {}),
+                                          **({"head_window": cfg.head_window} if cfg.head_window else {}))
+        if cfg.head_window is not None:
+            _log(cfg, f"head window: the EAGLE-3 head attends to the last {cfg.head_window} committed tokens")
         if cfg.lookup_first is not None:
             _log(cfg, f"lookup first ({cfg.lookup_first}): prompt lookup drafts the rounds where it finds a match, "
                       f"the {drafter.drafter.kind} drafter the others")

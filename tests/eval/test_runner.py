@@ -2,6 +2,7 @@
 in tests/eval/test_e2e.py). The fakes give deterministic tokens and times, so every figure is hand-checkable."""
 
 import argparse
+from dataclasses import replace
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -422,6 +423,24 @@ def test_the_lookup_method_needs_no_drafter_and_reads_its_own_flags(bench):
     with pytest.raises(RecipeError, match="--lookup-chain-length given, but no method of this run reads it"):
         command.config_from_args(parser().parse_args(["--target", "t", "--drafter", "d", "--bench", bench,
                                                       "--methods", "chain", "--lookup-chain-length", "2"]))
+
+
+def test_head_window_reaches_the_drafter_loader_only_when_given(bench, tmp_path, monkeypatch):
+    seen = []
+
+    class WindowAPI(FakeAPI):
+        def load_drafter(self, path, target, **kw):
+            seen.append(kw.get("head_window", "absent"))
+            return super().load_drafter(path, target, **{k: v for k, v in kw.items() if k != "head_window"})
+
+    monkeypatch.setattr(runner, "decode_api", WindowAPI())
+    args = parser().parse_args(["--target", "t", "--drafter", "d", "--bench", bench, "--methods", "chain",
+                                "--head-window", "64", "--max-new-tokens", "6", "--out", str(tmp_path / "a")])
+    cfg = command.config_from_args(args)
+    assert cfg.head_window == 64
+    run_eval(replace(cfg, quiet=True, plots=False))
+    run_eval(cfg_for(bench, tmp_path, methods=("chain",), plots=False))
+    assert seen == [64, "absent"]
 
 
 def test_command_rejects_bad_tree_and_temperature_text():

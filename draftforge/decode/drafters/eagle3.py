@@ -10,6 +10,11 @@ away after the verification: the accepted tokens come back next round with the t
 anchors instead of keys and values, and a state per tree node continued from its parent's.
 
 Static trees and chains are drafted through the same node interface (`begin` / `feed`) that EAGLE-2 and C2T drive.
+
+A window (`Eagle3Drafter(window=W)`, `--head-window`) keeps only the last W anchors' keys and values: the head is one
+layer, so an anchor's key and value depend on its own token and feature alone, and dropping the oldest rows is all a
+sliding window takes. The root then attends to exactly the last W anchors, a tree node to those and its ancestors; a
+long prompt is encoded as its last W anchors only, and the cache holds W rows at any context.
 Legend: Q new nodes, K keys, D hidden size, N draft vocabulary, A aux width.
 """
 
@@ -167,6 +172,17 @@ class Eagle3Drafter(FeatureDrafter):
     kind = "eagle3"
     body = "attention"
 
+    def __init__(self, head, vocab_size: int, tokenizer=None, window: int | None = None):
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise DraftforgeError(f"the EAGLE-3 head's window must be a whole number of tokens >= 1, got {window!r}")
+        self.window = window  # None: every committed anchor
+        super().__init__(head, vocab_size, tokenizer)
+
+    @property
+    def held(self) -> int:
+        """Anchors whose keys and values the cache holds: all of them, or the last `window`."""
+        return self.anchors if self.window is None else min(self.anchors, self.window)
+
     def _reset_body(self) -> None:
         self.cache = self.model.new_cache()  # the anchors' step-0 keys/values, then the fed tree nodes'
 
@@ -174,13 +190,21 @@ class Eagle3Drafter(FeatureDrafter):
         super()._clear_tree()
         self.node_col: dict[int, int] = {}  # fed node -> its row after the anchors
         if hasattr(self, "cache"):
-            self.cache.truncate(self.anchors)
+            self.cache.truncate(self.held)
 
     def _feed_anchors(self, tokens, features, positions):
+        if self.window is not None:  # the last `window` anchors after this feed: drop the oldest first
+            keep = self.window - len(tokens)
+            if keep <= 0:  # as many new anchors as the window (a prompt): only the last `window` are encoded
+                tokens, features, positions = (x[-self.window :] for x in (tokens, features, positions))
+                self.cache.truncate(0)
+            elif self.cache.length > keep:
+                length = self.cache.length
+                self.cache.keep_rows(0, torch.arange(length - keep, length, device=self.cache.k.device))
         return self.model.step(tokens, features, positions, self.cache, None)
 
     def _feed_nodes(self, parents, tokens, feature_QD, positions, nodes):
-        n_past, n_tree = self.anchors, len(self.node_col)
+        n_past, n_tree = self.held, len(self.node_col)
         cols = torch.zeros(len(nodes), n_past + n_tree + len(nodes), dtype=torch.bool)
         cols[:, :n_past] = True
         for q, parent in enumerate(parents):
@@ -195,12 +219,14 @@ class Eagle3Drafter(FeatureDrafter):
         return out_QD
 
     def cache_bytes(self) -> int:
-        """Bytes of the anchors' keys and values: they grow with the context."""
+        """Bytes of the anchors' keys and values: they grow with the context (up to the window's rows)."""
         return self.cache.nbytes()
 
     @property
     def steps_per_draft(self) -> str:
-        return "one head step per depth (one decoder layer), after one step over the newly committed tokens"
+        seen = "every committed token" if self.window is None else f"the last {self.window} committed tokens"
+        return ("one head step per depth (one decoder layer), after one step over the newly committed tokens; "
+                f"the head attends to {seen}")
 
 
 class FeatureMambaDrafter(FeatureDrafter):
