@@ -120,3 +120,17 @@ def test_eval_refuses_a_window_without_a_head_before_loading_anything():
         cfg = EvalConfig(target="t", bench="humaneval", drafter=drafter, head_window=window, methods=("ar",))
         with pytest.raises(RecipeError, match=match):
             validate(cfg)
+
+
+def test_a_windowed_head_fuses_and_encodes_only_the_last_w_anchors_of_a_long_prompt(target):
+    drafter = windowed(target, 4)
+    fused, stepped = [], []
+    fuse, step = drafter.model.fuse, drafter.model.step
+    drafter.model.fuse = lambda features: fused.append(len(features)) or fuse(features)
+    drafter.model.step = lambda tokens, *rest: stepped.append(len(tokens)) or step(tokens, *rest)
+    try:
+        build_decoder("chain", target, drafter, chain_length=2).generate(PROMPT, max_new_tokens=6)
+    finally:
+        del drafter.model.fuse, drafter.model.step
+    assert fused[0] == stepped[0] == 4  # the 29-anchor prompt: its last 4 rows only
+    assert max(fused) <= 4 and max(stepped) <= 4

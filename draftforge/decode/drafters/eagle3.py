@@ -69,6 +69,11 @@ class FeatureDrafter(Drafter):
     def _reset_body(self) -> None:
         raise NotImplementedError
 
+    def _anchor_rows(self, m: int) -> int:
+        """How many of m newly committed anchors the body must be fed (the last ones): all of them, unless a window
+        drops the others anyway."""
+        return m
+
     def _feed_anchors(self, tokens, features, positions) -> torch.Tensor:
         raise NotImplementedError
 
@@ -89,10 +94,10 @@ class FeatureDrafter(Drafter):
                 raise DraftforgeError(f"the {self.kind} drafter holds {self.anchors} anchors and got {m} new target "
                                       f"states for a sequence of {len(seq)} tokens (it needs {len(seq) - 1}): "
                                       "draft with the target it is bound to, round by round")
-            device = head.device
-            tokens = torch.tensor(seq[self.anchors + 1 :], device=device)
-            positions = torch.arange(self.anchors + 1, len(seq), device=device)
-            out_QD = self._feed_anchors(tokens, head.fuse(features.to(device)), positions)
+            device, n = head.device, self._anchor_rows(m)  # the last n new anchors are all the body reads
+            tokens = torch.tensor(seq[len(seq) - n :], device=device)
+            positions = torch.arange(len(seq) - n, len(seq), device=device)
+            out_QD = self._feed_anchors(tokens, head.fuse(features[m - n :].to(device)), positions)
             self.anchors += m
             self.root_out = out_QD[-1]
             self.root_logits = head.logits(self.root_out)[None].float()
@@ -192,14 +197,13 @@ class Eagle3Drafter(FeatureDrafter):
         if hasattr(self, "cache"):
             self.cache.truncate(self.held)
 
+    def _anchor_rows(self, m: int) -> int:
+        return m if self.window is None else min(m, self.window)  # a long prompt: its last `window` anchors
+
     def _feed_anchors(self, tokens, features, positions):
-        if self.window is not None:  # the last `window` anchors after this feed: drop the oldest first
-            keep = self.window - len(tokens)
-            if keep <= 0:  # as many new anchors as the window (a prompt): only the last `window` are encoded
-                tokens, features, positions = (x[-self.window :] for x in (tokens, features, positions))
-                self.cache.truncate(0)
-            elif self.cache.length > keep:
-                length = self.cache.length
+        if self.window is not None:  # the last `window` anchors after this feed: drop the oldest rows first
+            keep, length = self.window - len(tokens), self.cache.length  # keep >= 0: _anchor_rows cut the feed
+            if length > keep:
                 self.cache.keep_rows(0, torch.arange(length - keep, length, device=self.cache.k.device))
         return self.model.step(tokens, features, positions, self.cache, None)
 
