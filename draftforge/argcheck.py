@@ -34,11 +34,18 @@ def check_eval_settings(temperatures, max_new_tokens: int, repeats: int, warmup:
         raise RecipeError(f"--cost-repeats must be >= 0, got {cost_repeats}")
 
 
+def check_token_count(value, name: str, none_means: str | None = None,
+                      error: type[Exception] = RecipeError) -> int | None:
+    """A count of tokens: a whole number >= 1, or None (which means `none_means`, when it is said)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        alternative = f" (or None: {none_means})" if none_means else ""
+        raise error(f"{name} must be a whole number of tokens >= 1{alternative}, got {value!r}")
+    return value
+
+
 def check_prefill_chunk(chunk, name: str = "prefill_chunk", error: type[Exception] = RecipeError) -> int | None:
     """A prompt-chunk size: a whole number of tokens >= 1, or None (the whole prompt in one forward)."""
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise error(f"{name} must be a whole number of tokens >= 1 (or None: one forward), got {chunk!r}")
-    return chunk
+    return check_token_count(chunk, name, "one forward", error)
 
 
 def floats(values: list[str] | None, flag: str) -> tuple[float, ...]:

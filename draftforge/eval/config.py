@@ -6,9 +6,11 @@ running method's options before any model loads. The runner (eval/runner.py) rea
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, replace
+from pathlib import Path
 from typing import Literal
 
-from draftforge.argcheck import EVAL_DEFAULTS, check_eval_settings, check_prefill_chunk, temperature_list
+from draftforge.argcheck import (EVAL_DEFAULTS, check_eval_settings, check_prefill_chunk, check_token_count,
+                                 temperature_list)
 from draftforge.data.prompts import BENCHES
 from draftforge.decode import methods as method_registry
 from draftforge.decode.drafters.cuda_graphs import use_cuda_graphs
@@ -162,18 +164,13 @@ def validate(cfg: EvalConfig) -> EvalConfig:
     if cfg.lookup_first is not None:
         check_lookup_first(cfg)
     if cfg.head_window is not None:
-        if isinstance(cfg.head_window, bool) or not isinstance(cfg.head_window, int) or cfg.head_window < 1:
-            raise RecipeError(f"--head-window must be a whole number of tokens >= 1, got {cfg.head_window!r}")
-        if cfg.drafter is None or _is_lookup_spec(cfg.drafter):
+        check_token_count(cfg.head_window, "--head-window")
+        from draftforge.decode.loading import lookup_options
+
+        if cfg.drafter is None or lookup_options(cfg.drafter) is not None:
             raise RecipeError("--head-window applies to a --drafter that is an EAGLE-3 head, not to "
                               f"{cfg.drafter or 'no drafter'}")
     return replace(cfg, method_options=resolve_method_options(cfg))  # every option checked here, once
-
-
-def _is_lookup_spec(drafter) -> bool:
-    from draftforge.decode.loading import lookup_options
-
-    return lookup_options(drafter) is not None
 
 
 def check_lookup_first(cfg: EvalConfig) -> None:
@@ -206,6 +203,29 @@ def check_paths(cfg: EvalConfig) -> None:
         missing = missing_local_path(value)
         if missing is not None:  # the loader's own words, said before the seconds it takes to get there
             raise CheckpointError(f"cannot load the {flag[2:]}: directory {missing} does not exist ({flag})")
+    if cfg.head_window is not None and isinstance(cfg.drafter, str):
+        check_head_window_export(cfg.drafter)
+
+
+def check_head_window_export(path) -> None:
+    """--head-window on an export that is not an EAGLE-3 attention head, refused from its metadata before the
+    target loads (the drafter loader says the same after loading; a Hub id or a directory without draftforge's
+    metadata is left to it)."""
+    from draftforge.export import METADATA_FILE, read_export_metadata
+    from draftforge.models.eagle3 import HEAD_KIND
+    from draftforge.models.feature_mamba import BODY as MAMBA_BODY
+
+    path = Path(path).expanduser()
+    if not (path / METADATA_FILE).is_file():
+        return
+    meta = read_export_metadata(path)
+    head = meta.get("head")
+    if meta.get("task") != HEAD_KIND:
+        raise RecipeError(f"--head-window keeps the last N keys of an EAGLE-3 head; {path} is a {meta.get('task')!r} "
+                          "export (drop --head-window)")
+    if isinstance(head, dict) and head.get("body") == MAMBA_BODY:
+        raise RecipeError(f"--head-window keeps the last N keys of an EAGLE-3 attention head; {path} is a feature "
+                          "Mamba2 drafter, whose state is the same size at any context (drop --head-window)")
 
 
 def resolve_method_options(cfg: EvalConfig) -> dict[str, method_registry.MethodOptions]:

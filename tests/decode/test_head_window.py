@@ -122,6 +122,24 @@ def test_eval_refuses_a_window_without_a_head_before_loading_anything():
             validate(cfg)
 
 
+@pytest.mark.parametrize("meta, match", [({"task": "sft"}, "is a 'sft' export"),
+                                         ({"task": "eagle3", "head": {"body": "mamba2"}}, "feature Mamba2 drafter")])
+def test_eval_refuses_a_window_for_an_export_that_is_not_an_attention_head_before_loading(tmp_path, meta, match):
+    import json
+
+    from draftforge.eval.config import EvalConfig, check_paths, validate
+
+    drafter = tmp_path / "export"
+    drafter.mkdir()
+    (drafter / "draftforge.json").write_text(json.dumps(meta))
+    cfg = validate(EvalConfig(target=str(tmp_path), bench="humaneval", drafter=str(drafter), head_window=8,
+                              methods=("ar",), out_dir=str(tmp_path / "out")))
+    with pytest.raises(RecipeError, match=match):
+        check_paths(cfg)
+    (drafter / "draftforge.json").write_text(json.dumps({"task": "eagle3", "head": {"body": "attention"}}))
+    check_paths(cfg)  # an attention head passes: the loader checks the rest
+
+
 def test_a_windowed_head_fuses_and_encodes_only_the_last_w_anchors_of_a_long_prompt(target):
     drafter = windowed(target, 4)
     fused, stepped = [], []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from draftforge.argcheck import check_token_count
 from draftforge.decode.memory import tensor_bytes
 from draftforge.decode.drafters.base import Drafter, chain_stops, propose_level, stack_q
 from draftforge.decode.drafters.ssm_state import prompt_chunk
@@ -178,9 +179,8 @@ class Eagle3Drafter(FeatureDrafter):
     body = "attention"
 
     def __init__(self, head, vocab_size: int, tokenizer=None, window: int | None = None):
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise DraftforgeError(f"the EAGLE-3 head's window must be a whole number of tokens >= 1, got {window!r}")
-        self.window = window  # None: every committed anchor
+        self.window = check_token_count(window, "the EAGLE-3 head's window", "every committed token",
+                                        DraftforgeError)
         super().__init__(head, vocab_size, tokenizer)
 
     @property
