@@ -3,7 +3,9 @@
 Tiny float64 models built from tests/fixtures/decode.py (seeded), Mamba2 and Transformer drafters,
 chain / tree / UCB, T=0 and T=1, three prompts; then an attention-free Mamba2 target and a Bamba hybrid
 (tests/fixtures/hybrid.py, float32: the tree-scan path) with a Mamba2 drafter, chain and tree, T=0 and T=1
-(keys "mamba2-target/..." and "bamba-target/..."). Run it on two checkouts (from each one's root) and compare:
+(keys "mamba2-target/..." and "bamba-target/..."); and the two drafters that read the target's hidden states, the
+EAGLE-3 head and the feature-conditioned Mamba2 drafter, chain / tree (T=0 and T=1) / EAGLE-2 (T=0), three prompts
+(keys "eagle3/..." and "feature_mamba2/..."). Run it on two checkouts (from each one's root) and compare:
 
     python -m benchmarks.regression.decode_digest --out /tmp/new.json
     (cd OLD_CHECKOUT && PYTHONPATH=.:NEW_CHECKOUT python -m benchmarks.regression.decode_digest --out /tmp/old.json)
@@ -44,6 +46,28 @@ def digest() -> dict:
                     res = dec.generate(prompt, max_new_tokens=20, temperature=temp, seed=i)
                     out[f"{kind}/{method}/T{temp:g}/{i}"] = [res.tokens, res.stats.accepted_per_round]
     out.update(ssm_targets())
+    out.update(feature_drafters())
+    return out
+
+
+def feature_drafters() -> dict:
+    """The EAGLE-3 head's and the feature Mamba2 drafter's decodes (features handed over by the verification)."""
+    import torch
+
+    from draftforge.decode import build_decoder, load_drafter, load_target
+    from tests.fixtures.decode import eagle3_head, feature_mamba_head, tiny_llama
+
+    vocab = 12
+    target = load_target(tiny_llama(vocab=vocab, dtype=torch.float64))
+    out = {}
+    for kind, make in (("eagle3", eagle3_head), ("feature_mamba2", feature_mamba_head)):
+        drafter = load_drafter(make(target.model), target)
+        for method, opts in (("chain", {"chain_length": 3}), ("tree", {"tree": (vocab, 2, 1)}), ("eagle2", {})):
+            dec = build_decoder(method, target, drafter, **opts)
+            for temp in (0.0,) if method == "eagle2" else (0.0, 1.0):
+                for i, prompt in enumerate(([4], [3, 5, 7], [(7 * j + 3) % vocab for j in range(40)])):
+                    res = dec.generate(prompt, max_new_tokens=20, temperature=temp, seed=7)
+                    out[f"{kind}/{method}/T{temp:g}/{i}"] = [res.tokens, res.stats.accepted_per_round]
     return out
 
 
@@ -70,12 +94,16 @@ def ssm_targets() -> dict:
 
 def compare(a_path: str, b_path: str) -> int:
     a, b = (json.loads(Path(x).read_text()) for x in (a_path, b_path))
-    tokens = [k for k in a if a[k][0] != b.get(k, [None])[0]]
-    rounds = [k for k in a if a[k][1] != b.get(k, [None, None])[1]]
-    print(f"{len(a)} decodes: {len(a) - len(tokens)} with identical tokens, {len(a) - len(rounds)} with "
-          f"identical accepted drafts per round" + (f"; differ: {sorted(set(tokens + rounds))[:8]}" if
-                                                   tokens or rounds else ""))
-    return 1 if tokens or rounds else 0
+    both = [k for k in a if k in b]
+    tokens = [k for k in both if a[k][0] != b[k][0]]
+    rounds = [k for k in both if a[k][1] != b[k][1]]
+    lost, added = sorted(set(a) - set(b)), sorted(set(b) - set(a))  # B (the newer) may add decodes, not drop any
+    print(f"{len(both)} decodes in both: {len(both) - len(tokens)} with identical tokens, {len(both) - len(rounds)} "
+          f"with identical accepted drafts per round" + (f"; differ: {sorted(set(tokens + rounds))[:8]}" if
+                                                         tokens or rounds else "")
+          + (f"; {len(added)} only in {b_path} (added since, not compared)" if added else "")
+          + (f"; {len(lost)} missing from {b_path}: {lost[:8]}" if lost else ""))
+    return 1 if tokens or rounds or lost else 0
 
 
 def write(out: str) -> int:
