@@ -15,7 +15,8 @@ from tests.fixtures.decode import eagle3_head, feature_mamba_head, greedy_refere
 
 VOCAB = 12
 PROMPT = [(7 * i + 3) % VOCAB for i in range(30)]
-METHODS = [("chain", {"chain_length": 3}), ("tree", {"tree": (VOCAB, 2, 1)}), ("eagle2", {})]  # c2t: eagle2 + a classifier
+# c2t is eagle2 with a classifier pruning its trees: the window acts on the same drafter calls
+METHODS = [("chain", {"chain_length": 3}), ("tree", {"tree": (VOCAB, 2, 1)}), ("eagle2", {})]
 
 
 def windowed(target, window):
