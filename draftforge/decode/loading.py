@@ -175,7 +175,7 @@ def load_eagle3(model_or_path, target: Target, device, dtype, pack_weights: str 
     committed tokens only (drafters/eagle3.py); refused for the Mamba2 body, whose state is constant anyway."""
     from draftforge.models.eagle3 import Eagle3Head
     from draftforge.models.eagle3_export import is_eagle3_export, load_head
-    from draftforge.models.feature_mamba import FeatureMamba2Head
+    from draftforge.models.feature_mamba import FeatureMamba2Head, head_window_refusal
 
     if isinstance(model_or_path, (Eagle3Head, FeatureMamba2Head)):
         head, tokenizer = model_or_path, None
@@ -195,8 +195,7 @@ def load_eagle3(model_or_path, target: Target, device, dtype, pack_weights: str 
         use_head_attention(head)
     if isinstance(head, FeatureMamba2Head):
         if head_window is not None:
-            raise RecipeError("head_window keeps the last N keys of an EAGLE-3 attention head; this is a feature "
-                              "Mamba2 drafter, whose state is the same size at any context (drop --head-window)")
+            raise RecipeError(head_window_refusal("head_window", "this drafter"))
         drafter = FeatureMambaDrafter(head, target.vocab_size, tokenizer)
     else:
         drafter = Eagle3Drafter(head, target.vocab_size, tokenizer, window=head_window)

@@ -213,7 +213,7 @@ def check_head_window_export(path) -> None:
     metadata is left to it)."""
     from draftforge.export import METADATA_FILE, read_export_metadata
     from draftforge.models.eagle3 import HEAD_KIND
-    from draftforge.models.feature_mamba import BODY as MAMBA_BODY
+    from draftforge.models.feature_mamba import BODY as MAMBA_BODY, head_window_refusal
 
     path = Path(path).expanduser()
     if not (path / METADATA_FILE).is_file():
@@ -224,8 +224,7 @@ def check_head_window_export(path) -> None:
         raise RecipeError(f"--head-window keeps the last N keys of an EAGLE-3 head; {path} is a {meta.get('task')!r} "
                           "export (drop --head-window)")
     if isinstance(head, dict) and head.get("body") == MAMBA_BODY:
-        raise RecipeError(f"--head-window keeps the last N keys of an EAGLE-3 attention head; {path} is a feature "
-                          "Mamba2 drafter, whose state is the same size at any context (drop --head-window)")
+        raise RecipeError(head_window_refusal("--head-window", str(path)))
 
 
 def resolve_method_options(cfg: EvalConfig) -> dict[str, method_registry.MethodOptions]:

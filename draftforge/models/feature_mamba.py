@@ -31,6 +31,12 @@ from draftforge.models.eagle3 import FeatureHead, RMSNorm, check_aux_layers, che
 
 BODY = "mamba2"
 
+
+def head_window_refusal(flag: str, subject: str) -> str:
+    """The one line a head window (which keeps an attention head's last N keys) gets when asked of this body."""
+    return (f"{flag} keeps the last N keys of an EAGLE-3 attention head; {subject} is a feature Mamba2 drafter, whose "
+            "state is the same size at any context (drop --head-window)")
+
 State = tuple[torch.Tensor, torch.Tensor]  # one block's (conv window [B, K-1, C], ssm [B, H, P, N])
 
 
