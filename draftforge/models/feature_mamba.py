@@ -37,6 +37,7 @@ def head_window_refusal(flag: str, subject: str) -> str:
     return (f"{flag} keeps the last N keys of an EAGLE-3 attention head; {subject} is a feature Mamba2 drafter, whose "
             "state is the same size at any context (drop --head-window)")
 
+
 State = tuple[torch.Tensor, torch.Tensor]  # one block's (conv window [B, K-1, C], ssm [B, H, P, N])
 
 
