@@ -26,13 +26,22 @@ def record(drafted, accepted, draft_s):
 
 def test_prediction_by_hand():
     recs = [record([3, 3], [3, 1], 0.004), record([7], [2], 0.003)]  # rows 4, 4, 8; draft 7 ms over 3 rounds
-    summary = {"tau": 9 / 3, "time": {"draft_s": 0.007}, "speedup": 2.1}
+    summary = {"tau": 9 / 3, "time": {"draft_s": 0.007}, "speedup": 2.1, "decode_speedup": 2.4}
     got = cost.predict(summary, recs, CURVE)
     verify = (0.032 + 0.032 + 0.040) / 3
     assert got["rows_per_round"] == pytest.approx(16 / 3) and got["verify_s_per_round"] == pytest.approx(verify)
     assert got["predicted_speedup"] == pytest.approx(3.0 * 0.030 / (verify + 0.007 / 3))
     assert got["measured_over_predicted"] == pytest.approx(2.1 / got["predicted_speedup"])
+    assert got["decode_over_predicted"] == pytest.approx(2.4 / got["predicted_speedup"])  # the prefill left out
     assert got["draft_steps_per_round"] == pytest.approx((3 + 3 + 7) / 3)  # every round drafted its max depth
+    lines = cost.prediction_markdown([{"method": "chain", "temperature": 0.0, "cost_model": got}])
+    row = next(line for line in lines if line.startswith("| chain |"))
+    predicted = 3.0 * 0.030 / (verify + 0.007 / 3)  # 2.43×: the cells end to end · decoding only
+    assert f"| {predicted:.2f}× | 2.10× · 2.40× | {2.1 / predicted:.2f} · {2.4 / predicted:.2f} |" in row
+    no_decode = cost.predict({k: v for k, v in summary.items() if k != "decode_speedup"}, recs, CURVE)
+    assert no_decode["decode_over_predicted"] is None
+    lines = cost.prediction_markdown([{"method": "chain", "temperature": 0.0, "cost_model": no_decode}])
+    assert next(line for line in lines if line.startswith("| chain |")).endswith(f"| 2.10× | {2.1 / predicted:.2f} |")
 
 
 def test_rows_beyond_the_grid_are_named_for_timing():
