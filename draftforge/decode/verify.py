@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftforge.decode.sampling import SamplingParams, probs_from_logits
+from draftforge.decode.sampling import SamplingParams, draw_one, probs_from_logits
 from draftforge.decode.tree import DraftTree
 
 
@@ -42,7 +42,7 @@ def residual(p_V: torch.Tensor, q_V: torch.Tensor) -> torch.Tensor:
 
 
 def _draw(probs_V: torch.Tensor, generator) -> int:
-    return int(torch.multinomial(probs_V.to(generator.device), 1, generator=generator))
+    return int(draw_one(probs_V.to(generator.device)[None], generator))
 
 
 def _uniform(generator) -> float:

@@ -196,3 +196,19 @@ def test_distinct_siblings_never_lower_a_nodes_acceptance():
         q_V = (torch.randn(5, dtype=torch.float64, generator=gen) * 2).softmax(0)
         for k in (2, 3):
             assert _p_some_child_accepted(p_V, q_V, k, True) >= _p_some_child_accepted(p_V, q_V, k, False) - 1e-12
+
+
+def test_iid_siblings_are_independent_draws_from_q():
+    """tree_draws="iid": three siblings per row, each pair of slots distributed as q x q (enumerated), and a token
+    of zero probability never drawn."""
+    q_V = torch.tensor([0.5, 0.0, 0.3, 0.2], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(5)
+    kids = sample(q_V[None].repeat(6000, 1), gen, 3, distinct=False)
+    assert kids.shape == (6000, 3) and not bool((kids == 1).any())
+    expect = {(a, b): float(q_V[a] * q_V[b]) for a in (0, 2, 3) for b in (0, 2, 3)}
+    for first, second in ((0, 1), (1, 2), (0, 2)):
+        counts = {}
+        for a, b in zip(kids[:, first].tolist(), kids[:, second].tolist()):
+            counts[(a, b)] = counts.get((a, b), 0) + 1
+        stat, df = chi_square(counts, expect, 6000)
+        assert stat < chi_square_limit(df), (first, second, stat)
