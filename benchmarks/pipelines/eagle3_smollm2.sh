@@ -12,11 +12,11 @@
 # greedily (resumable: generate continues row by row); STEPS [150] training steps of 8 x 256 tokens for the
 # attention head and MAMBA_STEPS [50] for the Mamba2 body (~18 CPU-s per step either way on a 2-core Zen 5: the
 # target's bf16 forward and five unrolled head steps; docs/results/eagle3.md ran 1,021 rows); EVAL_PROMPTS [6];
-# NEW_TOKENS [128]. A finished training run is kept
+# NEW_TOKENS [128]; C2T_PROMPTS [80] prompts harvested for the C2T classifier. A finished training run is kept
 # (delete runs/smollm2/<run> to retrain it); an existing report is not measured again.
 source "$(dirname "$0")/common.sh"  # strict mode, cd to the repository root, OMP_NUM_THREADS=1, phase
 CACHE="${CACHE:-$HOME/.cache/draftforge}"; PROMPTS="${PROMPTS:-1000}"; STEPS="${STEPS:-150}"; MAMBA_STEPS="${MAMBA_STEPS:-50}"
-EVAL_PROMPTS="${EVAL_PROMPTS:-6}"; NEW_TOKENS="${NEW_TOKENS:-128}"
+EVAL_PROMPTS="${EVAL_PROMPTS:-6}"; NEW_TOKENS="${NEW_TOKENS:-128}"; C2T_PROMPTS="${C2T_PROMPTS:-80}"
 TARGET="$CACHE/smollm2"; OUT=runs/smollm2
 mkdir -p "$OUT"
 
@@ -53,15 +53,31 @@ suite fm-instructions "$OUT/eagle3-mamba2/export" instructions 0,1 chain,tree
 suite lookup-instructions prompt-lookup instructions 0,1 chain
 suite lookup-humaneval prompt-lookup humaneval 0 chain
 
-phase "C2T over the head: harvest EAGLE-2 pools on 16 training prompts, train the classifier, the τ–tokens sweep"
-[ -s "$OUT/c2t_prompts.jsonl" ] || sed -n "1065,1080p" "$OUT/train_prompts.jsonl" > "$OUT/c2t_prompts.jsonl"
+phase "C2T over the head: harvest EAGLE-2 pools on $C2T_PROMPTS unseen prompts, train the classifier, the τ–tokens sweep"
+# Prompts neither the head trained on (it may have seen every training prompt) nor the sweep measures: the held-out
+# split after its first 128 prompts (the α rows of eagle3_more_rows.sh), without the `instructions` bench's prompts
+# and the modules of the evaluated ones. A classifier harvested on 16 prompts saw 17 held-out positives and gained
+# nothing; 80 gave 219 (docs/results/eagle3.md §3).
+[ -s "$OUT/heldout_prompts.jsonl" ] || python -m draftforge target prompts --split heldout --out "$OUT/heldout_prompts.jsonl"
+[ -s "$OUT/c2t_e3_prompts.jsonl" ] || python - "$OUT/heldout_prompts.jsonl" "$EVAL_PROMPTS" "$C2T_PROMPTS" \
+  "$OUT/c2t_e3_prompts.jsonl" <<'EOF'
+import json, sys
+from draftforge.data.instructions import heldout_path
+rows = [json.loads(line) for line in open(sys.argv[1])]
+bench = [json.loads(line) for line in open(heldout_path())]
+measured, ids = {r["module"] for r in bench[: int(sys.argv[2])]}, {r["prompt_id"] for r in bench}
+kept = [r for r in rows[128:] if r["module"] not in measured and r["prompt_id"] not in ids][: int(sys.argv[3])]
+open(sys.argv[4], "w").writelines(json.dumps(r) + "\n" for r in kept)
+print(f"{len(kept)} harvest prompts from {len({r['module'] for r in kept})} modules")
+EOF
 [ -f "$OUT/c2t-e3-harvest/harvest.json" ] || python -m draftforge harvest trees --target "$TARGET" \
-  --drafter "$OUT/eagle3/export" --bench "$OUT/c2t_prompts.jsonl" --max-new-tokens 64 --out "$OUT/c2t-e3-harvest"
+  --drafter "$OUT/eagle3/export" --bench "$OUT/c2t_e3_prompts.jsonl" --max-new-tokens 64 --out "$OUT/c2t-e3-harvest"
 [ -f "$OUT/c2t-e3/export/draftforge.json" ] || python -m draftforge train recipes/c2t.yaml --overwrite \
   --set "output_dir=$OUT/c2t-e3" --set "model.target=$TARGET" --set "data.sources=[$OUT/c2t-e3-harvest]" \
   --set train.max_steps=1500 > "$OUT/c2t-e3.log" 2>&1
 [ -f "$OUT/tree_budget_e3/tree_budget.json" ] || python -m benchmarks.decoding.tree_budget --target "$TARGET" \
-  --drafter "$OUT/eagle3/export" --bench instructions --c2t "$OUT/c2t-e3/export" --ns 4,8,16,32 --betas 0.3,0.5,0.7 \
+  --drafter "$OUT/eagle3/export" --bench instructions --c2t "$OUT/c2t-e3/export" --ns 4,8,16,32 --betas 0.3,0.5,0.7,0.9 \
+  --chains 1,2,3 --chain-betas 0.3,0.5,0.7 \
   --eagle-top-k 10 --eagle-depth 5 --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$NEW_TOKENS" --repeats 1 \
   --out "$OUT/tree_budget_e3" > "$OUT/tree_budget_e3.log" 2>&1
 grep '^|' "$OUT/tree_budget_e3.log" || true
