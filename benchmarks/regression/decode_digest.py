@@ -1,7 +1,7 @@
 """Decode digest: the proof a harness refactor moved nothing (same tokens, same accepted drafts per round).
 
 Tiny float64 models built from tests/fixtures/decode.py (seeded), Mamba2 and Transformer drafters,
-chain / tree / UCB, T=0 and T=1, three prompts; then an attention-free Mamba2 target and a Bamba hybrid
+chain / tree / UCB, T=0 and T=1, three prompts (and the tree with i.i.d. siblings at T=1); then an attention-free Mamba2 target and a Bamba hybrid
 (tests/fixtures/hybrid.py, float32: the tree-scan path) with a Mamba2 drafter, chain and tree, T=0 and T=1
 (keys "mamba2-target/..." and "bamba-target/..."); and the two drafters that read the target's hidden states, the
 EAGLE-3 head and the feature-conditioned Mamba2 drafter, chain / tree (T=0 and T=1) / EAGLE-2 (T=0), three prompts
@@ -45,6 +45,10 @@ def digest() -> dict:
                 for i, prompt in enumerate([[1], [3, 5, 7], list(range(2, 14))]):
                     res = dec.generate(prompt, max_new_tokens=20, temperature=temp, seed=i)
                     out[f"{kind}/{method}/T{temp:g}/{i}"] = [res.tokens, res.stats.accepted_per_round]
+        dec = build_decoder("tree", target, drafter, tree=(3, 2, 1))  # i.i.d. siblings (not the default) at T=1
+        for i, prompt in enumerate([[1], [3, 5, 7], list(range(2, 14))]):
+            res = dec.generate(prompt, max_new_tokens=20, temperature=1.0, seed=i, tree_draws="iid")
+            out[f"{kind}/tree-iid/T1/{i}"] = [res.tokens, res.stats.accepted_per_round]
     out.update(ssm_targets())
     out.update(feature_drafters())
     return out

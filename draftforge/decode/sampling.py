@@ -64,7 +64,7 @@ def sample(probs_NV: torch.Tensor, generator: torch.Generator, num: int = 1, dis
     nonzero probability repeats its last draw in the spare slots; the tree verifier skips a token it has
     already tried among siblings, so those slots are never accepted."""
     if not distinct or num == 1:  # one draw is the same either way
-        return torch.cat([draw_one(probs_NV, generator) for _ in range(num)], -1)
+        return draw_iid(probs_NV, generator, num)
     left_NV, draws = probs_NV.clone(), []
     for k in range(num):
         if k:
@@ -84,14 +84,25 @@ def draw_one(weights_NV: torch.Tensor, generator: torch.Generator) -> torch.Tens
     49k entries would round every step by up to half a float32 ulp of the total). A token of zero weight is never
     drawn: searchsorted on the right side skips flat stretches of the CDF, and a u that rounds up to the total
     takes the last token of nonzero weight."""
+    return draw_iid(weights_NV, generator, 1)
+
+
+def draw_iid(weights_NV: torch.Tensor, generator: torch.Generator, num: int) -> torch.Tensor:
+    """num i.i.d. draws per row as [N, num] indices, as `draw_one` draws them (num of its calls in a row give the
+    same tokens from the same generator), with the row's CDF summed once instead of num times."""
     cdf_NV = weights_NV.to(torch.float64).cumsum(-1)
-    u_N1 = torch.rand((cdf_NV.shape[0], 1), generator=generator, dtype=cdf_NV.dtype, device=cdf_NV.device)
-    idx_N1 = torch.searchsorted(cdf_NV, u_N1 * cdf_NV[:, -1:], right=True)
-    past_N1 = idx_N1 >= cdf_NV.shape[-1]
-    if bool(past_N1.any()):
-        last_N1 = (weights_NV > 0).long().cumsum(-1).argmax(-1, keepdim=True)  # first index of the running max
-        idx_N1 = torch.where(past_N1, last_N1, idx_N1)
-    return idx_N1
+    total_N1, last_N1 = cdf_NV[:, -1:], None
+    draws = []
+    for _ in range(num):
+        u_N1 = torch.rand((cdf_NV.shape[0], 1), generator=generator, dtype=cdf_NV.dtype, device=cdf_NV.device)
+        idx_N1 = torch.searchsorted(cdf_NV, u_N1 * total_N1, right=True)
+        past_N1 = idx_N1 >= cdf_NV.shape[-1]
+        if bool(past_N1.any()):
+            if last_N1 is None:  # first index of the running max: the last token of nonzero weight
+                last_N1 = (weights_NV > 0).long().cumsum(-1).argmax(-1, keepdim=True)
+            idx_N1 = torch.where(past_N1, last_N1, idx_N1)
+        draws.append(idx_N1)
+    return draws[0] if num == 1 else torch.cat(draws, -1)
 
 
 def match_vocab(logits_NV: torch.Tensor, vocab: int, d2t=None) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from draftforge.decode import build_decoder, load_drafter, load_target, verify
-from draftforge.decode.sampling import SamplingParams, draw_one, probs_from_logits, sample
+from draftforge.decode.sampling import SamplingParams, draw_iid, draw_one, probs_from_logits, sample
 from draftforge.decode.tree import DraftTree
 from tests.fixtures.decode import eagle3_head, feature_mamba_head, noisy_copy, tiny_llama, tiny_mamba
 
@@ -212,3 +212,13 @@ def test_iid_siblings_are_independent_draws_from_q():
             counts[(a, b)] = counts.get((a, b), 0) + 1
         stat, df = chi_square(counts, expect, 6000)
         assert stat < chi_square_limit(df), (first, second, stat)
+
+
+def test_draw_iid_is_num_draw_one_calls_from_the_same_generator():
+    """The i.i.d. draws sum each row's CDF once; they must still be, token for token, what num draw_one calls in a
+    row give from an equally seeded generator (rows of uneven mass, zeros, and a row with one nonzero token)."""
+    weights = torch.tensor([[0.5, 0.0, 0.3, 0.2], [0.0, 0.0, 2.0, 0.0], [1e-9, 3.0, 0.0, 1.0]])
+    for seed in range(20):
+        gen = torch.Generator().manual_seed(seed)
+        one_by_one = torch.cat([draw_one(weights, gen) for _ in range(5)], -1)
+        assert torch.equal(draw_iid(weights, torch.Generator().manual_seed(seed), 5), one_by_one)
