@@ -120,12 +120,12 @@ class Trainer:
         self.plan = BatchPlan(spec.train_data, self.t.global_batch_size, self.t.micro_batch_size,
                               acc.process_index, acc.num_processes, self.t.seed, collate=spec.collate)
         run_dir.claim(spec.run_files)  # the first write to output_dir: recipe, data and model are known to work
-        self.start, self.units_seen = self._resume_point()
+        self.losses, self.eval_loss, self.last_loss = [], None, float("nan")
+        self.start, self.units_seen = self._resume_point()  # a resumed run's last loss and eval loss too
         self.best = BestKeeper(self.t.keep_best, run_dir.path, self.start)
         self.metrics_log = MetricsLog(run_dir.path / "metrics.jsonl", acc.is_main_process, self.start)
         if acc.is_main_process and acc.log_with:
             acc.init_trackers("draftforge", config=_tracker_config(recipe))
-        self.losses, self.eval_loss, self.last_loss = [], None, float("nan")
         self.train_time, self.timed_units = 0.0, 0
 
     def _announce(self) -> None:
@@ -148,6 +148,9 @@ class Trainer:
         dist.check_resume(state, self.acc, last)  # which world-size changes the backend can reshard
         self.acc.load_state(str(last))
         self.run_dir.checkpointed = True
+        # checkpoints from before these keys resume without them (the summary then has no loss to give)
+        self.last_loss = state.get("last_loss") if state.get("last_loss") is not None else float("nan")
+        self.eval_loss = state.get("eval_loss")
         self.say(f"[draftforge] resumed from {last} (step {state['step']})")
         return state["step"], state["tokens_seen"]
 
@@ -280,7 +283,10 @@ class Trainer:
         acc.wait_for_everyone()
         if acc.is_main_process:
             state = {"step": step, "tokens_seen": self.units_seen, "task": self.recipe.task,
-                     "world_size": acc.num_processes, "backend": dist.backend(acc), "recipe": self.recipe.to_dict()}
+                     "world_size": acc.num_processes, "backend": dist.backend(acc), "recipe": self.recipe.to_dict(),
+                     # so a run resumed at its last step exports and reports them (JSON has no NaN)
+                     "last_loss": self.last_loss if math.isfinite(self.last_loss) else None,
+                     "eval_loss": self.eval_loss}
             ckpt.commit(tmp, state, self.t.keep_checkpoints)
         acc.wait_for_everyone()
         self.run_dir.settle()
@@ -347,9 +353,9 @@ class Trainer:
     def _summary(self, step: int, export_dir: Path | None) -> TrainResult:
         rate = self.timed_units / self.train_time if self.train_time else 0.0
         ev = f", eval loss {self.eval_loss:.4f}" if self.eval_loss is not None else ""
-        self.say(f"[draftforge] done: step {step}/{self.t.max_steps}, loss {self.last_loss:.4f}{ev}, "
-                 f"{rate:,.0f} {self.spec.unit}/s; run in {self.run_dir.path}"
-                 + (f"; export in {export_dir}" if export_dir else ""))
+        pace = f"{rate:,.0f} {self.spec.unit}/s" if self.losses else "no step left to run"
+        self.say(f"[draftforge] done: step {step}/{self.t.max_steps}, loss {self.last_loss:.4f}{ev}, {pace}; "
+                 f"run in {self.run_dir.path}" + (f"; export in {export_dir}" if export_dir else ""))
         return TrainResult(self.run_dir.path, step, self.last_loss, self.eval_loss, rate, export_dir, self.losses)
 
 

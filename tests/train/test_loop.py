@@ -60,6 +60,25 @@ def test_resume_reproduces_uninterrupted_losses_bitwise(tmp_path, tiny_corpus_di
     assert a.read_bytes() == b.read_bytes()
 
 
+def test_a_run_resumed_at_its_last_step_exports_the_losses_the_uninterrupted_run_exports(tmp_path, tiny_corpus_dir,
+                                                                                         tiny_tokenizer_dir, capsys):
+    # killed between its last checkpoint and its export: the resumed run has no step left, and once exported a
+    # final loss of NaN (not JSON) and no eval loss, and said "loss nan, 0 tokens/s"
+    full = run(recipe_from_dict(tiny_recipe(tmp_path / "a", tiny_corpus_dir, tiny_tokenizer_dir, export=True)))
+    part = tiny_recipe(tmp_path / "b", tiny_corpus_dir, tiny_tokenizer_dir)  # export off: no export at step 6
+    run(recipe_from_dict(part))
+    part["train"]["export"] = True
+    capsys.readouterr()
+    resumed = run(recipe_from_dict(part), resume=True)
+    assert resumed.step == 6 and resumed.losses == []
+    want = json.loads((full.export_dir / "draftforge.json").read_text())["metrics"]
+    got = json.loads((resumed.export_dir / "draftforge.json").read_text(), parse_constant=pytest.fail)["metrics"]
+    assert got["final_loss"] == want["final_loss"] == full.losses[-1]  # bitwise: fp32 on CPU
+    assert got["eval_loss"] == want["eval_loss"] is not None
+    assert (resumed.final_loss, resumed.eval_loss) == (full.final_loss, full.eval_loss)
+    assert "no step left to run" in capsys.readouterr().out
+
+
 def test_corrupted_checkpoint_falls_back_to_previous(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, capsys):
     recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, keep_checkpoints=3))
     run(recipe, stop_after=4)
