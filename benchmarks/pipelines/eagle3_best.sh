@@ -85,8 +85,9 @@ phase "rows: T = 1 answers to $PROMPTS training prompts (fp32, seed 1), resumabl
 python -m draftforge generate --target "$TARGET" --prompts "$OUT/train_prompts.jsonl" -n "$PROMPTS" --temperature 1 \
   --max-new-tokens "$GEN_TOKENS" --batch-size 64 --dtype float32 --threads 2 --seed 1 --out "$OUT/e3_rows_t1.jsonl"
 
-# the two partial row sets the documented runs trained on: the first N rows of a file (generate writes them in the
-# prompts' order), each named by its count; rewritten from the full files each time (the same rows once those exist)
+# the two partial row sets the documented runs trained on, whose generation was stopped after N rows: generate
+# writes a file batch by batch in a fixed order (prompts sorted by length, a seed per batch), so its first N rows are
+# what that run had; each named by its count, rewritten from the full files each time (the same rows once they exist)
 head -n "$D_REST_ROWS" "$OUT/e3_rows_rest.jsonl" > "$OUT/e3_rows_rest_first$D_REST_ROWS.jsonl"
 head -n "$F_T1_ROWS" "$OUT/e3_rows_t1.jsonl" > "$OUT/e3_rows_t1_first$F_T1_ROWS.jsonl"
 
