@@ -22,9 +22,9 @@ python -m draftforge harvest trees --target "$TARGET" --drafter "$MAMBA" --bench
 
 phase "train: the P+H+d head and the ablation heads"
 for f in PHd PH Pd Hd; do
-  [ -f "$OUT/c2t-$f/export/draftforge.json" ] || python -m draftforge train recipes/c2t.yaml --overwrite \
+  [ -f "$OUT/c2t-$f/export/draftforge.json" ] || python -m draftforge train recipes/c2t.yaml $(resume_flag "$OUT/c2t-$f") \
     --set "output_dir=$OUT/c2t-$f" --set "model.target=$TARGET" --set "data.sources=[$OUT/c2t-harvest]" \
-    --set "c2t.features=$f" --set train.max_steps=1500 > "$OUT/c2t-$f.log" 2>&1
+    --set "c2t.features=$f" --set train.max_steps=1500 >> "$OUT/c2t-$f.log" 2>&1
 done
 
 [ "${SKIP_EVAL:-0}" = 1 ] && { phase "done (SKIP_EVAL=1)"; exit 0; }

@@ -12,8 +12,8 @@
 # Environment (defaults in brackets): CACHE [~/.cache/draftforge]; MORE_PROMPTS [1200] extra instruction
 # prompts answered; STEPS [250] distill steps on the SFT rows, SCALE_STEPS [500] on all rows, SWEEP_STEPS [120]
 # per sweep size; LONG_STEPS [1500] for the two longer runs; TV_PROMPTS [16] per bench. Every phase resumes or is skipped when its output exists:
-# generate resumes row by row, a harvest continues with --resume, a finished run is kept (delete
-# runs/smollm2/<run> to retrain it), a measured drafter is not measured again. CPU budget on a 2-core Zen 5,
+# generate resumes row by row, a harvest continues with --resume, a stopped run from its latest checkpoint, a
+# finished run is kept (delete runs/smollm2/<run> to retrain it), a measured drafter is not measured again. CPU budget on a 2-core Zen 5,
 # 1 thread per process, two processes at a time: generation ~45 min, harvests ~10 min per 1,200 rows,
 # distill ~3.5 s per step of 16 x 256 tokens (~1.5 s with one other process), drafter_tv ~2 min per drafter
 # and bench; the T = 1 answers ~35 min, their harvests ~10 min, the two longer runs ~45 min side by side.
@@ -52,8 +52,8 @@ phase "train: distill KL and TVD on the SFT rows, then the better loss on all ro
 train() {  # run name, then --set overrides
   local name=$1; shift
   [ -f "$OUT/$name/export/config.json" ] && return 0
-  python -m draftforge train recipes/smollm2/distill-mamba2.yaml --overwrite --set "output_dir=$OUT/$name" "$@" \
-    > "$OUT/$name.log" 2>&1 || { echo "$name failed: see $OUT/$name.log"; return 1; }
+  python -m draftforge train recipes/smollm2/distill-mamba2.yaml $(resume_flag "$OUT/$name") --set "output_dir=$OUT/$name" \
+    "$@" >> "$OUT/$name.log" 2>&1 || { echo "$name failed: see $OUT/$name.log"; return 1; }
 }
 train mamba2-distill-kl --set "train.max_steps=$STEPS" & train mamba2-distill-tvd --set distill.loss=tvd \
   --set "train.max_steps=$STEPS" & wait

@@ -94,17 +94,16 @@ head -n "$F_T1_ROWS" "$OUT/e3_rows_t1.jsonl" > "$OUT/e3_rows_t1_first$F_T1_ROWS.
 GREEDY="$OUT/sft_rows.jsonl,$OUT/e3_rows_rest.jsonl"
 train() {  # run, init (none or a run), steps, lr, warm-up, seed, eval_every, sources
   local run="$1" init="$2" steps=$(( $3 / SCALE > 0 ? $3 / SCALE : 1 )) lr="$4" warmup="$5" seed="$6"
-  local every=$(( $7 / SCALE > 0 ? $7 / SCALE : 1 )) sources="$8" from="$OUT/$2/export" start mode=()
+  local every=$(( $7 / SCALE > 0 ? $7 / SCALE : 1 )) sources="$8" from="$OUT/$2/export" start
   if [ -f "$OUT/$run/export/draftforge.json" ]; then kept "$OUT/$run/export"; return; fi
   if [ "$init" = none ]; then from="the recipe's start"; start=(--set model.draft_vocab_from="$OUT/sft_rows.jsonl")
   else start=(--set model.init_from="$OUT/$init/export" --set model.draft_vocab=null --set model.draft_vocab_from=null); fi
-  if [ -f "$OUT/$run/recipe.yaml" ]; then mode=(--resume); echo "   resuming $OUT/$run from its latest checkpoint"; fi
   phase "train: $run, $steps steps at peak lr $lr (seed $seed) from $from, log $OUT/$run.log"
   OMP_NUM_THREADS=2 python -m draftforge train recipes/smollm2/eagle3.yaml --set output_dir="$OUT/$run" "${start[@]}" \
     --set "data.sources=[$sources]" --set "data.eval_sources=[$OUT/e3_heldout_rows.jsonl]" \
     --set train.precision=fp32 --set optim.lr="$lr" --set optim.warmup_steps="$warmup" --set train.seed="$seed" \
     --set train.max_steps="$steps" --set train.eval_every="$every" --set train.eval_batches=16 \
-    --set train.save_every=25 --set train.eval_at_start=false ${mode[@]+"${mode[@]}"} >> "$OUT/$run.log" 2>&1
+    --set train.save_every=25 --set train.eval_at_start=false $(resume_flag "$OUT/$run") >> "$OUT/$run.log" 2>&1
   grep -ao "\[draftforge\] eagle3: held-out .*" "$OUT/$run.log" | tail -1 | sed 's/^/   /'
 }
 train eagle3-d none 600 1e-3 20 0 100 "$OUT/sft_rows.jsonl,$OUT/e3_rows_rest_first$D_REST_ROWS.jsonl"

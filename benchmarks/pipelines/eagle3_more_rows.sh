@@ -57,7 +57,7 @@ if [ "$HEAD" = none ]; then START=(); else START=(--set model.init_from="$HEAD" 
   --set "data.sources=[$ROWS,$ROWS_MORE]" --set "data.eval_sources=[$OUT/e3_heldout_rows.jsonl]" \
   --set train.precision="$PRECISION" --set train.max_steps="$STEPS" \
   --set train.eval_every="$EVAL_EVERY" --set train.eval_batches=16 --set train.save_every=25 \
-  --set train.eval_at_start=true --overwrite > "$OUT/$RUN.log" 2>&1
+  --set train.eval_at_start=true $(resume_flag "$OUT/$RUN") >> "$OUT/$RUN.log" 2>&1
 grep -h "held-out\|step 0" "$OUT/$RUN.log" || true
 
 phase "eval: instructions (T=0, T=1) and HumanEval (T=0), 1 thread, each suite with its own AR"

@@ -33,7 +33,7 @@ train() {  # run name, steps, extra --set flags
   local run="$1" steps="$2"; shift 2
   [ -f "$OUT/$run/export/draftforge.json" ] || OMP_NUM_THREADS=2 python -m draftforge train recipes/smollm2/eagle3.yaml \
     --set output_dir="$OUT/$run" --set train.max_steps="$steps" --set train.eval_every=25 --set train.save_every=25 \
-    "$@" --overwrite > "$OUT/$run.log" 2>&1
+    "$@" $(resume_flag "$OUT/$run") >> "$OUT/$run.log" 2>&1
   grep -h "held-out" "$OUT/$run.log" || true
 }
 train eagle3 "$STEPS"
@@ -72,7 +72,7 @@ print(f"{len(kept)} harvest prompts from {len({r['module'] for r in kept})} modu
 EOF
 [ -f "$OUT/c2t-e3-harvest/harvest.json" ] || python -m draftforge harvest trees --target "$TARGET" \
   --drafter "$OUT/eagle3/export" --bench "$OUT/c2t_e3_prompts.jsonl" --max-new-tokens 64 --out "$OUT/c2t-e3-harvest"
-[ -f "$OUT/c2t-e3/export/draftforge.json" ] || python -m draftforge train recipes/c2t.yaml --overwrite \
+[ -f "$OUT/c2t-e3/export/draftforge.json" ] || python -m draftforge train recipes/c2t.yaml $(resume_flag "$OUT/c2t-e3") \
   --set "output_dir=$OUT/c2t-e3" --set "model.target=$TARGET" --set "data.sources=[$OUT/c2t-e3-harvest]" \
   --set train.max_steps=1500 > "$OUT/c2t-e3.log" 2>&1
 [ -f "$OUT/tree_budget_e3/tree_budget.json" ] || python -m benchmarks.decoding.tree_budget --target "$TARGET" \

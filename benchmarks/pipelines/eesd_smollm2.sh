@@ -16,8 +16,8 @@ OUT=runs/smollm2; TARGET="$HOME/.cache/draftforge/smollm2"
 eesd() {  # run name, then --set overrides
   local name=$1; shift
   [ -f "$OUT/$name/export/draftforge.json" ] && return 0
-  python -m draftforge train recipes/smollm2/eesd.yaml --overwrite --set "output_dir=$OUT/$name" \
-    --set "train.max_steps=$STEPS" "$@" > "$OUT/$name.log" 2>&1
+  python -m draftforge train recipes/smollm2/eesd.yaml $(resume_flag "$OUT/$name") --set "output_dir=$OUT/$name" \
+    --set "train.max_steps=$STEPS" "$@" >> "$OUT/$name.log" 2>&1
 }
 NO_SD=(--set "data.sources=[$OUT/corpus_train.jsonl]" --set data.format=text --set "eesd.open_sources=[]"
        --set model.draft_vocab_from=null)
@@ -42,7 +42,7 @@ python -m draftforge generate --target "$TARGET" --prompts "$OUT/theta_prompts.j
   --max-new-tokens 128 --batch-size 32 --threads 2 --out "$OUT/theta_rows.jsonl"
 [ -f "$OUT/theta-harvest-eesd/harvest.json" ] || python -m draftforge harvest theta --target "$TARGET" \
   --drafter "$OUT/eesd-n3/export" --data "$OUT/theta_rows.jsonl" --out "$OUT/theta-harvest-eesd" --overwrite
-[ -f "$OUT/theta-eesd/export/draftforge.json" ] || python -m draftforge train recipes/tiny/theta.yaml --overwrite \
+[ -f "$OUT/theta-eesd/export/draftforge.json" ] || python -m draftforge train recipes/tiny/theta.yaml $(resume_flag "$OUT/theta-eesd") \
   --set "output_dir=$OUT/theta-eesd" --set "model.target=$TARGET" --set "data.sources=[$OUT/theta-harvest-eesd]"
 
 [ "${SKIP_EVAL:-0}" = 1 ] && { phase "done (SKIP_EVAL=1)"; exit 0; }

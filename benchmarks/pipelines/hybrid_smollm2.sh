@@ -21,14 +21,14 @@ OUT=runs/hybrid; TARGET=$OUT/smollm2/export; DRAFTER=$OUT/smollm2-drafter/export
 phase "target: the SmolLM2 hybrid (convert, distil the new mixers against SmolLM2)"
 [ -f "$OUT/smollm2-init/config.json" ] || python -m benchmarks.pipelines.hybrid_smollm2 convert --share 0.1 \
   --out "$OUT/smollm2-init" --corpus "$OUT/corpus"
-[ -f "$TARGET/draftforge.json" ] || python -m draftforge train recipes/hybrid/smollm2_hybrid.yaml --overwrite \
-  > "$OUT/hybrid_distill.log" 2>&1
+[ -f "$TARGET/draftforge.json" ] || python -m draftforge train recipes/hybrid/smollm2_hybrid.yaml \
+  $(resume_flag "$OUT/smollm2") >> "$OUT/hybrid_distill.log" 2>&1
 [ -s "$OUT/hybrid_compare.json" ] || python -m benchmarks.pipelines.hybrid_smollm2 compare "$OUT/smollm2-init" "$TARGET" \
   > "$OUT/hybrid_compare.json" 2> "$OUT/hybrid_compare.log"
 
 phase "drafter: the SmolLM2 Mamba2 drafter distilled from the hybrid (KL, τ = 1)"
 [ -f "$DRAFTER/draftforge.json" ] || OMP_NUM_THREADS="${DRAFTER_THREADS:-2}" python -m draftforge train recipes/hybrid/smollm2_drafter.yaml \
-  --overwrite > "$OUT/drafter_distill.log" 2>&1
+  $(resume_flag "$OUT/smollm2-drafter") >> "$OUT/drafter_distill.log" 2>&1
 grep -h "done:" "$OUT/drafter_distill.log" || true
 
 [ "${SKIP_EVAL:-0}" = 1 ] && { phase "done (SKIP_EVAL=1)"; exit 0; }

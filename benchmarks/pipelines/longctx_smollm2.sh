@@ -44,11 +44,10 @@ python -m draftforge generate --target "$TARGET" --prompts "$OUT/train_questions
 
 phase "fine-tune both heads at 2,048 tokens ($FT_STEPS steps each)"
 finetune() {  # run name, init, extra --set flags
-  local run="$1" init="$2" again=(); shift 2
-  [ -d "$OUT/$run" ] && again=(--resume)  # a run stopped part-way continues from its last checkpoint
+  local run="$1" init="$2"; shift 2
   [ -f "$OUT/$run/export/draftforge.json" ] || python -m draftforge train recipes/smollm2/eagle3-longctx.yaml \
     --set output_dir="$OUT/$run" --set model.init_from="$init" --set train.max_steps="$FT_STEPS" "$@" \
-    ${again[@]+"${again[@]}"} > "$OUT/$run.log" 2>&1
+    $(resume_flag "$OUT/$run") >> "$OUT/$run.log" 2>&1
   grep -h "held-out" "$OUT/$run.log" || true
 }
 finetune eagle3-2k "$HEAD"
@@ -57,7 +56,7 @@ OMP_NUM_THREADS=2 finetune fm-2k "$MAMBA" --set eagle3.body=mamba2
 phase "fine-tune the token-only Mamba2 and Llama drafters at 2,048 tokens (recipes/smollm2/sft-*-longctx.yaml)"
 for arch in mamba2 llama; do
   [ -f "$OUT/$arch-2k/export/config.json" ] || python -m draftforge train "recipes/smollm2/sft-$arch-longctx.yaml" \
-    --overwrite > "$OUT/$arch-2k.log" 2>&1
+    $(resume_flag "$OUT/$arch-2k") >> "$OUT/$arch-2k.log" 2>&1
   grep -h "done:" "$OUT/$arch-2k.log" || true
 done
 

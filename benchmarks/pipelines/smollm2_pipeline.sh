@@ -32,7 +32,10 @@ gen -n "$GREEDY_PROMPTS" --temperature 0
 gen -n "$SAMPLED_PROMPTS" --temperature 1
 
 phase "train: Mamba2 and Llama drafters side by side (pretrain, then sft)"
-train() { [ -f "$OUT/$1/export/config.json" ] || python -m draftforge train "recipes/smollm2/$2.yaml" --overwrite > "$OUT/$2.log" 2>&1; }
+train() {  # run directory name, recipe name
+  [ -f "$OUT/$1/export/config.json" ] || python -m draftforge train "recipes/smollm2/$2.yaml" $(resume_flag "$OUT/$1") \
+    >> "$OUT/$2.log" 2>&1
+}
 for arch in mamba2 llama; do
   ( train "$arch-pretrain" "pretrain-$arch" && train "$arch-sft" "sft-$arch" ) &
 done
