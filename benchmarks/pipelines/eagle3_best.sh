@@ -68,14 +68,7 @@ python -m draftforge generate --target "$TARGET" --prompts "$OUT/train_prompts.j
   --batch-size 32 --threads 2 --out "$OUT/sft_rows.jsonl" -n "$FIRST" --temperature 0
 
 phase "rows: greedy answers to the other $((PROMPTS - FIRST)) training prompts and $HELDOUT held-out ones (fp32), resumable"
-python - "$OUT/train_prompts.jsonl" "$OUT/sft_rows.jsonl" "$OUT/train_prompts_rest.jsonl" <<'PYREST'
-import json, pathlib, sys
-prompts, rows, rest = (pathlib.Path(p) for p in sys.argv[1:])
-done = {json.loads(line)["prompt_id"] for line in rows.open()}
-kept = [line for line in prompts.open() if json.loads(line)["prompt_id"] not in done]
-rest.write_text("".join(kept))
-print(f"{len(done)} prompts answered in {rows}, {len(kept)} left for the fp32 rows")
-PYREST
+python -m benchmarks.pipelines.prompts_left "$OUT/train_prompts.jsonl" "$OUT/sft_rows.jsonl" "$OUT/train_prompts_rest.jsonl"
 python -m draftforge generate --target "$TARGET" --prompts "$OUT/heldout_prompts.jsonl" -n "$HELDOUT" --temperature 0 \
   --max-new-tokens "$GEN_TOKENS" --batch-size 64 --dtype float32 --threads 2 --out "$OUT/e3_heldout_rows.jsonl"
 python -m draftforge generate --target "$TARGET" --prompts "$OUT/train_prompts_rest.jsonl" -n "$((PROMPTS - FIRST))" \

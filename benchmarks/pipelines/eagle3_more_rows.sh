@@ -35,14 +35,7 @@ phase "prompts: the training split, the ones $ROWS has not answered, and the hel
 python -m draftforge target smollm2 --cache "$CACHE"
 [ -s "$OUT/train_prompts.jsonl" ] || python -m draftforge target prompts --split train --out "$OUT/train_prompts.jsonl"
 [ -s "$OUT/heldout_prompts.jsonl" ] || python -m draftforge target prompts --split heldout --out "$OUT/heldout_prompts.jsonl"
-python - "$OUT/train_prompts.jsonl" "$ROWS" "$OUT/train_prompts_rest.jsonl" <<'EOF'
-import json, pathlib, sys
-prompts, rows, rest = (pathlib.Path(p) for p in sys.argv[1:])
-done = {json.loads(line)["prompt_id"] for line in rows.open()} if rows.is_file() else set()
-kept = [line for line in prompts.open() if json.loads(line)["prompt_id"] not in done]
-rest.write_text("".join(kept))
-print(f"{len(done)} prompts answered in {rows}, {len(kept)} left")
-EOF
+python -m benchmarks.pipelines.prompts_left "$OUT/train_prompts.jsonl" "$ROWS" "$OUT/train_prompts_rest.jsonl"
 
 phase "generate: the held-out rows, then the rest of the training prompts (resumable), 2 threads"
 python -m draftforge generate --target "$TARGET" --prompts "$OUT/heldout_prompts.jsonl" -n 128 --temperature 0 \

@@ -74,7 +74,7 @@ EOF
   --drafter "$OUT/eagle3/export" --bench "$OUT/c2t_e3_prompts.jsonl" --max-new-tokens 64 --out "$OUT/c2t-e3-harvest"
 [ -f "$OUT/c2t-e3/export/draftforge.json" ] || python -m draftforge train recipes/c2t.yaml $(resume_flag "$OUT/c2t-e3") \
   --set "output_dir=$OUT/c2t-e3" --set "model.target=$TARGET" --set "data.sources=[$OUT/c2t-e3-harvest]" \
-  --set train.max_steps=1500 > "$OUT/c2t-e3.log" 2>&1
+  --set train.max_steps=1500 >> "$OUT/c2t-e3.log" 2>&1
 [ -f "$OUT/tree_budget_e3/tree_budget.json" ] || python -m benchmarks.decoding.tree_budget --target "$TARGET" \
   --drafter "$OUT/eagle3/export" --bench instructions --c2t "$OUT/c2t-e3/export" --ns 4,8,16,32 --betas 0.3,0.5,0.7,0.9 \
   --chains 1,2,3 --chain-betas 0.3,0.5,0.7 \
