@@ -86,11 +86,13 @@ def run(args) -> int:
           f"{torch.get_num_threads()} torch threads")
     bars = []  # opened at the first finished batch, so an error before it is a line of its own
 
-    def progress(n_rows: int, tokens_per_s: float) -> None:
-        if not bars:  # that batch as the bar's start: its rows/s and ETA count only the batches after it
-            bars.append(tqdm(total=total, initial=n_rows, unit="row", dynamic_ncols=True))
+    def progress(new_rows: int, tokens_per_s: float, rows_there: int) -> None:
+        # The first batch written opens the bar at the rows now there (a resumed file's kept rows with it), so
+        # its rows/s and ETA count only the batches generated after it, never the rows skipped at once.
+        if not bars:
+            bars.append(tqdm(total=total, initial=rows_there, unit="row", dynamic_ncols=True))
         else:
-            bars[0].update(n_rows)
+            bars[0].update(new_rows)
         bars[0].set_postfix_str(f"{tokens_per_s:.1f} tok/s")
 
     stats = generate_rows(model, tokenizer, jobs, args.out, temperatures=list(args.temperature),

@@ -186,7 +186,9 @@ def check_settings(temperatures, max_new_tokens: int, batch_size: int) -> list[f
 def generate_rows(model, tokenizer, jobs: list[Job], out: Path, *, temperatures=(0.0, 1.0), max_new_tokens=256,
                   batch_size=8, seed=0, progress=None, target=None) -> GenStats:
     """Answer every job at every temperature and append the rows to `out`, skipping rows already there.
-    `target` (path or id) is what the sidecar names as the rows' maker (default: the model's name_or_path)."""
+    `target` (path or id) is what the sidecar names as the rows' maker (default: the model's name_or_path).
+    `progress(new_rows, tokens_per_s, rows_there)` is called after each batch that wrote rows: the rows it
+    wrote, the run's rate so far, and the rows of this job list now in the file (the kept ones included)."""
     from draftforge.data.provenance import open_rows_file, rows_record
 
     temps = check_settings(temperatures, max_new_tokens, batch_size)
@@ -198,14 +200,12 @@ def generate_rows(model, tokenizer, jobs: list[Job], out: Path, *, temperatures=
     eos = eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else (eos or [0])[0]
     stats, t0 = GenStats(), time.perf_counter()
+    stats.skipped = sum((job.prompt_id, temp) in done for temp in temps for job in jobs)
     model.eval()
     for temp in temps:
         for b, batch in enumerate(plan_batches(jobs, batch_size)):
             missing = [j for j in batch if (j.prompt_id, temp) not in done]
-            stats.skipped += len(batch) - len(missing)
             if not missing:
-                if progress is not None:
-                    progress(len(batch), stats.new_tokens / max(time.perf_counter() - t0, 1e-9))
                 continue
             torch.manual_seed(batch_seed(seed, b, temp))  # the whole batch again: same rows as an unbroken run
             answers = answer_batch(model, batch, temp, max_new_tokens, eos, pad_id)
@@ -222,7 +222,8 @@ def generate_rows(model, tokenizer, jobs: list[Job], out: Path, *, temperatures=
                 f.write("".join(lines))
                 f.flush()
             if progress is not None:
-                progress(len(batch), stats.new_tokens / max(time.perf_counter() - t0, 1e-9))
+                progress(len(missing), stats.new_tokens / max(time.perf_counter() - t0, 1e-9),
+                         stats.skipped + stats.rows)
     stats.seconds = time.perf_counter() - t0
     return stats
 

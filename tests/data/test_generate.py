@@ -82,7 +82,7 @@ def test_resume_after_a_kill_gives_the_same_file(target, chat_tok, prompt_file, 
     part = tmp_path / "part.jsonl"
     calls = []
 
-    def kill_after_two(n, tok_s):
+    def kill_after_two(n, tok_s, there):
         calls.append(n)
         if len(calls) == 2:
             raise Killed
@@ -91,8 +91,13 @@ def test_resume_after_a_kill_gives_the_same_file(target, chat_tok, prompt_file, 
         generate_rows(target, chat_tok, jobs, part, progress=kill_after_two, **kw)
     lines = part.read_text().splitlines(keepends=True)
     part.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])  # the kill tore the last line
-    stats = generate_rows(target, chat_tok, jobs, part, **kw)
+    reports = []  # (rows the batch wrote, rows in the file after it), read back from the file at each call
+    stats = generate_rows(target, chat_tok, jobs, part, **kw,
+                          progress=lambda n, tok_s, there: reports.append((n, there, len(_rows(part)))))
     assert stats.skipped == len(lines) - 1 and stats.rows == 2 * len(QUESTIONS) - (len(lines) - 1)
+    # the resumed run reports only what it writes: the kept rows are the first report's start, not a batch
+    assert all(there == in_file for _, there, in_file in reports)
+    assert reports[0][1] - reports[0][0] == len(lines) - 1 and sum(n for n, _, _ in reports) == stats.rows
     assert part.read_text() == whole.read_text()
     again = generate_rows(target, chat_tok, jobs, part, **kw)  # nothing left to do
     assert again.rows == 0 and part.read_text() == whole.read_text()
