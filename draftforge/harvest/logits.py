@@ -361,17 +361,19 @@ def _harvest_shards(model, plan: Plan, out: Path, mine: list[int], done: dict, p
     from tqdm.auto import tqdm
 
     m, say = plan.manifest, plan.say
-    bar = tqdm(total=len(mine), desc=f"{KINDS[m['kind']][1].removeprefix('draftforge ')} (shards)",
-               disable=not progress, dynamic_ncols=True)
-    written = 0
-    for index in mine:
-        entry = done.get(index)
-        problem = shard_problem(out, entry) if entry else None
-        if entry and not problem:
-            bar.update(1)
-            continue
+    kept, todo = [], []
+    for index in mine:  # an earlier run's shards, each checked against its record before it is kept
+        problem = shard_problem(out, done[index]) if index in done else None
         if problem:
             say(f"{problem}: harvesting it again")
+        (kept if index in done and not problem else todo).append(index)
+    if kept:
+        say(f"kept {len(kept)} of {len(mine)} shards an earlier run wrote (each checked against its sha256)")
+    # the bar starts at the kept shards, so its rate and ETA count only the shards harvested now
+    bar = tqdm(total=len(mine), initial=len(kept), desc=f"{KINDS[m['kind']][1].removeprefix('draftforge ')} "
+               "(shards)", disable=not progress, dynamic_ncols=True)
+    written = 0
+    for index in todo:
         a, b = index * m["shard_rows"], min((index + 1) * m["shard_rows"], m["rows"]["count"])
         tensors = shard_tensors(model, plan, a, b)
         meta = {"kind": m["kind"], "shard": index, "rows": f"{a}:{b}", "top_k": m["top_k"]}

@@ -253,7 +253,8 @@ def _shard_bytes(path: Path) -> dict[str, bytes]:
 
 
 def test_harvest_resumes_after_a_kill_to_the_same_bytes_and_redoes_a_truncated_shard(tmp_path, target_dir,
-                                                                                     rows_file, cache_dir):
+                                                                                     rows_file, cache_dir, capsys):
+    shards = open_cache(cache_dir).manifest["num_shards"]
     out = tmp_path / "killed"
     with pytest.raises(KeyboardInterrupt):
         _harvest(target_dir, rows_file, out, stop_after=1)
@@ -262,7 +263,9 @@ def test_harvest_resumes_after_a_kill_to_the_same_bytes_and_redoes_a_truncated_s
         LogitsCache(out)
     with pytest.raises(DataError, match="--resume"):  # a rerun without --resume says what to do
         _harvest(target_dir, rows_file, out)
+    capsys.readouterr()
     manifest = _harvest(target_dir, rows_file, out, resume=True)
+    assert f"kept 1 of {shards} shards an earlier run wrote" in capsys.readouterr().err
     assert manifest["complete"] and _shard_bytes(out) == _shard_bytes(cache_dir)
     assert [e["sha256"] for e in manifest["shards"]] == [e["sha256"] for e in open_cache(cache_dir).manifest["shards"]]
     assert not list(out.glob("shard-*.json"))  # the per-shard records were merged into harvest.json
@@ -270,7 +273,10 @@ def test_harvest_resumes_after_a_kill_to_the_same_bytes_and_redoes_a_truncated_s
     shard.write_bytes(shard.read_bytes()[:-100])
     with pytest.raises(DataError, match="shard-00001.safetensors is truncated"):
         open_cache(out)
+    capsys.readouterr()
     _harvest(target_dir, rows_file, out, resume=True)
+    err = capsys.readouterr().err
+    assert "shard-00001.safetensors is truncated" in err and f"kept {shards - 1} of {shards} shards" in err
     assert _shard_bytes(out) == _shard_bytes(cache_dir)
 
 
