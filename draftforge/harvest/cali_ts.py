@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from dataclasses import MISSING, dataclass
 from pathlib import Path
 
@@ -176,7 +177,8 @@ def harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, max
     choice = resolve_dtype(dtype, device)
     announce(choice, "target and drafter")
     target, drafter = _load_models(target_path, drafter_path, device, allow_vocab_mismatch, choice.torch_dtype)
-    settings = {"dtype": choice.name, "target": str(target_path), "drafter": str(drafter_path), "sources": [str(s) for s in sources],
+    settings = {"dtype": choice.name, "target": str(target_path), "drafter": str(drafter_path),
+                "sources": [str(s) for s in sources],
                 "target_fingerprint": model_fingerprint(target.model), "target_dim": hidden_size(target.model),
                 **drafter_identity(drafter), "max_offset": max_offset, "anchor_stride": anchor_stride,
                 "max_len": max_len, "generate": generate, "shard_size": shard_size,
@@ -186,11 +188,15 @@ def harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, max
         raise DataError(f"no usable sequences in {', '.join(map(str, sources))} (each needs at least 2 tokens)")
     manifest = _check_resume(out_dir / MANIFEST, settings, resume, overwrite)
     n_shards = (len(seqs) + shard_size - 1) // shard_size
-    bar = tqdm(total=len(seqs), desc="harvest θ rows", unit="seq", disable=not progress)
+    kept = sum(len(seqs[s * shard_size: (s + 1) * shard_size]) for s in range(n_shards) if str(s) in manifest["shards"])
+    if kept:
+        print(f"[draftforge] harvest θ: {kept} of {len(seqs)} sequences are in shards an earlier run wrote: kept",
+              file=sys.stderr)
+    # the bar starts at the kept sequences, so its rate and ETA count only the ones harvested now
+    bar = tqdm(total=len(seqs), initial=kept, desc="harvest θ rows", unit="seq", disable=not progress)
     for shard in range(n_shards):
         chunk = seqs[shard * shard_size: (shard + 1) * shard_size]
         if str(shard) in manifest["shards"]:
-            bar.update(len(chunk))
             continue
         cols = {"h_target": [], "h_draft": [], "offset": [], "label": []}
         for ids, start in chunk:

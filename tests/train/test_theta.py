@@ -99,7 +99,7 @@ def test_harvested_rows_are_the_teacher_forced_states_and_labels(pair, tmp_path)
     assert row["label"] == int(d_out.logits[0, 11].argmax() == t_out.logits[0, 11].argmax())
 
 
-def test_harvest_resumes_and_refuses_to_mix(pair, tmp_path):
+def test_harvest_resumes_and_refuses_to_mix(pair, tmp_path, capsys):
     out = tmp_path / "h"
     full = harvest(pair, out)
     manifest = json.loads((out / "harvest.json").read_text())
@@ -110,7 +110,9 @@ def test_harvest_resumes_and_refuses_to_mix(pair, tmp_path):
         harvest(pair, out)
     with pytest.raises(DraftforgeError, match="other settings.*anchor_stride"):
         harvest(pair, out, resume=True, anchor_stride=3)
+    capsys.readouterr()
     again = harvest(pair, out, resume=True)
+    assert "3 of 5 sequences are in shards an earlier run wrote: kept" in capsys.readouterr().err  # shards 0, 2
     assert again["rows"] == full["rows"] and (out / "shards" / "shard-00000").stat().st_mtime_ns == kept
 
 
