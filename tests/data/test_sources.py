@@ -121,7 +121,7 @@ def test_streaming_packs_the_same_tokens(tmp_path, tok):
 
 
 def test_recipe_data_config_is_accepted_and_stats_are_json(tmp_path, tok):
-    recipe = pytest.importorskip("draftforge.recipe")
+    from draftforge import recipe
     src = write_jsonl(tmp_path / "a.jsonl", [{"text": f"document {i}"} for i in range(20)] + [{"x": 1}])
     cfg = recipe.DataConfig(sources=[str(src)], eval_fraction=0.1)
     bd = build_block_data(cfg, tok, 8, seed=0)

@@ -44,7 +44,8 @@ def test_c2t_rule_on_a_hand_built_layer():
     torch.testing.assert_close(x[..., 1], entropy[:, None].expand(2, 3))  # H: the parent's entropy, siblings share it
     assert (x[..., 2] == 2).all()  # d: depth 3 is the third draft layer, d = 2 (first layer d = 0)
     # β edge: a node whose C equals β exactly is kept; just above it, dropped
-    c_edge = float(x[0, 2, 0])  # C of row 0's third child, as the builder computed it (≈ 0.12)
+    c_edge = float(x[0, 2, 0])  # C of row 0's third child, as the builder computed it
+    assert c_edge == pytest.approx(0.8 * 0.15, rel=1e-6)  # the parent's joint x the child's probability
     assert C2TBuilder(clf, beta=c_edge, top_k=3, second_top_k=0).expand(3, logits_BV, joint_B)[0] == [0, 1, 2]
     above = float(torch.nextafter(torch.tensor(c_edge), torch.tensor(1.0)))
     assert C2TBuilder(clf, beta=above, top_k=3, second_top_k=0).expand(3, logits_BV, joint_B)[0] == [0, 1]

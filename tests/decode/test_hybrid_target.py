@@ -169,7 +169,7 @@ def test_unknown_or_mamba1_hybrids_are_refused_with_the_supported_list():
 
 
 def test_drafter_with_another_vocabulary_or_a_hybrid_drafter_is_refused(targets):
-    with pytest.raises(CompatibilityError):
+    with pytest.raises(CompatibilityError, match="vocab sizes differ"):
         load_drafter(tiny_mamba2(vocab=VOCAB + 8), targets["bamba"])
     with pytest.raises(CompatibilityError, match="hybrid/recurrent.*task distill"):
         load_drafter(tiny_bamba(vocab=VOCAB), targets["mamba2"])

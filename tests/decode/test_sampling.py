@@ -179,7 +179,8 @@ def _p_some_child_accepted(p_V, q_V, k, distinct):
             accept = min(1.0, float(p[x] / q[x]))
             total += prob * reach * accept
             reach *= 1 - accept
-            p = verify.residual(p, q)
+            r = (p - q).clamp(min=0)  # the residual norm(max(0, p - q)); p itself when nothing is left
+            p = r / r.sum() if r.sum() > 0 else p
             if distinct:
                 q = q.clone()
                 q[x] = 0

@@ -329,9 +329,10 @@ def test_mamba_body_unrolls_only_the_anchors_asked_and_its_loss_and_gradients_ar
         logits = head(tokens, aux, steps, unroll)
         total, count, _ = scored_steps(logits, full_teacher(teacher, 1.0, None), next_BT, cfg, cfg.weights(), False)
         total.backward()
-        return total.detach(), [p.grad.clone() for p in head.parameters() if p.grad is not None]
+        return total.detach(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
 
     (loss_full, grads_full), (loss_part, grads_part) = loss_and_grads(None), loss_and_grads(keep)
     torch.testing.assert_close(loss_part, loss_full, rtol=1e-12, atol=0)
-    for g_part, g_full in zip(grads_part, grads_full):
-        torch.testing.assert_close(g_part, g_full, rtol=1e-10, atol=1e-12)
+    assert grads_part.keys() == grads_full.keys() and len(grads_full) == len(list(head.parameters()))
+    for name, g_full in grads_full.items():
+        torch.testing.assert_close(grads_part[name], g_full, rtol=1e-10, atol=1e-12, msg=name)

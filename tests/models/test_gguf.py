@@ -3,28 +3,28 @@
 import json
 import os
 
+import gguf  # a core dependency (the SmolLM2 target ships as a GGUF): a missing one fails, it does not skip
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-gguf = pytest.importorskip("gguf")
-
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: E402
-
-from draftforge.errors import CheckpointError, DraftforgeError  # noqa: E402
-from draftforge.models.gguf import check_gguf, convert_gguf, load_gguf, supported_architectures  # noqa: E402
+from draftforge.errors import CheckpointError, DraftforgeError
+from draftforge.models.gguf import check_gguf, convert_gguf, load_gguf, supported_architectures
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d"]
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, CONTEXT = 2, 32, 4, 2, 64, 128
+TOKENS = SPECIALS + sorted(set(bytes_to_unicode().values())) + [m.replace(" ", "") for m in MERGES]
 
 
-def write_tiny_gguf(path, arch="llama"):
-    """A 2-layer llama GGUF with a byte-level BPE tokenizer and chat template in its metadata (tied head)."""
-    tokens = SPECIALS + sorted(set(bytes_to_unicode().values())) + [m.replace(" ", "") for m in MERGES]
+def write_tiny_gguf(path, arch="llama", arrays=None):
+    """A 2-layer llama GGUF with a byte-level BPE tokenizer and chat template in its metadata (tied head).
+    `arrays`, a dict, receives each tensor as written (GGUF name -> numpy array)."""
+    tokens = TOKENS
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny")
     writer.add_context_length(CONTEXT)
@@ -50,7 +50,10 @@ def write_tiny_gguf(path, arch="llama"):
 
     def add(name, *shape, ones=False, f16=False):
         a = np.ones(shape, np.float32) if ones else (rng.standard_normal(shape) * 0.2).astype(np.float32)
-        writer.add_tensor(name, a.astype(np.float16) if f16 else a)
+        a = a.astype(np.float16) if f16 else a
+        writer.add_tensor(name, a)
+        if arrays is not None:
+            arrays[name] = a
 
     head_dim = HIDDEN // HEADS
     add("token_embd.weight", len(tokens), HIDDEN)
@@ -111,6 +114,35 @@ def test_converted_dir_loads_plainly_and_matches_the_gguf_model(tiny_gguf, tmp_p
     assert logits_BTV.shape[-1] == len(tokenizer)
     torch.testing.assert_close(logits_BTV, ref_logits_BTV, rtol=0, atol=0)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
+
+
+def _to_gguf_rope_order(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter reorders each head's q / k rows from HF's rotate-half layout to interleaved pairs:
+    rows (h, half, i) -> (h, i, half). The oracle for what a converted q / k projection must be."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_converted_weights_and_tokens_are_the_ones_the_file_holds(tmp_path):
+    """Oracle: the arrays this test wrote and the merges it chose, not transformers' GGUF loader (which the
+    conversion reads through: a drift there would show on both sides of the test above)."""
+    arrays = {}
+    out, _, _ = convert_gguf(write_tiny_gguf(tmp_path / "w.gguf", arrays=arrays), tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    weights = {k: v.numpy() for k, v in model.state_dict().items()}
+    assert np.array_equal(weights["model.embed_tokens.weight"], arrays["token_embd.weight"])
+    for i in range(LAYERS):
+        hf, gg = f"model.layers.{i}.", f"blk.{i}."
+        for ours, theirs in [("self_attn.o_proj", "attn_output"), ("mlp.gate_proj", "ffn_gate"),
+                             ("mlp.up_proj", "ffn_up"), ("mlp.down_proj", "ffn_down"), ("input_layernorm", "attn_norm"),
+                             ("post_attention_layernorm", "ffn_norm")]:
+            assert np.array_equal(weights[f"{hf}{ours}.weight"], arrays[f"{gg}{theirs}.weight"]), ours
+        assert np.array_equal(weights[f"{hf}self_attn.v_proj.weight"], arrays[f"{gg}attn_v.weight"].astype(np.float32))
+        assert np.array_equal(_to_gguf_rope_order(weights[f"{hf}self_attn.q_proj.weight"], HEADS),
+                              arrays[f"{gg}attn_q.weight"])
+        assert np.array_equal(_to_gguf_rope_order(weights[f"{hf}self_attn.k_proj.weight"], KV_HEADS),
+                              arrays[f"{gg}attn_k.weight"])
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer("hello world")["input_ids"] == [TOKENS.index("hello"), TOKENS.index("Ġworld")]  # the merges
 
 
 def test_convert_replaces_an_existing_dir(tiny_gguf, tmp_path):

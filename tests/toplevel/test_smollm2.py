@@ -8,11 +8,9 @@ import zipfile
 import pytest
 import torch
 
-pytest.importorskip("gguf")
+from tests.models.test_gguf import write_tiny_gguf  # tests/ is on sys.path under pytest
 
-from tests.models.test_gguf import write_tiny_gguf  # noqa: E402  (tests/ is on sys.path under pytest)
-
-from draftforge import smollm2  # noqa: E402
+from draftforge import smollm2
 from draftforge.cli import main  # noqa: E402
 from draftforge.errors import CheckpointError  # noqa: E402
 from draftforge.models.gguf import load_gguf  # noqa: E402

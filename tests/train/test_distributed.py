@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import warnings
+from copy import deepcopy
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -171,9 +172,19 @@ def test_gathered_state_rebuilds_the_same_model(tmp_path, tiny_corpus_dir, tiny_
 
     recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir))
     model = build_model(recipe, load_tokenizer(recipe)).eval()
-    copy = dist.model_from_state(model, {k: v.clone() for k, v in model.state_dict().items()})
+    # another state than the model holds (the same map for tied keys): the copy must be a new model holding it
+    state = {k: v * 1.5 + 0.01 if v.is_floating_point() else v.clone() for k, v in model.state_dict().items()}
+    oracle = deepcopy(model)
+    oracle.load_state_dict(state)
+    copy = dist.model_from_state(model, state)
+    assert copy is not model and not _shared_storage(copy, model)
     ids = torch.randint(0, 100, (2, 16))
-    torch.testing.assert_close(copy(ids).logits, model(ids).logits, rtol=0, atol=0)
+    torch.testing.assert_close(copy(ids).logits, oracle(ids).logits, rtol=0, atol=0)
+    assert not torch.equal(copy(ids).logits, model(ids).logits)
+
+
+def _shared_storage(a: torch.nn.Module, b: torch.nn.Module) -> set[int]:
+    return {p.data_ptr() for p in a.parameters()} & {p.data_ptr() for p in b.parameters()}
 
 
 @pytest.mark.slow  # trains ~40 steps until the stream runs dry
@@ -374,6 +385,7 @@ def test_gathered_state_rebuilds_a_model_that_has_no_config_constructor():
             p.add_(torch.randn_like(p) * 0.1)
     rebuild = lambda: ExitHead.from_target(parts, 2, layer_init="random", head_init="random", seed=5)  # noqa: E731
     copy = dist.model_from_state(trained, {k: v.clone() for k, v in trained.state_dict().items()}, rebuild)
+    assert copy is not trained and not _shared_storage(copy, trained)
     with torch.no_grad():
         inputs = Trunk(parts, 2)(torch.randint(0, 64, (2, 8)))  # (H^N, position ids, rope, mask)
         torch.testing.assert_close(copy(*inputs)[0], trained(*inputs)[0], rtol=0, atol=0)

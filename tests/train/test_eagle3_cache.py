@@ -173,6 +173,7 @@ def test_the_cached_loss_and_its_gradient_are_the_online_ones_to_float32_roundin
             (t0, c0, m0, g0), (t1, c1, m1, g1) = out
             # float32 rounding through the KL's cancellation (Σ p log p − Σ p log q, each ~100x the KL here)
             assert c1 == c0 > 0 and t1 == pytest.approx(t0, rel=2e-5) and m1 == pytest.approx(m0, rel=2e-5, abs=1e-6)
+            assert (len(g0) > 0 and g0.keys() == g1.keys()) if training and loss == "kl" else not g0 and not g1
             scale = max((float(g.abs().max()) for g in g0.values()), default=0.0)  # the largest gradient entry
             for name, grad in g0.items():
                 torch.testing.assert_close(g1[name], grad, rtol=1e-4, atol=1e-6 * scale)

@@ -43,7 +43,7 @@ def test_training_lowers_loss_and_changes_every_parameter(tmp_path, tiny_corpus_
     after = load_file(str(ckpt.list_checkpoints(result.run_dir)[0] / "model.safetensors"))
     for name, value in after.items():
         assert not torch.equal(value, before[name]), f"{name} did not change"
-    assert result.eval_loss is not None and result.tokens_per_s > 0
+    assert result.eval_loss is not None
 
 
 def test_resume_reproduces_uninterrupted_losses_bitwise(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
@@ -197,7 +197,7 @@ def test_keep_best_exports_the_best_evals_weights_and_survives_resume(tmp_path, 
     at_last = load_file(str(ckpt.latest_valid(full.run_dir) / "model.safetensors"))
     last_w = load_file(str(last / "model.safetensors"))
     assert "kept" not in json.loads((last / "draftforge.json").read_text())["metrics"]
-    assert all(torch.equal(at_last[k], last_w[k]) for k in set(at_last) & set(last_w))
+    assert set(at_last) & set(last_w) and all(torch.equal(at_last[k], last_w[k]) for k in set(at_last) & set(last_w))
     assert not all(torch.equal(last_w[k], exported[k]) for k in exported)
 
     values_b = tiny_recipe(tmp_path / "b", tiny_corpus_dir, tiny_tokenizer_dir, **train)

@@ -57,11 +57,17 @@ def test_chunked_topk_terms_and_their_gradients_equal_the_whole_batch_bitwise(mo
     assert torch.equal(want_grad, s.grad)
 
 
-def test_the_default_chunk_is_one_chunk_for_small_inputs_and_many_for_a_real_batch():
+def test_the_default_chunk_is_one_chunk_for_small_inputs_and_many_for_a_real_batch(monkeypatch):
     rows = divergences.CHUNK_BYTES // (4 * 8192)
     assert 64 <= rows <= 4096  # a real head (8,192 ids) gets chunks of some hundreds of positions
-    s, t = _inputs(torch.float32, rows=3, width=7)
-    assert torch.equal(full_terms(s, t)["kl"], _full_terms(s, t, 1.0, None)["kl"])
+    chunks = []  # the rows of each call of the per-chunk terms
+    monkeypatch.setattr(divergences, "_full_terms", lambda s, *rest: chunks.append(len(s)) or _full_terms(s, *rest))
+    full_terms(*_inputs(torch.float32, rows=3, width=7))
+    assert chunks == [3]
+    chunks.clear()
+    with torch.no_grad():
+        full_terms(*_inputs(torch.float32, rows=rows + 1, width=8192))
+    assert chunks == [rows, 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -100,7 +100,7 @@ def test_overwrite_keeps_the_old_run_when_the_new_one_cannot_start(tmp_path, tin
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     bad = {**values, "data": {**values["data"], "sources": [str(empty)]}}
-    with pytest.raises(DataError):
+    with pytest.raises(DataError, match="have no rows"):
         run(recipe_from_dict(bad), overwrite=True)
     assert _snapshot(done.run_dir) == before
     assert not list(tmp_path.glob(".run.*"))  # nothing left beside it either
@@ -131,7 +131,7 @@ def test_a_run_that_fails_on_its_data_writes_nothing(tmp_path, tiny_corpus_dir, 
     bad.write_text('{"text": "ok"}\n{not json\n')
     values = _tiny(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir)
     values["data"]["sources"] = [str(bad)]
-    with pytest.raises(DataError):
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: malformed JSON"):
         run(recipe_from_dict(values))
     assert not (tmp_path / "run").exists()
     values["data"]["sources"] = [str(tiny_corpus_dir)]  # the corrected rerun is not refused
