@@ -229,6 +229,13 @@ def test_cached_kl_and_tvd_match_the_teacher_within_the_truncation_bound(tmp_pat
         full = (full_terms(s_PS, t_PV) if draft is None else full_terms(s_PS, t_PV[:, d2t], 1.0, t_PV.logsumexp(-1)))
         top = TopK(batch["t_ids"][keep], batch["t_logp"][keep], batch["t_rest"][keep])
         got, bound = topk_terms(s_PS, top), topk_bounds(s_PS, top)
+        if draft is None:  # what the cached KL leaves out, exactly: m̃ · KL(p̄ ‖ q̄) over the ids the cache lacks
+            p_PV, q_PV = t_PV.double().softmax(-1), s_PS.double().softmax(-1)
+            tail = torch.ones_like(p_PV, dtype=torch.bool).scatter(1, top.ids_PK.long(), False)
+            m_P = (p_PV * tail).sum(-1)
+            p_bar, q_bar = p_PV * tail / m_P[:, None], q_PV * tail / (q_PV * tail).sum(-1, keepdim=True)
+            kl_bar = torch.where(tail, p_bar * (p_bar.log() - q_bar.log()), 0.0).sum(-1)
+            torch.testing.assert_close((full["kl"] - got["kl"]).double(), m_P * kl_bar, rtol=0, atol=1e-4)
         for name in ("kl", "tvd"):
             gap = full[name] - got[name]
             assert (gap >= -1e-4).all() and (gap <= bound[name] + 1e-4).all(), name
