@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-drafter_tv = pytest.importorskip("benchmarks.decoding.drafter_tv")
+from benchmarks.decoding import drafter_tv
 
 
 def test_alpha_is_one_minus_tv_and_scale_finds_temperature():

@@ -43,3 +43,4 @@ def test_runs_on_a_hybrid_target_with_a_parent_list_tree(tmp_path, capsys):
     assert "| tree stree13 | 13 |" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         hybrid_runtime.main(["--target", str(target), "--max-n", "3"])
+    assert "--max-n must be >= 4" in capsys.readouterr().err

@@ -31,8 +31,9 @@ def test_target_context_runs_every_variant(tmp_path, capsys):
     assert "decoding forward: lean" in printed.split("lean:")[1]
 
 
-def test_target_context_refuses_a_context_past_the_targets(tmp_path):
+def test_target_context_refuses_a_context_past_the_targets(tmp_path, capsys):
     tiny_llama(vocab=64, ctx=64).save_pretrained(tmp_path / "t")
     with pytest.raises(SystemExit):
         target_context.main(["--target", str(tmp_path / "t"), "--contexts", "60", "--steps", "8",
                              "--out", str(tmp_path / "x.json")])
+    assert "context 60 + 10 decoded tokens exceeds the target's 64" in capsys.readouterr().err

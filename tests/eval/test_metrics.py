@@ -226,8 +226,10 @@ def test_a_harness_whose_logits_leave_the_reference_beyond_the_ceiling_is_a_defe
     assert fine["near_ties"] == 1 and fine["divergences"][0]["gap"] == 0.0
     d = off["divergences"][0]
     assert off["defects"] == 1 and d["gap"] == 0.0 and d["harness_deviation"] == pytest.approx(3.0)
-    eps = torch.finfo(torch.float16).eps  # float32 counts in float16's steps
-    assert d["ceiling"] == pytest.approx(selfcheck.CEILING_STEPS * 2 * eps * 2.0)  # by hand: max |r| = 2
+    eps = 2.0 ** -10  # float16's epsilon: float32 counts in float16's steps
+    assert d["ceiling"] == pytest.approx(8 * 2 * eps * 2.0)  # by hand: 8 steps (the documented ceiling), max |r| = 2
+    just_over = selfcheck.self_check(spec, ar, ids, FixedLogitsTarget(logits, offset=0.04), check_ar_tokens=False)
+    assert just_over["defects"] == 1  # 0.04 is past 8 steps at |r| = 2 (0.03125): a looser ceiling would pass it
 
 
 def test_a_missing_token_is_a_defect_and_no_target_means_unchecked():
