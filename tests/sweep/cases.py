@@ -104,7 +104,7 @@ TRAIN = [
       issue="35", rc=0, fs="any", quick=True),
     C("train: --resume with another recipe", f"{R} --resume --set optim.lr=1e-2", want="optim.lr"),
     C("train: --overwrite, new data empty", f"{R} --overwrite --set data.sources=[{{in}}/empty.jsonl]",
-      issue="1"),
+      issue="1", want="have no rows"),
     C("sft: chat rows without an assistant turn", "train {in}/sft.yaml --set data.sources=[{in}/no_assistant.jsonl]"
       " --set data.format=chat", issue="2", want="assistant"),
     C("sft: init_from missing path", "train {in}/sft.yaml --set model.init_from={in}/nothing-here", issue="7",
@@ -112,7 +112,7 @@ TRAIN = [
     C("sft: init_from pickle only", "train {in}/sft.yaml --set model.init_from={in}/drafter-pickle", issue="6",
       want="pickle"),
     C("sft: init_from a run without export", "train {in}/sft.yaml --set model.init_from={runs}/nockpt",
-      issue="2"),
+      issue="2", want="is neither an export"),
 ]
 
 EXPORT = [
@@ -139,8 +139,9 @@ EVAL_CASES = [
       want="pickle"),
     C("eval: --drafter missing", EVAL.replace("{runs}/good/export", "{in}/no-drafter"), want="does not exist"),
     C("eval: --bench missing", EVAL.replace("prompts.jsonl", "nope.jsonl"), want="nope.jsonl"),
-    C("eval: --bench empty", EVAL.replace("prompts.jsonl", "empty_prompts.jsonl")),
-    C("eval: --bench rows without a prompt", EVAL.replace("prompts.jsonl", "no_prompt_field.jsonl")),
+    C("eval: --bench empty", EVAL.replace("prompts.jsonl", "empty_prompts.jsonl"), want="is empty"),
+    C("eval: --bench rows without a prompt", EVAL.replace("prompts.jsonl", "no_prompt_field.jsonl"),
+      want="no prompt found"),
     C("eval: negative temperature", f"{EVAL} --temperature -1", want="--temperature must be >= 0", quick=True),
     C("eval: --out names a file", f"{EVAL_AR} --out {{in}}/a_file", issue="35", want="is a file", quick=True),
     C("eval: unknown method", f"{EVAL} --methods bogus", want="bogus", quick=True),
@@ -149,8 +150,8 @@ EVAL_CASES = [
     C("eval: --max-new-tokens 0", f"{EVAL} --max-new-tokens 0", want="--max-new-tokens must be >= 1", quick=True),
     C("eval: chain without --drafter", EVAL_AR.replace("--methods ar", "--methods chain"), want="--drafter",
       quick=True),
-    C("eval: drafter of another target", "eval --target {in}/target-hybrid --drafter {runs}/good/export "
-      "--bench {in}/prompts.jsonl --out {runs}/ev --no-plots"),
+    C("eval: drafter of another target", "eval --target {in}/target-other-tokenizer --drafter {runs}/good/export "
+      "--bench {in}/prompts.jsonl --out {runs}/ev --no-plots", want="tokenizers differ"),
     C("eval: Ctrl-C mid-run", f"{EVAL_AR} --max-new-tokens 128 --ignore-eos --repeats 50", issue="23", rc=130,
       want="interrupted: no report was written", forbid="resume", interrupt="method order", quick=True),
 ]

@@ -155,6 +155,8 @@ def build(root: Path, repo: Path, log=print, train: bool = True) -> dict:
     corpus = write_corpus_jsonl(d / "corpus.jsonl", "train", max_files=12)
     _save_target(d / "target", tokenizer)
     _save_target(d / "target-hybrid", tokenizer, hybrid=True)
+    # a target of another tokenizer: a drafter trained for the one above does not share its ids
+    _save_target(d / "target-other-tokenizer", train_tokenizer(d / "tokenizer-other", vocab_size=384, max_files=4))
     _pickle_copy(d / "target", d / "target-pickle")
     _pickle_copy(d / "target", d / "target-fake", name="model.safetensors")
     (d / "target-noconfig").mkdir(exist_ok=True)
