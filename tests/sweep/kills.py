@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,7 +92,7 @@ def at_random(delay: float, run: Path):
     return kill
 
 
-def before_first_checkpoint(run: Path):
+def before_first_checkpoint(run: Path, scale: float = 1.0):  # noqa: ARG001  (no moment to scale)
     def kill(proc):
         _wait_for(lambda: _logged_steps(run) >= 1, proc)
         return _where(run)
@@ -104,24 +105,44 @@ def _same_bits(run: Path, ref: Path) -> str:
     return "identical" if not bad else "DIFFERS: " + ", ".join(bad)
 
 
+MISSED = "ran to the end"  # a note's start when the process finished before its kill moment
+TRIES, SHRINK = 4, 0.6  # a scenario whose kill missed is run again from nothing, its moments this much earlier
+
+
 def scenario(name, p, root, repo, kills, torn=False) -> dict:
     """Train into runs/kill-NAME, applying each kill in turn (the first on a fresh start, later ones on
-    --resume), optionally tear the last metrics line, then resume to the end and compare with the reference."""
+    --resume), optionally tear the last metrics line, then resume to the end and compare with the reference.
+    A kill that finds the run finished tested nothing: the scenario starts over (its run directory, which
+    only it writes, removed) with every moment SHRINK times earlier, up to TRIES times; the row says so."""
     run, recipe = _paths(root, name)
     recipe.write_text(yaml.safe_dump(good_recipe(p, str(run))))
-    notes, resume = [], False
-    for kill in kills:
-        if resume and not (run / "recipe.yaml").exists():
-            resume = False  # killed before the run claimed its directory: nothing to resume
-        rc, where = run_once(["train", str(recipe)] + (["--resume"] if resume else []), root, repo, kill(run))
-        notes.append(where if rc else f"ran to the end ({where})")
-        resume = True
+    for attempt in range(TRIES):
+        if attempt and run.exists():
+            shutil.rmtree(run)
+        notes = _apply_kills(run, recipe, root, repo, kills, SHRINK ** attempt)
+        if not any(note.startswith(MISSED) for note in notes):
+            break
+    if attempt:
+        notes.append(f"{attempt} earlier tr{'y' if attempt == 1 else 'ies'} had a kill land after the run ended")
     if torn and (run / "metrics.jsonl").exists():
         with open(run / "metrics.jsonl", "a") as f:
             f.write('{"step": 99, "loss": 1.2')  # a line cut short by the crash
         notes.append("torn last metrics line")
     run_once(["train", str(recipe), "--resume"], root, repo)
     return {"case": f"kill: {name}", "kills": "; ".join(notes), "result": _same_bits(run, Path(p["runs"]) / "good")}
+
+
+def _apply_kills(run: Path, recipe: Path, root, repo, kills, scale: float) -> list[str]:
+    """Each kill in turn, its moment times `scale`: a note per kill (where it landed, or MISSED ...)."""
+    notes, resume = [], False
+    for kill in kills:
+        if resume and not (run / "recipe.yaml").exists():
+            resume = False  # killed before the run claimed its directory: nothing to resume
+        rc, where = run_once(["train", str(recipe)] + (["--resume"] if resume else []), root, repo,
+                             kill(run, scale))
+        notes.append(where if rc else f"{MISSED} ({where})")
+        resume = True
+    return notes
 
 
 def _paths(root: Path, name: str) -> tuple[Path, Path]:
@@ -155,7 +176,7 @@ def kill_table(p, root, repo, seed: int, jobs: int = 1, names=SCENARIOS) -> list
     span = reference_span(p, kroot, repo)
     def rand():  # moments drawn here, in order, so a seed gives the same moments however threads interleave
         delay = rng.uniform(0, span)
-        return lambda run: at_random(delay, run)
+        return lambda run, scale=1.0: at_random(delay * scale, run)
 
     plans = [(SCENARIOS[0], [before_first_checkpoint], False),
              (SCENARIOS[1], [rand()], False), (SCENARIOS[2], [rand()], False),

@@ -19,7 +19,7 @@ import pytest
 from tests import REPO
 from tests.sweep import bad_input_sweep as sweep
 from tests.sweep.cases import CASES, Case, slug
-from tests.sweep.kills import SCENARIOS
+from tests.sweep.kills import MISSED, SCENARIOS, TRIES
 
 PATH_KEYS = {"root", "in", "runs", "tok", "corpus", "target"}  # what inputs.build returns
 BY_SLUG = {c.slug: c for c in CASES}
@@ -101,6 +101,7 @@ def test_case(sweep_rows, slug):
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=slug)
 def test_kill_resumes_to_the_same_bits(sweep_rows, scenario):
     row = sweep_rows[1][f"kill: {scenario}"]
+    assert MISSED not in row["kills"], f"{row['case']}: a kill never landed in {TRIES} tries ({row['kills']})"
     assert row["result"] == "identical", f"{row['case']} ({row['kills']}): {row['result']}"
 
 
