@@ -142,6 +142,12 @@ def test_tampered_tokenizer_detected(tokenizer, tmp_path):
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="fingerprint"):
         load_exported(out)
+    # a vocabulary edit that keeps every size and special token: two ids swapped in tokenizer.json
+    again = export_model(_model(tokenizer), tokenizer, tmp_path / "export2", metadata=META)
+    _swap_two_ids(tokenizer, tmp_path / "swapped")
+    (again / "tokenizer.json").write_text((tmp_path / "swapped" / "tokenizer.json").read_text())
+    with pytest.raises(CheckpointError, match="fingerprint"):
+        load_exported(again)
 
 
 def test_fingerprint_stable_and_sensitive(tokenizer, tmp_path):
@@ -160,6 +166,25 @@ def test_fingerprint_stable_and_sensitive(tokenizer, tmp_path):
     other = train_tokenizer(tmp_path / "other", vocab_size=280, max_files=4)
     with pytest.raises(CompatibilityError, match="other"):
         check_tokenizer_compat(other, tokenizer)
+    # the same size and special tokens, two ids swapped: every id after them means another token to the drafter
+    swapped = AutoTokenizer.from_pretrained(_swap_two_ids(tokenizer, tmp_path / "swapped"))
+    assert len(swapped) == len(tokenizer) and swapped.eos_token == tokenizer.eos_token
+    assert swapped.get_vocab() != tokenizer.get_vocab()
+    assert tokenizer_fingerprint(swapped) != fingerprint
+    with pytest.raises(CompatibilityError, match=r"\(300 tokens\).*\(300 tokens\)"):
+        check_tokenizer_compat(swapped, tokenizer)
+
+
+def _swap_two_ids(tokenizer, out_dir):
+    """A saved copy of `tokenizer` whose vocabulary maps two ordinary tokens to each other's ids."""
+    tokenizer.save_pretrained(out_dir)
+    spec = json.loads((out_dir / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    special = {t["content"] for t in spec.get("added_tokens", [])}
+    a, b = [tok for tok, _ in sorted(vocab.items(), key=lambda kv: kv[1]) if tok not in special][-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (out_dir / "tokenizer.json").write_text(json.dumps(spec))
+    return out_dir
 
 
 @pytest.mark.parametrize("tied", [True, False])
