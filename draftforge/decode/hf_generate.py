@@ -8,9 +8,12 @@
 `drafter` is a path, a loaded model, a draftforge Drafter (an EESD exit, ...) or "prompt-lookup[:options]"; `method`
 is any draftforge method (chain, tree, ucb, eagle2, c2t, eesd, the length controllers) with its options in
 `method_options`. Honoured: max_new_tokens / max_length, eos_token_id, do_sample with temperature / top_k / top_p,
-stop strings, a streamer, return_dict_in_generate. Refused in one line: batch size > 1, padding, beams, several
-return sequences, scores / logits outputs, and every other logits processor (repetition penalty, min length, ...),
-which would change the distribution the harness verifies against.
+stop strings, max_time, stopping_criteria (checked after every token, as generate() does; their `scores` argument is
+None), a streamer, return_dict_in_generate. Refused in one line: batch size > 1, padding, beams, several return
+sequences, scores / logits outputs, logits warpers passed by hand, and every other logits processor (repetition
+penalty, min length, ...), which would change the distribution the harness verifies against. Settings come as
+generate() takes them: the call's arguments over generation_config over the model's own over transformers'
+defaults (top_k 50 when sampling, 20 new tokens when no length is given).
 
 transformers (5.24) hands a *callable* custom_generate neither `streamer` nor `tokenizer` (it keeps only what its
 own `_sample` does not take), so `stop_strings` fail there before draftforge runs: with the callable, give
@@ -21,7 +24,9 @@ of generate() and takes the usual names.
 from __future__ import annotations
 
 import copy
-import weakref
+import time
+import warnings
+from collections import OrderedDict
 
 import torch
 
@@ -30,7 +35,11 @@ from draftforge.decode.loading import load_drafter, load_target
 from draftforge.decode.methods import build as build_decoder
 from draftforge.errors import CompatibilityError, DraftforgeError
 
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {"target": Target, key: decoder}
+# Each model keeps its harness in this attribute (a plain dict, so not a submodule): {"target": Target, "decoders":
+# OrderedDict key -> decoder, the last _KEEP used}. It lives and dies with the model; a module-level map from models
+# would keep every model alive, since its values (the Target) hold the model.
+_ATTR = "_draftforge_speculative_cache"
+_KEEP = 4
 
 # GenerationConfig fields that add a logits processor or another output: value when off
 _UNSUPPORTED_FIELDS = {
@@ -56,12 +65,12 @@ def _target_tokenizer(model, given):
     from transformers import AutoTokenizer
 
     name = getattr(model.config, "_name_or_path", "") or ""
-    if name and Path(name).is_dir():
-        try:
-            return AutoTokenizer.from_pretrained(name)
-        except (OSError, ValueError, TypeError):
-            return None
-    return None
+    if not name:
+        return None
+    try:  # a local directory, or a Hub id whose files are in the local cache (never a download here)
+        return AutoTokenizer.from_pretrained(name, local_files_only=not Path(name).is_dir())
+    except (OSError, ValueError, TypeError, ImportError):
+        return None
 
 
 def _decoder(model, drafter, method: str, options: dict, tokenizer):
@@ -71,22 +80,52 @@ def _decoder(model, drafter, method: str, options: dict, tokenizer):
     if method.startswith("hf_"):
         raise _refuse(f"method {method!r} is transformers' own generation: call generate() with assistant_model= or "
                       "prompt_lookup_num_tokens= instead of custom_generate")
-    cache = _CACHE.setdefault(model, {})
-    if "target" not in cache:
-        cache["target"] = load_target(model, device=model.device, tokenizer=_target_tokenizer(model, tokenizer))
-    target = cache["target"]
+    cache = model.__dict__.get(_ATTR)
+    if cache is None or (cache["target"].tokenizer is None and tokenizer is not None):
+        # first call, or a tokenizer given now where the target had none: drafters are (re)checked against it
+        cache = {"target": load_target(model, device=model.device, tokenizer=_target_tokenizer(model, tokenizer)),
+                 "decoders": OrderedDict()}
+        model.__dict__[_ATTR] = cache
+    target, decoders = cache["target"], cache["decoders"]
     key = (drafter if isinstance(drafter, str) else id(drafter), method, repr(sorted(options.items())))
-    if key not in cache:
+    if key not in decoders:
         if isinstance(drafter, Drafter):
             built = drafter
         else:
             built = load_drafter(drafter, target, device=model.device, dtype=model.dtype)
-        cache[key] = build_decoder(method, target, built, **options)
-    return cache[key]
+        decoders[key] = (drafter, build_decoder(method, target, built, **options))  # the drafter kept: its id stays
+        while len(decoders) > _KEEP:
+            decoders.popitem(last=False)
+    decoders.move_to_end(key)
+    return decoders[key][1]
+
+
+def _prepared_config(model, generation_config, kwargs: dict, prompt_len: int):
+    """(GenerationConfig, unused kwargs) as generate() prepares them: the call's arguments over `generation_config`
+    over the model's own over transformers' defaults, and max_length as generate() sets it when no length is given
+    (the prompt + 20, at most the model's max_position_embeddings)."""
+    default_length = (kwargs.get("max_length") is None
+                      and (generation_config is None or generation_config.max_length is None)
+                      and model.generation_config.max_length is None)
+    prepare = getattr(model, "_prepare_generation_config", None)
+    if prepare is None:
+        import transformers
+
+        raise _refuse(f"transformers {transformers.__version__} has no GenerationMixin._prepare_generation_config, "
+                      "which draftforge uses to read generate()'s settings as generate() does")
+    gc, unused = prepare(generation_config, **kwargs)
+    if gc.max_new_tokens is None and default_length:
+        gc.max_length = gc.max_length + prompt_len
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None:
+            gc.max_length = min(gc.max_length, limit)
+    return gc, unused
 
 
 def _sampling(gc, logits_processor) -> tuple[float, int, float]:
-    """(temperature, top_k, top_p) of a GenerationConfig; anything the harness cannot verify exactly is refused."""
+    """(temperature, top_k, top_p) of a GenerationConfig; anything the harness cannot verify exactly is refused.
+    The warpers generate() built from `gc` are in `logits_processor` already; one that says otherwise was passed by
+    hand, and is refused rather than ignored."""
     if (gc.num_beams or 1) > 1:
         raise _refuse("beam search (num_beams > 1) is not speculative decoding; use num_beams=1")
     if (gc.num_return_sequences or 1) > 1:
@@ -96,19 +135,42 @@ def _sampling(gc, logits_processor) -> tuple[float, int, float]:
         if value is not None and value != off:
             raise _refuse(f"{field}={value!r} is not supported (the harness verifies against the target's own "
                           "distribution; only temperature, top_k and top_p shape it)")
+    settings = {"TemperatureLogitsWarper": ("temperature", gc.temperature), "TopKLogitsWarper": ("top_k", gc.top_k),
+                "TopPLogitsWarper": ("top_p", gc.top_p)}
     for proc in logits_processor or ():
-        if type(proc).__name__ not in _WARPERS:
-            raise _refuse(f"logits processor {type(proc).__name__} is not supported (only temperature, top_k, top_p)")
+        name = type(proc).__name__
+        if name not in _WARPERS:
+            raise _refuse(f"logits processor {name} is not supported (only temperature, top_k, top_p)")
+        field, value = settings[name]
+        have = getattr(proc, field, None)
+        if not gc.do_sample or value is None or have is None or float(have) != float(value):
+            raise _refuse(f"{name}({field}={have}) passed by hand is not supported: give {field}= (and "
+                          "do_sample=True) to generate() instead")
     if not gc.do_sample:
         return 0.0, 0, 1.0
-    return float(gc.temperature or 1.0), int(gc.top_k or 0), float(gc.top_p or 1.0)
+    temperature = 1.0 if gc.temperature is None else float(gc.temperature)
+    if not temperature > 0:
+        raise _refuse(f"temperature={gc.temperature} with do_sample=True: sampling needs a temperature > 0 "
+                      "(for greedy decoding pass do_sample=False)")
+    top_k = 0 if gc.top_k is None else int(gc.top_k)
+    top_p = 1.0 if gc.top_p is None else float(gc.top_p)
+    if top_k < 0 or not 0.0 <= top_p <= 1.0:
+        raise _refuse(f"top_k={gc.top_k} / top_p={gc.top_p}: top_k must be >= 0 and top_p in [0, 1]")
+    if top_p == 0.0:  # generate() keeps only the most likely token: the greedy choice (the harness takes top_p > 0)
+        return 0.0, 0, 1.0
+    return temperature, top_k, top_p
+
+
+_ENFORCED = ("MaxLengthCriteria", "EosTokenCriteria")  # the harness stops there itself, exactly as these would
 
 
 def speculative_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
-                         drafter=None, method: str = "chain", method_options: dict | None = None, seed: int | None = None,
-                         stream=None, stop=None, stop_tokenizer=None, **model_kwargs):
+                         drafter=None, method: str = "chain", method_options: dict | None = None,
+                         seed: int | None = None, stream=None, stop=None, stop_tokenizer=None, **model_kwargs):
     """transformers' `custom_generate` callable: decode input_ids [1, T] with the target `model` and `drafter`."""
-    gc = generation_config if generation_config is not None else copy.deepcopy(model.generation_config)
+    if generation_config is None:  # called directly, not through generate(): read the settings as generate() would
+        generation_config, _ = _prepared_config(model, None, {}, input_ids.shape[-1])
+    gc = generation_config
     temperature, top_k, top_p = _sampling(gc, logits_processor)  # first: beams and several sequences widen the batch
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise _refuse(f"one sequence at a time (batch size 1); got input_ids of shape {tuple(input_ids.shape)}")
@@ -120,38 +182,54 @@ def speculative_generate(model, input_ids, logits_processor=None, stopping_crite
     if max_new < 1:
         raise _refuse(f"nothing to generate: max_length {gc.max_length} is not above the prompt's {len(prompt)} tokens")
     dec = _decoder(model, drafter, method, dict(method_options or {}), stop_tokenizer)
-    stops = None
+    ctx = dec.target.max_context
+    if ctx is not None and len(prompt) >= ctx:
+        raise _refuse(f"the prompt has {len(prompt)} tokens and the target's context is {ctx}")
+    if ctx is not None and len(prompt) + max_new > ctx:
+        warnings.warn(f"speculative_generate: stops at the target's context of {ctx} tokens, {ctx - len(prompt)} new "
+                      f"tokens instead of {max_new} (positions past it are undefined for the target)", stacklevel=2)
+    checks = [c for c in stopping_criteria or () if type(c).__name__ not in _ENFORCED]
+    if gc.max_time is not None and not any(type(c).__name__ == "MaxTimeCriteria" for c in checks):
+        from transformers.generation.stopping_criteria import MaxTimeCriteria
+
+        checks.append(MaxTimeCriteria(gc.max_time, initial_timestamp=time.time()))
     if stop:
         from transformers.generation.stopping_criteria import StopStringCriteria
 
         if stop_tokenizer is None:
             raise _refuse("stop strings need a tokenizer (stop_tokenizer= with the callable, tokenizer= otherwise)")
-        stops = StopStringCriteria(tokenizer=stop_tokenizer, stop_strings=stop)
-    if stream is not None:
-        stream.put(input_ids.cpu())
+        checks.append(StopStringCriteria(tokenizer=stop_tokenizer, stop_strings=stop))
+    window = None  # stop strings read only their last maximum_token_len ids: hand them no more (this runs per token)
+    if checks and all(type(c).__name__ == "StopStringCriteria" for c in checks):
+        window = max(c.maximum_token_len for c in checks)
     seq, kept = list(prompt), []
 
     def on_tokens(emitted: list[int]) -> bool:
         cut = None
         for i, tok in enumerate(emitted):
             seq.append(tok)
-            # the criteria read only the last maximum_token_len ids: hand over no more (this runs per token)
-            if stops is not None and bool(stops(torch.tensor([seq[-stops.maximum_token_len:]]), None)[0]):
-                cut = i + 1
-                break
+            if checks:  # after every token, as generate() checks its criteria (scores: None, the harness has none)
+                ids = torch.tensor([seq if window is None else seq[-window:]])
+                if any(bool(c(ids, None)[0]) for c in checks):
+                    cut = i + 1
+                    break
         chunk = emitted if cut is None else emitted[:cut]
         kept.extend(chunk)
         if stream is not None and chunk:
             stream.put(torch.tensor(chunk))
         return cut is not None
 
-    if seed is None:  # as generate() samples: from torch's global generator (torch.manual_seed makes it repeat)
+    if seed is None and temperature > 0:  # as generate() samples: from torch's global generator (manual_seed: repeats)
         seed = int(torch.randint(0, 2**31 - 1, ()))
     eos = gc.eos_token_id if gc.eos_token_id is not None else []
-    dec.generate(prompt, max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                 eos_token_id=eos, on_tokens=on_tokens)
     if stream is not None:
-        stream.end()
+        stream.put(input_ids.cpu())
+    try:
+        dec.generate(prompt, max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k,
+                     seed=seed or 0, eos_token_id=eos, on_tokens=on_tokens)
+    finally:  # a consumer of TextIteratorStreamer waits for end(): it comes on an error too
+        if stream is not None:
+            stream.end()
     sequences = torch.tensor([prompt + kept], dtype=input_ids.dtype, device=input_ids.device)
     if gc.return_dict_in_generate:
         from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -169,8 +247,6 @@ def generate_from_export(model, drafter_dir: str, inputs=None, generation_config
                          stopping_criteria=None, streamer=None, **kwargs):
     """The entry of an export's custom_generate/generate.py: generate()'s own arguments, this export as the drafter
     unless drafter= names another."""
-    if logits_processor or stopping_criteria:
-        raise _refuse("extra logits processors or stopping criteria are not supported; use stop_strings= for stops")
     for name in _IGNORED_IF_UNSET:
         if kwargs.pop(name, None) not in (None, False):
             raise _refuse(f"{name} is not supported")
@@ -182,13 +258,13 @@ def generate_from_export(model, drafter_dir: str, inputs=None, generation_config
     passed.setdefault("drafter", drafter_dir)
     tokenizer, stop = kwargs.pop("tokenizer", None), kwargs.pop("stop_strings", None)
     attention_mask = kwargs.pop("attention_mask", None)
-    gc = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
-    unused = gc.update(**kwargs)
+    gc, unused = _prepared_config(model, generation_config, kwargs, input_ids.shape[-1])
     unused = {k: v for k, v in unused.items() if v is not None and k not in ("use_cache", "pad_token_id")}
     if unused:
         raise _refuse(f"unknown or unsupported generate() argument(s): {', '.join(sorted(unused))}")
     if stop is None and gc.stop_strings:
         stop = gc.stop_strings
     gc.stop_strings = None
-    return speculative_generate(model, input_ids, generation_config=gc, stream=streamer, stop=stop,
+    return speculative_generate(model, input_ids, logits_processor=logits_processor,
+                                stopping_criteria=stopping_criteria, generation_config=gc, stream=streamer, stop=stop,
                                 stop_tokenizer=tokenizer, attention_mask=attention_mask, **passed)

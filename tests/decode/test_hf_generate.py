@@ -11,7 +11,7 @@ import torch
 
 import draftforge
 from draftforge.errors import CompatibilityError
-from tests.fixtures.decode import eagle3_head, feature_mamba_head, noisy_copy, tiny_llama, tiny_mamba2
+from tests.fixtures.decode import eagle3_head, feature_mamba_head, late_eos, noisy_copy, tiny_llama, tiny_mamba2
 
 PROMPTS = [[5, 17, 42, 9], [3, 88, 12, 61, 7, 30, 2]]
 
@@ -199,3 +199,163 @@ def test_sampling_settings_reach_the_harness(target):
     dec = build_decoder("chain", t, load_drafter(drafter, t))
     want = dec.generate(PROMPTS[0], max_new_tokens=16, temperature=0.7, top_k=20, top_p=0.9, seed=3, eos_token_id=[])
     assert got[0, len(PROMPTS[0]):].tolist() == want.tokens
+
+
+# --- generate()'s own settings on both paths (the callable, an export's directory): oracle generate() itself -------
+
+@pytest.fixture(scope="module")
+def export_dir(tok, tmp_path_factory):
+    from draftforge.export import export_model
+
+    out = tmp_path_factory.mktemp("export") / "export"
+    return str(export_model(tiny_mamba2(vocab=VOCAB), tok, out, metadata={"task": "sft", "target": "t"}))
+
+
+def from_export(model, ids, export_dir, **kw):
+    x = torch.tensor([ids])
+    return model.generate(x, attention_mask=torch.ones_like(x), custom_generate=export_dir, trust_remote_code=True,
+                          **kw)
+
+
+def test_no_length_given_means_20_new_tokens_as_generate(target, export_dir):
+    """generate() adds 20 to the prompt when no length is given (a long prompt too); both paths must agree."""
+    long_prompt = [int(t) for t in torch.randint(3, VOCAB, (25,), generator=torch.Generator().manual_seed(1))]
+    for ids in (PROMPTS[1], long_prompt):
+        want = plain(target, ids)
+        assert want.shape[1] == len(ids) + 20
+        assert torch.equal(from_export(target, ids, export_dir), want)
+        assert torch.equal(spec(target, ids, drafter="prompt-lookup"), want)
+
+
+def test_a_generation_config_given_keeps_the_models_eos(export_dir):
+    """generate(generation_config=GenerationConfig(max_new_tokens=12)) still stops at the model's own EOS."""
+    from transformers import GenerationConfig
+
+    model = tiny_llama(vocab=VOCAB, layers=2, hidden=32)
+    ids = PROMPTS[0]
+    free = plain(model, ids, max_new_tokens=12)[0, len(ids):].tolist()
+    model.generation_config.eos_token_id = late_eos(free)
+    want = model.generate(torch.tensor([ids]), generation_config=GenerationConfig(max_new_tokens=12))
+    assert want.shape[1] < len(ids) + 12 and want[0, -1].item() == model.generation_config.eos_token_id
+    assert torch.equal(from_export(model, ids, export_dir, generation_config=GenerationConfig(max_new_tokens=12)),
+                       want)
+
+
+def test_sampling_defaults_are_generates(target, export_dir):
+    """do_sample=True without top_k samples with transformers' default top_k (50) on both paths, not the full
+    vocabulary; the harness's own decode with top_k=50 is the oracle (its exactness: tests/decode/test_sampling.py)."""
+    from draftforge.decode import build_decoder, load_drafter, load_target
+
+    t = load_target(target)
+    want = build_decoder("chain", t, load_drafter(export_dir, t)).generate(
+        PROMPTS[0], max_new_tokens=12, temperature=0.8, top_k=50, top_p=1.0, seed=5, eos_token_id=[]).tokens
+    got = from_export(target, PROMPTS[0], export_dir, do_sample=True, temperature=0.8, max_new_tokens=12, seed=5,
+                      method="chain")
+    assert got[0, len(PROMPTS[0]):].tolist() == want
+
+
+def test_top_p_zero_is_greedy_and_temperature_zero_is_refused(target, export_dir):
+    """generate() with top_p=0 keeps only the most likely token; do_sample with temperature 0 is an error there."""
+    want = plain(target, PROMPTS[1], max_new_tokens=12)
+    got = target.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=12, do_sample=True, top_p=0.0,
+                          custom_generate=draftforge.speculative_generate, drafter="prompt-lookup")
+    assert torch.equal(got, want)
+    with pytest.raises(CompatibilityError, match="temperature=0.0 with do_sample=True"):
+        from_export(target, PROMPTS[1], export_dir, do_sample=True, temperature=0.0, max_new_tokens=4)
+
+
+def test_warpers_passed_by_hand_are_refused_not_ignored(target, export_dir):
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper
+
+    for procs in ([TemperatureLogitsWarper(0.3)], [TopKLogitsWarper(3)]):
+        with pytest.raises(CompatibilityError, match="passed by hand"):
+            target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=5, do_sample=True, logits_processor=procs,
+                            custom_generate=draftforge.speculative_generate, drafter="prompt-lookup")
+        with pytest.raises(CompatibilityError, match="passed by hand"):
+            from_export(target, PROMPTS[0], export_dir, max_new_tokens=5, do_sample=True, logits_processor=procs)
+
+
+class StopAfter:
+    """A user's stopping criterion: stop once the sequence is `n` tokens long."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.n, dtype=torch.bool)
+
+
+def test_stopping_criteria_and_max_time_stop_where_generate_stops(target, export_dir):
+    from transformers import StoppingCriteriaList
+
+    ids = PROMPTS[1]
+    crit = StoppingCriteriaList([StopAfter(len(ids) + 3)])
+    want = plain(target, ids, max_new_tokens=20, stopping_criteria=crit)
+    assert want.shape[1] == len(ids) + 3
+    assert torch.equal(spec(target, ids, max_new_tokens=20, drafter="prompt-lookup", stopping_criteria=crit), want)
+    assert torch.equal(from_export(target, ids, export_dir, max_new_tokens=20, stopping_criteria=crit), want)
+    # max_time=0: generate() emits one token, then its time is up
+    want = plain(target, ids, max_new_tokens=20, max_time=0.0)
+    assert want.shape[1] == len(ids) + 1
+    assert torch.equal(spec(target, ids, max_new_tokens=20, drafter="prompt-lookup", max_time=0.0), want)
+    assert torch.equal(from_export(target, ids, export_dir, max_new_tokens=20, max_time=0.0), want)
+
+
+def test_the_harness_dies_with_its_model():
+    """The decoder cached for a model must not keep the model (and its KV caches) alive once the user drops it."""
+    import gc
+    import weakref
+
+    model = tiny_llama(vocab=VOCAB, layers=1, hidden=32)
+    spec(model, PROMPTS[0], max_new_tokens=4, drafter="prompt-lookup")
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+
+
+def test_the_streamer_ends_on_an_error_and_a_too_long_prompt_says_so(target, monkeypatch):
+    from draftforge.decode import hf_generate
+
+    stream = Collect()
+    with pytest.raises(CompatibilityError, match="the prompt has 256 tokens and the target's context is 256"):
+        spec(target, [5] * 256, max_new_tokens=4, drafter="prompt-lookup", stream=stream)
+    assert stream.puts == []  # refused before anything was streamed
+
+    real = hf_generate._decoder(target, "prompt-lookup", "chain", {}, None)
+
+    class Broken:
+        target = real.target
+
+        def generate(self, *args, **kwargs):
+            raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(hf_generate, "_decoder", lambda *args: Broken())
+    stream = Collect()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        spec(target, PROMPTS[0], max_new_tokens=4, drafter="prompt-lookup", stream=stream)
+    assert stream.puts == [PROMPTS[0]] and stream.ended  # a TextIteratorStreamer's reader is released
+
+
+def test_stopping_at_the_context_warns(target):
+    ids = PROMPTS[0]
+    with pytest.warns(UserWarning, match="stops at the target's context of 256 tokens, 252 new tokens instead of 300"):
+        out = spec(target, ids, max_new_tokens=300, drafter="prompt-lookup")
+    assert out.shape[1] == 256 and torch.equal(out, plain(target, ids, max_new_tokens=252))
+
+
+def test_a_tokenizer_given_later_still_checks_the_drafter(tok, tmp_path):
+    """A target loaded in memory (no tokenizer found): a later call that gives one must check the drafter against it,
+    even after an earlier call built the harness without one."""
+    from draftforge.export import export_model
+    from tests.toplevel.test_export import _swap_two_ids
+
+    model = tiny_llama(vocab=VOCAB, layers=1, hidden=32)
+    spec(model, PROMPTS[0], max_new_tokens=4, drafter="prompt-lookup")  # the harness, built without a tokenizer
+    from transformers import AutoTokenizer
+
+    other = AutoTokenizer.from_pretrained(_swap_two_ids(tok, tmp_path / "other-tok"))
+    foreign = export_model(tiny_mamba2(vocab=VOCAB), other, tmp_path / "foreign", metadata={"task": "sft",
+                                                                                            "target": "t"})
+    with pytest.raises(CompatibilityError, match=f"tokenizers differ: .*\\({len(tok)} tokens each\\)"):
+        spec(model, PROMPTS[0], max_new_tokens=4, drafter=str(foreign), stop=["zz"], stop_tokenizer=tok)
