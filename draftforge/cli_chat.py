@@ -6,7 +6,10 @@ Each answer streams as the target accepts it: drafted tokens the target accepted
 token that ends each round (its correction, or the bonus after a fully accepted draft) in another (where the
 terminal shows colour; NO_COLOR or a pipe turns it off). After each answer: tokens/s, τ (tokens per target
 forward) and the speedup against plain decoding of the same conversation, timed in the same session (--no-ar
-skips that). An empty line, /quit or end of input ends the session with a summary.
+skips that; the time spent printing is left out of both). An answer stops at the target's EOS tokens (its
+generation config's and its tokenizer's). When the conversation outgrows the target's context, the oldest turns
+are dropped (the system message stays), and the session says so. An empty line, /quit or end of input ends the
+session with a summary.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from draftforge.runtime import add_device_flag, add_dtype_flag
 
@@ -56,29 +60,49 @@ def _encode(tokenizer, messages: list[dict]) -> list[int]:
 
 
 class Printer:
-    """Prints an answer as it grows: only whole characters (a byte-level token may end mid-character)."""
+    """Prints an answer as it grows: only whole characters (a byte-level token may end mid-character). It decodes
+    the tokens since the last newline printed, not the whole answer, so each token costs about the same (a decode
+    of the whole answer per token grows with its square); `seconds` is the time spent here."""
 
-    def __init__(self, tokenizer, color: bool, out=sys.stdout):
-        self.tokenizer, self.color, self.out = tokenizer, color, out
-        self.tokens, self.shown = [], 0
+    def __init__(self, tokenizer, color: bool, out=None):
+        self.tokenizer, self.color, self.out = tokenizer, color, out if out is not None else sys.stdout
+        self.tokens, self.shown, self.seconds = [], 0, 0.0  # tokens of the current line, characters of it printed
 
     def add(self, tokens: list[int], own_last: bool) -> None:
+        start = time.perf_counter()
         for i, tok in enumerate(tokens):
             self.tokens.append(tok)
             text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
             if text.endswith("\ufffd"):
                 continue  # wait for the rest of the character
             new, self.shown = text[self.shown:], len(text)
+            if text.endswith("\n"):  # a line is done: later tokens decode on their own
+                self.tokens, self.shown = [], 0
             if self.color and new:
                 new = f"{OWN if own_last and i == len(tokens) - 1 else ACCEPTED}{new}{RESET}"
             self.out.write(new)
         self.out.flush()
+        self.seconds += time.perf_counter() - start
 
     def finish(self) -> None:
         """The answer ended: print what was held back waiting for a character's last bytes."""
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         self.out.write(text[self.shown:] + "\n")
         self.out.flush()
+
+
+def fit_context(tokenizer, messages: list[dict], context: int | None, room: int) -> tuple[list[int], int]:
+    """(the prompt's ids, how many of the oldest messages were dropped from `messages`, in place) so that the
+    prompt leaves `room` tokens for an answer in the target's context: the oldest messages go first, a system
+    message stays, the last one (the question) always stays. So the prompt may still be too long (the last message
+    alone: the caller refuses it) or leave less room (the answer is cut at the context)."""
+    ids, dropped = _encode(tokenizer, messages), 0
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    while context is not None and len(ids) + room > context and len(messages) - first > 1:
+        del messages[first]
+        dropped += 1
+        ids = _encode(tokenizer, messages)
+    return ids, dropped
 
 
 def run(args) -> int:
@@ -100,7 +124,11 @@ def run(args) -> int:
     spec = build_decoder(args.method, target, drafter, **_options(args))
     ar = None if args.no_ar else build_decoder("ar", target)
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    eos = target.tokenizer.eos_token_id
+    from draftforge.decode.engine import eos_set
+
+    # the generation config's EOS list (end-of-turn tokens live there) and the tokenizer's own
+    eos = sorted(eos_set(None, target) | ({target.tokenizer.eos_token_id} - {None}))
+    context = target.max_context
     messages = [{"role": "system", "content": args.system}] if args.system else []
     totals = {"answers": 0, "tokens": 0, "seconds": 0.0, "ar_seconds": 0.0, "ar_tokens": 0, "forwards": 0}
     print(f"chat: {args.method} with {args.drafter}; an empty line or /quit ends the session", file=sys.stderr)
@@ -112,7 +140,16 @@ def run(args) -> int:
         if not line.strip() or line.strip() == "/quit":
             break
         messages.append({"role": "user", "content": line})
-        ids = _encode(target.tokenizer, messages)
+        ids, dropped = fit_context(target.tokenizer, messages, context, args.max_new_tokens)
+        if dropped:
+            print(f"[the conversation outgrew the target's context of {context} tokens: dropped the oldest "
+                  f"{dropped} message{'s' if dropped > 1 else ''}]", file=sys.stderr)
+        if context is not None and len(ids) >= context:
+            print(f"[this message is {len(ids)} tokens with the template, the target's context is {context}: "
+                  "send a shorter one]", file=sys.stderr)
+            messages.pop()
+            continue
+        max_new = args.max_new_tokens if context is None else min(args.max_new_tokens, context - len(ids))
         printer = Printer(target.tokenizer, color)
         seed = int(torch.randint(0, 2**31 - 1, ()))
 
@@ -120,22 +157,22 @@ def run(args) -> int:
             printer.add(emitted, own_last=True)
             return False
 
-        res = spec.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=seed,
+        res = spec.generate(ids, max_new_tokens=max_new, temperature=args.temperature, seed=seed,
                             eos_token_id=eos, on_tokens=on_tokens)
         printer.finish()
         stats = res.stats
+        seconds = max(stats.total_time_s - printer.seconds, 1e-9)  # decoding only: plain decoding prints nothing
         tau = stats.new_tokens / max(stats.target_forwards, 1)
-        line = f"[{stats.new_tokens} tokens, {stats.new_tokens / stats.total_time_s:.1f} tok/s, τ {tau:.2f}"
+        line = f"[{stats.new_tokens} tokens, {stats.new_tokens / seconds:.1f} tok/s, τ {tau:.2f}"
         totals.update(answers=totals["answers"] + 1, tokens=totals["tokens"] + stats.new_tokens,
-                      seconds=totals["seconds"] + stats.total_time_s,
-                      forwards=totals["forwards"] + stats.target_forwards)
+                      seconds=totals["seconds"] + seconds, forwards=totals["forwards"] + stats.target_forwards)
         if ar is not None:
             base = ar.generate(ids, max_new_tokens=max(stats.new_tokens, 1), temperature=args.temperature, seed=seed,
                                eos_token_id=[])  # the same number of tokens, plainly
             ar_rate = base.stats.new_tokens / base.stats.total_time_s
             totals.update(ar_seconds=totals["ar_seconds"] + base.stats.total_time_s,
                           ar_tokens=totals["ar_tokens"] + base.stats.new_tokens)
-            line += f"; plain decoding {ar_rate:.1f} tok/s: {stats.new_tokens / stats.total_time_s / ar_rate:.2f}×"
+            line += f"; plain decoding {ar_rate:.1f} tok/s: {stats.new_tokens / seconds / ar_rate:.2f}×"
         print(line + "]", file=sys.stderr)
         messages.append({"role": "assistant", "content": target.tokenizer.decode(res.tokens, skip_special_tokens=True)})
     if totals["answers"]:
