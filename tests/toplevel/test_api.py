@@ -94,6 +94,8 @@ def test_the_pages_examples_run(page, i):
         _run(page, 0)  # the models: the first block also pays for importing torch and transformers
         return
     seconds = _run(page, i)
+    if 'plain = build_decoder("ar", target)' in BLOCKS[i][1]:  # the page's lossless oracle: its own "ar"; tie it to
+        _assert_plain_is_generate(page["module"].__dict__)   # transformers' generate() here
     if seconds > 5 and not BLOCKS[i][2]:  # a hint for the suite's speed, not a check: timings flake under load
         warnings.warn(f"the example at docs/api.md:{BLOCKS[i][0]} took {seconds:.1f} s: consider marking it slow")
 
@@ -170,3 +172,11 @@ def test_the_reasons_check_can_fail():
     assert reason_for("tests/decode/test_x.py", "draftforge.decode.engine") == 0
     assert reason_for("tests/decode/test_x.py", "draftforge.runtime") is None  # no reason covers it
     assert reason_for("scripts/x.py", "draftforge.decode.engine") is None
+
+
+def _assert_plain_is_generate(ns):
+    import torch
+
+    x = torch.tensor([list(ns["prompt"])])
+    want = ns["target_model"].generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=12)
+    assert ns["plain"].tokens == want[0, x.shape[1]:].tolist()

@@ -41,10 +41,12 @@ def restore_threads():
 
 def test_threads_default_to_one_unless_asked_or_set_by_omp(monkeypatch, restore_threads):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(3)  # not the count the default must set, whatever this process started with
     assert runtime.choose_threads(None).startswith("torch threads: 1 (") and torch.get_num_threads() == 1
     assert runtime.choose_threads(2).startswith("torch threads: 2 (as asked") and torch.get_num_threads() == 2
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert runtime.choose_threads(None) == "torch threads: 2 (from OMP_NUM_THREADS)"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # set by the user: left as the OpenMP runtime set it
+    torch.set_num_threads(3)
+    assert runtime.choose_threads(None) == "torch threads: 3 (from OMP_NUM_THREADS)" and torch.get_num_threads() == 3
 
 
 def test_run_demo_prints_phase_times_spread_and_threads(tmp_path, monkeypatch, restore_threads):

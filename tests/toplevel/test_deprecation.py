@@ -94,7 +94,10 @@ def test_moved_module_returns_the_new_module_and_layer_0_imports_nothing_of_draf
     import draftforge.deprecation as dep
 
     tree = ast.parse(Path(dep.__file__).read_text())
-    assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("draftforge")]
+    names = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level]
+    names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in names if m.split(".")[0] == "draftforge"]
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]  # nor relative ones
     with pytest.warns(DeprecationWarning, match="dep_alias_json moved to json"):
         assert moved_module("dep_alias_json", "json") is sys.modules["dep_alias_json"] is importlib.import_module("json")
     del sys.modules["dep_alias_json"]

@@ -57,15 +57,29 @@ def _name(path: Path) -> str:
 MODULES = {_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
-def named_modules(node: ast.AST, modules) -> set[str]:
-    """The draftforge modules an import statement names (`from draftforge.x import y`: x.y when y is a module)."""
+def absolute(node: ast.ImportFrom, here: str | None, modules) -> str | None:
+    """The module a `from ... import` reads, relative imports (`from .x import y`, level > 0) resolved against the
+    importing module `here` (a package when other modules sit under its name)."""
+    if not node.level:
+        return node.module
+    if here is None:
+        return None
+    package = here.split(".") if any(m.startswith(here + ".") for m in modules) else here.split(".")[:-1]
+    base = package[:len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else [])) or None
+
+
+def named_modules(node: ast.AST, modules, here: str | None = None) -> set[str]:
+    """The draftforge modules an import statement names (`from draftforge.x import y`: x.y when y is a module),
+    relative ones included."""
     if isinstance(node, ast.Import):
         return {a.name for a in node.names if a.name in modules}
-    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("draftforge"):
-        if node.module == "draftforge":
+    module = absolute(node, here, modules) if isinstance(node, ast.ImportFrom) else None
+    if module is not None and module.startswith("draftforge"):
+        if module == "draftforge":
             return {"draftforge"} | {f"draftforge.{a.name}" for a in node.names} & set(modules)
-        named = {f"{node.module}.{a.name}" for a in node.names} & set(modules)
-        return named or ({node.module} & set(modules))
+        named = {f"{module}.{a.name}" for a in node.names} & set(modules)
+        return named or ({module} & set(modules))
     return set()
 
 
@@ -113,7 +127,7 @@ def graph_of(sources: dict[str, str]) -> tuple[dict[str, set[str]], dict[str, se
     for module, text in sources.items():
         tree = ast.parse(text)
         for node in ast.walk(tree):
-            imports[module] |= named_modules(node, sources)
+            imports[module] |= named_modules(node, sources, here=module)
             if through_facade(node):
                 imports[module].add(FACADE)
         strings[FACADE if module == "draftforge" else module] |= string_imports(tree)
@@ -202,4 +216,13 @@ def test_the_checks_see_a_string_or_a_public_name_pointing_up():
                                   ("draftforge.recipe", "draftforge.eval.runner"),
                                   ("draftforge.tasks", "draftforge.eval.runner")]  # the registry names train only
     assert arrows_up(imports) == [("draftforge.decode.y", FACADE), ("draftforge.models.x", FACADE)]
+    # relative imports: from a module and from a package's __init__, one and two levels up
+    relative, _ = graph_of({"draftforge.data.rows": "from ..train import loop\nfrom .prompts import x\n",
+                            "draftforge.data": "from . import rows\nfrom ..eval.runner import run_eval\n",
+                            "draftforge.data.prompts": "", "draftforge.train": "", "draftforge.train.loop": "",
+                            "draftforge.eval.runner": ""})
+    assert relative["draftforge.data.rows"] == {"draftforge.train.loop", "draftforge.data.prompts"}
+    assert relative["draftforge.data"] == {"draftforge.data.rows", "draftforge.eval.runner"}
+    assert arrows_up(relative) == [("draftforge.data", "draftforge.eval.runner"),
+                                   ("draftforge.data.rows", "draftforge.train.loop")]
     assert in_circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == ["a", "b"]

@@ -38,13 +38,16 @@ def _save_pickle(model, path):
     torch.save(model.state_dict(), path / "pytorch_model.bin")
 
 
-def _same_weights(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+def _has_the_fixtures_weights(model) -> bool:
+    """Key by key, the weights `dirs` saved (tiny_llama is seeded: building it again gives them)."""
+    want, got = tiny_llama(vocab=VOCAB).state_dict(), model.state_dict()
+    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_safetensors_dir_loads(dirs):
     model = load_causal_lm(dirs / "safe")
-    assert model.config.vocab_size == VOCAB
+    assert model.config.vocab_size == VOCAB and _has_the_fixtures_weights(model)
+    assert not _has_the_fixtures_weights(tiny_llama(vocab=VOCAB, seed=1))  # the check can fail
 
 
 @pytest.mark.parametrize("load", [
@@ -67,10 +70,9 @@ def test_pickle_drafter_is_refused_by_eval_loader(dirs, monkeypatch):
 
 def test_pickle_loads_only_on_explicit_opt_in(dirs, monkeypatch):
     monkeypatch.delenv(loading.ALLOW_PICKLE_ENV, raising=False)
-    safe = load_causal_lm(dirs / "safe")
-    assert _same_weights(load_causal_lm(dirs / "pickle", allow_pickle=True), safe)
+    assert _has_the_fixtures_weights(load_causal_lm(dirs / "pickle", allow_pickle=True))
     monkeypatch.setenv(loading.ALLOW_PICKLE_ENV, "1")  # the CLI's opt-in (no flag: eval's command is shared)
-    assert _same_weights(load_target(str(dirs / "pickle")).model, safe)
+    assert _has_the_fixtures_weights(load_target(str(dirs / "pickle")).model)
     with pytest.raises(CheckpointError, match="only pickle"):  # an explicit False wins over the environment
         load_causal_lm(dirs / "pickle", allow_pickle=False)
 

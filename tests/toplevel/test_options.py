@@ -13,7 +13,7 @@ import pytest
 from draftforge.errors import RecipeError
 from draftforge.options import add_flags, build_checked, check_fields, cli_fields, flag_of, option, positive_int
 from draftforge.options import values_from_args
-from draftforge.runtime import DTYPE_CHOICES, PRECISIONS, SHORT_NAME, resolve_dtype, resolve_precision
+from draftforge.runtime import DTYPE_CHOICES, PRECISIONS, resolve_dtype, resolve_precision
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,5 +104,6 @@ def test_train_precision_and_dtype_take_the_same_words_through_one_resolver():
     for short, long in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")):
         assert resolve_dtype(short).name == resolve_dtype(long).name == long
         assert resolve_precision(short) == resolve_precision(long) == short
-    for flags in (set(), {"avx512_bf16"}):
-        assert resolve_precision("auto", flags=flags) == SHORT_NAME[resolve_dtype("auto", "cpu", flags=flags).name]
+    # "auto" by hand (test_precision.py pins it with CUDA hidden; here: the same words through both resolvers)
+    for flags, want in ((set(), "float32"), ({"avx512_bf16"}, "bfloat16")):
+        assert resolve_dtype("auto", "cpu", flags=flags).name == want

@@ -52,9 +52,25 @@ def test_unknown_dtype_is_refused():
 
 
 def test_cpu_flag_probe_reads_proc_cpuinfo():
-    flags = runtime.cpu_flags()
-    assert isinstance(flags, set)
-    assert runtime.cpu_bf16_native(flags) in (None, *runtime.BF16_CPU_FLAGS)
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        pytest.skip("no /proc/cpuinfo on this OS: the probe returns an empty set there by design")
+    lines = [ln for ln in cpuinfo.read_text().splitlines() if ln.split(":")[0].strip() == "flags"]
+    if not lines:
+        pytest.skip("this /proc/cpuinfo has no 'flags' line (not x86)")
+    want = set(lines[0].split(":", 1)[1].split())
+    assert want and runtime.cpu_flags() == want
+    native = runtime.cpu_bf16_native()
+    assert native == ("avx512_bf16" if "avx512_bf16" in want else "amx_bf16" if "amx_bf16" in want else None)
+
+
+@pytest.mark.parametrize("flags, want", [(set(), None), ({"avx2", "avx512f"}, None), ({"amx_bf16"}, "amx_bf16"),
+                                         ({"avx512_bf16", "amx_bf16"}, "avx512_bf16"),
+                                         ({"avx512_bf16"}, "avx512_bf16")])
+def test_bf16_native_flags_by_hand(flags, want):
+    assert runtime.cpu_bf16_native(flags) == want
 
 
 # ---- the self-check on a real tiny model ---------------------------------------------------------------
@@ -90,7 +106,9 @@ def test_a_tie_by_construction_is_a_near_tie_and_a_far_token_a_defect(tiny):
 
 
 def test_multi_row_logits_differ_from_one_row_only_by_rounding(tiny):
-    """The noise the classifier relies on is real and small: bf16 rows differ, fp32 rows agree closely."""
+    """The noise the classifier allows for stays small: a verification of 4 rows gives the 1-row logits to within
+    1e-4 in fp32 and 0.25 in bf16 (whether bf16 rows differ at all depends on the kernels: on this tiny model they
+    sometimes agree exactly, so only the bound is checked)."""
     path, prompt, _ = tiny
     for dtype, bound in ((torch.float32, 1e-4), (torch.bfloat16, 0.25)):
         target = load_target(path, dtype=dtype)
@@ -116,6 +134,7 @@ def test_bf16_decoding_of_tiny_models_has_no_defect(models, tmp_path):
                                   cost_repeats=1))
         assert rep["manifest"]["dtype"] == "bfloat16"
         assert rep["manifest"]["dtype_choice"]["drafter"]["dtype"] == "bfloat16"
+        assert {r["method"] for r in rep["results"] if r["self_check"] is not None} == {"chain", "tree"}
         for row in rep["results"]:
             sc = row["self_check"]
             if sc is not None:

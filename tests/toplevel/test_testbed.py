@@ -81,6 +81,7 @@ def test_committed_prompts_come_from_heldout_defs():
     rows = [json.loads(line) for line in testbed.PROMPTS_FILE.read_text().splitlines()]
     assert len(rows) == 100 and len({r["prompt"] for r in rows}) == 100
     root = testbed.stdlib_root()
+    verbatim = 0
     for row in rows:
         assert testbed.split_of(row["source"]) == "heldout"
         assert testbed.PROMPT_MIN_CHARS <= len(row["prompt"]) <= testbed.PROMPT_MAX_CHARS
@@ -91,6 +92,9 @@ def test_committed_prompts_come_from_heldout_defs():
         source = root / row["source"]
         if source.is_file():  # the prompt is verbatim file text, not a rewrite
             assert row["prompt"] in source.read_text(encoding="utf-8", errors="replace")
+            verbatim += 1
+    if platform.python_version() == testbed.PROMPTS_PYTHON_VERSION:  # the stdlib they were cut from: every file
+        assert verbatim == len(rows)
 
 
 @pytest.mark.skipif(platform.python_version() != testbed.PROMPTS_PYTHON_VERSION,

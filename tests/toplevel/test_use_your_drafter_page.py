@@ -39,10 +39,14 @@ def dirs(tmp_path_factory):
     return target_dir, export
 
 
-def _run(heading: str, target_dir: Path, export: Path) -> dict:
+def _run(heading: str, target_dir: Path, export: Path, rename: tuple[str, str] | None = None) -> dict:
+    """Run the page's block under `heading`; `rename` (old, new) keeps a result the block later overwrites."""
     line, code = _block(heading)
     assert '"my-drafter"' in code
     code = code.replace('"my-drafter"', repr(str(export)))
+    if rename is not None:
+        assert code.count(rename[0]) == 1, f"the page's block no longer has {rename[0]!r}"
+        code = code.replace(*rename)
     scope = {"TARGET": str(target_dir)}
     exec(compile("\n" * (line - 1) + code, str(PAGE), "exec"), scope)  # an error names the page's line
     return scope
@@ -58,8 +62,11 @@ def _plain(target_dir: Path, ids: list[int], **kw) -> torch.Tensor:
 
 def test_the_transformers_example_returns_the_targets_greedy_answer(dirs, capsys):
     target_dir, export = dirs
-    scope = _run("transformers", target_dir, export)
+    callable_call = "out = target.generate(**inputs, custom_generate=draftforge.speculative_generate"
+    scope = _run("transformers", target_dir, export, rename=(callable_call, "out_callable" + callable_call[3:]))
     ids = scope["inputs"]["input_ids"][0].tolist()
+    # the page's first call (the callable, a tree) and its second (the export's directory) each checked
+    assert torch.equal(scope["out_callable"], _plain(target_dir, ids, max_new_tokens=128))
     assert torch.equal(scope["out"], _plain(target_dir, ids, max_new_tokens=128, tokenizer=scope["tok"],
                                             stop_strings=["\n\n"]))
     streamed = capsys.readouterr().out  # TextStreamer printed the answer (the prompt skipped)
