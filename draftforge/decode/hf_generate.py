@@ -81,10 +81,12 @@ def _decoder(model, drafter, method: str, options: dict, tokenizer):
         raise _refuse(f"method {method!r} is transformers' own generation: call generate() with assistant_model= or "
                       "prompt_lookup_num_tokens= instead of custom_generate")
     cache = model.__dict__.get(_ATTR)
-    if cache is None or (cache["target"].tokenizer is None and tokenizer is not None):
-        # first call, or a tokenizer given now where the target had none: drafters are (re)checked against it
+    if (cache is None or (cache["target"].tokenizer is None and tokenizer is not None)
+            or cache["key"] != (str(model.device), model.dtype)):
+        # first call; a tokenizer given now where the target had none (drafters are checked against it); or the
+        # model moved to another device or dtype since (the harness's caches and drafters were built for the old)
         cache = {"target": load_target(model, device=model.device, tokenizer=_target_tokenizer(model, tokenizer)),
-                 "decoders": OrderedDict()}
+                 "decoders": OrderedDict(), "key": (str(model.device), model.dtype)}
         model.__dict__[_ATTR] = cache
     target, decoders = cache["target"], cache["decoders"]
     key = (drafter if isinstance(drafter, str) else id(drafter), method, repr(sorted(options.items())))

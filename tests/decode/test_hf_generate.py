@@ -359,3 +359,20 @@ def test_a_tokenizer_given_later_still_checks_the_drafter(tok, tmp_path):
                                                                                             "target": "t"})
     with pytest.raises(CompatibilityError, match=f"tokenizers differ: .*\\({len(tok)} tokens each\\)"):
         spec(model, PROMPTS[0], max_new_tokens=4, drafter=str(foreign), stop=["zz"], stop_tokenizer=tok)
+
+
+def test_a_model_moved_after_a_first_call_gets_a_new_harness():
+    """The harness (its target's caches, the drafters it loaded) is built for the model's device and dtype. After
+    model.to(...) a later call builds a new one: on CPU the old one still decodes a cast model correctly, so the
+    rebuild is checked as such; a move to CUDA with the old one would leave its caches on the CPU."""
+    model = tiny_llama(vocab=VOCAB, layers=2, hidden=32)
+    ids = PROMPTS[1]
+    want = plain(model, ids, max_new_tokens=12)
+    assert torch.equal(spec(model, ids, max_new_tokens=12, drafter="prompt-lookup"), want)
+    first = model.__dict__["_draftforge_speculative_cache"]["target"]
+    spec(model, ids, max_new_tokens=12, drafter="prompt-lookup")
+    assert model.__dict__["_draftforge_speculative_cache"]["target"] is first  # reused while nothing changed
+    model.to(torch.bfloat16)
+    got = spec(model, ids, max_new_tokens=12, drafter="prompt-lookup")
+    assert model.__dict__["_draftforge_speculative_cache"]["target"] is not first
+    assert torch.equal(got, plain(model, ids, max_new_tokens=12))
