@@ -76,7 +76,10 @@ def _self_check_cell(sc: dict | None) -> str:
     if sc["identical"] < sc["total"]:
         if not sc.get("near_tie_checked"):
             return cell + " (differences not classified)"
-        cell += f" ({sc['near_ties']} near-tie" + (f", {sc['defects']} DEFECT" if sc.get("defects") else "") + ")"
+        mine = sc["defects"] - sc.get("ar_defects", 0)
+        cell += f" ({sc['near_ties']} near-tie" + (f", {mine} DEFECT" if mine else "") + ")"
+    if sc.get("ar_defects"):  # AR itself parted from the model's plain forward: every row shares that verdict
+        cell += f", AR: {sc['ar_defects']} DEFECT"
     if sc.get("context_differs"):
         cell += f", {sc['context_differs']} turn(s) with another context"
     return cell
@@ -123,7 +126,8 @@ def _row(r: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-HEADER = ("| method | T | τ (+bonus) | τ (no bonus) | tok/s median [min–max] | speedup vs AR median [min–max] "
+HEADER = ("| method | T | τ (+bonus) | τ (no bonus) | tok/s median [min–max] | speedup vs AR: ratio of medians "
+          "[min–max by repeat] "
           "| accept rate per drafted node (v_d) | r_d | HM % | draft len | γ total | draft/verify/other % | mem MiB +pass (start) "
           "| = AR (T=0) |")
 

@@ -234,13 +234,16 @@ def _enforce_self_check(cfg, results, dtype, paths) -> None:
         return
     lines = [f"{r['method']}: {r['self_check']['identical']}/{r['self_check']['total']} prompts identical, "
              f"{r['self_check']['near_ties']} near-tie(s), {r['self_check']['defects']} defect(s) "
-             f"(prompts {r['self_check']['mismatched_prompts'][:5]})" for r in bad]
+             f"(prompts {r['self_check']['mismatched_prompts'][:5]}"
+             + (f"; AR itself parted from the model's plain forward on "
+                f"{[d['prompt_id'] for d in r['self_check']['ar_divergences'] if d['verdict'] == 'defect'][:5]}"
+                if r["self_check"].get("ar_defects") else "") + ")" for r in bad]
     rule = ("in fp32, where it must be identical" if dtype == torch.float32 else
             "beyond the rounding noise measured at the first differing position")
     raise SelfCheckError(
         f"greedy output differs from the AR baseline {rule}, so the decoding harness is not lossless: "
-        + "; ".join(lines) + f". Evidence is in {paths.get('json')} (self_check.divergences); please report it "
-        "with that file."
+        + "; ".join(lines) + f". Evidence is in {paths.get('json')} (self_check.divergences and "
+        ".ar_divergences); please report it with that file."
     )
 
 

@@ -306,6 +306,17 @@ def test_bf16_mismatch_beyond_the_measured_noise_is_a_defect(bench, tmp_path, mo
     assert "0/3 (0 near-tie, 3 DEFECT)" in (tmp_path / "out" / "report.md").read_text()
 
 
+def test_a_defect_in_ar_itself_shows_in_the_table_and_the_error(bench, tmp_path, monkeypatch):
+    """AR's own tokens part from the model's plain forward (check_ar's verdict) while every method agrees with AR:
+    the rows are 3/3 identical, yet the run holds 3 defects; report.md and the error must both say AR's."""
+    monkeypatch.setattr(runner, "decode_api", FakeAPI())
+    monkeypatch.setattr(selfcheck, "check_ar", lambda *a: {"verdict": "defect", "position": 0})
+    with pytest.raises(SelfCheckError, match=r"3/3 prompts identical, 0 near-tie\(s\), 3 defect\(s\) \(prompts \[\]; "
+                                             r"AR itself parted from the model's plain forward on \['1', '2', '3'\]"):
+        run_eval(cfg_for(bench, tmp_path, plots=False))
+    assert "| 3/3, AR: 3 DEFECT |" in (tmp_path / "out" / "report.md").read_text()
+
+
 def test_cost_model_times_every_planned_row_count_and_predicts_by_hand(bench, tmp_path, monkeypatch):
     api = FakeAPI()
     monkeypatch.setattr(runner, "decode_api", api)
