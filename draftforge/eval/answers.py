@@ -75,10 +75,9 @@ def model_id(name: str, method: str, dtype: str, temperature: float) -> str:
 def accept_lengths(stats) -> list[int]:
     """Tokens emitted by each target forward of one turn (sum = stats.new_tokens): accepted drafts + 1, the last
     round cut after an EOS (the engine counts drafts up to and including the EOS as accepted)."""
-    lengths = [a + 1 for a in stats.accepted_per_round]
-    if lengths:
-        lengths[-1] = stats.new_tokens - sum(lengths[:-1])
-    return lengths
+    from draftforge.eval.metrics import emitted_per_round
+
+    return emitted_per_round(stats)
 
 
 def median_repeat(records) -> int:

@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from draftforge.eval.metrics import emitted_per_round
 from draftforge.eval.selfcheck import chain_tree
 
 GRID = (1, 2, 3, 4, 5, 6, 8, 10, 13, 16)
@@ -224,9 +225,16 @@ def shorter_chains(records, curve: dict[int, float], draft_step_s: float,
     if longest < 2 or proposed != sum(d for _, _, d in rounds) or 1 not in curve:
         return {}
     t1 = _t1(records, curve, by_length)
+    emitted = []  # per round, what it emitted: a + 1, or less in a decode's last round (an EOS draft, the budget)
+    for r in records:
+        n = len(r.stats.drafted_per_round or [0] * r.stats.target_forwards)
+        e = emitted_per_round(r.stats)[:n]
+        emitted += e + [1] * (n - len(e))
     out = {}
     for g in range(1, longest + 1):
-        tau = statistics.fmean(1 + min(a, g) for _, a, _ in rounds)
+        # cut at g: a round that accepted more keeps g drafts + the target's token (no more than it emitted); one
+        # that accepted g or fewer is unchanged, its EOS or budget cut included
+        tau = statistics.fmean(e if a <= g else min(g + 1, e) for (_, a, _), e in zip(rounds, emitted))
         cost_s = statistics.fmean(t_of(c, min(d, g) + 1) + draft_step_s * min(d, g) for c, _, d in rounds)
         out[g] = tau * t1 / cost_s
     return out

@@ -122,9 +122,21 @@ def acceptance_by_position(stats_list: list[DecodeStats]) -> list[float | None]:
     return [_ratio(a, p) for a, p in zip(acc, prop)]
 
 
+def emitted_per_round(stats: DecodeStats) -> list[int]:
+    """Tokens each target forward of one decode emitted (their sum is stats.new_tokens): accepted drafts + the
+    bonus/correction token, except the last round, which is what is left. It is shorter when the decode ended
+    inside it: at an EOS among the drafts (the engine counts drafts up to and including the EOS as accepted, and
+    no bonus token follows) or at max_new_tokens."""
+    lengths = [a + 1 for a in stats.accepted_per_round]
+    if lengths:
+        lengths[-1] = stats.new_tokens - sum(lengths[:-1])
+    return lengths
+
+
 def tau_histogram(stats_list: list[DecodeStats]) -> dict[int, int]:
-    """How many rounds emitted k tokens (accepted drafts + the bonus/correction token)."""
-    counts = Counter(a + 1 for s in stats_list for a in s.accepted_per_round)
+    """How many rounds emitted k tokens (accepted drafts + the bonus/correction token; a decode's last round what
+    it emitted before an EOS or the token budget ended it)."""
+    counts = Counter(k for s in stats_list for k in emitted_per_round(s))
     return dict(sorted(counts.items()))
 
 

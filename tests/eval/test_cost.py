@@ -172,3 +172,21 @@ def test_the_curve_encodes_a_long_prompt_once_per_sixtyfourth_of_its_length():
     short = CountingTarget()
     cost.verify_curve(short, list(range(10)), [1, 2], repeats=2)
     assert short.prefills == len(short.contexts) and set(short.contexts) == {9}
+
+
+def test_a_round_ended_by_an_eos_draft_counts_what_it_emitted():
+    """Chain of 3, rounds accepting 3, 3 and 2 drafts where the last round's 2nd draft is the EOS: 4 + 4 + 2 = 10
+    tokens (no bonus after an EOS). The histogram and the cut chains count 10, not 11; uncut, the cut equals the
+    method's own prediction."""
+    from draftforge.eval.metrics import tau_histogram
+
+    stats = DecodeStats(new_tokens=10, target_forwards=3, accepted_per_round=[3, 3, 2], drafted_per_round=[3, 3, 3],
+                        proposed_by_position=[3, 3, 3], draft_time_s=0.009)
+    rec = RunRecord("chain", 0.0, 0, "p", 4, [0] * 10, stats)
+    assert tau_histogram([stats]) == {4: 2, 2: 1}
+    got = cost.predict({"tau": 10 / 3, "time": {"draft_s": 0.009}}, [rec], CURVE)
+    step = 0.009 / 9
+    cut = got["shorter_chains"]
+    assert cut[3] == pytest.approx(got["predicted_speedup"]) == pytest.approx(10 / 3 * 0.030 / (0.032 + 3 * step))
+    assert cut[2] == pytest.approx(8 / 3 * 0.030 / (0.0315 + 2 * step))  # 3, 3 and the EOS round's own 2
+    assert cut[1] == pytest.approx(2 * 0.030 / (0.031 + step))  # every round: 1 draft + the target's token
