@@ -278,7 +278,8 @@ def _against_ar(records: list[RunRecord], ar_records: list[RunRecord], draft_s: 
         out["decode_speedup"] = statistics.median(dtps) / statistics.median(ar_dtps)
     per_rep = speedup_by_repeat(records, ar_records)
     out["speedup_by_repeat"], out["speedup_spread"] = per_rep, spread(per_rep)
-    ar_time = sum(r.stats.total_time_s for r in ar_records)
+    # T_t: AR's seconds per token of decoding (its prefill left out: a drafted token is priced against a step)
+    ar_time = sum(r.stats.total_time_s - r.stats.prefill_time_s for r in ar_records)
     ar_toks = sum(r.stats.new_tokens for r in ar_records)
     if ar_toks and drafted and ar_time > 0:
         out["alpha"] = (draft_s / drafted) / (ar_time / ar_toks)

@@ -23,7 +23,8 @@ CONVENTIONS = {
     "r_d": "EESD App. D Eq. 12: accepted draft tokens / output tokens (share of the output from the draft)",
     "hm": "EESD App. D harmonic mean 2*v_d*r_d/(v_d+r_d); report.json holds the fraction, report.md and the "
           "paper show it x100 (%)",
-    "alpha": "EESD Eq. 14 cost ratio T_d/T_t: draft seconds per drafted token / AR seconds per token, same run",
+    "alpha": "EESD Eq. 14 cost ratio T_d/T_t: draft seconds per drafted token / AR seconds per decoded token (AR's "
+             "prefill left out), same run",
     "acceptance_by_position": "accepted at draft depth d / rounds that proposed depth d (0-based in report.json, "
                               "d1 = the first draft token in report.md and the plot)",
     "memory": "per method and temperature, the timed pass (of the repeats) whose peak rose most above its "

@@ -44,6 +44,10 @@ def test_summarize_chain_by_hand():
     assert s["hm"] == pytest.approx(2 * (4 / 9) * (4 / 7) / (4 / 9 + 4 / 7))
     # α = T_d / T_t: draft 0.2/9 s per drafted token over AR 0.2 s per token = 1/9
     assert s["alpha"] == pytest.approx(1 / 9)
+    # AR's prefill is not a decoding step: 0.35 of its 1.4 s prefilling leaves 0.15 s per token, α = (0.2/9) / 0.15
+    ar = ar_stats()
+    ar.prefill_time_s = 0.35
+    assert metrics.summarize([rec("chain", chain_stats())], [rec("ar", ar)])["alpha"] == pytest.approx(0.2 / 9 / 0.15)
     assert s["mean_draft_length"] == pytest.approx(3.0) and s["drafting_rounds"] == 3
 
 
