@@ -79,8 +79,9 @@ def test_a_tree_gets_no_shorter_chains():
 
 
 def test_pace_warning_by_hand():
-    """AR's passes 100 and 130 tok/s (1.30x apart) or t(1) 10 -> 12 ms (+20%): the report says so; 100 and 110
-    tok/s with t(1) 10 -> 11 ms (within 1.15x): it does not."""
+    """AR's passes at one temperature 100 and 130 tok/s (1.30x apart) or t(1) 10 -> 12 ms (+20%): the report says
+    so; 100 and 110 tok/s with t(1) 10 -> 11 ms (within 1.15x), or 100 at T = 0 and 130 at T = 1 (other tokens,
+    other lengths: not the same work): it does not."""
     from draftforge.decode.base import DecodeStats
     from draftforge.eval.cost import pace_warning
     from draftforge.eval.metrics import RunRecord
@@ -91,8 +92,9 @@ def test_pace_warning_by_hand():
     steady = [ar(0, 0.0, 100.0), ar(1, 0.0, 110.0), RunRecord("chain", 0.0, 0, "p", 3, [], DecodeStats(
         new_tokens=100, total_time_s=0.1))]
     assert pace_warning(steady, {"t1_s": 0.011, "t1_before_s": 0.010}) is None
-    moved = pace_warning([ar(0, 0.0, 100.0), ar(0, 1.0, 130.0)], None)
-    assert "AR ran at 100.0–130.0 tok/s over its 2 timed passes (1.30×)" in moved
+    assert pace_warning([ar(0, 0.0, 100.0), ar(0, 1.0, 130.0)], None) is None
+    moved = pace_warning([ar(0, 0.0, 100.0), ar(1, 0.0, 104.0), ar(0, 1.0, 100.0), ar(1, 1.0, 130.0)], None)
+    assert "AR at T = 1 ran at 100.0–130.0 tok/s over its 2 timed passes (1.30×)" in moved
     slowed = pace_warning(steady, {"t1_s": 0.012, "t1_before_s": 0.010})
     assert "t(1) was 10.0 ms before the runs and 12.0 ms after (+20%)" in slowed
 
