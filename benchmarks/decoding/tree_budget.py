@@ -75,8 +75,8 @@ def build_points(args, target, drafter) -> dict:
 
 
 def run_points(points: dict, prompts, args) -> dict:
-    """Per point: outputs and stats of the last repeat, and the seconds of every repeat."""
-    names, runs = list(points), {name: {"secs": []} for name in points}
+    """Per point: outputs and stats of the last repeat, and the seconds and new tokens of every repeat."""
+    names, runs = list(points), {name: {"secs": [], "tokens": []} for name in points}
     for p in prompts[:1]:  # warm-up, untimed
         for name in names:
             points[name][0].generate(list(p.input_ids), max_new_tokens=args.max_new_tokens)
@@ -90,25 +90,33 @@ def run_points(points: dict, prompts, args) -> dict:
                 outs.append(res.tokens)
                 stats.append(res.stats)
             runs[name]["secs"].append(time.perf_counter() - t0)
+            runs[name]["tokens"].append(sum(st.new_tokens for st in stats))
             runs[name]["outs"], runs[name]["stats"] = outs, stats
         print(f"[tree_budget] repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     return runs
 
 
 def summarize(points, runs, check=None) -> list[dict]:
-    """check(outputs, stats) -> the self-check against AR (benchmarks.common.versus_ar), for outputs that differ."""
-    ar_secs = statistics.median(runs["ar"]["secs"])
+    """check(outputs, stats) -> the self-check against AR (benchmarks.common.versus_ar), for outputs that differ.
+    tokens_per_s: the median over repeats of new tokens / seconds; speedup: that over AR's (the eval's ratio of
+    medians). In tokens, not seconds: where bf16 moves an EOS, a method's answers differ in length from AR's."""
+
+    def tok_s(name):
+        return statistics.median(n / secs for n, secs in zip(runs[name]["tokens"], runs[name]["secs"]))
+
+    ar_tok_s = tok_s("ar")
     rows = []
     for name, (_, desc) in points.items():
-        stats, secs = runs[name]["stats"], statistics.median(runs[name]["secs"])
+        stats = runs[name]["stats"]
         rounds = [r for s in stats for r in zip(s.accepted_per_round, s.drafted_per_round)]
         draft_rounds = [(a, d) for a, d in rounds if d > 0] or [(0, 0)]
         tokens = sum(s.new_tokens for s in stats)
         rows.append({**desc, "name": name, "tau": sum(a for a, _ in rounds) / max(len(rounds), 1),
                      "tau_drafting_rounds": sum(a for a, _ in draft_rounds) / len(draft_rounds),
                      "gamma": sum(d + 1 for _, d in rounds), "gamma_draft_only": sum(d for _, d in rounds),
-                     "rounds": len(rounds), "new_tokens": tokens, "tokens_per_s": tokens / secs,
-                     "speedup": ar_secs / secs, "secs_per_repeat": runs[name]["secs"],
+                     "rounds": len(rounds), "new_tokens": tokens, "tokens_per_s": tok_s(name),
+                     "speedup": tok_s(name) / ar_tok_s, "secs_per_repeat": runs[name]["secs"],
+                     "tokens_per_repeat": runs[name]["tokens"],
                      "draft_s": sum(s.draft_time_s for s in stats), "verify_s": sum(s.verify_time_s for s in stats),
                      "lossless": runs[name]["outs"] == runs["ar"]["outs"]})
         rows[-1]["versus_ar"] = (check(runs[name]["outs"], stats) if check and not rows[-1]["lossless"] else None)
@@ -134,6 +142,31 @@ def compare_at_equal_tau(rows: list[dict]) -> None:
         speed = interpolate([(e["tau"], e["speedup"]) for e in eagle], r["tau"])
         r["eagle2_gamma_at_tau"], r["eagle2_speedup_at_tau"] = gamma, speed
         r["gamma_ratio_vs_eagle2"] = r["gamma"] / gamma if gamma else None
+
+
+def resummarize_file(src: str, dst: str) -> dict:
+    """A tree_budget.json written before 2026-11-28, whose speedup was AR's median seconds / the point's (wrong
+    where a point's answers hold another number of tokens than AR's: bf16 moves EOS at near-ties), summarized
+    again from its own raw fields as `summarize` does now and written to `dst` (a new file). Such a file kept
+    only the last repeat's tokens: greedy decoding repeats its tokens, so every repeat is taken to hold as many."""
+    import json
+
+    doc = json.loads(Path(src).read_text())
+    points = doc["points"]
+    for p in points:
+        tokens = p.get("tokens_per_repeat") or [p["new_tokens"]] * len(p["secs_per_repeat"])
+        p["tokens_per_repeat"] = tokens
+        p["tokens_per_s"] = statistics.median(n / secs for n, secs in zip(tokens, p["secs_per_repeat"]))
+    ar = next(p for p in points if p["name"] == "ar")
+    for p in points:
+        p["speedup"] = p["tokens_per_s"] / ar["tokens_per_s"]
+    compare_at_equal_tau(points)
+    doc["setup"]["resummarized"] = ("speedup and tokens_per_s recomputed from secs_per_repeat and new_tokens by "
+                                    "benchmarks.decoding.tree_budget.resummarize_file (tokens/s, not seconds)")
+    if Path(dst).exists():
+        raise FileExistsError(f"{dst} exists; give a new path")
+    write_json(Path(dst), doc)
+    return doc
 
 
 def plot(rows, path: Path, title: str) -> None:
