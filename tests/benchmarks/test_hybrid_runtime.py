@@ -19,9 +19,11 @@ def test_fit_recovers_a_known_quadratic():
 
 def test_prediction_is_tau_times_t1_over_t_of_rows():
     model = {"a": 0.0, "b": 0.01, "c": 0.05}  # t(1) = 0.06, t(5) = 0.10
-    report = {"results": [{"method": "chain", "temperature": 0, "tau": 2.0, "speedup": 1.1, "target_forwards": 10,
-                           "time": {"draft_s": 0.2}, "verify_cost": {"tokens_per_verify": 5.0}}]}
+    report = {"results": [{"method": "chain", "temperature": 0, "tau": 2.0, "speedup": 1.1, "decode_speedup": 1.2,
+                           "target_forwards": 10, "time": {"draft_s": 0.2}, "verify_cost": {"tokens_per_verify": 5.0}}]}
     (row,) = hybrid_runtime.predict(report, model)
+    # the prediction prices decoding steps: set next to the decoding-only figure, end to end given too
+    assert (row["measured_decode_speedup"], row["measured_speedup"]) == (1.2, 1.1)
     assert row["predicted_speedup_verify_only"] == pytest.approx(2.0 * 0.06 / 0.10)
     assert row["predicted_speedup_with_draft"] == pytest.approx(2.0 * 0.06 / (0.10 + 0.02))
     (row,) = hybrid_runtime.predict(report, model, t1=0.05)  # a measured one-row time replaces the fit's t(1)
