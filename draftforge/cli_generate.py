@@ -45,7 +45,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Answer prompts with the target (chat template when it has one) or, for a base target, continue random "
         "start tokens (greedy for 3-5 tokens, then sampled: EESD §3.2). Rows {input_ids, prompt_len, prompt_id, "
-        "temperature} are appended to --out; rerunning the same command resumes a killed run.")
+        "temperature} are appended to --out; rerunning the same command resumes a killed run. A resume must "
+        "keep --max-new-tokens, --seed, --batch-size and --dtype (recorded in FILE.meta.json; other values are "
+        "refused, as is a prompt whose tokens changed); a file at --out that is not generate's rows is never "
+        "cut or appended to.")
     add_flags(p, GenerateJob)
 
 
@@ -58,7 +61,10 @@ def run(args) -> int:
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
-    from draftforge.data.generate import check_settings, chat_jobs, generate_rows, random_start_jobs, summary_lines
+    from pathlib import Path
+
+    from draftforge.data.generate import (check_settings, chat_jobs, generate_rows, random_start_jobs, row_settings,
+                                          rows_problem, summary_lines)
     from draftforge.errors import DataError
     from draftforge.fsutil import output_problem
     from draftforge.loading import load_causal_lm
@@ -72,6 +78,10 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(args.dtype, device)
+    settings = row_settings(args.max_new_tokens, args.seed, args.batch_size, dtype.name)
+    problem = rows_problem(Path(args.out), settings, Path(args.prompts) if args.prompts else None)
+    if problem:  # before the model loads: a user's file at --out, or a resume with other settings
+        raise DataError(problem)
     announce(dtype, "target")
     model = load_causal_lm(args.target, what="target", dtype=dtype.torch_dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
@@ -97,7 +107,7 @@ def run(args) -> int:
 
     stats = generate_rows(model, tokenizer, jobs, args.out, temperatures=list(args.temperature),
                           max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
-                          progress=progress, target=args.target)
+                          progress=progress, target=args.target, dtype=dtype.name)
     for bar in bars:
         bar.close()
     print("\n".join(summary_lines(stats, args.out, total)))

@@ -78,9 +78,11 @@ def random_start_jobs(n: int, vocab_size: int, seed: int, skip_ids=()) -> list[J
     return jobs
 
 
-def read_done(path: Path) -> set[tuple[str, float]]:
-    """(prompt_id, temperature) pairs already in the file; a torn last line (a killed write) is cut off."""
-    done: set[tuple[str, float]] = set()
+def read_rows(path: Path, cut_torn: bool = False) -> dict[tuple[str, float], list[int]]:
+    """(prompt_id, temperature) -> the prompt's ids, for every row in the file. A torn last line (a killed
+    write) is cut off only with `cut_torn` (the caller knows the file is generate's own: its sidecar says so);
+    otherwise it is an error, like any line that is not a row: the file may be the user's."""
+    done: dict[tuple[str, float], list[int]] = {}
     if not path.is_file():
         return done
     data = path.read_bytes()
@@ -94,15 +96,26 @@ def read_done(path: Path) -> set[tuple[str, float]]:
             if data[good + len(line):].strip():
                 raise DataError(f"{path}: a malformed line at byte {good} is not the last one; the file is not "
                                 "one this command wrote (move it away or pass another --out)")
+            if not cut_torn:
+                raise DataError(f"{path}: its last line is not a complete row and the file has no sidecar of "
+                                "`draftforge generate` ({path.name}.meta.json), so it is not cut: it may be yours "
+                                "(move it away or pass another --out)")
             break
         if not isinstance(row, dict) or "prompt_id" not in row or "temperature" not in row:
             raise DataError(f"{path}: rows lack 'prompt_id'/'temperature'; it is not a `draftforge generate` file")
-        done.add((str(row["prompt_id"]), float(row["temperature"])))
+        ids, n = row.get("input_ids"), row.get("prompt_len")
+        done[(str(row["prompt_id"]), float(row["temperature"]))] = (
+            list(ids[:n]) if isinstance(ids, list) and isinstance(n, int) else [])
         good += len(line)
     if good < len(data):
         with open(path, "r+b") as f:
             f.truncate(good)
     return done
+
+
+def read_done(path: Path, cut_torn: bool = False) -> set[tuple[str, float]]:
+    """(prompt_id, temperature) pairs already in the file (read_rows)."""
+    return set(read_rows(path, cut_torn))
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -161,6 +174,44 @@ def answer_batch(model, jobs: list[Job], temperature: float, max_new_tokens: int
     return answers
 
 
+def row_settings(max_new_tokens: int, seed: int, batch_size: int, dtype: str) -> dict:
+    """What shapes a row besides its prompt and temperature: the length cap, the per-batch sampling seeds (seed
+    and batch size decide them) and the precision."""
+    return {"max_new_tokens": int(max_new_tokens), "seed": int(seed), "batch_size": int(batch_size),
+            "dtype": str(dtype)}
+
+
+def rows_problem(out: Path, settings: dict, prompts: Path | None = None) -> str | None:
+    """Why `out` cannot take this run's rows (checked before a model loads), else None: it is the prompts file;
+    it holds something that is not generate's rows; or its sidecar records other settings (named, old -> new).
+    A sidecar written before settings were recorded cannot be compared: its rows are resumed as they are."""
+    from draftforge.data.provenance import read_sidecar
+
+    out = Path(out)
+    if prompts is not None and Path(prompts).exists() and out.exists() and out.resolve() == Path(prompts).resolve():
+        return f"--out {out} is the --prompts file; the rows go to a file of their own"
+    if not out.is_file() or out.stat().st_size == 0:
+        return None
+    try:
+        record = read_sidecar(out)
+    except DataError as e:
+        return str(e)
+    if record is None or record.get("written_by") != WRITTEN_BY:
+        try:  # rows from before sidecars, or from outside: resumed only if every line is a row (nothing is cut)
+            read_rows(out, cut_torn=False)
+        except DataError as e:
+            return str(e)
+        return None
+    old = record.get("settings")
+    if not isinstance(old, dict):
+        return None
+    differ = [f"{k} {old.get(k)} -> {v}" for k, v in settings.items() if k in old and old[k] != v]
+    if differ:
+        return (f"{out} holds rows made with other settings ({'; '.join(differ)}); a resume must use the same "
+                "(they decide the rows), or pass another --out")
+    return None
+
+
 def batch_seed(seed: int, batch_index: int, temperature: float) -> int:
     return (seed * 1_000_003 + batch_index * 7919 + int(round(temperature * 1000))) % (2**31)
 
@@ -183,20 +234,37 @@ def check_settings(temperatures, max_new_tokens: int, batch_size: int) -> list[f
     return temps
 
 
+WRITTEN_BY = "draftforge generate"
+
+
 def generate_rows(model, tokenizer, jobs: list[Job], out: Path, *, temperatures=(0.0, 1.0), max_new_tokens=256,
-                  batch_size=8, seed=0, progress=None, target=None) -> GenStats:
+                  batch_size=8, seed=0, progress=None, target=None, dtype: str | None = None) -> GenStats:
     """Answer every job at every temperature and append the rows to `out`, skipping rows already there.
     `target` (path or id) is what the sidecar names as the rows' maker (default: the model's name_or_path).
     `progress(new_rows, tokens_per_s, rows_there)` is called after each batch that wrote rows: the rows it
-    wrote, the run's rate so far, and the rows of this job list now in the file (the kept ones included)."""
-    from draftforge.data.provenance import open_rows_file, rows_record
+    wrote, the run's rate so far, and the rows of this job list now in the file (the kept ones included).
+    The settings that shape a row (max_new_tokens, seed, batch_size, dtype: the model's unless given) go into
+    the sidecar; a resume with others, or with a prompt whose tokens changed, is refused (rows_problem)."""
+    from draftforge.data.provenance import open_rows_file, read_sidecar, rows_record
 
     temps = check_settings(temperatures, max_new_tokens, batch_size)
     out = Path(out)
+    settings = row_settings(max_new_tokens, seed, batch_size, dtype or str(model.dtype).removeprefix("torch."))
+    problem = rows_problem(out, settings)
+    if problem:
+        raise DataError(problem)
     out.parent.mkdir(parents=True, exist_ok=True)
     target = target or getattr(model.config, "name_or_path", None)
-    open_rows_file(out, rows_record(tokenizer, model, target, "draftforge generate"))  # before read_done trims
-    done = read_done(out)
+    open_rows_file(out, {**rows_record(tokenizer, model, target, WRITTEN_BY), "settings": settings})
+    ours = (read_sidecar(out) or {}).get("written_by") == WRITTEN_BY
+    kept = read_rows(out, cut_torn=ours)
+    changed = [job.prompt_id for job in jobs for temp in temps  # our own rows only: outside ones are as they are
+               if ours and kept.get((job.prompt_id, temp)) not in (None, [], list(job.input_ids))]
+    if changed:
+        raise DataError(f"{out}: the row of prompt {changed[0]!r} (and {len(changed) - 1} more) was answered to "
+                        "other prompt tokens than this run's (the prompt's text, or its chat template, changed); "
+                        "pass another --out, or the prompts that file was made from")
+    done = set(kept)
     eos = eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else (eos or [0])[0]
     stats, t0 = GenStats(), time.perf_counter()

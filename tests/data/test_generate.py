@@ -168,3 +168,35 @@ def test_cli_help_lists_generate():
     parser = build_parser("generate")
     help_text = parser._subparsers._group_actions[0].choices["generate"].format_help()
     assert "--temperature" in help_text and "--max-new-tokens" in help_text and "resume" in help_text
+
+
+def test_a_users_file_at_out_is_never_cut_and_settings_must_match_on_resume(target, chat_tok, prompt_file,
+                                                                            tmp_path):
+    """A one-line note at --out (its only line is 'torn') was cut to nothing and filled with rows; --out equal
+    to --prompts destroyed the prompt file; a resume with another length cap, seed, batch size or dtype mixed its
+    rows into the file. Each is now refused before anything changes."""
+    from draftforge.data.generate import row_settings, rows_problem
+
+    jobs = chat_jobs(prompt_file, chat_tok, context=96, max_new_tokens=10)
+    note = tmp_path / "note.jsonl"
+    note.write_text("my important note")  # no newline: the file's one line reads as a torn row
+    with pytest.raises(DataError, match="not cut: it may be yours"):
+        generate_rows(target, chat_tok, jobs, note, temperatures=[0], max_new_tokens=4)
+    assert note.read_text() == "my important note"
+    settings = row_settings(4, 0, 8, "float32")
+    assert "is the --prompts file" in rows_problem(prompt_file, settings, prompt_file)
+    out = tmp_path / "rows.jsonl"
+    kw = dict(temperatures=[0], max_new_tokens=4, batch_size=2, seed=3)
+    generate_rows(target, chat_tok, jobs[:2], out, **kw)
+    before = out.read_bytes()
+    for change, said in (({"max_new_tokens": 6}, "max_new_tokens 4 -> 6"), ({"seed": 4}, "seed 3 -> 4"),
+                         ({"batch_size": 3}, "batch_size 2 -> 3"), ({"dtype": "bfloat16"}, "dtype float32 -> bfloat16")):
+        with pytest.raises(DataError, match=f"other settings \\({said}\\)"):
+            generate_rows(target, chat_tok, jobs, out, **{**kw, **change})
+        assert out.read_bytes() == before
+    # a prompt whose tokens changed under the same id: refused, not skipped as answered
+    moved = [type(j)(j.prompt_id, list(j.input_ids) + [5], j.greedy_prefix) for j in jobs]
+    with pytest.raises(DataError, match="answered to other prompt tokens"):
+        generate_rows(target, chat_tok, moved, out, **kw)
+    assert out.read_bytes() == before
+    assert generate_rows(target, chat_tok, jobs, out, **kw).skipped == 2  # the same settings resume

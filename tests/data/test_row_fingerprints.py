@@ -73,7 +73,8 @@ def test_generate_writes_the_sidecar(rows, target, chat_tok):
     assert sidecar_path(rows).name == "rows.jsonl.meta.json"
     assert meta == {"tokenizer": None, "tokenizer_fingerprint": tokenizer_fingerprint(chat_tok),
                     "target": "tiny/target", "target_fingerprint": model_fingerprint(target),
-                    "written_by": "draftforge generate", "version": 1}
+                    "written_by": "draftforge generate", "version": 1,
+                    "settings": {"max_new_tokens": 6, "seed": 0, "batch_size": 8, "dtype": "float32"}}
     assert len(rows.read_text().splitlines()) == 3
 
 
