@@ -56,14 +56,28 @@ def usual_permissions(root: Path) -> None:
             os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
 
 
+def _files_under(root: Path) -> set[str]:
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if not p.is_dir()}
+
+
 def write_dir_atomically(out_dir: Path, fill) -> Path:
     """Build a directory with `fill(tmp_dir)` in a temp dir beside `out_dir`, give it the usual permissions,
-    then rename it onto `out_dir` (an old copy is replaced only once the new one is complete)."""
+    then rename it onto `out_dir` (an old copy is replaced only once the new one is complete). An old copy that
+    holds files the new one does not (a README, an eval report put there by hand) is not replaced: CheckpointError
+    naming them, nothing changed."""
+    from draftforge.errors import CheckpointError
+
     out_dir = Path(out_dir)
     tmp_dir = temp_dir_beside(out_dir)
     try:
         fill(tmp_dir)
         usual_permissions(tmp_dir)
+        if out_dir.is_dir():
+            foreign = sorted(_files_under(out_dir) - _files_under(tmp_dir))
+            if foreign:
+                shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+                raise CheckpointError(f"{out_dir} holds files the new copy would not hold ({shown}); replacing it "
+                                      "would delete them: move them out, or write to another directory")
         replace_dir(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)

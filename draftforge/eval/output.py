@@ -27,9 +27,13 @@ def check_out(out_dir: str) -> None:
         if not ours:
             raise DataError(f"--out {out_dir}: its report.json was not written by draftforge eval; choose another "
                             "--out (draftforge never overwrites files it did not write)")
-    elif (Path(out_dir).expanduser() / "report.md").exists():
-        raise DataError(f"--out {out_dir}: it holds a report.md that draftforge eval did not write; choose another "
-                        "--out")
+    else:  # no report of ours: any file a report writes is someone else's
+        from draftforge.eval.plots import PLOT_FILES
+
+        theirs = [n for n in ("report.md", *PLOT_FILES) if (Path(out_dir).expanduser() / n).exists()]
+        if theirs:
+            raise DataError(f"--out {out_dir}: it holds {', '.join(theirs)} that draftforge eval did not write (no "
+                            "report.json of its own beside them); choose another --out")
 
 
 def save_or_rescue(report: dict, out_dir: str, write) -> dict:

@@ -113,9 +113,13 @@ def bench_name(bench) -> str:
     return name if len(name) <= 40 else name[:39] + "…"
 
 
+PLOT_FILES = ("speedup.png", "tau_histogram.png", "acceptance_by_position.png")
+
+
 def write_plots(report: dict, out_dir: str | Path) -> dict[str, str]:
     """The plots that have data (an AR-only run drafts nothing: no τ histogram, no acceptance), titled with
-    the prompt set."""
+    the prompt set. A plot an earlier report in --out drew and this one has no data for is removed, so that no
+    plot of another run stands beside this report (eval.output.check_out made sure such files are eval's)."""
     out, results = Path(out_dir), report["results"]
     where = f" · {bench_name(report['config']['bench'])} ({len(report.get('prompts', []))} prompts)"
     drafted = any(r["method"] != "ar" and r.get("tau_histogram") for r in results)
@@ -123,9 +127,12 @@ def write_plots(report: dict, out_dir: str | Path) -> dict[str, str]:
              "plot_tau_histogram": ("tau_histogram.png", plot_tau_histogram, drafted),
              "plot_acceptance": ("acceptance_by_position.png", plot_acceptance,
                                  any(r.get("acceptance_by_position") for r in results))}
+    assert {name for name, _, _ in plots.values()} == set(PLOT_FILES)
     paths = {}
     for key, (name, plot, has_data) in plots.items():
         if has_data:
             plot(results, out / name, where)
             paths[key] = str(out / name)
+        else:
+            (out / name).unlink(missing_ok=True)
     return paths

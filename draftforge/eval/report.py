@@ -379,10 +379,13 @@ def write_reports(report: dict, out_dir: str | Path, *, plots: bool = True) -> d
     paths = {"json": str(out / "report.json"), "markdown": str(out / "report.md")}
     atomic_write_text(out / "report.json", json.dumps(report, indent=1, default=str) + "\n")
     plot_paths = {}
-    if plots:
-        from draftforge.eval.plots import write_plots
+    from draftforge.eval.plots import PLOT_FILES, write_plots
 
+    if plots:
         plot_paths = write_plots(report, out)
+    else:  # an earlier report's plots (check_out: eval's own) would stand beside this one as if they were its
+        for name in PLOT_FILES:
+            (out / name).unlink(missing_ok=True)
     pace = [f"**Warning:** {report['pace_warning']}", ""] if report.get("pace_warning") else []
     md = ["# draftforge eval", "", heading_markdown(report), "", *pace, markdown_table(report), "", acceptance_markdown(report), "",
           category_markdown(report), "", category_cost_markdown(report), "", component_memory_markdown(report), plots_markdown(plot_paths), protocol_markdown(report), "", definitions_markdown(), "",

@@ -18,6 +18,7 @@ from tests.eval.test_runner import FakeAPI, bench, cfg_for  # noqa: F401  (bench
     (lambda out: out.write_text("mine"), "is a file, not a directory"),
     (lambda out: (out.mkdir(), (out / "report.json").write_text('{"my": "data"}')), "not written by draftforge"),
     (lambda out: (out.mkdir(), (out / "report.md").write_text("# my notes")), "report.md that draftforge"),
+    (lambda out: (out.mkdir(), (out / "speedup.png").write_text("my own plot")), "speedup.png that draftforge"),
 ])
 def test_an_out_that_cannot_take_the_report_is_refused_before_any_model_loads(bench, tmp_path, monkeypatch,
                                                                               setup, message):
@@ -34,9 +35,13 @@ def test_an_out_that_cannot_take_the_report_is_refused_before_any_model_loads(be
 
 def test_a_previous_draftforge_report_is_replaced(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "decode_api", FakeAPI())
-    first = run_eval(cfg_for(bench, tmp_path, plots=False))
+    first = run_eval(cfg_for(bench, tmp_path, plots=True))
+    out = tmp_path / "out"
+    assert (out / "speedup.png").is_file()
     second = run_eval(cfg_for(bench, tmp_path, plots=False))
     assert first["files"]["json"] == second["files"]["json"]
+    # the first report's plots are not left beside the second, which drew none
+    assert not [p.name for p in out.iterdir() if p.suffix == ".png"]
 
 
 def test_a_finished_measurement_survives_an_output_error(bench, tmp_path, monkeypatch):

@@ -145,12 +145,16 @@ def test_converted_weights_and_tokens_are_the_ones_the_file_holds(tmp_path):
     assert tokenizer("hello world")["input_ids"] == [TOKENS.index("hello"), TOKENS.index("Ġworld")]  # the merges
 
 
-def test_convert_replaces_an_existing_dir(tiny_gguf, tmp_path):
+def test_convert_replaces_an_earlier_conversion_but_not_files_it_did_not_write(tiny_gguf, tmp_path):
     out = tmp_path / "hf"
-    out.mkdir()
-    (out / "stale.txt").write_text("old")
-    convert_gguf(tiny_gguf, out, extra_files={"NOTE.txt": "hi"})
-    assert not (out / "stale.txt").exists() and (out / "NOTE.txt").read_text() == "hi"
+    convert_gguf(tiny_gguf, out, extra_files={"NOTE.txt": "old"})
+    convert_gguf(tiny_gguf, out, extra_files={"NOTE.txt": "hi"})  # the same files: replaced
+    assert (out / "NOTE.txt").read_text() == "hi"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    (out / "stale.txt").write_text("someone's")
+    with pytest.raises(CheckpointError, match=r"holds files the new copy would not hold \(stale.txt\)"):
+        convert_gguf(tiny_gguf, out, extra_files={"NOTE.txt": "again"})
+    assert (out / "stale.txt").read_text() == "someone's" and (out / "NOTE.txt").read_text() == "hi"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 

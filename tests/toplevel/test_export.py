@@ -114,6 +114,18 @@ def test_overwrite_protection(tokenizer, tmp_path):
     assert [p.name for p in other.iterdir()] == ["todo.txt"]
     with pytest.raises(CheckpointError, match="task"):
         export_model(model, tokenizer, tmp_path / "x", metadata={"target": "t"})
+    # files a user put into an export (a README, an eval report) survive a re-export of the same run: refused
+    (out / "README.md").write_text("my notes")
+    (out / "eval").mkdir()
+    (out / "eval" / "report.json").write_text("{}")
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    for overwrite in (False, True):
+        with pytest.raises(CheckpointError, match=r"holds files the new copy would not hold \(README.md, "
+                                                  r"eval/report.json\)"):
+            export_model(model, tokenizer, out, metadata={**META, "task": "sft"}, overwrite=overwrite)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+    assert (out / "README.md").read_text() == "my notes" and read_export_metadata(out)["task"] == "sft"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "notes"]  # no temp dir left beside it
 
 
 def test_refusals_on_load(tokenizer, tmp_path):

