@@ -285,6 +285,37 @@ def check_args(args) -> None:
         file = next((p for p in (value, *value.parents) if p.exists() and not p.is_dir()), None)
         if file is not None:
             raise DraftforgeError(f"{flag} {value}: {file} is a file, not a directory; give {flag} a directory")
+    check_out_files(Path(args.out))
+
+
+def check_out_files(out: Path) -> None:
+    """What the demo writes into --out must be the demo's own where it exists already (an earlier demo's is
+    replaced): refused here, before minutes of training, not at the step that writes it."""
+    from draftforge.data.provenance import read_sidecar
+    from draftforge.errors import DraftforgeError
+    from draftforge.eval.output import check_out
+    from draftforge.train.rundir import is_run_dir
+
+    theirs = []
+    rows = out / "sft_distill.jsonl"
+    if rows.exists() and (read_sidecar(rows) or {}).get("written_by") != "draftforge demo":
+        theirs.append(rows.name)
+    summary = out / "summary.json"
+    if summary.exists():
+        try:
+            ours = "phase_seconds" in json.loads(summary.read_text())
+        except (ValueError, UnicodeDecodeError, TypeError):
+            ours = False
+        if not ours:
+            theirs.append(summary.name)
+    for recipe in ("pretrain", "sft"):
+        run = Path(tiny_recipe(recipe, out=str(out))["output_dir"])
+        if run.is_dir() and any(run.iterdir()) and not is_run_dir(run):
+            theirs.append(str(run.relative_to(out)) + "/")
+    if theirs:
+        raise DraftforgeError(f"--out {out}: {', '.join(theirs)} not written by a draftforge demo; the demo would "
+                              "replace them: choose another --out")
+    check_out(str(out / "eval"))
 
 
 def run(args) -> int:

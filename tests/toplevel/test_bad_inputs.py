@@ -94,3 +94,21 @@ def test_export_names_a_missing_checkpoint_dir(tmp_path, capsys):
     line = refused(["export", str(run), "--out", str(tmp_path / "x"), "--checkpoint", str(run / "nope")], tmp_path,
                    capsys)
     assert f"--checkpoint {run / 'nope'} is not a directory" in line and "manifest" not in line
+
+
+@pytest.mark.parametrize("setup, want", [
+    (lambda out: (out / "sft_distill.jsonl").write_text("my rows\n"),
+     "sft_distill.jsonl not written by a draftforge demo"),
+    (lambda out: (out / "summary.json").write_text('{"mine": 1}'), "summary.json not written by a draftforge demo"),
+    (lambda out: ((out / "drafter-sft").mkdir(), (out / "drafter-sft" / "notes.txt").write_text("x")),
+     "drafter-sft/ not written by a draftforge demo"),
+    (lambda out: ((out / "eval").mkdir(), (out / "eval" / "report.md").write_text("# mine")),
+     "holds report.md that draftforge eval did not write"),
+], ids=["rows", "summary", "run-dir", "eval-report"])
+def test_demo_refuses_an_out_holding_files_it_would_replace_before_any_work(tmp_path, capsys, setup, want):
+    """These were overwritten (rows, summary) or refused only after both drafters had trained (eval/, run dir)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    setup(out)
+    line = refused(["demo", "--out", str(out), "--testbed", str(tmp_path / "tb")], tmp_path, capsys)
+    assert want in line

@@ -43,3 +43,7 @@ def test_demo_quick_pipeline(tmp_path):
     assert (tmp_path / "out" / "eval" / "report.md").is_file()
     assert (tmp_path / "out" / "eval" / "speedup.png").read_bytes()[:4] == b"\x89PNG"  # the README lists the PNGs
     assert torch.isfinite(torch.tensor(summary["drafter_sft"]["final_loss"]))
+    # a second demo into the same --out is accepted before any work: every file there is the first demo's own
+    from draftforge.demo import check_out_files
+
+    check_out_files(tmp_path / "out")
