@@ -15,6 +15,7 @@ prompt (written through `datasets`, atomically), so a killed harvest resumes whe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from dataclasses import MISSING, asdict, dataclass
@@ -127,11 +128,11 @@ def open_harvest(out_dir: Path, meta: dict, resume: bool) -> None:
     """Start a harvest dir, or check a resumed one was made with the same target, drafter and settings."""
     meta_file = out_dir / META_FILE
     if meta_file.is_file():
-        old = json.loads(meta_file.read_text())
+        old = _read_meta(meta_file)
         if not resume:
             raise DataError(f"{out_dir} already holds a harvest; pass --resume to continue it or choose another --out")
-        # a harvest from before tokenizer fingerprints lacks one: the target's weights bind it still
-        later = tuple(k for k in ("tokenizer_fingerprint", "dtype") if k in old)
+        # a harvest from before these were recorded lacks them: the target's weights bind it still
+        later = tuple(k for k in ("tokenizer_fingerprint", "dtype", "prompts_sha256", "ignore_eos") if k in old)
         for key in ("target", "drafter", "settings", *later):
             if old.get(key) != meta.get(key):
                 raise CompatibilityError(f"{out_dir} was harvested with another {key} ({old.get(key)} vs "
@@ -152,6 +153,16 @@ def write_shard(rows: dict[str, list], path: Path) -> None:
     with no_datasets_bars():  # one "Creating parquet" bar per prompt would break the harvest's own bar
         datasets.Dataset.from_dict(rows).to_parquet(str(tmp))
     tmp.replace(path)
+
+
+def _readable(path: Path) -> bool:
+    """The shard's parquet footer and schema read (a cut file has no footer)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return set(COLUMNS) <= set(pq.ParquetFile(path).schema_arrow.names)
+    except Exception:  # pyarrow raises several kinds for a damaged file
+        return False
 
 
 def shard_path(out_dir: Path, index: int) -> Path:
@@ -268,8 +279,18 @@ def harvest_trees(job: TreeHarvestJob) -> dict:
     prompts = load_prompts(job.bench, target.tokenizer, num_prompts=job.num_prompts, chat=job.chat_template,
                            context_length=target.max_context, max_new_tokens=job.max_new_tokens)
     out = Path(job.out)
-    meta = {**harvest_meta(target, drafter, settings, str(job.bench)), "dtype": dtype.name}
+    # the prompts as the target reads them (the bench file's text, --num-prompts, --chat-template): a resume over
+    # other prompts would put other prompts' trees under the same shard numbers
+    prompts_sha = hashlib.sha256(json.dumps([[str(p.prompt_id), list(p.input_ids)] for p in prompts]).encode())
+    meta = {**harvest_meta(target, drafter, settings, str(job.bench)), "dtype": dtype.name,
+            "prompts_sha256": prompts_sha.hexdigest(), "ignore_eos": bool(job.ignore_eos)}
     open_harvest(out, meta, job.resume)
+    unreadable = [i for i in range(len(prompts)) if shard_path(out, i).is_file() and not _readable(shard_path(out, i))]
+    for i in unreadable:  # a shard is written whole and renamed: one that cannot be read was damaged since
+        shard_path(out, i).unlink()
+    if unreadable:
+        print(f"harvest trees: {len(unreadable)} kept shard(s) could not be read ({shard_path(out, unreadable[0]).name}"
+              f"{' ...' if len(unreadable) > 1 else ''}): harvested again", file=sys.stderr)
     fingerprints, eos = (meta["target"], meta["drafter"]), ([] if job.ignore_eos else None)
     done = sum(shard_path(out, i).is_file() for i in range(len(prompts)))
     totals = {"trees": 0, "rows": 0, "positives": 0}

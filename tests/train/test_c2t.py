@@ -95,6 +95,36 @@ def test_harvest_cli_writes_shards_and_resumes(harvested, capsys):
     assert "--resume" in capsys.readouterr().err
     assert harvest_cli(t_dir, d_dir, bench, out, "--resume") == 0
     assert shards[5].read_bytes() == before  # the missing shard is made again, identically
+    # a kept shard cut short (a damaged copy) is harvested again, identically, and said so (a traceback before)
+    shards[7].write_bytes(shards[7].read_bytes()[: len(shards[7].read_bytes()) // 2])
+    capsys.readouterr()
+    assert harvest_cli(t_dir, d_dir, bench, out, "--resume") == 0
+    assert "1 kept shard(s) could not be read (prompt-000007.parquet): harvested again" in capsys.readouterr().err
+    assert shards[5].read_bytes() == before and len(hv.load_harvest([out])) == len(data)
+
+
+def test_a_resume_over_other_prompts_or_a_broken_record_is_refused(harvested, tmp_path, capsys):
+    """Another bench (or --num-prompts, or without --ignore-eos) under --resume put other prompts' trees under the
+    same shard numbers; a damaged harvest.json was a JSONDecodeError traceback."""
+    import shutil
+
+    t_dir, d_dir, bench, out = harvested
+    copy = tmp_path / "h"
+    shutil.copytree(out, copy)
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"input_ids": [(5 * i + j) % VOCAB for j in range(6)]}) + "\n"
+                             for i in range(12)))
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in copy.iterdir())
+    assert harvest_cli(t_dir, d_dir, other, copy, "--resume") == 2
+    assert "another prompts_sha256" in capsys.readouterr().err
+    assert cli_main(["harvest", "trees", "--target", str(t_dir), "--drafter", str(d_dir), "--bench", str(bench),
+                     "--out", str(copy), "--top-k", "3", "--depth", "3", "--max-new-tokens", "24", "--resume"]) == 2
+    assert "another ignore_eos" in capsys.readouterr().err
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in copy.iterdir()) == before
+    (copy / "harvest.json").write_text("{not json")
+    assert harvest_cli(t_dir, d_dir, bench, copy, "--resume") == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "harvest.json: not readable JSON" in err[0]
 
 
 def test_harvest_bad_input(harvested, tmp_path, capsys):
