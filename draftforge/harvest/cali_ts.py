@@ -33,16 +33,17 @@ from pathlib import Path
 import torch
 
 from draftforge.errors import DataError, DraftforgeError
-from draftforge.fsutil import atomic_write_text, temp_dir_beside
+from draftforge.fsutil import atomic_write_text, sha256_file, temp_dir_beside
 from draftforge.harvest.job import HarvestJob
 from draftforge.options import add_flags, non_negative_int, option, positive_int
 from draftforge.runtime import announce, resolve_dtype
 
 MANIFEST = "harvest.json"
 SETTING_KEYS = ("target_fingerprint", "drafter_fingerprint", "max_offset", "anchor_stride", "max_len", "generate",
-                "shard_size", "sources", "drafter_kind", "exit_after_layer", "tokenizer_fingerprint")
+                "shard_size", "sources", "drafter_kind", "exit_after_layer", "tokenizer_fingerprint", "dtype",
+                "max_sequences", "sources_sha256")
 # absent from older manifests (their fingerprints still bind them)
-LATER_KEYS = ("drafter_kind", "exit_after_layer", "tokenizer_fingerprint")
+LATER_KEYS = ("drafter_kind", "exit_after_layer", "tokenizer_fingerprint", "dtype", "max_sequences", "sources_sha256")
 ROWS_FIX = "regenerate the rows with this target, or pass --target {theirs}"
 TRAIN_FIX = "harvest again with the target you train for, or point model.target / model.tokenizer at {theirs}"
 
@@ -144,17 +145,26 @@ def _check_resume(manifest_path: Path, settings: dict, resume: bool, overwrite: 
     """The manifest to continue from (fresh if none); refuses to mix settings or clobber a harvest silently."""
     if not manifest_path.is_file():
         return {**settings, "shards": {}}
-    old = json.loads(manifest_path.read_text())
+    try:
+        old = json.loads(manifest_path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{manifest_path}: not readable JSON ({e}); harvest into a new --out") from None
     if overwrite:
         shutil.rmtree(manifest_path.parent / "shards", ignore_errors=True)
         return {**settings, "shards": {}}
     if not resume:
         raise DraftforgeError(f"{manifest_path.parent} already holds a harvest; pass --resume to continue it "
                               "or --overwrite to start again")
-    changed = [k for k in SETTING_KEYS if (k in old or k not in LATER_KEYS) and old.get(k) != settings.get(k)]
+    def same(k):
+        if k == "sources":  # the same files, however they are spelled
+            return [str(Path(p).resolve()) for p in old.get(k) or []] == [str(Path(p).resolve()) for p in settings[k]]
+        return old.get(k) == settings.get(k)
+
+    changed = [k for k in SETTING_KEYS if (k in old or k not in LATER_KEYS) and not same(k)]
     if changed:
+        said = "; ".join(f"{k} {old.get(k)} -> {settings.get(k)}" for k in changed)
         raise DraftforgeError(f"--resume: the harvest in {manifest_path.parent} was made with other settings "
-                              f"({', '.join(changed)}); use the same ones, or --overwrite")
+                              f"({said}); use the same ones, or --overwrite")
     return old
 
 
@@ -181,12 +191,19 @@ def harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, max
                 "sources": [str(s) for s in sources],
                 "target_fingerprint": model_fingerprint(target.model), "target_dim": hidden_size(target.model),
                 **drafter_identity(drafter), "max_offset": max_offset, "anchor_stride": anchor_stride,
-                "max_len": max_len, "generate": generate, "shard_size": shard_size,
+                "max_len": max_len, "generate": generate, "shard_size": shard_size, "max_sequences": max_sequences,
+                "sources_sha256": [sha256_file(Path(s)) if Path(s).is_file() else None for s in sources],
                 **tokenizer_identity(target.tokenizer)}
     seqs = read_sequences(sources, target.tokenizer, max_sequences)  # first: --overwrite deletes shards
     if not seqs:
         raise DataError(f"no usable sequences in {', '.join(map(str, sources))} (each needs at least 2 tokens)")
     manifest = _check_resume(out_dir / MANIFEST, settings, resume, overwrite)
+    broken = [k for k in manifest["shards"] if manifest["shards"][k]["rows"] and not _readable(out_dir, int(k))]
+    for k in broken:  # a shard is saved whole and renamed: one that cannot be read was damaged since
+        del manifest["shards"][k]
+    if broken:
+        print(f"[draftforge] harvest θ: {len(broken)} kept shard(s) could not be read (shard-{int(broken[0]):05d}"
+              f"{' ...' if len(broken) > 1 else ''}): harvested again", file=sys.stderr)
     n_shards = (len(seqs) + shard_size - 1) // shard_size
     kept = sum(len(seqs[s * shard_size: (s + 1) * shard_size]) for s in range(n_shards) if str(s) in manifest["shards"])
     if kept:
@@ -211,6 +228,16 @@ def harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, max
         atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     bar.close()
     return finish_manifest(out_dir, manifest)
+
+
+def _readable(out_dir: Path, shard: int) -> bool:
+    import datasets
+
+    try:
+        datasets.load_from_disk(str(out_dir / "shards" / f"shard-{shard:05d}"))
+        return True
+    except Exception:  # datasets and pyarrow raise several kinds for a damaged shard
+        return False
 
 
 def _write_shard(out_dir: Path, shard: int, cols: dict) -> dict:

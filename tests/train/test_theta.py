@@ -114,6 +114,34 @@ def test_harvest_resumes_and_refuses_to_mix(pair, tmp_path, capsys):
     again = harvest(pair, out, resume=True)
     assert "3 of 5 sequences are in shards an earlier run wrote: kept" in capsys.readouterr().err  # shards 0, 2
     assert again["rows"] == full["rows"] and (out / "shards" / "shard-00000").stat().st_mtime_ns == kept
+    # what a resume silently mixed before: another precision, another sequence cap, other rows in the same file
+    for kw, said in (({"dtype": "bfloat16"}, "dtype float32 -> bfloat16"),
+                     ({"max_sequences": 4}, "max_sequences None -> 4")):
+        with pytest.raises(DraftforgeError, match=f"other settings \\({said}\\)"):
+            harvest(pair, out, resume=True, **kw)
+    rows = pair / "rows.jsonl"
+    text = rows.read_text()
+    try:
+        rows.write_text(text.replace("1", "2", 1))
+        with pytest.raises(DraftforgeError, match="other settings \\(sources_sha256"):
+            harvest(pair, out, resume=True)
+    finally:
+        rows.write_text(text)
+    # the same file spelled another way resumes; a kept shard damaged since is harvested again, the same rows
+    import os
+
+    cwd = os.getcwd()
+    try:
+        os.chdir(pair)
+        for f in (out / "shards" / "shard-00002").glob("*.arrow"):
+            f.write_bytes(f.read_bytes()[:100])
+        capsys.readouterr()
+        again = harvest_theta("target", "drafter", ["rows.jsonl"], out, resume=True, max_offset=4, anchor_stride=5,
+                              shard_size=2, progress=False, dtype="float32")
+    finally:
+        os.chdir(cwd)
+    assert "1 kept shard(s) could not be read (shard-00002): harvested again" in capsys.readouterr().err
+    assert again["rows"] == full["rows"] and load_harvest(out)[0].num_rows == full["rows"]
 
 
 def test_an_empty_harvest_is_one_clear_error(pair, tmp_path):
