@@ -138,3 +138,63 @@ def output_problem(path: str | Path, kind: str) -> str | None:
     if not os.access(where, os.W_OK | os.X_OK):
         return f"{where} is not writable"
     return None
+
+
+class OutputLock:
+    """`with OutputLock(out, "draftforge generate"):` one writer per output at a time. A file `.NAME.lock` beside
+    `out` holds the writer's pid; a second writer started while the first runs is refused in one line (two
+    appending to one file doubled its rows). A lock whose process is gone (killed) is taken over. Removed on
+    exit, whatever the exit."""
+
+    def __init__(self, out: str | Path, what: str):
+        out = Path(out)
+        self.path, self.out, self.what = out.with_name(f".{out.name}.lock"), out, what
+
+    def __enter__(self):
+        import socket
+        import time
+
+        from draftforge.errors import DraftforgeError
+
+        mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "what": self.what,
+                           "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is not None:
+                    raise DraftforgeError(
+                        f"{self.out} is being written by another {holder.get('what', 'process')} (pid "
+                        f"{holder['pid']}, started {holder.get('started', '?')}); wait for it to finish or stop it "
+                        f"(its lock: {self.path})") from None
+                self.path.unlink(missing_ok=True)  # its writer is gone: a kill left it behind
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(mine + "\n")
+            return self
+        raise DraftforgeError(f"could not take the lock {self.path}; remove it if no draftforge command is writing "
+                              f"{self.out}")
+
+    def _holder(self) -> dict | None:
+        """The lock's record while its process lives on this host, else None (stale, or unreadable)."""
+        import socket
+
+        try:
+            holder = json.loads(self.path.read_text())
+            pid = int(holder["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if holder.get("host") != socket.gethostname():
+            return holder  # another machine's process on a shared disk: cannot be checked, so it holds
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:  # alive, another user's
+            return holder
+        return holder
+
+    def __exit__(self, *exc):
+        self.path.unlink(missing_ok=True)
+        return False

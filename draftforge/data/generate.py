@@ -245,7 +245,7 @@ def generate_rows(model, tokenizer, jobs: list[Job], out: Path, *, temperatures=
     wrote, the run's rate so far, and the rows of this job list now in the file (the kept ones included).
     The settings that shape a row (max_new_tokens, seed, batch_size, dtype: the model's unless given) go into
     the sidecar; a resume with others, or with a prompt whose tokens changed, is refused (rows_problem)."""
-    from draftforge.data.provenance import open_rows_file, read_sidecar, rows_record
+    from draftforge.fsutil import OutputLock
 
     temps = check_settings(temperatures, max_new_tokens, batch_size)
     out = Path(out)
@@ -254,6 +254,15 @@ def generate_rows(model, tokenizer, jobs: list[Job], out: Path, *, temperatures=
     if problem:
         raise DataError(problem)
     out.parent.mkdir(parents=True, exist_ok=True)
+    with OutputLock(out, WRITTEN_BY):
+        return _generate_rows(model, tokenizer, jobs, out, temps, max_new_tokens, batch_size, seed, progress,
+                              target, settings)
+
+
+def _generate_rows(model, tokenizer, jobs, out: Path, temps, max_new_tokens, batch_size, seed, progress, target,
+                   settings) -> GenStats:
+    from draftforge.data.provenance import open_rows_file, read_sidecar, rows_record
+
     target = target or getattr(model.config, "name_or_path", None)
     open_rows_file(out, {**rows_record(tokenizer, model, target, WRITTEN_BY), "settings": settings})
     ours = (read_sidecar(out) or {}).get("written_by") == WRITTEN_BY

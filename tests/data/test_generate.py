@@ -190,7 +190,8 @@ def test_a_users_file_at_out_is_never_cut_and_settings_must_match_on_resume(targ
     generate_rows(target, chat_tok, jobs[:2], out, **kw)
     before = out.read_bytes()
     for change, said in (({"max_new_tokens": 6}, "max_new_tokens 4 -> 6"), ({"seed": 4}, "seed 3 -> 4"),
-                         ({"batch_size": 3}, "batch_size 2 -> 3"), ({"dtype": "bfloat16"}, "dtype float32 -> bfloat16")):
+                         ({"batch_size": 3}, "batch_size 2 -> 3"),
+                         ({"dtype": "bfloat16"}, "dtype float32 -> bfloat16")):
         with pytest.raises(DataError, match=f"other settings \\({said}\\)"):
             generate_rows(target, chat_tok, jobs, out, **{**kw, **change})
         assert out.read_bytes() == before
@@ -200,3 +201,27 @@ def test_a_users_file_at_out_is_never_cut_and_settings_must_match_on_resume(targ
         generate_rows(target, chat_tok, moved, out, **kw)
     assert out.read_bytes() == before
     assert generate_rows(target, chat_tok, jobs, out, **kw).skipped == 2  # the same settings resume
+
+
+def test_one_writer_per_file(target, chat_tok, prompt_file, tmp_path):
+    """Two generate runs on one --out (a relaunch while the first still runs) each wrote every row: the file held
+    them twice. A live writer's lock refuses the second; a killed writer's lock is taken over; none is left."""
+    import json as _json
+    import socket
+    import subprocess
+
+    from draftforge.errors import DraftforgeError
+    from draftforge.fsutil import OutputLock
+
+    jobs = chat_jobs(prompt_file, chat_tok, context=96, max_new_tokens=4)
+    out = tmp_path / "rows.jsonl"
+    with OutputLock(out, "draftforge generate"):  # this process plays the first writer, still running
+        with pytest.raises(DraftforgeError, match=r"being written by another draftforge generate \(pid \d+"):
+            generate_rows(target, chat_tok, jobs, out, temperatures=[0], max_new_tokens=4)
+    assert not out.exists() and not (tmp_path / ".rows.jsonl.lock").exists()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    lock = tmp_path / ".rows.jsonl.lock"
+    lock.write_text(_json.dumps({"pid": gone.pid, "host": socket.gethostname()}))
+    stats = generate_rows(target, chat_tok, jobs, out, temperatures=[0], max_new_tokens=4)
+    assert stats.rows == len(jobs) and not lock.exists()
