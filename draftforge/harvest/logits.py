@@ -292,6 +292,11 @@ def _draft_record(ids, source) -> dict | None:
 def _existing(out: Path, manifest: dict, resume: bool, overwrite: bool) -> dict | None:
     """The harvest already in `out` that a --resume continues (checked to share the settings), else None."""
     if not (out / MANIFEST).is_file():
+        if out.is_dir() and any(out.iterdir()):  # someone's files (a run dir has a draft_vocab.json too)
+            names = sorted(p.name for p in out.iterdir())
+            raise DataError(f"--out {out} holds files that are not a harvest ({', '.join(names[:3])}"
+                            f"{' ...' if len(names) > 3 else ''}; no {MANIFEST}); a harvest writes into a new or empty "
+                            "directory, or resumes its own: choose another --out")
         if resume:
             print(f"[draftforge] --resume: {out} holds no harvest yet; starting one", file=sys.stderr, flush=True)
         return None
@@ -301,11 +306,11 @@ def _existing(out: Path, manifest: dict, resume: bool, overwrite: bool) -> dict 
     if not resume:
         raise DataError(f"{out} already holds {KINDS[manifest['kind']][0]}; pass --resume to continue it, "
                         "--overwrite to replace it, or choose another --out")
-    changed = [k for k in SETTING_KEYS if old.get(k) != manifest.get(k)]
+    changed = [f"{k} {old.get(k)} -> {manifest.get(k)}" for k in SETTING_KEYS if old.get(k) != manifest.get(k)]
     if old["rows"].get("sha256") != manifest["rows"]["sha256"]:
-        changed.append("rows file (sha256)")
+        changed.append(f"rows file sha256 {str(old['rows'].get('sha256'))[:12]} -> {manifest['rows']['sha256'][:12]}")
     if changed:
-        raise CompatibilityError(f"--resume: the harvest in {out} was made with other settings ({', '.join(changed)}); "
+        raise CompatibilityError(f"--resume: the harvest in {out} was made with other settings ({'; '.join(changed)}); "
                                  "use the same ones, or --overwrite")
     return old
 

@@ -151,7 +151,7 @@ def test_bad_layers_and_a_resume_with_other_layers_are_refused_with_nothing_writ
         harvest(target_dir, rows_file, out, layers=[2, 2])
     assert not out.exists()
     before = _shard_bytes(cache_dir), (cache_dir / "harvest.json").read_bytes()
-    with pytest.raises(CompatibilityError, match=r"made with other settings \(layers\)"):
+    with pytest.raises(CompatibilityError, match=r"made with other settings \(layers \[\d+(, \d+)*\] -> \[0, 3\]\)"):
         harvest(target_dir, rows_file, cache_dir, resume=True, layers=[0, 3])
     with pytest.raises(DataError, match="is not a logits cache manifest: its kind is 'hidden-cache'"):
         harvest_logits(str(target_dir), str(rows_file), str(cache_dir), top_k=8, max_len=MAX_LEN, resume=True)

@@ -500,3 +500,18 @@ def test_two_processes_write_the_same_cache_as_one(tmp_path, target_dir, rows_fi
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert _shard_bytes(out) == _shard_bytes(cache_dir) and open_cache(out).manifest["complete"]
+
+
+def test_an_out_holding_someone_elses_files_is_never_written_into(tmp_path, target_dir, rows_file):
+    """A run directory (its own draft_vocab.json, recipe.yaml) given as --out: the harvest overwrote its
+    draft_vocab.json, and --overwrite deleted it; both are refused now, every byte left."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "draft_vocab.json").write_text("[1, 2, 3]\n")
+    (run / "recipe.yaml").write_text("task: sft\n")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    for flags in ({}, {"overwrite": True}, {"resume": True}):
+        with pytest.raises(DataError, match=r"holds files that are not a harvest \(draft_vocab.json, recipe.yaml; "
+                                            r"no harvest.json\)"):
+            _harvest(target_dir, rows_file, run, **flags)
+        assert {p.name: p.read_bytes() for p in run.iterdir()} == before
