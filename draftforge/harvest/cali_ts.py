@@ -39,6 +39,7 @@ from draftforge.options import add_flags, non_negative_int, option, positive_int
 from draftforge.runtime import announce, resolve_dtype
 
 MANIFEST = "harvest.json"
+KIND = "theta-harvest"  # manifests before 2026-11-28 have no kind
 SETTING_KEYS = ("target_fingerprint", "drafter_fingerprint", "max_offset", "anchor_stride", "max_len", "generate",
                 "shard_size", "sources", "drafter_kind", "exit_after_layer", "tokenizer_fingerprint", "dtype",
                 "max_sequences", "sources_sha256")
@@ -143,12 +144,19 @@ def _continue(target, ids: list[int], n: int) -> list[int]:
 
 def _check_resume(manifest_path: Path, settings: dict, resume: bool, overwrite: bool) -> dict:
     """The manifest to continue from (fresh if none); refuses to mix settings or clobber a harvest silently."""
+    out = manifest_path.parent
     if not manifest_path.is_file():
+        if out.is_dir() and any(out.iterdir()):
+            names = sorted(p.name for p in out.iterdir())
+            raise DataError(f"--out {out} holds files that are not a θ harvest ({', '.join(names[:3])}"
+                            f"{' ...' if len(names) > 3 else ''}; no {MANIFEST}); choose a new or empty --out")
         return {**settings, "shards": {}}
     try:
         old = json.loads(manifest_path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise DataError(f"{manifest_path}: not readable JSON ({e}); harvest into a new --out") from None
+    if old.get("kind", KIND) != KIND:  # a logits or hidden-state cache: --overwrite would orphan its shards
+        raise DataError(f"--out {out} holds a {old.get('kind')}, not a θ harvest; choose another --out")
     if overwrite:
         shutil.rmtree(manifest_path.parent / "shards", ignore_errors=True)
         return {**settings, "shards": {}}
@@ -187,7 +195,7 @@ def harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, max
     choice = resolve_dtype(dtype, device)
     announce(choice, "target and drafter")
     target, drafter = _load_models(target_path, drafter_path, device, allow_vocab_mismatch, choice.torch_dtype)
-    settings = {"dtype": choice.name, "target": str(target_path), "drafter": str(drafter_path),
+    settings = {"kind": KIND, "dtype": choice.name, "target": str(target_path), "drafter": str(drafter_path),
                 "sources": [str(s) for s in sources],
                 "target_fingerprint": model_fingerprint(target.model), "target_dim": hidden_size(target.model),
                 **drafter_identity(drafter), "max_offset": max_offset, "anchor_stride": anchor_stride,

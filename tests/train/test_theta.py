@@ -190,3 +190,21 @@ def test_task_trains_exports_and_the_harness_loads_only_for_its_pair(pair, tmp_p
     other = load_drafter(str(pair / "other"), target)
     with pytest.raises(CompatibilityError, match="drafter weights differ"):
         build_decoder("cali_ts", target, other, theta_predictor=str(result.export_dir))
+
+
+def test_an_out_that_is_not_a_theta_harvest_is_refused_even_with_overwrite(pair, tmp_path):
+    """--overwrite over a logits cache replaced its harvest.json (orphaning its shards); a directory of someone's
+    files was harvested into. Both refused, every byte left."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "harvest.json").write_text(json.dumps({"kind": "logits-cache", "shards": []}))
+    (cache / "shard-00000.safetensors").write_bytes(b"x" * 10)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    for out, said in ((cache, "holds a logits-cache, not a θ harvest"), (mine, "holds files that are not a θ harvest")):
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        for kw in ({}, {"overwrite": True}, {"resume": True}):
+            with pytest.raises(DataError, match=said):
+                harvest(pair, out, **kw)
+            assert {p.name: p.read_bytes() for p in out.iterdir()} == before
