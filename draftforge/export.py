@@ -64,19 +64,28 @@ def _mergeable_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _check_destination(out_dir: Path, identity: dict, overwrite: bool) -> None:
-    """Refuse to replace a different export (unless overwrite) or anything that is not an export (ever)."""
+def check_not_foreign(out_dir: Path) -> dict | None:
+    """Refuse a destination that is a file or a non-empty directory holding no readable draftforge export (never
+    replaced, not even with --overwrite); the export there, if any. Cheap: callers check it before loading a model."""
+    out_dir = Path(out_dir)
     if not out_dir.exists():
-        return
+        return None
     if not out_dir.is_dir():
         raise CheckpointError(f"export path {out_dir} exists and is not a directory; choose another --out")
     if not any(out_dir.iterdir()):
-        return
+        return None
     try:
-        existing = read_export_metadata(out_dir)
+        return read_export_metadata(out_dir)
     except CheckpointError:  # never delete someone's unrelated files, even with --overwrite
         raise CheckpointError(f"{out_dir} already holds files that are not a readable draftforge export; "
                               "choose another --out or remove that directory yourself") from None
+
+
+def _check_destination(out_dir: Path, identity: dict, overwrite: bool) -> None:
+    """Refuse to replace a different export (unless overwrite) or anything that is not an export (ever)."""
+    existing = check_not_foreign(out_dir)
+    if existing is None:
+        return
     if not overwrite and {k: existing.get(k) for k in _IDENTITY_KEYS} != identity:
         raise CheckpointError(f"{out_dir} already holds a different export (task {existing.get('task')!r}, "
                               f"target {existing.get('target')!r}); choose another --out or pass --overwrite")

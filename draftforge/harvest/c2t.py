@@ -270,6 +270,15 @@ def harvest_trees(job: TreeHarvestJob) -> dict:
     from draftforge.decode.methods.eagle2 import check_eagle2
     from draftforge.runtime import announce, resolve_dtype
 
+    out = Path(job.out)  # before the models load: an --out this harvest may not write into
+    if (out / META_FILE).is_file():
+        _read_meta(out / META_FILE)
+        if not job.resume:
+            raise DataError(f"{out} already holds a harvest; pass --resume to continue it or choose another --out")
+    elif out.is_dir() and any(out.iterdir()):
+        names = sorted(p.name for p in out.iterdir())
+        raise DataError(f"--out {out} holds files that are not a harvest ({', '.join(names[:3])}"
+                        f"{' ...' if len(names) > 3 else ''}; no {META_FILE}); choose a new or empty --out")
     dtype = resolve_dtype(job.dtype, job.device)
     announce(dtype, "target and drafter")
     target = load_target(job.target, device=job.device, dtype=dtype.torch_dtype)
@@ -278,7 +287,6 @@ def harvest_trees(job: TreeHarvestJob) -> dict:
     settings = HarvestSettings(job.top_k, job.depth, job.top_m, job.max_new_tokens)
     prompts = load_prompts(job.bench, target.tokenizer, num_prompts=job.num_prompts, chat=job.chat_template,
                            context_length=target.max_context, max_new_tokens=job.max_new_tokens)
-    out = Path(job.out)
     # the prompts as the target reads them (the bench file's text, --num-prompts, --chat-template): a resume over
     # other prompts would put other prompts' trees under the same shard numbers
     prompts_sha = hashlib.sha256(json.dumps([[str(p.prompt_id), list(p.input_ids)] for p in prompts]).encode())

@@ -142,27 +142,37 @@ def _continue(target, ids: list[int], n: int) -> list[int]:
     return out[0].tolist()
 
 
-def _check_resume(manifest_path: Path, settings: dict, resume: bool, overwrite: bool) -> dict:
-    """The manifest to continue from (fresh if none); refuses to mix settings or clobber a harvest silently."""
-    out = manifest_path.parent
+def _check_out(out: Path, resume: bool, overwrite: bool) -> dict | None:
+    """What --out holds, checked before any model loads: nothing, an empty directory (None), or a θ harvest that
+    --resume continues or --overwrite replaces (its manifest). Anything else is refused, whatever the flags."""
+    manifest_path = out / MANIFEST
     if not manifest_path.is_file():
         if out.is_dir() and any(out.iterdir()):
             names = sorted(p.name for p in out.iterdir())
             raise DataError(f"--out {out} holds files that are not a θ harvest ({', '.join(names[:3])}"
                             f"{' ...' if len(names) > 3 else ''}; no {MANIFEST}); choose a new or empty --out")
-        return {**settings, "shards": {}}
+        return None
     try:
         old = json.loads(manifest_path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise DataError(f"{manifest_path}: not readable JSON ({e}); harvest into a new --out") from None
-    if old.get("kind", KIND) != KIND:  # a logits or hidden-state cache: --overwrite would orphan its shards
-        raise DataError(f"--out {out} holds a {old.get('kind')}, not a θ harvest; choose another --out")
+    if not isinstance(old, dict) or old.get("kind", KIND) != KIND:  # a logits cache: --overwrite would orphan it
+        raise DataError(f"--out {out} holds a {old.get('kind') if isinstance(old, dict) else 'other file'}, not a θ "
+                        "harvest; choose another --out")
+    if not resume and not overwrite:
+        raise DraftforgeError(f"{out} already holds a harvest; pass --resume to continue it or --overwrite to start "
+                              "again")
+    return old
+
+
+def _check_resume(manifest_path: Path, settings: dict, resume: bool, overwrite: bool) -> dict:
+    """The manifest to continue from (fresh if none); refuses to mix settings or clobber a harvest silently."""
+    old = _check_out(manifest_path.parent, resume, overwrite)
+    if old is None:
+        return {**settings, "shards": {}}
     if overwrite:
         shutil.rmtree(manifest_path.parent / "shards", ignore_errors=True)
         return {**settings, "shards": {}}
-    if not resume:
-        raise DraftforgeError(f"{manifest_path.parent} already holds a harvest; pass --resume to continue it "
-                              "or --overwrite to start again")
     def same(k):
         if k == "sources":  # the same files, however they are spelled
             return [str(Path(p).resolve()) for p in old.get(k) or []] == [str(Path(p).resolve()) for p in settings[k]]
@@ -192,6 +202,7 @@ def harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, max
     if not isinstance(generate, int) or not 0 <= generate < max_len:
         raise DraftforgeError(f"--generate must be in [0, --max-len) = [0, {max_len}), got {generate!r}")
     out_dir = Path(out_dir)
+    _check_out(out_dir, resume, overwrite)  # before the models load
     choice = resolve_dtype(dtype, device)
     announce(choice, "target and drafter")
     target, drafter = _load_models(target_path, drafter_path, device, allow_vocab_mismatch, choice.torch_dtype)

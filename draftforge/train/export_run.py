@@ -36,6 +36,9 @@ def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None
     if not weights.is_file():
         raise CheckpointError(f"{src} holds no model.safetensors (sharded FSDP/ZeRO-3 state is consolidated by "
                               "the run's own export at the end of training)")
+    from draftforge.export import check_not_foreign
+
+    check_not_foreign(Path(out))  # before the task's model (and a distill or EESD target) loads
     spec = task_builder(recipe.task)(recipe, _NoAccelerator(), with_data=False)  # the task's own model + export
     # An untied lm_head missing from the file is an error, not a silently random output head.
     load_fitting_state(spec.model, load_file(str(weights)), str(weights))

@@ -235,3 +235,15 @@ def test_tree_budget_benchmark_end_to_end(harvested, tmp_path, dtype):
     else:
         assert all(p["lossless"] or p["versus_ar"]["ok"] for p in result["points"])
     assert (out / "tree_budget.png").stat().st_size > 0
+
+
+def test_an_out_it_may_not_write_is_refused_before_any_model_loads(harvested, tmp_path, capsys):
+    """With a --target that does not exist, the refusal must be about --out: it came after both models loaded."""
+    _, d_dir, bench, out = harvested
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    for where, said in ((out, "already holds a harvest; pass --resume"), (mine, "holds files that are not a harvest")):
+        assert harvest_cli(tmp_path / "no-such-target", d_dir, bench, where) == 2
+        assert said in capsys.readouterr().err
+    assert (mine / "notes.txt").read_text() == "mine" and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]

@@ -199,6 +199,20 @@ def test_keep_best_exports_the_best_evals_weights_and_survives_resume(tmp_path, 
     assert "kept" not in json.loads((last / "draftforge.json").read_text())["metrics"]
     assert set(at_last) & set(last_w) and all(torch.equal(at_last[k], last_w[k]) for k in set(at_last) & set(last_w))
     assert not all(torch.equal(last_w[k], exported[k]) for k in exported)
+    # an --out of someone's files is refused before the task's model is built (a distill target would load first)
+    import draftforge.train as export_run  # export_checkpoint reads draftforge.train.task_builder when called
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    built = []
+    real_builder = export_run.task_builder
+    try:
+        export_run.task_builder = lambda task: built.append(task) or real_builder(task)
+        with pytest.raises(CheckpointError, match="not a readable draftforge export"):
+            export_checkpoint(full.run_dir, tmp_path / "mine", say=lambda *a: None)
+    finally:
+        export_run.task_builder = real_builder
+    assert built == [] and [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
 
     values_b = tiny_recipe(tmp_path / "b", tiny_corpus_dir, tiny_tokenizer_dir, **train)
     values_b["optim"].update(lr=1.0, schedule="constant", warmup_steps=0)

@@ -208,3 +208,10 @@ def test_an_out_that_is_not_a_theta_harvest_is_refused_even_with_overwrite(pair,
             with pytest.raises(DataError, match=said):
                 harvest(pair, out, **kw)
             assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_an_existing_harvest_without_resume_is_refused_before_any_model_loads(pair, tmp_path):
+    out = tmp_path / "h"
+    harvest(pair, out)
+    with pytest.raises(DraftforgeError, match="already holds a harvest; pass --resume"):
+        harvest_theta(tmp_path / "no-such-target", pair / "drafter", [str(pair / "rows.jsonl")], out, progress=False)
