@@ -14,6 +14,7 @@ refused with or without --overwrite, and the current directory, its parents, the
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -57,6 +58,44 @@ def _some_entries(path: Path, n: int = 3) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
+INPUTS_FILE = "inputs.json"  # what the run read: the target's weight files and the data files, fingerprinted
+_END = 1 << 16
+
+
+def quick_fingerprint(path: Path) -> dict:
+    """A file's size and the sha256 of its first and last 64 KiB: cheap for a 16 GB checkpoint or a folder of
+    thousands of shards, and it changes when the file is replaced by another (a safetensors header and a JSONL's
+    first rows sit at the start). An edit in the middle that keeps the size is not seen."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(_END))
+        if size > 2 * _END:
+            f.seek(size - _END)
+            h.update(f.read(_END))
+    return {"size": size, "sha256_ends": h.hexdigest()}
+
+
+def recipe_inputs(recipe) -> dict:
+    """model.target's weight files and every local data.sources file (a folder's files), fingerprinted; a Hub
+    name or a glob is not a file here and is left out."""
+    def files(root: Path) -> dict:
+        if root.is_file():
+            return {"": quick_fingerprint(root)}
+        return {str(f.relative_to(root)): quick_fingerprint(f) for f in sorted(root.rglob("*")) if f.is_file()}
+
+    out = {}
+    target = getattr(recipe.model, "target", None)
+    if target and Path(target).expanduser().is_dir():
+        root = Path(target).expanduser()
+        out["model.target"] = {f.name: quick_fingerprint(f) for f in sorted(root.glob("*.safetensors"))}
+    for src in recipe.data.sources:
+        path = Path(str(src)).expanduser()
+        if path.exists():
+            out[f"data.sources {src}"] = files(path)
+    return out
+
+
 def as_read_now(saved: dict) -> dict:
     """A run's saved recipe as this draftforge reads it: fields added since it was written take their defaults, so
     they are not differences (a run made before a task gained an option resumes). A saved recipe this version can
@@ -93,6 +132,7 @@ class RunDir:
                                       "the cadence fields: eval/save/log_every, keep_checkpoints, trackers, export)")
             old, new = ckpt.flatten(saved_values), ckpt.flatten(self.recipe.to_dict())
             self.changes = {k: [old.get(k), new.get(k)] for k in extended}
+            self._check_inputs()
             checkpoints = ckpt.list_checkpoints(self.path)
             reached = int(checkpoints[0].name[len(ckpt.PREFIX):]) if checkpoints else 0
             if "train.max_steps" in self.changes and self.recipe.train.max_steps <= reached:
@@ -125,6 +165,21 @@ class RunDir:
             return REPLACE
         return NEW
 
+    def _check_inputs(self) -> None:
+        """A resumed run reads what it started on: the same recipe paths can hold another target's weights or other
+        rows (a run made before inputs.json was written is not checked)."""
+        import json
+
+        saved = self.path / INPUTS_FILE
+        if not saved.is_file():
+            return
+        old, now = json.loads(saved.read_text()), recipe_inputs(self.recipe)
+        changed = sorted(k for k in set(old) | set(now) if old.get(k) != now.get(k))
+        if changed:
+            raise CheckpointError(f"--resume: {'; '.join(changed)} changed since the run in {self.path} started "
+                                  f"(another file, or other content, at the same path: {INPUTS_FILE} records them); "
+                                  "resume with what it trained on, or start a new output_dir")
+
     def claim(self, files: dict[str, str] | None = None) -> None:
         """Write the run's first files (main process); a replaced run is moved aside, not deleted yet."""
         self.acc.wait_for_everyone()  # every process has checked before the main process writes
@@ -139,7 +194,10 @@ class RunDir:
             (self.path / RUN_MARKER).write_text("a draftforge training run: `draftforge train --overwrite` may "
                                                 "replace this directory\n")
             if self.mode != RESUME:
+                import json
+
                 (self.path / "recipe.yaml").write_text(dump_recipe(self.recipe))
+                (self.path / INPUTS_FILE).write_text(json.dumps(recipe_inputs(self.recipe), indent=1) + "\n")
             elif self.changes:
                 self._record_changes()
             for name, text in (files or {}).items():

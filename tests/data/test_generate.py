@@ -207,21 +207,21 @@ def test_one_writer_per_file(target, chat_tok, prompt_file, tmp_path):
     """Two generate runs on one --out (a relaunch while the first still runs) each wrote every row: the file held
     them twice. A live writer's lock refuses the second; a killed writer's lock is taken over; none is left."""
     import json as _json
+    import os
     import socket
     import subprocess
 
     from draftforge.errors import DraftforgeError
-    from draftforge.fsutil import OutputLock
 
     jobs = chat_jobs(prompt_file, chat_tok, context=96, max_new_tokens=4)
     out = tmp_path / "rows.jsonl"
-    with OutputLock(out, "draftforge generate"):  # this process plays the first writer, still running
-        with pytest.raises(DraftforgeError, match=r"being written by another draftforge generate \(pid \d+"):
-            generate_rows(target, chat_tok, jobs, out, temperatures=[0], max_new_tokens=4)
-    assert not out.exists() and not (tmp_path / ".rows.jsonl.lock").exists()
+    lock = tmp_path / ".rows.jsonl.lock"  # a first writer still running: this process, by its lock's record
+    lock.write_text(_json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "what": "draftforge generate"}))
+    with pytest.raises(DraftforgeError, match=rf"being written by another draftforge generate \(pid {os.getpid()}"):
+        generate_rows(target, chat_tok, jobs, out, temperatures=[0], max_new_tokens=4)
+    assert not out.exists() and lock.exists()  # the first writer's lock is its own to remove
     gone = subprocess.Popen(["true"])
     gone.wait()
-    lock = tmp_path / ".rows.jsonl.lock"
     lock.write_text(_json.dumps({"pid": gone.pid, "host": socket.gethostname()}))
     stats = generate_rows(target, chat_tok, jobs, out, temperatures=[0], max_new_tokens=4)
     assert stats.rows == len(jobs) and not lock.exists()

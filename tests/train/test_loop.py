@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -105,6 +106,34 @@ def test_resume_refuses_missing_checkpoint_and_changed_recipe(tmp_path, tiny_cor
     values["optim"]["lr"] = 1e-2
     with pytest.raises(CheckpointError, match="optim.lr"):
         run(recipe_from_dict(values), resume=True)
+
+
+def test_resume_refuses_other_inputs_at_the_same_paths(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    """The recipe's paths are the same, what they hold is not: other rows, another target's weights. A resume
+    trained on a mix of both; it is refused now, naming the input."""
+    corpus = tmp_path / "corpus"
+    shutil.copytree(tiny_corpus_dir, corpus)
+    values = tiny_recipe(tmp_path, corpus, tiny_tokenizer_dir)
+    run(recipe_from_dict(values), stop_after=2)
+    inputs = json.loads((tmp_path / "run" / "inputs.json").read_text())
+    assert list(inputs) == [f"data.sources {corpus}"] and inputs[f"data.sources {corpus}"]
+    first = sorted(p for p in corpus.rglob("*") if p.is_file())[0]
+    text = first.read_text()
+    first.write_text("other text entirely\n" + text)
+    with pytest.raises(CheckpointError, match=rf"--resume: data.sources {re.escape(str(corpus))} changed since"):
+        run(recipe_from_dict(values), resume=True)
+    first.write_text(text)  # put back: the run resumes
+    assert run(recipe_from_dict(values), resume=True).step == values["train"]["max_steps"]
+    # a target whose weights file was swapped at the same path
+    from draftforge.train.rundir import recipe_inputs
+    from tests.fixtures.decode import tiny_llama
+
+    target = tmp_path / "target"
+    tiny_llama(vocab=64).save_pretrained(target)
+    values["model"]["target"] = str(target)
+    before = recipe_inputs(recipe_from_dict(values))["model.target"]
+    tiny_llama(vocab=64, seed=1).save_pretrained(target)
+    assert recipe_inputs(recipe_from_dict(values))["model.target"] != before
 
 
 def test_output_dir_with_another_run_needs_overwrite(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
