@@ -23,7 +23,6 @@ of generate() and takes the usual names.
 
 from __future__ import annotations
 
-import copy
 import time
 import warnings
 from collections import OrderedDict
