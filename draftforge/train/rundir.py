@@ -173,7 +173,12 @@ class RunDir:
         saved = self.path / INPUTS_FILE
         if not saved.is_file():
             return
-        old, now = json.loads(saved.read_text()), recipe_inputs(self.recipe)
+        try:
+            old = json.loads(saved.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"--resume: {saved} is not readable JSON ({e}); it records what the run trained on: "
+                                  "start a new output_dir, or remove it to resume unchecked") from None
+        now = recipe_inputs(self.recipe)
         changed = sorted(k for k in set(old) | set(now) if old.get(k) != now.get(k))
         if changed:
             raise CheckpointError(f"--resume: {'; '.join(changed)} changed since the run in {self.path} started "
