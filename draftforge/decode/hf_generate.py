@@ -200,9 +200,11 @@ def speculative_generate(model, input_ids, logits_processor=None, stopping_crite
         if stop_tokenizer is None:
             raise _refuse("stop strings need a tokenizer (stop_tokenizer= with the callable, tokenizer= otherwise)")
         checks.append(StopStringCriteria(tokenizer=stop_tokenizer, stop_strings=stop))
-    window = None  # stop strings read only their last maximum_token_len ids: hand them no more (this runs per token)
-    if checks and all(type(c).__name__ == "StopStringCriteria" for c in checks):
-        window = max(c.maximum_token_len for c in checks)
+    # this runs per token: stop strings read only their last maximum_token_len ids and a time limit none, so hand
+    # them no more than that; a user's own criterion may read the whole sequence
+    window = None
+    if all(type(c).__name__ in ("StopStringCriteria", "MaxTimeCriteria") for c in checks):
+        window = max([c.maximum_token_len for c in checks if hasattr(c, "maximum_token_len")], default=1)
     seq, kept = list(prompt), []
 
     def on_tokens(emitted: list[int]) -> bool:

@@ -270,15 +270,16 @@ def harvest_trees(job: TreeHarvestJob) -> dict:
     from draftforge.decode.methods.eagle2 import check_eagle2
     from draftforge.runtime import announce, resolve_dtype
 
+    from draftforge.fsutil import foreign_dir_problem
+
     out = Path(job.out)  # before the models load: an --out this harvest may not write into
+    problem = foreign_dir_problem(out, META_FILE, "a harvest")
+    if problem:
+        raise DataError(problem)
     if (out / META_FILE).is_file():
         _read_meta(out / META_FILE)
         if not job.resume:
             raise DataError(f"{out} already holds a harvest; pass --resume to continue it or choose another --out")
-    elif out.is_dir() and any(out.iterdir()):
-        names = sorted(p.name for p in out.iterdir())
-        raise DataError(f"--out {out} holds files that are not a harvest ({', '.join(names[:3])}"
-                        f"{' ...' if len(names) > 3 else ''}; no {META_FILE}); choose a new or empty --out")
     dtype = resolve_dtype(job.dtype, job.device)
     announce(dtype, "target and drafter")
     target = load_target(job.target, device=job.device, dtype=dtype.torch_dtype)

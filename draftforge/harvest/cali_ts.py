@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from draftforge.errors import DataError, DraftforgeError
-from draftforge.fsutil import atomic_write_text, sha256_file, temp_dir_beside
+from draftforge.fsutil import atomic_write_text, foreign_dir_problem, sha256_file, temp_dir_beside
 from draftforge.harvest.job import HarvestJob
 from draftforge.options import add_flags, non_negative_int, option, positive_int
 from draftforge.runtime import announce, resolve_dtype
@@ -147,10 +147,9 @@ def _check_out(out: Path, resume: bool, overwrite: bool) -> dict | None:
     --resume continues or --overwrite replaces (its manifest). Anything else is refused, whatever the flags."""
     manifest_path = out / MANIFEST
     if not manifest_path.is_file():
-        if out.is_dir() and any(out.iterdir()):
-            names = sorted(p.name for p in out.iterdir())
-            raise DataError(f"--out {out} holds files that are not a θ harvest ({', '.join(names[:3])}"
-                            f"{' ...' if len(names) > 3 else ''}; no {MANIFEST}); choose a new or empty --out")
+        problem = foreign_dir_problem(out, MANIFEST, "a θ harvest")
+        if problem:
+            raise DataError(problem)
         return None
     try:
         old = json.loads(manifest_path.read_text())

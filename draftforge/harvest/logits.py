@@ -37,7 +37,7 @@ from draftforge.data.logits_cache import (DRAFT_VOCAB_FILE, FORMAT_VERSION, HIDD
                                           rows_identity, shard_name, shard_problem, stored_weights_fingerprint,
                                           write_shard)
 from draftforge.errors import CompatibilityError, DataError, RecipeError
-from draftforge.fsutil import atomic_write_text
+from draftforge.fsutil import atomic_write_text, foreign_dir_problem
 from draftforge.harvest.job import HarvestJob
 from draftforge.options import add_flags, option, positive_int
 from draftforge.runtime import announce, resolve_dtype
@@ -292,11 +292,9 @@ def _draft_record(ids, source) -> dict | None:
 def _existing(out: Path, manifest: dict, resume: bool, overwrite: bool) -> dict | None:
     """The harvest already in `out` that a --resume continues (checked to share the settings), else None."""
     if not (out / MANIFEST).is_file():
-        if out.is_dir() and any(out.iterdir()):  # someone's files (a run dir has a draft_vocab.json too)
-            names = sorted(p.name for p in out.iterdir())
-            raise DataError(f"--out {out} holds files that are not a harvest ({', '.join(names[:3])}"
-                            f"{' ...' if len(names) > 3 else ''}; no {MANIFEST}); a harvest writes into a new or empty "
-                            "directory, or resumes its own: choose another --out")
+        problem = foreign_dir_problem(out, MANIFEST, "a harvest")  # a run dir has a draft_vocab.json too
+        if problem:
+            raise DataError(problem)
         if resume:
             print(f"[draftforge] --resume: {out} holds no harvest yet; starting one", file=sys.stderr, flush=True)
         return None

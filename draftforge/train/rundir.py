@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from draftforge.errors import CheckpointError, DraftforgeError
+from draftforge.fsutil import some_entries
 from draftforge.recipe import dump_recipe, recipe_from_dict
 from draftforge.train import checkpoint as ckpt
 
@@ -51,11 +52,6 @@ def _aside(path: Path) -> Path:
     """Where --overwrite keeps the replaced run until the new one has a checkpoint."""
     resolved = path.resolve()
     return resolved.with_name(f".{resolved.name}.replaced")
-
-
-def _some_entries(path: Path, n: int = 3) -> str:
-    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
-    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 INPUTS_FILE = "inputs.json"  # what the run read: the target's weight files and the data files, fingerprinted
@@ -149,7 +145,7 @@ class RunDir:
         if self.path.is_dir() and any(self.path.iterdir()):
             if not is_run_dir(self.path):
                 raise DraftforgeError(f"output_dir {self.path} holds files draftforge did not write "
-                                      f"({_some_entries(self.path)}); draftforge never replaces them, not even with "
+                                      f"({some_entries(self.path)}); draftforge never replaces them, not even with "
                                       "--overwrite: choose another output_dir")
             if not overwrite:
                 raise DraftforgeError(f"output directory {self.path} already holds a run; pass --resume to continue "
