@@ -39,7 +39,7 @@ from draftforge.train.batches import BatchPlan, DataExhausted
 from draftforge.train.best import BestKeeper
 from draftforge.train.metrics_log import MetricsLog, read_metrics  # noqa: F401  (read_metrics: public API)
 from draftforge.train.optim import build_optimizer
-from draftforge.train.rundir import RESUME, RESTART, RunDir
+from draftforge.train.rundir import RESUME, RESTART, RunDir, run_lock
 from draftforge.train.spec import TaskSpec
 
 
@@ -88,15 +88,16 @@ def train(recipe: Recipe, build_task, *, resume: bool = False, overwrite: bool =
           stop_after: int | None = None) -> TrainResult:
     """Run (or resume) a training run. `stop_after=k` stops after step k, as a kill would (tests)."""
     acc = make_accelerator(recipe)
-    run_dir = RunDir(recipe, acc, resume=resume, overwrite=overwrite)  # checks only: nothing written yet
-    set_seed(recipe.train.seed)
-    try:
-        trainer = Trainer(recipe, acc, build_task(recipe, acc), run_dir, build_task)
-        return trainer.fit(stop_after)
-    except BaseException:
-        if not run_dir.checkpointed:
-            run_dir.abandon()  # a run that never checkpointed leaves output_dir as it found it
-        raise
+    with run_lock(recipe.output_dir, acc):  # one run per output_dir at a time
+        run_dir = RunDir(recipe, acc, resume=resume, overwrite=overwrite)  # checks only: nothing written yet
+        set_seed(recipe.train.seed)
+        try:
+            trainer = Trainer(recipe, acc, build_task(recipe, acc), run_dir, build_task)
+            return trainer.fit(stop_after)
+        except BaseException:
+            if not run_dir.checkpointed:
+                run_dir.abandon()  # a run that never checkpointed leaves output_dir as it found it
+            raise
 
 
 class Trainer:

@@ -10,10 +10,14 @@ killed before its first checkpoint resumes from step 0 with --resume.
 (written at `claim`) or, for runs from before that marker, the checkpoint marker. Anything else is
 refused with or without --overwrite, and the current directory, its parents, the home directory and
 / are refused outright.
+
+One run writes an output_dir at a time: `run_lock` holds `.NAME.lock` beside it for the whole run (a second
+`draftforge train` on the same directory, with or without --resume/--overwrite, is refused in one line).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import shutil
 from pathlib import Path
@@ -21,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from draftforge.errors import CheckpointError, DraftforgeError
-from draftforge.fsutil import some_entries
+from draftforge.fsutil import OutputLock, some_entries
 from draftforge.recipe import dump_recipe, recipe_from_dict
 from draftforge.train import checkpoint as ckpt
 
@@ -34,6 +38,35 @@ RUN_MARKER = ".draftforge-run"  # written at claim: this directory is a run draf
 def is_run_dir(path: Path) -> bool:
     """A directory draftforge wrote as a run (the only kind --overwrite may replace)."""
     return path.is_dir() and ((path / RUN_MARKER).is_file() or (path / MARKER).is_file())
+
+
+@contextlib.contextmanager
+def run_lock(output_dir, acc):
+    """Hold the run's lock for the block: the main process takes `.NAME.lock` beside output_dir (a lock whose
+    process died is taken over) and every process learns whether it did, so all of them stop with the same line
+    when another run holds it. Two runs on one directory interleaved their checkpoints and metrics, and an
+    --overwrite moved the other run's directory aside under it. Without a parent directory yet there is nothing
+    to lock beside and no run to collide with."""
+    lock, problem = None, None
+    if acc.is_main_process:
+        out = Path(output_dir).expanduser().resolve()
+        if out.name and out.parent.is_dir():
+            lock = OutputLock(out, "draftforge train")
+            try:
+                lock.__enter__()
+            except DraftforgeError as e:
+                lock, problem = None, str(e)
+    if acc.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        problem = broadcast_object_list([problem])[0]
+    if problem:
+        raise DraftforgeError(problem)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
 
 
 def _protected(path: Path) -> str | None:

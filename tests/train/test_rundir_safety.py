@@ -72,3 +72,32 @@ def test_a_users_folder_where_the_old_run_would_be_set_aside_is_not_deleted(
     with pytest.raises(DraftforgeError, match=r"\.run\.replaced is in the way of --overwrite"):
         run(recipe_from_dict(values), overwrite=True)
     assert _unchanged(aside, files) and is_run_dir(tmp_path / "run")
+
+
+@pytest.mark.parametrize("flags", [{}, {"resume": True}, {"overwrite": True}])
+def test_a_second_run_on_a_directory_being_trained_is_refused(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, flags):
+    """Two `draftforge train` on one output_dir (a relaunch while the first still runs) interleaved their
+    checkpoints, and --overwrite moved the live run's directory aside. A live run's lock refuses the second with
+    the directory untouched; a killed run's lock is taken over, and a finished run leaves none."""
+    import json
+    import os
+    import socket
+    import subprocess
+
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=1)
+    out = Path(values["output_dir"])
+    run(recipe_from_dict(values))
+    before = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    lock = out.with_name(f".{out.name}.lock")  # a first run still training: this process, by its lock's record
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "what": "draftforge train",
+                                "started": "then"}))
+    with pytest.raises(DraftforgeError, match=rf"{out.name} is being written by another draftforge train \(pid "
+                                              rf"{os.getpid()}, started then\)"):
+        run(recipe_from_dict({**values, "train": {**values["train"], "max_steps": 2}}), **flags)
+    assert {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert lock.exists()  # the first run's lock is its own to remove
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    lock.write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname()}))
+    assert run(recipe_from_dict({**values, "train": {**values["train"], "max_steps": 2}}), resume=True).step == 2
+    assert not lock.exists()
