@@ -96,3 +96,33 @@ def test_bad_input_errors(target):
     other = load_drafter(tiny_mamba(vocab=VOCAB + 4, dtype=torch.float64), target, allow_vocab_mismatch=True)
     res = build_decoder("chain", target, other, chain_length=2).generate([1, 2], max_new_tokens=5)
     assert res.tokens == greedy_reference(target, [1, 2], 5)
+
+
+def test_sliding_window_models_are_refused_and_the_window_off_decodes_as_generate():
+    """A sliding-window cache drops old keys: chain decoding raised in transformers' crop and trees built a mask
+    of the wrong width. Such a target or drafter is refused at load in one line; with the window off (the advice,
+    when prompt and answer fit in the window) every method decodes what generate() decodes with the window on."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from draftforge.decode import load_target
+    from tests.fixtures.decode import noisy_copy
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, sliding_window=40,
+                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = MistralForCausalLM(cfg).eval()
+    plain = MistralForCausalLM(MistralConfig(**{**cfg.to_dict(), "sliding_window": None})).eval()
+    plain.load_state_dict(model.state_dict())
+    with pytest.raises(CompatibilityError, match=r"target 'mistral' has 2 sliding_attention layer\(s\) \(window "
+                                                 r"40\).*sliding_window = None"):
+        load_target(model)
+    with pytest.raises(CompatibilityError, match=r"drafter 'mistral' has 2 sliding_attention"):
+        load_drafter(model, load_target(plain))
+    prompt = [(5 * i + 3) % 64 for i in range(20)]
+    ids = torch.tensor([prompt])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)[0, 20:]
+    target, drafter = load_target(plain), load_drafter(noisy_copy(plain, noise=0.05), load_target(plain))
+    for method, opts in (("chain", {"chain_length": 3}), ("tree", {"tree": "2,2"})):
+        got = build_decoder(method, target, drafter, **opts).generate(prompt, max_new_tokens=16).tokens
+        assert got == ref.tolist(), method

@@ -13,7 +13,7 @@ import torch
 from draftforge.decode.drafters.base import Drafter, chain_stops, draft_map, propose_level, stack_q, wants_hidden
 from draftforge.decode.memory import cache_bytes
 from draftforge.decode.sampling import SamplingParams
-from draftforge.decode.targets import CachedLM
+from draftforge.decode.targets import CachedLM, check_full_attention
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
 from draftforge.decode.tree_shape import TreeShape
 
@@ -23,6 +23,7 @@ class TransformerDrafter(Drafter):
     follows_dynamic_trees = True
 
     def __init__(self, model, vocab_size: int, tokenizer=None):
+        check_full_attention(model.config, "drafter")
         self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size
         self.d2t = draft_map(model, vocab_size)
         self.lm = CachedLM(model)

@@ -286,6 +286,36 @@ def is_recurrent_model(config) -> bool:
             or bool(layer_types & set(RECURRENT_LAYER_TYPES)))
 
 
+def attention_layer_kinds(config) -> list[str]:
+    """The kind of KV cache each layer of `config` gets from transformers' DynamicCache ("full_attention",
+    "sliding_attention", "chunked_attention", ...), read the way DynamicCache reads it."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        return list(get_layer_types_and_kwargs(config)[0])
+    except (ImportError, AttributeError, TypeError):  # a transformers without it: the config fields it reads
+        kinds = getattr(config, "layer_types", None)
+        if kinds:
+            return list(kinds)
+        windowed = getattr(config, "sliding_window", None) is not None
+        return ["sliding_attention" if windowed else "full_attention"] * int(config.num_hidden_layers)
+
+
+def check_full_attention(config, what: str) -> None:
+    """Refuse a model whose cache drops old keys (sliding-window or chunked attention layers): its rollback after a
+    rejected draft and its tree masks assume every layer holds every past position, so chain decoding raised in
+    transformers' crop and trees in a mask of the wrong width."""
+    other = [k for k in attention_layer_kinds(config) if k != "full_attention"]
+    if other:
+        window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
+        raise CompatibilityError(
+            f"{what} {config.model_type!r} has {len(other)} {other[0]} layer(s)"
+            + (f" (window {window})" if window else "") + "; draftforge's KV-cache rollback and tree masks need "
+            "full-attention layers: when every prompt and answer fits in the window, load the model with the window "
+            "off (config.sliding_window = None, the same outputs), else use a full-attention model")
+
+
 def check_target_model(model) -> None:
     """Refuse, at load, models the KV-cache target cannot verify losslessly (one message naming what to use)."""
     config = model.config
@@ -296,3 +326,4 @@ def check_target_model(model) -> None:
             f"target {config.model_type!r} keeps recurrent (SSM) state, which a KV cache cannot roll back; "
             "load it with load_target (it picks the tree-scan HybridTarget, draftforge.decode.targets.hybrid)"
         )
+    check_full_attention(config, "target")
