@@ -301,7 +301,8 @@ def _component_memory(cfg, decoders, target, drafter, prompts, firsts: dict[int,
             continue
         for bucket, i in firsts.items():
             ids = prompts[i].input_ids
-            found = components.measure(lambda: _run_one(dec, ids, cfg, params, i, eos), target, drafter, cfg.device)
+            found = components.measure(lambda: _run_one(dec, ids, cfg, params, i, eos), dec.target, dec.drafter,
+                                       cfg.device)  # what the method calls: an EESD exit, lookup's own drafter
             if not found["target"]["calls"]:
                 break
             out.setdefault(method, {})[bucket] = {"prompt_tokens": len(ids), **found}

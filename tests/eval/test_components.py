@@ -99,7 +99,8 @@ def test_weights_count_tied_tensors_once():
 
 
 def test_eval_reports_memory_by_component(tmp_path):
-    """A tiny eval: AR has the target only, chain both; the target's KV state after AR equals the bytes of its
+    """A tiny eval: AR has the target only, chain both, lookup the target and its own drafter (it was metered as
+    the run's drafter, never called, so it read like AR); the target's KV state after AR equals the bytes of its
     cache for the tokens it held (2 layers x keys and values x 2 KV heads x 16 dims x 4 bytes per token)."""
     from benchmarks.decoding.spec_decode import save_random_models
     from draftforge.eval.runner import EvalConfig, run_eval
@@ -107,12 +108,14 @@ def test_eval_reports_memory_by_component(tmp_path):
     paths = save_random_models(tmp_path / "m")
     (tmp_path / "p.jsonl").write_text(json.dumps({"input_ids": list(range(2, 14))}) + "\n")
     common = dict(target=paths["target"], drafter=paths["mamba_drafter"], bench=str(tmp_path / "p.jsonl"),
-                  methods=("ar", "chain"), max_new_tokens=8, repeats=1, warmup=0, cost_repeats=0, ignore_eos=True,
+                  methods=("ar", "chain", "lookup"), max_new_tokens=8, repeats=1, warmup=0, cost_repeats=0, ignore_eos=True,
                   plots=False, quiet=True, dtype="float32")
     report = run_eval(EvalConfig(**common, out_dir=str(tmp_path / "on")))
     found = report["component_memory"]["by_method"]
     (ar,), (chain,) = found["ar"].values(), found["chain"].values()  # one length bucket
     assert ar["drafter"] is None and chain["drafter"]["calls"] > 0
+    (lookup,) = found["lookup"].values()  # its own prompt-lookup drafter is metered, not the run's Mamba drafter
+    assert lookup["drafter"]["calls"] > 0 and lookup["drafter"]["weights_bytes"] is None
     assert ar["prompt_tokens"] == 12
     per_token = 2 * 2 * 2 * 16 * 4
     assert ar["target"]["state_bytes"] == (12 + 8 - 1) * per_token  # the last token emitted is never fed
