@@ -145,7 +145,8 @@ class TrainConfig:
     seed: int = doc(0, "seed for init, data order and dropout")
     export: bool = doc(True, "export safetensors to OUTPUT_DIR/export when training ends")
     keep_best: str | None = doc(None, "export the weights of the eval with the best value of this eval metric "
-                                      "instead of the last step's: loss (lowest) or any logged eval metric (highest), "
+                                      "instead of the last step's: loss and the divergences kl/tvd/ce/brier (lowest) "
+                                      "or any other logged eval metric (highest), "
                                       "e.g. predicted_speedup or tau_chain_g5 for distill; None: the last step's")
 
     def check(self, at: str) -> None:

@@ -2,7 +2,9 @@
 
 The metric is any number the eval logs (`eval_<name>` in metrics.jsonl): for distill `predicted_speedup` (the
 chain τ at γ = 5 over the cost model's round cost, distill.draft_cost / verify_cost), `tau_chain_g5`,
-`alpha`, ...; `loss` selects by the lowest eval loss, every other metric by the highest value. The weights
+`alpha`, ...; `loss` and the divergences (`kl`, `tvd`, `ce`, `brier` and their per-step forms such as `kl_step0`,
+LOWER_IS_BETTER) select by the lowest value, every other metric by the highest. A NaN or infinite value never
+becomes the record (a first NaN used to, and then nothing beat it). The weights
 live in RUN_DIR/best/ (model.safetensors + best.json, written atomically) and survive a kill: a resumed run
 keeps the record when it was made at or before the checkpoint it resumes from (a later one is made again,
 bitwise the same, by the steps that follow).
@@ -16,6 +18,7 @@ from pathlib import Path
 from draftforge.errors import DraftforgeError
 from draftforge.fsutil import atomic_write_text, replace_dir, temp_dir_beside
 
+LOWER_IS_BETTER = ("loss", "kl", "tvd", "ce", "brier", "nll")  # a metric's leading word: smaller is better
 BEST_DIR = "best"
 RECORD = "best.json"
 WEIGHTS = "model.safetensors"
@@ -40,13 +43,19 @@ class BestKeeper:
             raise DraftforgeError(f"train.keep_best: the eval logs no metric {self.metric!r}; it logs: {known}")
         return float(eval_metrics[self.metric])
 
+    @property
+    def lower_is_better(self) -> bool:
+        return bool(self.metric) and self.metric.split("_")[0] in LOWER_IS_BETTER
+
     def improves(self, value: float | None) -> bool:
-        if value is None:
+        import math
+
+        if value is None or not math.isfinite(value):
             return False
         if self.record is None:
             return True
         best = self.record["value"]
-        return value < best if self.metric == "loss" else value > best
+        return value < best if self.lower_is_better else value > best
 
     def save(self, step: int, value: float, model) -> None:
         """Write the weights of `model` (the full, unwrapped model) and the record; main process only."""

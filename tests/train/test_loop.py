@@ -283,3 +283,25 @@ def test_eval_at_start_logs_the_starting_weights_and_they_compete_for_keep_best(
     assert without.losses == started.losses  # the extra eval leaves training bitwise as it was
     assert {r["step"]: r["eval_loss"] for r in read_metrics(without.run_dir) if "eval_loss" in r} == \
         {2: evals[2], 4: evals[4]}
+
+
+def test_keep_best_direction_and_non_finite_values(tmp_path):
+    """By hand: a divergence (kl, tvd, ce and per-step forms) is better when lower (keep_best: kl kept the worst
+    weights), any other metric when higher; a NaN eval never becomes the record (a first NaN did, and then nothing
+    beat it)."""
+    from draftforge.train.best import BestKeeper
+
+    def seen(metric, values):
+        keeper = BestKeeper(metric, tmp_path, 0)
+        kept = []
+        for v in values:
+            if keeper.improves(v):
+                keeper.record = {"value": v}
+                kept.append(v)
+        return kept
+
+    assert seen("kl", [0.5, 0.9, 0.4]) == [0.5, 0.4]
+    assert seen("kl_step0", [0.5, 0.9, 0.4]) == seen("tvd", [0.5, 0.9, 0.4]) == seen("ce_target", [0.5, 0.9, 0.4])
+    assert seen("loss", [2.0, 3.0, 1.0]) == [2.0, 1.0]
+    assert seen("tau_ttt_greedy", [2.0, 1.5, 2.5]) == [2.0, 2.5]
+    assert seen("alpha", [float("nan"), 0.3, float("inf"), 0.2, 0.4]) == [0.3, 0.4]
