@@ -38,7 +38,7 @@ from draftforge.train import distributed as dist
 from draftforge.train.batches import BatchPlan, DataExhausted
 from draftforge.train.best import BestKeeper
 from draftforge.train.metrics_log import MetricsLog, read_metrics  # noqa: F401  (read_metrics: public API)
-from draftforge.train.optim import build_optimizer
+from draftforge.train.optim import build_optimizer, lr_lambda
 from draftforge.train.rundir import RESUME, RESTART, RunDir, run_lock
 from draftforge.train.spec import TaskSpec
 
@@ -124,7 +124,9 @@ class Trainer:
         self.losses, self.eval_loss, self.last_loss = [], None, float("nan")
         self.start, self.units_seen = self._resume_point()  # a resumed run's last loss and eval loss too
         self.best = BestKeeper(self.t.keep_best, run_dir.path, self.start)
-        self.metrics_log = MetricsLog(run_dir.path / "metrics.jsonl", acc.is_main_process, self.start)
+        # a restart (killed before its first checkpoint) starts the log again: its step-0 eval is logged anew
+        self.metrics_log = MetricsLog(run_dir.path / "metrics.jsonl", acc.is_main_process,
+                                      self.start if run_dir.mode == RESUME else -1)
         if acc.is_main_process and acc.log_with:
             acc.init_trackers("draftforge", config=_tracker_config(recipe))
         self.train_time, self.timed_units = 0.0, 0
@@ -148,12 +150,23 @@ class Trainer:
         state = ckpt.read_loop_state(last)
         dist.check_resume(state, self.acc, last)  # which world-size changes the backend can reshard
         self.acc.load_state(str(last))
+        if "train.max_steps" in self.run_dir.changes:  # an extension: the optimizer came back at the old curve's rate
+            self._rate_from_schedule()
         self.run_dir.checkpointed = True
         # checkpoints from before these keys resume without them (the summary then has no loss to give)
         self.last_loss = state.get("last_loss") if state.get("last_loss") is not None else float("nan")
         self.eval_loss = state.get("eval_loss")
         self.say(f"[draftforge] resumed from {last} (step {state['step']})")
         return state["step"], state["tokens_seen"]
+
+    def _rate_from_schedule(self) -> None:
+        """Set the learning rate the rebuilt schedule gives at the resumed step. load_state restores the optimizer's
+        own rate, the old max_steps' curve's, and LambdaLR takes over only from its next step, so the first step of
+        an extended cosine run used the old rate while the resume line announced the new one."""
+        factor = lr_lambda(self.recipe)(self.sched.last_epoch)
+        for group, base in zip(self.opt.param_groups, self.sched.base_lrs):
+            group["lr"] = base * factor  # what LambdaLR computes: the same float
+        self.sched._last_lr = [group["lr"] for group in self.opt.param_groups]
 
     def fit(self, stop_after: int | None = None) -> TrainResult:
         t = self.t
@@ -182,6 +195,7 @@ class Trainer:
         return self._summary(step, export_dir)
 
     def _step(self, step: int, micro: list[dict], bar) -> None:
+        lr = self.opt.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves on inside train_step)
         t0 = time.perf_counter()
         self.last_loss, metrics = self.train_step(micro, step)
         dt = time.perf_counter() - t0
@@ -191,7 +205,6 @@ class Trainer:
             self.train_time, self.timed_units = self.train_time + dt, self.timed_units + units
         self.losses.append(self.last_loss)
         rate = self.timed_units / self.train_time if self.train_time else units / dt
-        lr = self.sched.get_last_lr()[0]
         bar.set_postfix({"loss": f"{self.last_loss:.4f}", "lr": f"{lr:.2e}", f"{self.spec.unit[:3]}/s": f"{rate:,.0f}"})
         bar.update(1)
         record = {"step": step, "loss": self.last_loss, "lr": lr, self.spec.unit: self.units_seen, **metrics}

@@ -71,3 +71,37 @@ def test_a_run_saved_before_a_field_existed_resumes(tmp_path, tiny_corpus_dir, t
     with pytest.raises(CheckpointError, match="differs .* in optim.min_lr_ratio"):
         run(recipe_from_dict({**values, "optim": {**values["optim"], "min_lr_ratio": 0.5},
                               "train": {**values["train"], "max_steps": 4}}), resume=True)
+
+
+def test_every_step_of_an_extended_cosine_run_uses_and_logs_the_new_schedules_rate(tmp_path, tiny_corpus_dir,
+                                                                                    tiny_tokenizer_dir, monkeypatch):
+    """By hand: step s of a run of N steps uses lr · factor(s − 1) of the schedule over N (optim.lr_lambda's
+    formula, warm-up 0 here: lr · (min + (1 − min)·(1 + cos(π (s − 1)/N))/2)). The first step after an extension
+    to 8 used the 4-step curve's rate (the optimizer's saved one), and metrics.jsonl logged each step's successor's
+    rate."""
+    import math
+
+    from draftforge.train import loop
+
+    used = {}
+    inner = loop.Trainer.train_step
+
+    def spy(self, micro, step):
+        used[step] = self.opt.param_groups[0]["lr"]
+        return inner(self, micro, step)
+
+    monkeypatch.setattr(loop.Trainer, "train_step", spy)
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=4, log_every=1)
+    values["optim"].update(schedule="cosine", warmup_steps=0, lr=1e-2, min_lr_ratio=0.1)
+    run(recipe_from_dict(values))
+    result = run(recipe_from_dict({**values, "train": {**values["train"], "max_steps": 8}}), resume=True)
+
+    def by_hand(step, total):
+        return 1e-2 * (0.1 + 0.9 * (1 + math.cos(math.pi * (step - 1) / total)) / 2)
+
+    for step in range(1, 5):
+        assert used[step] == pytest.approx(by_hand(step, 4), rel=1e-12)
+    for step in range(5, 9):
+        assert used[step] == pytest.approx(by_hand(step, 8), rel=1e-12)
+    logged = {r["step"]: r["lr"] for r in read_metrics(result.run_dir) if "lr" in r}
+    assert logged == pytest.approx(used, rel=1e-12)

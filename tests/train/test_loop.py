@@ -305,3 +305,29 @@ def test_keep_best_direction_and_non_finite_values(tmp_path):
     assert seen("loss", [2.0, 3.0, 1.0]) == [2.0, 1.0]
     assert seen("tau_ttt_greedy", [2.0, 1.5, 2.5]) == [2.0, 2.5]
     assert seen("alpha", [float("nan"), 0.3, float("inf"), 0.2, 0.4]) == [0.3, 0.4]
+
+
+def test_a_run_killed_before_its_first_checkpoint_logs_its_start_eval_once(tmp_path, tiny_corpus_dir,
+                                                                             tiny_tokenizer_dir, monkeypatch):
+    """eval_at_start, then a kill in step 1 (no checkpoint yet; a kill runs no clean-up, so abandon is skipped),
+    then --resume restarts from step 0: metrics.jsonl held the step-0 eval twice."""
+    from draftforge.train import loop
+    from draftforge.train.rundir import RunDir
+
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=2, eval_at_start=True)
+
+    class Killed(BaseException):
+        pass
+
+    def killed(self, micro, step):
+        raise Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop.Trainer, "train_step", killed)
+        patch.setattr(RunDir, "abandon", lambda self: None)
+        with pytest.raises(Killed):
+            run(recipe_from_dict(values))
+    assert [r["step"] for r in read_metrics(values["output_dir"])] == [0]
+    run(recipe_from_dict(values), resume=True)
+    steps = [r["step"] for r in read_metrics(values["output_dir"])]
+    assert steps.count(0) == 1 and steps[-1] == 2
