@@ -13,7 +13,8 @@ says why these positions):
   h_draft   the drafter's hidden state at p, the stop rule's hidden_D after draft i: p = c+i-1 (after s_≤p:
             the state that chooses draft i), or p = c+i for an early-exit drafter (after consuming draft i);
   offset    i;   label  χ = 1[drafter argmax at p == target argmax at p] (draft i, or for EESD draft i+1,
-            accepted given the earlier drafts were).
+            accepted given the earlier drafts were);
+  sequence  the sequence's index in the harvest (the theta task holds out whole sequences by it).
 Rows go through `datasets` into shards of `--shard-size` sequences under OUT/shards/; OUT/harvest.json
 records the pair (fingerprints, drafter kind), the settings and the shards done, so a killed run resumes
 where it stopped.
@@ -121,7 +122,8 @@ def _to_dataset(cols: dict):
     return datasets.Dataset.from_dict({
         "h_target": torch.stack(cols["h_target"]).float().cpu().numpy(),  # numpy has no bf16
         "h_draft": torch.stack(cols["h_draft"]).float().cpu().numpy(),
-        "offset": cols["offset"], "label": cols["label"]})
+        "offset": cols["offset"], "label": cols["label"],
+        **({"sequence": cols["sequence"]} if "sequence" in cols else {})})
 
 
 def _load_models(target_path, drafter_path, device, allow_vocab_mismatch=False, dtype=None):
@@ -233,14 +235,16 @@ def harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, max
         chunk = seqs[shard * shard_size: (shard + 1) * shard_size]
         if str(shard) in manifest["shards"]:
             continue
-        cols = {"h_target": [], "h_draft": [], "offset": [], "label": []}
-        for ids, start in chunk:
+        cols = {"h_target": [], "h_draft": [], "offset": [], "label": [], "sequence": []}
+        for j, (ids, start) in enumerate(chunk):
             if generate:
                 prompt = ids[: max_len - generate]
                 start, ids = len(prompt), _continue(target, prompt, generate)
             ids = ids[:max_len]
-            for k, v in sequence_rows(target, drafter, ids, start, max_offset, anchor_stride).items():
+            rows = sequence_rows(target, drafter, ids, start, max_offset, anchor_stride)
+            for k, v in rows.items():
                 cols[k] += v
+            cols["sequence"] += [shard * shard_size + j] * len(rows["label"])  # the theta task splits by it
             bar.update(1)
         manifest["shards"][str(shard)] = _write_shard(out_dir, shard, cols)
         atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
@@ -299,7 +303,10 @@ def load_harvest(path, tokenizer=None) -> tuple:
     if not shards:
         raise DataError(f"the θ harvest in {path} is empty (0 rows): its sequences were shorter than 2 tokens or "
                         "none was read; harvest longer sequences")
-    return datasets.concatenate_datasets([datasets.load_from_disk(str(s)) for s in shards]), manifest
+    parts = [datasets.load_from_disk(str(s)) for s in shards]
+    if not all("sequence" in part.column_names for part in parts):  # shards an older draftforge wrote have none
+        parts = [part.remove_columns(["sequence"]) if "sequence" in part.column_names else part for part in parts]
+    return datasets.concatenate_datasets(parts), manifest
 
 
 # ---------------------------------------------------------------- command line

@@ -99,6 +99,32 @@ def test_harvested_rows_are_the_teacher_forced_states_and_labels(pair, tmp_path)
     assert row["label"] == int(d_out.logits[0, 11].argmax() == t_out.logits[0, 11].argmax())
 
 
+def test_held_out_rows_are_whole_sequences(pair, tmp_path, capsys):
+    """Rows of one sequence share anchors (h_target repeats over offsets 1..N) and text: a split by row put 206
+    of 206 held-out anchors in training too. Each row now names its sequence and the theta task holds out whole
+    ones; a harvest from before the column still trains, split by row, with a notice saying so."""
+    import datasets
+
+    from draftforge.train.cali_ts import _split
+
+    harvest(pair, tmp_path / "h")
+    rows, _ = load_harvest(tmp_path / "h")
+    assert rows["sequence"] == [s for s in range(5) for _ in range(21)]  # 5 sequences of 21 rows (test above)
+    train, held = _split(rows, 0.4, seed=0)
+    assert len(set(held["sequence"])) == 2 and not set(held["sequence"]) & set(train["sequence"])
+    assert len(train) + len(held) == len(rows) and len(held) == 2 * 21
+    shard = tmp_path / "h" / "shards" / "shard-00001"
+    datasets.load_from_disk(str(shard)).remove_columns(["sequence"]).save_to_disk(str(tmp_path / "old"))
+    import shutil
+
+    shutil.rmtree(shard)
+    shutil.move(str(tmp_path / "old"), str(shard))  # one shard as an older draftforge wrote it
+    rows, _ = load_harvest(tmp_path / "h")
+    assert "sequence" not in rows.column_names and len(rows) == 5 * 21
+    train, held = _split(rows, 0.4, seed=0)
+    assert len(held) == int(0.4 * len(rows)) and "held out one by one" in capsys.readouterr().err
+
+
 def test_harvest_resumes_and_refuses_to_mix(pair, tmp_path, capsys):
     out = tmp_path / "h"
     full = harvest(pair, out)
