@@ -140,6 +140,10 @@ def build_longctx(count: Callable[[str], int], lengths=LENGTHS, per_bucket: int 
         if context is not None and length > context:
             raise DataError(f"a {length}-token question is beyond the target's context of {context} tokens; ask for "
                             f"lengths up to {context} (--lengths)")
+        if context is not None and context - new_tokens < length // 2:
+            raise DataError(f"a {bucket_name(length)} question would hold at most {max(context - new_tokens, 0)} "
+                            f"tokens: {new_tokens} of the target's {context} are kept for the answer "
+                            "(--max-new-tokens); ask for fewer new tokens or shorter lengths")
         for group in GROUPS:
             for i in range(per_bucket):
                 rng = random.Random(f"{seed}:{length}:{group}:{i}")
@@ -153,17 +157,26 @@ def build_longctx(count: Callable[[str], int], lengths=LENGTHS, per_bucket: int 
 
 def _row(count, docs: list[Document], limit: int, bucket: int, group: str, index: int, rng: random.Random) -> dict:
     """A question of bucket `bucket` whose prompt holds at most `limit` tokens. Each document is cut to a third of
-    the limit, so even a 1k context holds several; the asked names are drawn from what the cut kept."""
-    cut = {d.module: d.cut(count, limit // 3) for d in docs}
+    the limit, so even a 1k context holds several; the asked names are drawn from what the cut kept.
+
+    A document costs what it adds to a prompt: `count` measures a whole prompt (a chat template's tokens
+    included), so a document's own count less that of an empty prompt. Charging each document the template
+    too left 1k prompts 11-17% short of their length with SmolLM2's template (some 30 tokens a document)."""
+    empty = count("")
+
+    def cost(text: str) -> int:
+        return count(text) - empty
+
+    cut = {d.module: d.cut(cost, limit // 3) for d in docs}
     asked = rng.sample([d for d in docs if cut[d.module][1]], 1 if group == "single-doc" else 2)
     question = _question(group, [f"{d.module}.{rng.choice(cut[d.module][1])}" for d in asked])
     others = [d for d in docs if d not in asked]
     rng.shuffle(others)
     budget = limit - count(HEADER + "\n\n" + question)
-    used = sum(count(cut[d.module][0]) for d in asked)
+    used = sum(cost(cut[d.module][0]) for d in asked)
     fillers = []
-    for doc in others:  # fill by per-document counts; the whole prompt is counted after
-        need = count(cut[doc.module][0])
+    for doc in others:  # fill by per-document costs; the whole prompt is counted after
+        need = cost(cut[doc.module][0])
         if used + need <= budget:
             fillers.append(doc)
             used += need
