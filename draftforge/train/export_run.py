@@ -8,6 +8,7 @@ does, unless a checkpoint is named or `last=True`.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import yaml
@@ -28,6 +29,9 @@ def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None
         raise CheckpointError(f"--checkpoint {checkpoint} is not a directory; give one of {run_dir}/checkpoints/step-*, "
                               "or leave --checkpoint out to export the latest intact one")
     recipe = recipe_from_dict(yaml.safe_load((run_dir / "recipe.yaml").read_text()))
+    # the run is where it is now: a moved or copied run's recipe still names where it trained, and the builder
+    # reads the run's own files (its draft_vocab.json) from output_dir, which may hold another run's by now
+    recipe = dataclasses.replace(recipe, output_dir=str(run_dir))
     src = Path(checkpoint) if checkpoint else _latest_checkpoint(run_dir)
     problem = ckpt.verify(src)
     if problem:

@@ -331,3 +331,26 @@ def test_a_run_killed_before_its_first_checkpoint_logs_its_start_eval_once(tmp_p
     run(recipe_from_dict(values), resume=True)
     steps = [r["step"] for r in read_metrics(values["output_dir"])]
     assert steps.count(0) == 1 and steps[-1] == 2
+
+
+def test_a_moved_run_exports_its_own_draft_vocabulary(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    """`draftforge export RUN_DIR` rebuilt the model from the recipe's output_dir, where a moved run's recipe still
+    points: it read whatever draft_vocab.json lay there now (another run's map of the same size: the head's rows
+    paired with the wrong target ids, lossless but accepting little), or refused when nothing did."""
+    import shutil
+
+    from draftforge.train.export_run import export_checkpoint
+
+    values = tiny_recipe(tmp_path / "a", tiny_corpus_dir, tiny_tokenizer_dir, max_steps=2)
+    values["model"]["draft_vocab"] = 64
+    first = run(recipe_from_dict(values)).run_dir
+    moved = tmp_path / "moved"
+    shutil.copytree(first, moved)
+    own = json.loads((moved / "draft_vocab.json").read_text())
+    other = [i for i in range(300) if i not in own][:64]
+    (first / "draft_vocab.json").write_text(json.dumps(other))  # the old place now holds another run's map
+    out = export_checkpoint(moved, tmp_path / "out", say=lambda *a: None)
+    assert json.loads((out / "config.json").read_text())["draft_vocab"] == own
+    shutil.rmtree(first)
+    out = export_checkpoint(moved, tmp_path / "out2", say=lambda *a: None)
+    assert json.loads((out / "config.json").read_text())["draft_vocab"] == own
