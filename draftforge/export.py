@@ -104,8 +104,8 @@ from draftforge.decode.hf_generate import generate_from_export
 DRAFTER_DIR = {export!r}
 
 
-def generate(model, **kwargs):
-    return generate_from_export(model, DRAFTER_DIR, **kwargs)
+def generate(*args, model, **kwargs):
+    return generate_from_export(model, DRAFTER_DIR, *args, **kwargs)
 '''
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 
@@ -47,7 +48,7 @@ _UNSUPPORTED_FIELDS = {
     "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None, "typical_p": 1.0,
     "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": None, "guidance_scale": None, "renormalize_logits": False,
     "exponential_decay_length_penalty": None, "watermarking_config": None, "output_scores": False,
-    "output_logits": False, "output_attentions": False, "output_hidden_states": False,
+    "output_logits": False, "output_attentions": False, "output_hidden_states": False, "top_h": None,
 }
 _WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
 
@@ -246,10 +247,35 @@ _IGNORED_IF_UNSET = ("prefix_allowed_tokens_fn", "assistant_model", "negative_pr
                      "negative_prompt_attention_mask", "synced_gpus", "use_model_defaults", "assistant_tokenizer")
 
 
-def generate_from_export(model, drafter_dir: str, inputs=None, generation_config=None, logits_processor=None,
-                         stopping_criteria=None, streamer=None, **kwargs):
+def is_the_export(model, export_dir: str) -> bool:
+    """`model` was loaded from `export_dir` (or from a copy of it: the same draftforge.json)."""
+    here = Path(str(getattr(model, "name_or_path", "") or ""))
+    if not str(here) or not here.is_dir():
+        return False
+    if here.resolve() == Path(export_dir).resolve():
+        return True
+    mine, theirs = here / "draftforge.json", Path(export_dir) / "draftforge.json"
+    return mine.is_file() and theirs.is_file() and mine.read_bytes() == theirs.read_bytes()
+
+
+def generate_from_export(model, drafter_dir: str, *args, **kwargs):
     """The entry of an export's custom_generate/generate.py: generate()'s own arguments, this export as the drafter
-    unless drafter= names another."""
+    unless drafter= names another. Loading the export itself with trust_remote_code=True makes transformers put
+    this function in place of the export's own generate(): that model is the drafter, not a target, so it gets
+    plain generate() (with its positional input_ids, which the function used to refuse)."""
+    if is_the_export(model, drafter_dir):
+        from transformers.generation.utils import GenerationMixin
+
+        return GenerationMixin.generate(model, *args, **kwargs)
+    if args:
+        if len(args) > 1 or "inputs" in kwargs:
+            raise _refuse("give the prompt as the one positional argument (or inputs=), the rest by name")
+        kwargs["inputs"] = args[0]
+    return _generate_from_export(model, drafter_dir, **kwargs)
+
+
+def _generate_from_export(model, drafter_dir: str, inputs=None, generation_config=None, logits_processor=None,
+                          stopping_criteria=None, streamer=None, **kwargs):
     for name in _IGNORED_IF_UNSET:
         if kwargs.pop(name, None) not in (None, False):
             raise _refuse(f"{name} is not supported")

@@ -5,6 +5,7 @@ a streamer, the tokens it returned."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -273,6 +274,36 @@ def test_warpers_passed_by_hand_are_refused_not_ignored(target, export_dir):
                             custom_generate=draftforge.speculative_generate, drafter="prompt-lookup")
         with pytest.raises(CompatibilityError, match="passed by hand"):
             from_export(target, PROMPTS[0], export_dir, max_new_tokens=5, do_sample=True, logits_processor=procs)
+
+
+def test_top_h_is_refused_on_both_paths(target, export_dir):
+    """generate() adds a top-H warper when sampling with top_h set; the directory path sampled without it."""
+    with pytest.raises(CompatibilityError, match="top_h=0.5 is not supported"):
+        target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=5, do_sample=True, top_h=0.5,
+                        custom_generate=draftforge.speculative_generate, drafter="prompt-lookup")
+    with pytest.raises(CompatibilityError, match="top_h=0.5 is not supported"):
+        from_export(target, PROMPTS[0], export_dir, max_new_tokens=5, do_sample=True, top_h=0.5)
+
+
+def test_the_export_loaded_with_trust_remote_code_generates_as_itself(export_dir):
+    """transformers puts an export's custom_generate in place of the export's own generate() when the export is
+    loaded with trust_remote_code=True: generate(ids) then raised (two values for `model`) and generate(input_ids=)
+    ran the drafter speculatively against itself. That model is the drafter: it generates as it does loaded
+    plainly (the oracle), batch and repetition_penalty too."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    plain_model = AutoModelForCausalLM.from_pretrained(export_dir)
+    x = torch.tensor([PROMPTS[0], PROMPTS[0][::-1]])
+    for where in (export_dir, shutil.copytree(export_dir, Path(export_dir).parent / "copied")):
+        loaded = AutoModelForCausalLM.from_pretrained(where, trust_remote_code=True)
+        assert loaded.generate is not plain_model.generate  # transformers did replace it
+        for kw in ({"max_new_tokens": 6}, {"max_new_tokens": 6, "repetition_penalty": 1.3}):
+            want = plain_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, **kw)
+            assert torch.equal(loaded.generate(x, attention_mask=torch.ones_like(x), do_sample=False, **kw), want)
+            assert torch.equal(loaded.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                                               **kw), want)
 
 
 class StopAfter:
