@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
 
 from draftforge.errors import CompatibilityError
 from draftforge.kernels.attention import MAX_ROWS, matmul_attention, packed_flash_attention, rotate
@@ -160,9 +161,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.act_fn = ACT2FN[c.hidden_act]  # the target's, as the export records it (a fixed SiLU was not)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Layer(nn.Module):

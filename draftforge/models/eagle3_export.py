@@ -56,8 +56,11 @@ def speculators_config(head: Eagle3Head, target_config, target_name: str, steps:
     """config.json in the speculators eagle3 format (the fields vLLM reads, each written out)."""
     c = head.config
     layer = {k: v for k, v in target_config.to_dict().items() if k not in LAYER_CONFIG_DROP}
+    # the head's own layer: no biases (a target's attention_bias / mlp_bias would give vLLM unloaded bias tensors),
+    # and the fc's width in aux states (vLLM reads num_aux_hidden_states, else assumes 3)
     layer.update(num_hidden_layers=1, model_type=target_config.model_type, vocab_size=c.vocab_size,
-                 tie_word_embeddings=False)
+                 tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+                 num_aux_hidden_states=len(c.aux_layers))
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": HEAD_KIND,

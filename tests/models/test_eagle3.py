@@ -172,6 +172,33 @@ def test_export_round_trip_and_the_speculators_maps(tmp_path):
         load_head(out, target.config)
 
 
+def test_the_exported_layer_config_describes_the_heads_own_layer(tmp_path):
+    """vLLM builds the head's layer from transformer_layer_config: it sizes fc by num_aux_hidden_states (else 3,
+    so a 2-layer choice failed its weight-size check) and creates bias tensors where attention_bias / mlp_bias
+    say so (the head has none: copied from a biased target they would be left unloaded)."""
+    import json
+
+    config = tiny_target().config
+    config.attention_bias = config.mlp_bias = True
+    head = Eagle3Head(Eagle3Config.from_target(config, [1, 3]))
+    layer = json.loads((save_head(head, config, None, tmp_path / "e3", {"target": "t"}, steps=2) / "config.json")
+                       .read_text())["transformer_layer_config"]
+    assert layer["num_aux_hidden_states"] == 2 and layer["attention_bias"] is False and layer["mlp_bias"] is False
+    assert not [name for name, _ in head.named_parameters() if name.endswith("bias")]
+
+
+def test_the_heads_mlp_uses_the_targets_activation():
+    """By hand: down(act(gate x) * up x) with the target's hidden_act (GELU here); the head used SiLU whatever the
+    target's, while its export recorded the target's."""
+    config = tiny_target().config
+    config.hidden_act = "gelu"
+    head = Eagle3Head(Eagle3Config.from_target(config)).double()
+    mlp = head.layers[0].mlp
+    x = torch.randn(3, D, dtype=torch.float64)
+    want = mlp.down_proj(torch.nn.functional.gelu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    torch.testing.assert_close(mlp(x), want, rtol=0, atol=0)
+
+
 def test_the_cache_grows_without_losing_rows_and_truncates():
     from draftforge.models.eagle3 import KVCache
 
