@@ -42,11 +42,23 @@ REPO = Path(__file__).resolve().parents[2]
 def drafter_kind(path: str) -> str:
     """vllm_serve.py's setting for a drafter export: "eagle3" (a speculators-format EAGLE-3 checkpoint), "mamba"
     (a Mamba / Mamba2 LM) or "draft" (a Transformer LM, vLLM's draft model)."""
-    config = Path(path) / "config.json"
-    fields = json.loads(config.read_text()) if config.is_file() else {}
+    config, meta = Path(path) / "config.json", Path(path) / "draftforge.json"
+    if meta.is_file() and json.loads(meta.read_text()).get("task") == "eesd":
+        raise SystemExit(f"--drafter {path}: an EESD exit head runs inside its target's first layers, which vLLM "
+                         "cannot split; serve it with draftforge's harness")
+    if not config.is_file():  # a feature-conditioned Mamba2 head's export, say: it has no model vLLM builds
+        raise SystemExit(f"--drafter {path}: no config.json, so not a model vLLM loads (draftforge's harness serves "
+                         "a feature-conditioned Mamba2 head)")
+    fields = json.loads(config.read_text())
     if fields.get("speculators_model_type") == "eagle3":
         return "eagle3"
-    return "mamba" if fields.get("model_type") in ("mamba", "mamba2") else "draft"
+    if fields.get("model_type") in ("mamba", "mamba2"):
+        return "mamba"
+    if fields.get("draft_vocab"):  # its lm_head holds the draft vocabulary's rows only
+        raise SystemExit(f"--drafter {path}: a reduced draft vocabulary ({len(fields['draft_vocab'])} ids) does not "
+                         "load as vLLM's draft model, which needs the target's whole vocabulary in lm_head; train "
+                         "without model.draft_vocab to serve it there")
+    return "draft"
 
 
 def per_position(accepted_per_round: list[int], drafted_per_round: list[int], k: int) -> list[int]:

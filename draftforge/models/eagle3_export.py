@@ -100,6 +100,8 @@ def save_head(head: Eagle3Head, target_config, tokenizer, out_dir, metadata: dic
     vLLM is told to load, a local directory or a Hub id)."""
     out_dir = Path(out_dir).resolve()
     target_name = metadata.get("target") or getattr(target_config, "_name_or_path", "") or ""
+    if target_name and Path(target_name).expanduser().is_dir():  # a relative path would depend on where vLLM runs
+        target_name = str(Path(target_name).expanduser().resolve())
     record = {**_jsonable(metadata), "task": HEAD_KIND, "head": head.config.to_dict(),
               "format_version": FORMAT_VERSION, "draftforge_version": draftforge.__version__,
               "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,

@@ -143,6 +143,15 @@ def test_an_eagle3_export_is_served_as_vllms_eagle3_method(eagle3_export, tiny_t
     assert vllm_compare.drafter_kind(str(tiny_target)) == "draft"
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba2"}))
     assert vllm_compare.drafter_kind(str(tmp_path)) == "mamba"
+    # what vLLM cannot load is named before it starts: no config.json, a reduced head, an EESD exit
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "draft_vocab": [0, 5, 9]}))
+    with pytest.raises(SystemExit, match="a reduced draft vocabulary \\(3 ids\\)"):
+        vllm_compare.drafter_kind(str(tmp_path))
+    (tmp_path / "draftforge.json").write_text(json.dumps({"task": "eesd"}))
+    with pytest.raises(SystemExit, match="an EESD exit head"):
+        vllm_compare.drafter_kind(str(tmp_path))
+    with pytest.raises(SystemExit, match="no config.json"):
+        vllm_compare.drafter_kind(str(tmp_path / "nowhere"))
     config = json.loads((eagle3_export / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 500
     meta = json.loads((eagle3_export / "draftforge.json").read_text())

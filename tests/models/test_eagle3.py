@@ -172,7 +172,7 @@ def test_export_round_trip_and_the_speculators_maps(tmp_path):
         load_head(out, target.config)
 
 
-def test_the_exported_layer_config_describes_the_heads_own_layer(tmp_path):
+def test_the_exported_layer_config_describes_the_heads_own_layer(tmp_path, monkeypatch):
     """vLLM builds the head's layer from transformer_layer_config: it sizes fc by num_aux_hidden_states (else 3,
     so a 2-layer choice failed its weight-size check) and creates bias tensors where attention_bias / mlp_bias
     say so (the head has none: copied from a biased target they would be left unloaded)."""
@@ -185,6 +185,13 @@ def test_the_exported_layer_config_describes_the_heads_own_layer(tmp_path):
                        .read_text())["transformer_layer_config"]
     assert layer["num_aux_hidden_states"] == 2 and layer["attention_bias"] is False and layer["mlp_bias"] is False
     assert not [name for name, _ in head.named_parameters() if name.endswith("bias")]
+    # a local target named relatively is written absolute: `vllm serve EXPORT` must not depend on where it runs
+    (tmp_path / "t").mkdir()
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    out = save_head(head, config, None, tmp_path / "e3b", {"target": "../t"}, steps=2)
+    verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
+    assert verifier == str((tmp_path / "t").resolve())
 
 
 def test_the_heads_mlp_uses_the_targets_activation():
