@@ -24,7 +24,7 @@ CONVENTIONS = {
     "hm": "EESD App. D harmonic mean 2*v_d*r_d/(v_d+r_d); report.json holds the fraction, report.md and the "
           "paper show it x100 (%)",
     "alpha": "EESD Eq. 14 cost ratio T_d/T_t: draft seconds per drafted token / AR seconds per decoded token (AR's "
-             "prefill left out), same run",
+             "prefill left out; the drafter's own prompt encoding, done inside its first draft, counted), same run",
     "acceptance_by_position": "accepted at draft depth d / rounds that proposed depth d (0-based in report.json, "
                               "d1 = the first draft token in report.md and the plot)",
     "memory": "per method and temperature, the timed pass (of the repeats) whose peak rose most above its "
@@ -244,7 +244,9 @@ def category_markdown(report: dict) -> str:
     if len(cats) > MAX_CATEGORY_ROWS:
         return f"{len(cats)} categories: per-category τ and speedup are in report.json (results[].by_category)."
     lines = ["## Per category", "",
-             "speedup vs AR end to end · decoding only, the prefill left out (τ +bonus), on each category's prompts, "
+             "speedup vs AR end to end · decoding only, the target's prefill left out (the drafter encodes the prompt "
+             "inside its first draft, which counts: at long context it lowers this figure) (τ +bonus), on each "
+             "category's prompts, "
              "computed as the overall figures are, from the same records (a multi-turn question counts all its "
              "turns).", "",
              "| category | prompts | " + " | ".join(f"{r['method']} T={r['temperature']:g}" for r in rows) + " |",
@@ -273,7 +275,8 @@ def category_cost_markdown(report: dict) -> str:
         return "–" if held.get("median") is None else f"{held['median'] / 2**20:.1f}"
 
     lines = ["## Per category: costs", "",
-             "ms unless said; context = tokens decoded from (median); verify = one target forward; harness = the "
+             "ms unless said; context = tokens decoded from (median); draft = per round, the drafter's encoding of "
+             "the prompt (inside its first draft) spread over the rounds; verify = one target forward; harness = the "
              "time per target forward that is neither drafting nor verifying; KV / state MiB = the target's cache "
              "and the drafter's cache or state held at a decode's end (median).", "",
              "| category | context | " + " | ".join(
