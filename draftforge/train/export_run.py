@@ -97,7 +97,8 @@ def _final_metrics(run_dir: Path, step: int) -> dict:
     rows = [r for r in read_metrics(run_dir) if r["step"] <= step]
     out = {"steps": step}
     if rows:
-        out["final_loss"] = rows[-1].get("loss")
+        trained = [r for r in rows if "loss" in r]  # an eval-only record (step 0, a stream's last eval) has none
+        out["final_loss"] = trained[-1]["loss"] if trained else None
         evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
         out["eval_loss"] = evals[-1] if evals else None
     return out

@@ -283,7 +283,12 @@ class Trainer:
         self.say(f"[draftforge] {why}: the streaming data is exhausted, so training finishes at step {step} of "
                  f"{t.max_steps} ({self.units_seen:,} {self.spec.unit}); writing the final checkpoint and export")
         if step > self.start:
-            self.eval_loss = evaluate(self.model, self.spec, self.acc, t)
+            if not (t.eval_every and step % t.eval_every == 0):  # the last step's eval, logged and kept as any
+                record = {"step": step}
+                self._eval(step, record)
+                if "eval_loss" in record:
+                    self.metrics_log.write(record)
+                    self.acc.log({k: v for k, v in record.items() if k != "step"}, step=step)
             if not (t.save_every and step % t.save_every == 0):
                 self.save(step)
 

@@ -26,6 +26,7 @@ from draftforge.train import checkpoint as ckpt
 from draftforge.train import distributed as dist
 from draftforge.train import run
 from draftforge.train.batches import BatchPlan, DataExhausted
+from draftforge.train.metrics_log import read_metrics
 from tests import REPO
 from tests.train.test_loop import tiny_recipe
 
@@ -191,11 +192,20 @@ def _shared_storage(a: torch.nn.Module, b: torch.nn.Module) -> set[int]:
 def test_streaming_run_that_runs_out_of_data_finishes_cleanly(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir,
                                                               capsys):
     values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=10_000, save_every=0,
-                         eval_every=0, export=True)
-    values["data"].update(streaming=True, max_documents=1, eval_fraction=0.0)
+                         eval_every=0, export=True, keep_best="loss")
+    values["data"].update(streaming=True, max_documents=3, eval_fraction=0.3)
     result = run(recipe_from_dict(values))
     out = capsys.readouterr().out
     assert 0 < result.step < 10_000 and "streaming data is exhausted" in out
+    # the last step's eval is logged and competes for keep_best (it was computed, then neither)
+    last = read_metrics(result.run_dir)[-1]
+    assert last["step"] == result.step and "eval_loss" in last
+    kept = json.loads((result.run_dir / "best" / "best.json").read_text())
+    assert kept["step"] == result.step and kept["value"] == last["eval_loss"]
+    from draftforge.train.export_run import export_checkpoint  # its final loss is the last step's, not None
+
+    again = export_checkpoint(result.run_dir, tmp_path / "again", say=lambda *a: None)
+    assert json.loads((again / "draftforge.json").read_text())["metrics"]["final_loss"] == result.losses[-1]
     state = ckpt.read_loop_state(ckpt.latest_valid(result.run_dir))
     assert state["step"] == result.step and state["backend"] == "single"
     assert (result.export_dir / "model.safetensors").is_file()
