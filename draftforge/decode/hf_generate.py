@@ -158,9 +158,7 @@ def _sampling(gc, logits_processor) -> tuple[float, int, float]:
     top_p = 1.0 if gc.top_p is None else float(gc.top_p)
     if top_k < 0 or not 0.0 <= top_p <= 1.0:
         raise _refuse(f"top_k={gc.top_k} / top_p={gc.top_p}: top_k must be >= 0 and top_p in [0, 1]")
-    if top_p == 0.0:  # generate() keeps only the most likely token: the greedy choice (the harness takes top_p > 0)
-        return 0.0, 0, 1.0
-    return temperature, top_k, top_p
+    return temperature, top_k, top_p  # top_p 0 keeps the most likely token, the one of a tie generate() keeps
 
 
 _ENFORCED = ("MaxLengthCriteria", "EosTokenCriteria")  # the harness stops there itself, exactly as these would

@@ -27,8 +27,8 @@ class SamplingParams:
     def __post_init__(self):
         if not self.temperature >= 0.0:
             raise DraftforgeError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise DraftforgeError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.top_p <= 1.0:  # 0: only the most likely token (the last of a tie, as transformers)
+            raise DraftforgeError(f"top_p must be in [0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise DraftforgeError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.tree_draws not in TREE_DRAWS:
@@ -49,10 +49,12 @@ def probs_from_logits(logits_NV: torch.Tensor, params: SamplingParams) -> torch.
         kth_N1 = torch.topk(logits_NV, params.top_k, dim=-1).values[..., -1:]
         logits_NV = logits_NV.masked_fill(logits_NV < kth_N1, float("-inf"))
     if params.top_p < 1.0:
-        sorted_NV, order_NV = torch.sort(logits_NV, dim=-1, descending=True)
-        cum_NV = sorted_NV.softmax(-1).cumsum(-1)
-        # Drop a token when the mass strictly before it already reaches top_p (the top token always stays).
-        drop_sorted_NV = (cum_NV - sorted_NV.softmax(-1)) >= params.top_p
+        # transformers' TopPLogitsWarper step for step (ascending sort, drop while the mass up to and including a
+        # token is <= 1 - top_p, keep the last): a descending formulation kept another of two tied tokens at the
+        # cut (common in bf16), so speculative_generate sampled another distribution than generate() there
+        sorted_NV, order_NV = torch.sort(logits_NV, dim=-1, descending=False)
+        drop_sorted_NV = sorted_NV.softmax(-1).cumsum(-1) <= (1 - params.top_p)
+        drop_sorted_NV[..., -1:] = False
         drop_NV = drop_sorted_NV.scatter(-1, order_NV, drop_sorted_NV)
         logits_NV = logits_NV.masked_fill(drop_NV, float("-inf"))
     return logits_NV.softmax(-1)

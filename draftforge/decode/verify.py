@@ -34,8 +34,22 @@ class Verdict:
     next_token: int  # correction (after a rejection) or bonus (after a leaf) token
 
 
+def _normalised(w_V: torch.Tensor) -> torch.Tensor:
+    w_V = w_V.to(torch.float64)
+    return w_V / w_V.sum()
+
+
+def _share(w_V: torch.Tensor, x: int) -> float:
+    """x's probability under the row of weights w_V, in float64. p and q rows come as float32 (bf16 models, the
+    EAGLE-3 and exit heads' .float()), whose sums miss 1 by up to ~1e-5 at V = 152k; draws normalise them (the
+    CDF's total), so the accept ratio and the residual must too, or the output is off by that much."""
+    return float(w_V[x]) / float(w_V.sum(dtype=torch.float64))
+
+
 def residual(p_V: torch.Tensor, q_V: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)); falls back to p when p <= q everywhere (then p == q, nothing to fix)."""
+    """norm(max(0, p - q)) of the normalised rows, in float64; p itself when p <= q everywhere (then p == q,
+    nothing to fix)."""
+    p_V, q_V = _normalised(p_V), _normalised(q_V)
     r_V = (p_V - q_V).clamp_min(0)
     total = r_V.sum()
     return r_V / total if total > 0 else p_V
@@ -65,8 +79,7 @@ def verify_chain_sps(tree: DraftTree, p_NV: torch.Tensor, generator) -> Verdict:
     """Chain speculative sampling; p_NV, tree.q_probs are the warped target/drafter distributions."""
     path = []
     for j, x in enumerate(tree.tokens):
-        p_x, q_x = float(p_NV[j, x]), float(tree.q_probs[j, x])
-        if _uniform(generator) < min(1.0, p_x / q_x):
+        if _uniform(generator) < min(1.0, _share(p_NV[j], x) / _share(tree.q_probs[j], x)):
             path.append(j)
             continue
         return Verdict(path, _draw(residual(p_NV[j], tree.q_probs[j]), generator))
@@ -93,7 +106,7 @@ def _try_drawn(tree: DraftTree, node: int, p_V, q_V, generator, distinct: bool):
         x = tree.tokens[child]
         if distinct and not float(q_V[x]) > 0:
             continue  # tried already: a spare slot of a row with fewer tokens than children
-        if _uniform(generator) < min(1.0, float(p_V[x]) / float(q_V[x])):
+        if _uniform(generator) < min(1.0, _share(p_V, x) / _share(q_V, x)):
             return child, p_V
         p_V = residual(p_V, q_V)
         if distinct:
@@ -109,7 +122,7 @@ def _try_fixed(tree: DraftTree, node: int, p_V, generator):
     """(accepted child or None, the residual p left) for fixed children: q = point mass on each in turn."""
     for child in tree.children(node):
         x = tree.tokens[child]
-        if _uniform(generator) < float(p_V[x]):  # min(1, p(x) / 1)
+        if _uniform(generator) < _share(p_V, x):  # min(1, p(x) / 1)
             return child, p_V
         point_V = torch.zeros_like(p_V)
         point_V[x] = 1.0

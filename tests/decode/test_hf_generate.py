@@ -256,7 +256,8 @@ def test_sampling_defaults_are_generates(target, export_dir):
 
 
 def test_top_p_zero_is_greedy_and_temperature_zero_is_refused(target, export_dir):
-    """generate() with top_p=0 keeps only the most likely token; do_sample with temperature 0 is an error there."""
+    """generate() with top_p=0 keeps only the most likely token (greedy, short of an exact tie); do_sample with
+    temperature 0 is an error there."""
     want = plain(target, PROMPTS[1], max_new_tokens=12)
     got = target.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=12, do_sample=True, top_p=0.0,
                           custom_generate=draftforge.speculative_generate, drafter="prompt-lookup")

@@ -223,3 +223,57 @@ def test_draw_iid_is_num_draw_one_calls_from_the_same_generator():
         gen = torch.Generator().manual_seed(seed)
         one_by_one = torch.cat([draw_one(weights, gen) for _ in range(5)], -1)
         assert torch.equal(draw_iid(weights, torch.Generator().manual_seed(seed), 5), one_by_one)
+
+
+def test_top_p_keeps_the_tokens_transformers_keeps_ties_included():
+    """Oracle: transformers' TopPLogitsWarper (what generate() samples with). With two tokens tied at the cut a
+    descending formulation kept the other one ([0, 0] at top_p 0.5: total variation 1.0); bf16 logits tie often.
+    top_p = 0 keeps the one most likely token generate() keeps (the last of a tie)."""
+    from transformers import TopPLogitsWarper
+
+    def theirs(logits, top_p, temperature=1.0):
+        return TopPLogitsWarper(top_p)(None, logits / temperature).softmax(-1)
+
+    for row, top_p in (([0.0, 0.0], 0.5), ([1.0, 0.5, 0.5, -1.0], 0.6), ([2.0, 2.0, 1.0], 0.0), ([1.0, 3.0], 0.0)):
+        logits = torch.tensor([row])
+        assert torch.equal(probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=top_p)),
+                           theirs(logits, top_p)), (row, top_p)
+    gen = torch.Generator().manual_seed(0)
+    bf16 = (torch.randn(500, 512, generator=gen) * 3).bfloat16().float()  # many exact ties, as a bf16 model gives
+    for top_p, temperature in ((0.9, 0.7), (0.5, 1.0), (0.95, 1.3)):
+        ours = probs_from_logits(bf16, SamplingParams(temperature=temperature, top_p=top_p))
+        assert torch.equal(ours, theirs(bf16, top_p, temperature))
+
+
+def test_the_accept_ratio_and_residual_normalise_p_and_q():
+    """By hand, first emitted token of a one-draft chain: sum over drafts y of q(y) [a(y) 1{x=y} + (1 - a(y))
+    r_y(x)] must be p exactly, with q and p the normalised rows. Rows come as float32 weights whose sums miss 1
+    (by ~1e-5 at V = 152k; here by 1e-3 and 2e-3 to make it plain); the ratio and residual were taken on the raw
+    rows, off by that much."""
+    gen = torch.Generator().manual_seed(3)
+    p_w = torch.softmax(torch.randn(6, generator=gen), -1).float() * 1.002
+    q_w = torch.softmax(torch.randn(6, generator=gen), -1).float() * 0.999
+    p_hat, q_hat = p_w.double() / p_w.double().sum(), q_w.double() / q_w.double().sum()
+    out = torch.zeros(6, dtype=torch.float64)
+    for y in range(6):
+        seen = {}
+
+        class Threshold:  # u < a: record a
+            def __lt__(self, a):
+                seen["a"] = float(a)
+                return False  # follow the rejection branch; its weight is 1 - a
+
+        def draw(probs_V, _gen):
+            seen["r"] = probs_V.double() / probs_V.double().sum()
+            return 0
+
+        tree = DraftTree([y], [-1], [1], torch.stack([q_w, q_w]), True)
+        orig_u, orig_d = verify._uniform, verify._draw
+        verify._uniform, verify._draw = (lambda g: Threshold()), draw
+        try:
+            verify.verify_chain_sps(tree, torch.stack([p_w, p_w]), None)
+        finally:
+            verify._uniform, verify._draw = orig_u, orig_d
+        out[y] += q_hat[y] * seen["a"]
+        out += q_hat[y] * (1 - seen["a"]) * seen["r"]
+    torch.testing.assert_close(out, p_hat, rtol=0, atol=1e-12)
