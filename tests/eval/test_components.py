@@ -108,8 +108,8 @@ def test_eval_reports_memory_by_component(tmp_path):
     paths = save_random_models(tmp_path / "m")
     (tmp_path / "p.jsonl").write_text(json.dumps({"input_ids": list(range(2, 14))}) + "\n")
     common = dict(target=paths["target"], drafter=paths["mamba_drafter"], bench=str(tmp_path / "p.jsonl"),
-                  methods=("ar", "chain", "lookup"), max_new_tokens=8, repeats=1, warmup=0, cost_repeats=0, ignore_eos=True,
-                  plots=False, quiet=True, dtype="float32")
+                  methods=("ar", "chain", "lookup"), max_new_tokens=8, repeats=1, warmup=0, cost_repeats=0,
+                  ignore_eos=True, plots=False, quiet=True, dtype="float32")
     report = run_eval(EvalConfig(**common, out_dir=str(tmp_path / "on")))
     found = report["component_memory"]["by_method"]
     (ar,), (chain,) = found["ar"].values(), found["chain"].values()  # one length bucket
