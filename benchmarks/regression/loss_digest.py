@@ -142,7 +142,7 @@ def distill_and_eesd(work: Path, tok_dir: Path, corpus: Path, common: list[str])
     cached = load_recipe("recipes/tiny/distill.yaml", common + small + steps + [
         f"output_dir={work / 'distill_cached'}", f"data.sources=[{rows}]", "data.format=tokens",
         f"distill.logits_cache={work / 'cache'}", "distill.loss=mix", "distill.temperature=1.0",
-        "train.keep_best=tvd"])  # highest TVD: step 4's weights, not the last step's, are exported and reported on
+        "train.keep_best=tvd"])  # lowest TVD (before 5e855ce: highest, so step 4's weights were exported)
     runs["distill_cached"] = run(cached, overwrite=True)
     eesd = recipe_from_dict({
         "task": "eesd", "output_dir": str(work / "eesd"), "model": {"target": str(target), "tokenizer": str(tok_dir)},
