@@ -70,7 +70,8 @@ def greedy_answers(target, prompts: list[list[int]], new_tokens: int, eos) -> li
 
 
 def build(target_dir: str, out_dir: str, draft_vocab: int = 8192, steps: int = 3, overwrite: bool = False,
-          fit_prompts: int = 0, fit_bench: str = "instructions", fit_new_tokens: int = 64) -> Path:
+          fit_prompts: int = 0, fit_bench: str = "instructions", fit_new_tokens: int = 64,
+          aux_layers: list[int] | None = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -83,7 +84,7 @@ def build(target_dir: str, out_dir: str, draft_vocab: int = 8192, steps: int = 3
     if not 0 <= draft_vocab <= vocab:
         raise SystemExit(f"--draft-vocab {draft_vocab}: give 0 (the whole vocabulary) or 1..{vocab}")
     ids = None if draft_vocab in (0, vocab) else list(range(draft_vocab))
-    head = Eagle3Head(Eagle3Config.from_target(target.config, draft_vocab=ids))
+    head = Eagle3Head(Eagle3Config.from_target(target.config, aux_layers=aux_layers, draft_vocab=ids))
     how = init_from_target(head, target)
     recipe = "untrained (init_from_target)"
     if fit_prompts:

@@ -178,12 +178,20 @@ def test_the_eagle3_export_drafts_losslessly_in_the_harness_and_on_vllms_rounds(
 
 
 @pytest.mark.slow
-def test_vllm_serves_an_eagle3_export(eagle3_export, tiny_target, tmp_path):
+@pytest.mark.parametrize("aux", [None, [1, 3]], ids=["three-aux-layers", "two-aux-layers"])
+def test_vllm_serves_an_eagle3_export(eagle3_export, tiny_target, tmp_path, aux):
     """vLLM runs the export with its eagle3 method: fp32 outputs equal plain greedy, and its draft / acceptance
-    counters equal draftforge's on vLLM's rounds, prompt by prompt."""
+    counters equal draftforge's on vLLM's rounds, prompt by prompt. With two aux layers the export failed to load
+    (vLLM sized fc for three: the export did not say num_aux_hidden_states)."""
     python, note = vllm_compare.vllm_python(None)
     if python is None:
         pytest.skip(note)
+    if aux is not None:
+        from benchmarks.serving import eagle3_init_export
+
+        eagle3_export = eagle3_init_export.build(str(tiny_target), str(tmp_path / "e3"), draft_vocab=500, steps=3,
+                                                 fit_prompts=24, fit_bench="testbed", fit_new_tokens=24,
+                                                 aux_layers=aux)
     result = vllm_compare.main(["--target", str(tiny_target), "--drafter", str(eagle3_export), "--bench", "testbed",
                                 "--num-prompts", "3", "--max-new-tokens", "16", "--draft-tokens", "3",
                                 "--out", str(tmp_path / "out.json")])
