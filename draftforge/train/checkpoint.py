@@ -18,7 +18,8 @@ from draftforge.errors import CheckpointError
 from draftforge.fsutil import sha256_file, usual_permissions
 
 PREFIX = "step-"
-# Recipe keys that may change between a run and its resume without changing the result.
+# Recipe keys that may change between a run and its resume without changing the trained weights (with
+# train.keep_best, eval_every decides which evals compete for the export, so the export may change).
 RESUMABLE_KEYS = {"output_dir", "train.save_every", "train.eval_every", "train.log_every",
                   "train.keep_checkpoints", "train.trackers", "train.export", "data.num_proc",
                  "plugins"}
