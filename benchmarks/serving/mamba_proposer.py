@@ -41,6 +41,26 @@ class MambaProposer:
             self._reduced_head(Path(path))
         params = inspect.signature(type(self.model).forward).parameters  # `cache` from transformers 5.24
         self.cache_arg = "cache" if "cache" in params else "cache_params"
+        self._check_pair(Path(path), getattr(vllm_config, "model_config", None))
+
+    def _check_pair(self, path: Path, model_config) -> None:
+        """A drafter made for another target drafts ids that mean other tokens there: lossless, accepting next to
+        nothing, and silent. Refused: draft ids beyond the target's vocabulary, or a tokenizer whose vocabulary
+        differs from the target's (where both directories hold one)."""
+        if model_config is None:
+            return
+        vocab = getattr(getattr(model_config, "hf_config", None), "vocab_size", None)
+        if vocab is not None and self.draft_ids and max(self.draft_ids) >= vocab:
+            raise ValueError(f"{path}: config.draft_vocab holds id {max(self.draft_ids)}, beyond the target's "
+                             f"vocabulary of {vocab}: this drafter was made for another target")
+        target = getattr(model_config, "tokenizer", None) or getattr(model_config, "model", None)
+        if not target or not (path / "tokenizer.json").is_file() or not (Path(target) / "tokenizer.json").is_file():
+            return
+        from transformers import AutoTokenizer
+
+        if AutoTokenizer.from_pretrained(str(path)).get_vocab() != AutoTokenizer.from_pretrained(target).get_vocab():
+            raise ValueError(f"{path}: the drafter's tokenizer differs from the target's ({target}): its token ids "
+                             "mean other tokens there; serve a drafter trained for this target")
 
     def _reduced_head(self, path: Path) -> None:
         """Put back the trained N-row head (from_pretrained made a full-vocabulary one) and keep the draft-id ->

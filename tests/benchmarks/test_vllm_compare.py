@@ -101,6 +101,42 @@ def test_the_mamba_proposer_serves_a_reduced_draft_vocabulary(tmp_path, monkeypa
     assert got == want and all(t in draft_ids for t in got)
 
 
+def test_the_mamba_proposer_refuses_a_drafter_made_for_another_target(tmp_path, monkeypatch):
+    """Ids of another tokenizer mean other tokens: the drafts were verified losslessly and accepted next to never,
+    with nothing said. The same tokenizer passes; another one, or draft ids past the target's vocabulary, fail."""
+    from types import SimpleNamespace
+
+    from benchmarks.serving.mamba_proposer import MambaProposer
+    from tests.fixtures.decode import tiny_mamba2
+    from tests.fixtures.tokenizers import testbed_bpe
+
+    texts = ["def f(x):\n    return x + 1\n" * 40, "the cat sat on the mat; a dog ran by\n" * 40]
+    for name, text in (("ours", texts[0]), ("theirs", texts[1])):
+        testbed_bpe([text], tmp_path / name)
+    model = tiny_mamba2(vocab=512)
+    model.save_pretrained(tmp_path / "m")
+    testbed_bpe([texts[0]], tmp_path / "m")
+    monkeypatch.setenv("DRAFTFORGE_MAMBA_DRAFTER", str(tmp_path / "m"))
+
+    def config(target, vocab=512):
+        return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=2),
+                               model_config=SimpleNamespace(model=str(target), tokenizer=str(target),
+                                                            hf_config=SimpleNamespace(vocab_size=vocab)))
+
+    MambaProposer(config(tmp_path / "ours"))
+    with pytest.raises(ValueError, match="the drafter's tokenizer differs from the target's"):
+        MambaProposer(config(tmp_path / "theirs"))
+    reduced = tiny_mamba2(vocab=512)
+    import torch
+
+    reduced.lm_head = torch.nn.Linear(reduced.config.hidden_size, 4, bias=False)
+    reduced.config.draft_vocab = [0, 5, 300, 511]
+    reduced.save_pretrained(tmp_path / "r")
+    monkeypatch.setenv("DRAFTFORGE_MAMBA_DRAFTER", str(tmp_path / "r"))
+    with pytest.raises(ValueError, match="holds id 511, beyond the target's vocabulary of 300"):
+        MambaProposer(config(tmp_path / "ours", vocab=300))
+
+
 def test_per_position_and_vllm_rounds():
     # rounds of a draftforge run: (accepted, drafted)
     assert vllm_compare.per_position([2, 0, 3, 1], [3, 3, 3, 0], 3) == [2, 2, 1]  # the last round drafted nothing
