@@ -238,7 +238,9 @@ def build_code_prompts(split: str, n: int | None = None, *, root=None, seed: int
     if n is not None and n < 1:
         raise DataError(f"the number of prompts (-n) must be >= 1, got {n}; leave it out for the whole split")
     items = _code_items(str(root or sysconfig.get_paths()["stdlib"]))
-    seen, rows = set(), []
+    # posixpath / ntpath share functions word for word: a held-out header is never a training one too
+    seen = {header for module, _, header in items if is_heldout(module)} if split == "train" else set()
+    rows = []
     for module, name, header in items:
         if is_heldout(module) == (split == "heldout") and header not in seen and name not in exclude:
             seen.add(header)  # posixpath / ntpath share functions

@@ -195,7 +195,20 @@ def _tokenize_text(batch, tokenizer, eos_id):
     return {"input_ids": [seq + [eos_id] for seq in ids]}
 
 
-def _tokenize_chat(batch, tokenizer, block_size):
+def _chat_code_hash() -> str:
+    """The chat module's source, hashed: a change to how conversations are rendered or masked must re-tokenize
+    (`datasets` fingerprints a map by its function's own code and kwargs, not by the code that function calls)."""
+    import inspect
+
+    from draftforge.data import chat
+
+    return hashlib.sha256(inspect.getsource(chat).encode()).hexdigest()[:16]
+
+
+_CHAT_CODE = _chat_code_hash()
+
+
+def _tokenize_chat(batch, tokenizer, block_size, masking=None):  # masking: _CHAT_CODE, for the cache key only
     out = [tokenize_conversation(m, tokenizer, block_size) for m in batch["messages"]]
     return {"input_ids": [o["input_ids"] for o in out], "labels": [o["labels"] for o in out]}
 
@@ -205,8 +218,8 @@ def _tokenize(docs, cfg, tokenizer, block_size: int, eos_id: int):
         fn, kwargs = _tokenize_text, {"tokenizer": tokenizer, "eos_id": eos_id}
     elif cfg.format == "tokens":  # already ids: only cut to the block (no re-tokenization)
         fn, kwargs = _truncate_tokens, {"block_size": block_size}
-    else:
-        fn, kwargs = _tokenize_chat, {"tokenizer": tokenizer, "block_size": block_size}
+    else:  # `datasets` caches by this function's code and kwargs only: the masking code's own hash goes in too
+        fn, kwargs = _tokenize_chat, {"tokenizer": tokenizer, "block_size": block_size, "masking": _CHAT_CODE}
     return docs.map(fn, batched=True, fn_kwargs=kwargs, remove_columns=docs.column_names,
                     num_proc=cfg.num_proc if cfg.num_proc > 1 and len(docs) > 1 else None,
                     desc=_tokenize_desc(cfg.format, len(docs), block_size))

@@ -137,3 +137,26 @@ def test_templates_that_trim_drop_or_glue_contents(make_tokenizer):
     out = tokenize_conversation(openai_row(convo)["messages"], tok, max_length=1000)
     assert tok.decode(out["input_ids"]) == "def add(a, b):\n    return a + b\n"
     assert _labelled_text(tok, out).strip() == "return a + b"
+
+
+def test_a_change_to_the_masking_code_re_tokenizes_cached_conversations(tmp_path, make_tokenizer, monkeypatch):
+    """`datasets` caches a tokenizing map by that function's own code and kwargs: a fix to how conversations are
+    masked (draftforge/data/chat.py) was silently not applied to data tokenized before it. The chat module's
+    source hash is part of the key now; a stand-in for an edited module (another mask, another hash) must give
+    the new labels from the same files."""
+    from draftforge.data import pipeline
+    from draftforge.data.chat import render
+
+    tok = make_tokenizer()
+    src = write_jsonl(tmp_path / "c.jsonl", [openai_row([("user", f"hi {i}"), ("assistant", f"return a + {i}")])
+                                             for i in range(4)])
+    before = build_block_data(data_cfg([src], format="chat"), tok, 64, seed=0).stats["loss_tokens"]
+
+    def every_token(messages, tokenizer, max_length):
+        ids = tokenizer(render(messages, tokenizer), add_special_tokens=False)["input_ids"][:max_length]
+        return {"input_ids": ids, "labels": list(ids)}
+
+    monkeypatch.setattr(pipeline, "tokenize_conversation", every_token)
+    monkeypatch.setattr(pipeline, "_CHAT_CODE", "an-edited-chat-module", raising=False)
+    after = build_block_data(data_cfg([src], format="chat"), tok, 64, seed=0).stats
+    assert after["loss_tokens"] == after["tokens"] > before

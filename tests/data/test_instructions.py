@@ -81,6 +81,8 @@ def test_code_prompts_are_function_headers_split_by_module_and_not_humaneval(tmp
     heldout = build_code_prompts("heldout")
     train = build_code_prompts("train", exclude=humaneval_entry_points())
     assert len(train) >= 500 and heldout and not _tops(heldout) & _tops(train)
+    # no prompt text in both splits: posixpath (train) and ntpath (held out) share 6 functions word for word
+    assert not {r["prompt"] for r in heldout} & {r["prompt"] for r in build_code_prompts("train")}
     assert not {r["function"] for r in train} & humaneval_entry_points()
     assert "median" in {r["function"] for r in build_code_prompts("train")}  # statistics.median: what exclude drops
     for row in train[:50]:
