@@ -211,8 +211,7 @@ class Trainer:
         if self.t.eval_every and step % self.t.eval_every == 0 or step == self.t.max_steps:
             self._eval(step, record)
         if step % self.t.log_every == 0 or "eval_loss" in record or step == self.t.max_steps:
-            self.metrics_log.write(record)
-            self.acc.log({k: v for k, v in record.items() if k != "step"}, step=step)
+            self._log(record)
 
     def _eval(self, step: int, record: dict) -> None:
         """Held-out loss and metrics into `record`; keep the weights when train.keep_best's metric improves."""
@@ -224,6 +223,11 @@ class Trainer:
         if self.best.improves(value):  # the same verdict on every process: eval metrics are reduced
             self._keep_best(step, value)
 
+    def _log(self, record: dict) -> None:
+        """One record into metrics.jsonl and the trackers (at its step)."""
+        self.metrics_log.write(record)
+        self.acc.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
     def _eval_at_start(self) -> None:
         """train.eval_at_start: the starting weights' held-out metrics, logged as step 0 (not on a resume)."""
         record = {"step": 0}
@@ -232,8 +236,7 @@ class Trainer:
             self.say("[draftforge] train.eval_at_start: there is no held-out data to evaluate on")
             return
         self.say(f"[draftforge] step 0 (the starting weights): eval loss {record['eval_loss']:.4f}")
-        self.metrics_log.write(record)
-        self.acc.log({k: v for k, v in record.items() if k != "step"}, step=0)
+        self._log(record)
 
     def train_step(self, micro: list[dict], step: int) -> tuple[float, dict]:
         """One optimizer step over this process's micro-batches: (global mean loss, mean metrics)."""
@@ -287,8 +290,7 @@ class Trainer:
                 record = {"step": step}
                 self._eval(step, record)
                 if "eval_loss" in record:
-                    self.metrics_log.write(record)
-                    self.acc.log({k: v for k, v in record.items() if k != "step"}, step=step)
+                    self._log(record)
             if not (t.save_every and step % t.save_every == 0):
                 self.save(step)
 
