@@ -146,7 +146,7 @@ class Trainer:
                      "its first one); starting from step 0 of the same recipe")
         if self.run_dir.mode != RESUME:
             return 0, 0
-        last = ckpt.latest_valid(self.run_dir.path, warn=self.say)
+        last = self.run_dir.resume_from  # the newest intact checkpoint (RunDir checked, and said why not a newer)
         state = ckpt.read_loop_state(last)
         dist.check_resume(state, self.acc, last)  # which world-size changes the backend can reshard
         self.acc.load_state(str(last))

@@ -139,6 +139,7 @@ class RunDir:
     def __init__(self, recipe, acc, *, resume: bool, overwrite: bool):
         self.recipe, self.acc, self.path = recipe, acc, Path(recipe.output_dir)
         self.changes: dict[str, list] = {}  # key -> [saved, now]: what a resumed run changed (EXTENSIBLE_KEYS)
+        self.resume_from: Path | None = None  # the newest intact checkpoint a resumed run continues from
         self.mode = self._check(resume, overwrite)
         self.aside: Path | None = None
         self.claimed = False  # claim() wrote the run's first files
@@ -162,12 +163,14 @@ class RunDir:
             old, new = ckpt.flatten(saved_values), ckpt.flatten(self.recipe.to_dict())
             self.changes = {k: [old.get(k), new.get(k)] for k in extended}
             self._check_inputs()
-            checkpoints = ckpt.list_checkpoints(self.path)
-            reached = int(checkpoints[0].name[len(ckpt.PREFIX):]) if checkpoints else 0
-            if "train.max_steps" in self.changes and self.recipe.train.max_steps <= reached:
-                raise CheckpointError(f"--resume: train.max_steps {self.recipe.train.max_steps} is not past step "
-                                      f"{reached}, which the run in {self.path} has reached; give a larger value")
-            if checkpoints:
+            if ckpt.list_checkpoints(self.path):
+                # the step the run continues from is its newest *intact* checkpoint's (a damaged newer one is
+                # skipped, and said so once, here), so an extension is checked against it and history records it
+                self.resume_from = ckpt.latest_valid(self.path, warn=self.acc.print)
+                reached = self.reached()
+                if "train.max_steps" in self.changes and self.recipe.train.max_steps <= reached:
+                    raise CheckpointError(f"--resume: train.max_steps {self.recipe.train.max_steps} is not past step "
+                                          f"{reached}, which the run in {self.path} has reached; give a larger value")
                 return RESUME
             if (self.path / MARKER).exists():  # not a run killed early: its checkpoints were removed
                 raise CheckpointError(f"--resume: no checkpoint in {self.path / 'checkpoints'}, although this run "
@@ -193,6 +196,10 @@ class RunDir:
                                       "aside); move it, then run again")
             return REPLACE
         return NEW
+
+    def reached(self) -> int:
+        """The step of the checkpoint a resumed run continues from."""
+        return int(self.resume_from.name[len(ckpt.PREFIX):])
 
     def _check_inputs(self) -> None:
         """A resumed run reads what it started on: the same recipe paths can hold another target's weights or other
@@ -249,7 +256,7 @@ class RunDir:
         from draftforge.fsutil import atomic_write_text
         from draftforge.train.optim import lr_lambda
 
-        reached = int(ckpt.list_checkpoints(self.path)[0].name[len(ckpt.PREFIX):])
+        reached = self.reached()
         note = ""
         if "train.max_steps" in self.changes:
             before, after = self.changes["train.max_steps"]

@@ -105,3 +105,25 @@ def test_every_step_of_an_extended_cosine_run_uses_and_logs_the_new_schedules_ra
         assert used[step] == pytest.approx(by_hand(step, 8), rel=1e-12)
     logged = {r["step"]: r["lr"] for r in read_metrics(result.run_dir) if "lr" in r}
     assert logged == pytest.approx(used, rel=1e-12)
+
+
+def test_an_extension_counts_from_the_checkpoint_the_run_resumes_from_not_a_damaged_newer_one(
+        tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, capsys):
+    # checkpoints at 2 and 4, the one at 4 truncated: the run continues from step 2, so the learning-rate note and
+    # history.jsonl speak of step 2 (they said 4, the damaged one's step), and the damage is reported once
+    from draftforge.train import checkpoint as ckpt
+
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=4, keep_checkpoints=3)
+    run(recipe_from_dict(values))
+    newest = ckpt.list_checkpoints(values["output_dir"])[0]
+    assert newest.name.endswith("00000004")
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    capsys.readouterr()
+    result = run(recipe_from_dict({**values, "train": {**values["train"], "max_steps": 6}}), resume=True)
+    out = capsys.readouterr().out
+    assert result.step == 6 and len(result.losses) == 4  # steps 3..6, from the step-2 checkpoint
+    assert out.count("is unusable (model.safetensors is truncated") == 1
+    assert "so at step 2 the learning rate moves" in out
+    history = [json.loads(line) for line in (result.run_dir / "history.jsonl").read_text().splitlines()]
+    assert history[-1]["resumed_at_step"] == 2
