@@ -106,7 +106,7 @@ def mixed_blocks(recipe: Recipe, tokenizer, vocab_size: int):
     if recipe.data.eval_sources:  # the held-out set is data.eval_sources alone: all open data trains
         open_cfg = dataclasses.replace(open_cfg, eval_sources=[], eval_fraction=0.0)
     extra = build_block_data(open_cfg, tokenizer, t.block_size, t.seed, vocab_size=vocab_size)
-    main.train, n_main, n_open = _mix(main.train, extra.train, cfg.open_fraction)
+    main.train, n_main, n_open = _mix(main.train, extra.train, cfg.open_fraction, t.seed)
     if extra.eval is not None:
         import datasets
 
@@ -115,16 +115,24 @@ def mixed_blocks(recipe: Recipe, tokenizer, vocab_size: int):
     return main
 
 
-def _mix(a, b, fraction: float):
-    """Blocks of `a` and `b` with b's share = fraction, dropping the surplus of whichever has more."""
+def _mix(a, b, fraction: float, seed: int):
+    """Blocks of `a` and `b` with b's share = fraction. The surplus of whichever has more is dropped at random
+    (seeded): blocks sit in the order of their sources, so keeping the first ones would keep only the first
+    sources' text."""
     import datasets
+    import numpy as np
 
     n_a, n_b = len(a), len(b)
     want_b = round(n_a * fraction / (1 - fraction))
     if want_b > n_b:
         n_a, want_b = max(1, round(n_b * (1 - fraction) / fraction)), n_b
-    mixed = datasets.concatenate_datasets([a.select(range(min(n_a, len(a)))), b.select(range(want_b))])
-    return mixed, min(n_a, len(a)), want_b
+    n_a = min(n_a, len(a))
+    rng = np.random.default_rng(seed)
+
+    def some(blocks, n: int):
+        return blocks if n == len(blocks) else blocks.select(np.sort(rng.permutation(len(blocks))[:n]))
+
+    return datasets.concatenate_datasets([some(a, n_a), some(b, want_b)]), n_a, want_b
 
 
 def build_eesd_task(recipe: Recipe, accelerator, with_data: bool = True):

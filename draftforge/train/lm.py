@@ -109,7 +109,10 @@ def choose_draft_vocab(recipe: Recipe, model, data, tokenizer) -> list[int] | No
         raise RecipeError("recipe key 'model.draft_vocab': counting token frequencies needs map-style data "
                           "(streaming: false), or model.draft_vocab_from")
     else:
-        labels = (chunk.flatten().to_numpy() for chunk in data.train.data.column("labels").chunks)
+        # batches of arrow rows, read through the dataset's index map (a mixed or sampled dataset's .data still
+        # holds the rows it dropped)
+        batches = data.train.with_format("arrow").iter(batch_size=8192)
+        labels = (chunk.flatten().to_numpy() for batch in batches for chunk in batch.column("labels").chunks)
     return frequent_tokens(labels, vocab, want, always=(tokenizer.eos_token_id,))
 
 
