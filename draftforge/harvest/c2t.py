@@ -32,6 +32,7 @@ from draftforge.harvest.job import HarvestJob
 from draftforge.options import add_flags, option, positive_int
 
 COLUMNS = ("tree_id", "prompt_id", "node", "parent", "P", "H", "d", "label", "target", "drafter")
+COLUMN_TYPES = ("string", "string", "int64", "int64", "float64", "float64", "int64", "int64", "string", "string")
 META_FILE = "harvest.json"
 
 
@@ -150,8 +151,11 @@ def write_shard(rows: dict[str, list], path: Path) -> None:
     from draftforge.data.sources import no_datasets_bars
 
     tmp = path.with_name(f".{path.name}.tmp")
+    # typed columns: a prompt that grew no tree (its continuation one token long) writes an empty shard, whose
+    # types would otherwise be null and clash with every other shard's when they load as one dataset
+    features = datasets.Features({c: datasets.Value(t) for c, t in zip(COLUMNS, COLUMN_TYPES)})
     with no_datasets_bars():  # one "Creating parquet" bar per prompt would break the harvest's own bar
-        datasets.Dataset.from_dict(rows).to_parquet(str(tmp))
+        datasets.Dataset.from_dict(rows, features=features).to_parquet(str(tmp))
     tmp.replace(path)
 
 
@@ -208,18 +212,31 @@ def load_harvest(sources, target_fingerprint: str | None = None, tokenizer=None)
     (the recipe's, when its fingerprint is given), and the tokenizer recorded in harvest.json."""
     import datasets
 
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from draftforge.data.sources import no_datasets_bars
+
     check_tokenizer(sources, tokenizer)
-    files = []
-    for src in sources:
-        src = Path(src)
+    parts = []
+    for k, src in enumerate(map(Path, sources)):
         found = sorted(src.glob("*.parquet")) if src.is_dir() else [src] if src.is_file() else []
         if not found:
             raise DataError(f"harvest source {src} holds no parquet shards; run `draftforge harvest trees` first")
-        files += found
-    from draftforge.data.sources import no_datasets_bars
-
-    with no_datasets_bars():  # our own shards: a "Generating train split" bar says nothing to the user
-        data = datasets.Dataset.from_parquet([str(f) for f in files])
+        # a prompt that grew no tree left an empty shard (untyped before the shards were typed): nothing to read
+        found = [f for f in found if not _empty(f, pq)]
+        if not found:
+            continue
+        with no_datasets_bars():  # our own shards: a "Generating train split" bar says nothing to the user
+            part = datasets.Dataset.from_parquet([str(f) for f in found])
+        if len(sources) > 1 and "tree_id" in part.column_names:  # "prompt/step" ids repeat across harvests
+            ids = pc.binary_join_element_wise(f"{k}", part.data.column("tree_id").cast("string"), ":")
+            part = datasets.Dataset(part.data.set_column(part.column_names.index("tree_id"), "tree_id", ids))
+        parts.append(part)
+    if not parts:
+        raise DataError(f"harvest {', '.join(map(str, sources))} holds no trees: every prompt's continuation was a "
+                        "single token (harvest more, or longer, prompts; --ignore-eos; a larger --max-new-tokens)")
+    data = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     missing = [c for c in COLUMNS if c not in data.column_names]
     if missing:
         raise DataError(f"harvest {', '.join(map(str, sources))} lacks column(s) {missing}; expected {list(COLUMNS)} "
@@ -231,6 +248,29 @@ def load_harvest(sources, target_fingerprint: str | None = None, tokenizer=None)
         raise CompatibilityError(f"the harvest's trees come from target {targets[0]}, not from this recipe's target "
                                  f"({target_fingerprint}); harvest again with the right --target")
     return data
+
+
+def _empty(path: Path, pq) -> bool:
+    try:
+        return pq.ParquetFile(path).metadata.num_rows == 0
+    except Exception:  # a damaged file: let the dataset reader name it
+        return False
+
+
+def harvest_top_m(sources) -> int:
+    """The M of H's top-M entropy the harvests in `sources` used (their harvest.json settings; the default for loose
+    shards without one); harvests with different M are refused (H would mean two things in one training set)."""
+    from draftforge.models.c2t import ENTROPY_TOP_M
+
+    found = {}
+    for src in map(Path, sources):
+        meta_file = (src if src.is_dir() else src.parent) / META_FILE
+        if meta_file.is_file():
+            found[str(src)] = int(_read_meta(meta_file).get("settings", {}).get("top_m", ENTROPY_TOP_M))
+    if len(set(found.values())) > 1:
+        raise CompatibilityError(f"the harvests compute H over different top-M ({found}); train on harvests made with "
+                                 "one --top-m")
+    return next(iter(found.values()), ENTROPY_TOP_M)
 
 
 def summarize(data) -> dict:

@@ -15,6 +15,7 @@ Legend: B rows, F features.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,6 +97,7 @@ def build(recipe, accelerator, with_data: bool = True):
     stats = {}
     if with_data:
         train, heldout, stats = load_rows(recipe, cfg)
+    top_m = entropy_top_m(recipe, with_data)
 
     def loss(m, batch):
         x_BF = feature_matrix(batch, features)
@@ -115,8 +117,25 @@ def build(recipe, accelerator, with_data: bool = True):
         return save_head(trained, out_dir, {**metadata, "heldout": report}, overwrite=overwrite)
 
     return TaskSpec(model=model, loss=loss, train_data=train, eval_data=heldout, export=export,
-                    export_metadata={"harvest": stats}, unit="nodes", units=lambda b: len(b["label"]),
-                    data_stats=stats)
+                    export_metadata={"harvest": stats, "entropy_top_m": top_m}, unit="nodes",
+                    units=lambda b: len(b["label"]), data_stats=stats,
+                    run_files={HARVEST_FILE: json.dumps({"entropy_top_m": top_m})})
+
+
+HARVEST_FILE = "c2t_harvest.json"  # in the run dir: what `draftforge export RUN_DIR` needs of the harvest
+
+
+def entropy_top_m(recipe, with_data: bool) -> int:
+    """The harvest's M (H is the entropy of the parent's top-M): the decoder must compute H as the head learnt it.
+    An export without data reads the run's own record (the harvest may be gone since)."""
+    from pathlib import Path
+
+    from draftforge.harvest.c2t import harvest_top_m
+
+    saved = Path(recipe.output_dir) / HARVEST_FILE
+    if not with_data and saved.is_file():
+        return int(json.loads(saved.read_text())["entropy_top_m"])
+    return harvest_top_m(recipe.data.sources)
 
 
 def load_rows(recipe, cfg: C2TConfig):

@@ -247,3 +247,58 @@ def test_an_out_it_may_not_write_is_refused_before_any_model_loads(harvested, tm
         assert harvest_cli(tmp_path / "no-such-target", d_dir, bench, where) == 2
         assert said in capsys.readouterr().err
     assert (mine / "notes.txt").read_text() == "mine" and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
+def test_the_harvests_top_m_is_the_one_the_exported_head_and_its_decoder_use(harvested, tmp_path):
+    # H is the entropy of the parent's top-M: a head exported with M = 1000 whatever the harvest's --top-m, and a
+    # decoder that took max(M, K), computed H otherwise than the rows it learnt from
+    from draftforge.decode import build_decoder
+    from draftforge.recipe import recipe_from_dict
+    from draftforge.train import run
+
+    t_dir, d_dir, bench, out = harvested
+    small = tmp_path / "h2"
+    assert harvest_cli(t_dir, d_dir, bench, small, "--top-m", "2", "--num-prompts", "4") == 0
+    values = c2t_recipe(tmp_path, t_dir, small)
+    values["train"]["max_steps"] = 4
+    result = run(recipe_from_dict(values))
+    assert load_head(result.export_dir)[1]["entropy_top_m"] == 2
+    again = tmp_path / "again"  # `draftforge export RUN_DIR` reads the run's own record
+    assert cli_main(["export", str(result.run_dir), "--out", str(again)]) == 0
+    assert json.loads((again / "draftforge.json").read_text())["entropy_top_m"] == 2
+    target = load_target(str(t_dir), dtype=torch.float32)
+    decoder = build_decoder("c2t", target, load_drafter(str(d_dir), target), c2t=str(result.export_dir),
+                            c2t_top_k=3, c2t_depth=3)
+    builder = decoder.controller.plan.builder
+    probs_BV = torch.softmax(torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0)), -1)
+    top2 = probs_BV.topk(2).values
+    _, conf_BK = builder.scores(1, probs_BV.log(), torch.ones(2))
+    x = torch.stack([probs_BV.topk(3).values.double(), (-(top2 * top2.log()).sum(-1))[:, None].expand(2, 3),
+                     torch.zeros(2, 3)], -1)
+    assert torch.allclose(conf_BK, builder.classifier.confidence(x.float()), atol=1e-6)  # H over the top 2
+    with pytest.raises(CompatibilityError, match="different top-M"):
+        run(recipe_from_dict(c2t_recipe(tmp_path / "both", t_dir, small) | {"data": {"sources": [str(out),
+                                                                                                str(small)]}}))
+
+
+def test_empty_shards_load_and_tree_ids_stay_apart_across_harvests(harvested, tmp_path, capsys):
+    # a prompt whose continuation is one token grows no tree: its shard had null-typed columns, and a harvest
+    # whose first shard was one failed to load (a traceback, in harvest, --resume and train alike); tree ids
+    # "prompt/step" of two harvests of line-numbered prompts collided, so trees and τ were miscounted
+    import shutil
+
+    t_dir, d_dir, bench, out = harvested
+    one = hv.summarize(hv.load_harvest([out]))
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    both = hv.summarize(hv.load_harvest([out, copy]))
+    assert (both["trees"], both["rows"], both["tau"]) == (2 * one["trees"], 2 * one["rows"], one["tau"])
+    first = copy / "prompt-000000.parquet"
+    hv.write_shard({c: [] for c in hv.COLUMNS}, first)  # as a prompt without trees writes it now
+    assert len(hv.load_harvest([copy])) == one["rows"] - len(datasets.Dataset.from_parquet(str(out / first.name)))
+    datasets.Dataset.from_dict({c: [] for c in hv.COLUMNS}).to_parquet(str(first))  # untyped, as before
+    assert len(hv.load_harvest([copy])) < one["rows"]
+    short = tmp_path / "short"  # one new token per prompt: no tree anywhere, one clear error
+    assert harvest_cli(t_dir, d_dir, bench, short, "--max-new-tokens", "1", "--num-prompts", "2") == 2
+    err = capsys.readouterr().err
+    assert "holds no trees" in err and "Traceback" not in err

@@ -26,11 +26,14 @@ from draftforge.models.c2t import DEPTH_ORIGIN, C2TClassifier, feature_matrix, l
 DEFAULT_TOP_K, DEFAULT_DEPTH, DEFAULT_BETA = 15, 10, 0.5  # the paper's K, dmax, β (C2T §4.2; docs/methods/c2t.md §5)
 
 
-def parent_entropy(probs_BV: torch.Tensor, top_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(H_B over each row's top-M probabilities, natural log, not renormalised; top values_BM; top ids_BM)."""
-    values_BM, ids_BM = probs_BV.topk(min(top_m, probs_BV.shape[-1]), dim=-1)
-    entropy_B = -torch.special.xlogy(values_BM, values_BM).sum(-1)  # xlogy: p = 0 gives 0, never NaN
-    return entropy_B, values_BM, ids_BM
+def parent_entropy(probs_BV: torch.Tensor, top_m: int, width: int = 0) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor]:
+    """(H_B over each row's top-M probabilities, natural log, not renormalised; the top max(M, width) values_BW and
+    ids_BW, for a caller that also needs more children than M)."""
+    values_BW, ids_BW = probs_BV.topk(min(max(top_m, width), probs_BV.shape[-1]), dim=-1)
+    top_BM = values_BW[:, :top_m]
+    entropy_B = -torch.special.xlogy(top_BM, top_BM).sum(-1)  # xlogy: p = 0 gives 0, never NaN
+    return entropy_B, values_BW, ids_BW
 
 
 class C2TBuilder(TreeBuilder):
@@ -41,13 +44,13 @@ class C2TBuilder(TreeBuilder):
         check_beta(beta)
         self.classifier, self.beta, self.top_k, self.max_depth = classifier, float(beta), top_k, max_depth
         self.second_top_k = top_k if second_top_k is None else second_top_k  # 0: no second pruning
-        self.top_m = max(top_m, top_k)
+        self.top_m = top_m  # H as the head's harvest computed it (its export's entropy_top_m)
 
     def scores(self, depth: int, logits_BV: torch.Tensor, joint_B: torch.Tensor):
         """(children ids_BK, C_BK) for the frontier's top-K children."""
         probs_BV = logits_BV.float().softmax(-1)  # the same probabilities dynamic.py multiplies into P
-        entropy_B, values_BM, ids_BM = parent_entropy(probs_BV, self.top_m)
-        p_BK, ids_BK = values_BM[:, : self.top_k], ids_BM[:, : self.top_k]
+        entropy_B, values_BW, ids_BW = parent_entropy(probs_BV, self.top_m, width=self.top_k)
+        p_BK, ids_BK = values_BW[:, : self.top_k], ids_BW[:, : self.top_k]
         joint_BK = joint_B.to(torch.float64)[:, None] * p_BK.double().cpu()
         columns = {"P": joint_BK, "H": entropy_B.cpu()[:, None].expand_as(joint_BK),
                    "d": torch.full_like(joint_BK, depth - 1 + DEPTH_ORIGIN)}
