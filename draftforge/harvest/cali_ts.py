@@ -62,6 +62,9 @@ def read_sequences(sources: list[str], tokenizer, max_sequences: int | None) -> 
             raise DataError(f"harvest source {src} does not exist (give JSONL token rows or text rows)")
         checked = False  # text rows need no check: the target's own tokenizer reads them
         for line_no, row in iter_jsonl(src):
+            if not isinstance(row, dict):
+                raise DataError(f"{src}:{line_no}: a harvest row is a JSON object with 'input_ids' (token rows) or "
+                                f"'text', not a {type(row).__name__}")
             if "input_ids" in row:
                 if not checked:
                     check_row_files([src], tokenizer, ROWS_FIX)
@@ -294,7 +297,14 @@ def load_harvest(path, tokenizer=None) -> tuple:
     path = Path(path)
     if not (path / MANIFEST).is_file():
         raise DataError(f"{path} is not a θ harvest (no {MANIFEST}); make one with `draftforge harvest theta`")
-    manifest = json.loads((path / MANIFEST).read_text())
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{path / MANIFEST}: not readable JSON ({e}); harvest again into a new --out") from None
+    if not isinstance(manifest, dict) or manifest.get("kind", KIND) != KIND or "shards" not in manifest:
+        what = manifest.get("kind") if isinstance(manifest, dict) and manifest.get("kind") else "other harvest"
+        raise DataError(f"{path} holds a {what}, not a θ harvest; point data.sources at the --out of "
+                        "`draftforge harvest theta`")
     if tokenizer is not None and not check_record(manifest, tokenizer_identity(tokenizer), str(path), TRAIN_FIX):
         notice([str(path)], "the θ harvest records no tokenizer fingerprint (an older harvest, or a target without "
                             "tokenizer files): its tokenizer cannot be checked")

@@ -38,10 +38,14 @@ META_FILE = "draftforge.json"
 
 
 class ThetaPredictor(nn.Module):
-    def __init__(self, target_dim: int, draft_dim: int, max_offset: int = MAX_OFFSET, mean_label: float = 0.5):
+    def __init__(self, target_dim: int, draft_dim: int, max_offset: int = MAX_OFFSET, mean_label: float = 0.5,
+                 logit_shift: float = 0.0):
         super().__init__()
         self.target_dim, self.draft_dim, self.max_offset = int(target_dim), int(draft_dim), int(max_offset)
         self.mean_label = float(mean_label)  # mean training acceptance: Cali-TS's default θ̂₀
+        # log(w_accept / w_reject) of a class-weighted training loss: its optimum logit is the calibrated one plus
+        # this, so θ_M = sigmoid(logit - shift) stays a probability (0 when the classes were not weighted)
+        self.logit_shift = float(logit_shift)
         # identity maps to start: W^i h_T = h_T until training says otherwise
         self.offset_maps_OTT = nn.Parameter(torch.eye(target_dim).repeat(max_offset, 1, 1))
         self.head_2X = nn.Parameter(torch.randn(2, target_dim + draft_dim) * (target_dim + draft_dim) ** -0.5)
@@ -75,7 +79,7 @@ class ThetaPredictor(nn.Module):
         """θ_M of draft `offset` (1-based) from the round's target terms and the drafter's hidden state."""
         logits_2 = terms_O2[min(offset, self.max_offset) - 1] + self.head_2X[:, self.target_dim :] @ h_draft_D.to(
             terms_O2.dtype)
-        return float(torch.sigmoid(logits_2[1] - logits_2[0]))
+        return float(torch.sigmoid(logits_2[1] - logits_2[0] - self.logit_shift))
 
     def train(self, mode: bool = True):
         self._terms_cache = None  # weights may change while training
@@ -107,7 +111,8 @@ def save_predictor(predictor: ThetaPredictor, out_dir: Path, metadata: dict) -> 
     state = {k: v.detach().contiguous().cpu() for k, v in predictor.state_dict().items()}
     save_file(state, str(Path(out_dir) / WEIGHTS_FILE))
     meta = {**metadata, "task": "theta", "target_dim": predictor.target_dim, "draft_dim": predictor.draft_dim,
-            "max_offset": predictor.max_offset, "mean_label": predictor.mean_label}
+            "max_offset": predictor.max_offset, "mean_label": predictor.mean_label,
+            "logit_shift": predictor.logit_shift}
     (Path(out_dir) / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
 
 
@@ -169,6 +174,7 @@ def load_predictor(path, target_model, drafter, device="cpu") -> ThetaPredictor:
 
     meta = read_predictor_meta(path)
     check_pair(meta, target_model, drafter, path)
-    predictor = ThetaPredictor(meta["target_dim"], meta["draft_dim"], meta["max_offset"], meta["mean_label"])
+    predictor = ThetaPredictor(meta["target_dim"], meta["draft_dim"], meta["max_offset"], meta["mean_label"],
+                               meta.get("logit_shift", 0.0))  # exports from before the key: none was balanced right
     predictor.load_state_dict(load_file(str(Path(path) / WEIGHTS_FILE)))
     return predictor.to(device).eval()

@@ -25,7 +25,8 @@ from draftforge.recipe import doc, require
 class ThetaConfig:
     max_offset: int = doc(MAX_OFFSET, "per-offset maps W^1..W^N; later offsets share W^N (EESD: 10)")
     balance: bool = doc(False, "weight the two classes by their inverse frequency (when acceptance is far "
-                               "from 0.5)")
+                               "from 0.5); the export takes the weighting's log-odds shift back out, so θ_M "
+                               "stays a calibrated probability")
 
     def check(self, at: str) -> None:
         require(self.max_offset >= 1, f"{at}.max_offset", "must be >= 1")
@@ -38,13 +39,14 @@ def theta_collate(columns: dict, device) -> dict:
             "label": torch.tensor(columns["label"], device=device)}
 
 
-def make_loss(class_weight_2: torch.Tensor | None):
+def make_loss(class_weight_2: torch.Tensor | None, logit_shift: float = 0.0):
     def loss(model, batch):
         logits_B2 = model(batch["h_target"], batch["h_draft"], batch["offset"])
         label_B = batch["label"]
         weight = None if class_weight_2 is None else class_weight_2.to(logits_B2.device)
         loss_sum = F.cross_entropy(logits_B2.float(), label_B, weight=weight, reduction="sum")
-        theta_B = logits_B2.float().softmax(-1)[:, 1]
+        # θ_M as the decoder reads it (the weighted loss's shift taken out), so accuracy and Brier score that
+        theta_B = torch.sigmoid(logits_B2.float()[:, 1] - logits_B2.float()[:, 0] - logit_shift)
         metrics = {"accuracy": ((theta_B > 0.5).long() == label_B).sum().float(),
                    "brier": ((theta_B - label_B.float()) ** 2).sum()}  # its root is the RMSE, a start for σ_M
         return loss_sum, label_B.numel(), metrics
@@ -89,11 +91,14 @@ def build_theta_task(recipe, accelerator, with_data: bool = True):
     if len(recipe.data.sources) != 1:
         raise RecipeError("data.sources: task theta reads exactly one harvest directory (draftforge harvest theta)")
     rows, manifest = load_harvest(recipe.data.sources[0], tokenizer=local_tokenizer(recipe))
+    import math
+
     mean = manifest["mean_label"]
-    model = ThetaPredictor(manifest["target_dim"], manifest["draft_dim"], cfg.max_offset, mean)
-    weight = None
+    weight, shift = None, 0.0
     if cfg.balance and 0 < mean < 1:
         weight = torch.tensor([0.5 / (1 - mean), 0.5 / mean])
+        shift = math.log((1 - mean) / mean)  # log(w_accept / w_reject): what the weighting adds to the logit
+    model = ThetaPredictor(manifest["target_dim"], manifest["draft_dim"], cfg.max_offset, mean, shift)
     train = eval_ = None
     if with_data:
         train, eval_ = _split(rows, recipe.data.eval_fraction, recipe.train.seed)
@@ -101,8 +106,8 @@ def build_theta_task(recipe, accelerator, with_data: bool = True):
     def export(trained, out_dir, metadata, overwrite=False):  # metadata: the caller's + the pair's (below)
         return export_predictor(trained, Path(out_dir), metadata, overwrite)
 
-    return TaskSpec(model=model, loss=make_loss(weight), train_data=train, eval_data=eval_, collate=theta_collate,
-                    export=export, export_metadata={**pair_metadata(manifest), "harvest_rows": manifest["rows"]},
+    return TaskSpec(model=model, loss=make_loss(weight, shift), train_data=train, eval_data=eval_,
+                    collate=theta_collate, export=export, export_metadata={**pair_metadata(manifest), "harvest_rows": manifest["rows"]},
                     unit="rows", units=lambda b: len(b["label"]))
 
 

@@ -241,3 +241,46 @@ def test_an_existing_harvest_without_resume_is_refused_before_any_model_loads(pa
     harvest(pair, out)
     with pytest.raises(DraftforgeError, match="already holds a harvest; pass --resume"):
         harvest_theta(tmp_path / "no-such-target", pair / "drafter", [str(pair / "rows.jsonl")], out, progress=False)
+
+
+def test_a_balanced_predictor_gives_calibrated_theta_at_decode_time():
+    # class weights w1, w0 move the optimum logit by log(w1 / w0); θ_M is read as a probability (Cali-TS's blend,
+    # SpecDec++'s product), so the shift must come back out. Oracle: acceptance with a known mean (≈ 0.22, from
+    # one feature); the mean θ_M over the rows must sit near that mean, balanced or not (it was 0.46 balanced)
+    import math
+
+    from draftforge.train.cali_ts import make_loss
+
+    torch.manual_seed(0)
+    h_t, h_d = torch.randn(4000, 4), torch.randn(4000, 4)
+    h_t[:, 0] = 1.0  # a constant feature: the bias is representable without a bias parameter
+    offsets = torch.randint(1, 11, (4000,))
+    label = torch.bernoulli(torch.sigmoid(-1.4 + 0.8 * h_d[:, 0])).long()
+    mean = label.float().mean().item()
+    for balance in (False, True):
+        torch.manual_seed(1)
+        weight = torch.tensor([0.5 / (1 - mean), 0.5 / mean]) if balance else None
+        shift = math.log((1 - mean) / mean) if balance else 0.0
+        pred = ThetaPredictor(4, 4, mean_label=mean, logit_shift=shift)
+        loss, opt = make_loss(weight, shift), torch.optim.Adam(pred.parameters(), lr=3e-2)
+        for _ in range(400):
+            opt.zero_grad()
+            total, n, metrics = loss(pred, {"h_target": h_t, "h_draft": h_d, "offset": offsets, "label": label})
+            (total / n).backward()
+            opt.step()
+        pred.eval()
+        theta = [pred.theta_from_terms(pred.target_terms(h_t[i]), h_d[i], int(offsets[i])) for i in range(400)]
+        assert sum(theta) / len(theta) == pytest.approx(label[:400].float().mean().item(), abs=0.04), balance
+        assert float(metrics["brier"].detach()) / n < 0.2  # scored on the θ the decoder reads
+
+
+def test_a_theta_task_on_a_tree_harvest_or_a_row_that_is_no_object_is_one_clear_error(pair, tmp_path):
+    trees = tmp_path / "trees"  # `harvest trees` writes a harvest.json too, with other keys (KeyError before)
+    trees.mkdir()
+    (trees / "harvest.json").write_text(json.dumps({"kind": "c2t-harvest", "settings": {}}))
+    with pytest.raises(DataError, match="holds a c2t-harvest, not a θ harvest"):
+        load_harvest(trees)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"input_ids": [1, 2, 3, 4]}) + "\n" + json.dumps([1, 2, 3]) + "\n")
+    with pytest.raises(DataError, match=r"rows.jsonl:2: a harvest row is a JSON object"):
+        harvest_theta(pair / "target", pair / "drafter", [str(rows)], tmp_path / "h", progress=False)
