@@ -27,8 +27,8 @@ def sync(device) -> None:
 def time_ms(fn, device, repeats: int, *, calls: int = 1, warmup: int = 0, prepare=None) -> list[float]:
     """Per repeat, the mean ms of one call, after `warmup` untimed calls.
 
-    With `prepare`, each call is fn(prepare()) and prepare runs outside the timed region (once per
-    repeat, e.g. a fresh cache); without it each call is fn().
+    With `prepare`, prepare() runs once per repeat outside the timed region (e.g. a fresh cache) and every call of
+    that repeat is fn(its result); without it each call is fn().
     """
     def call(inputs=None):
         return fn() if prepare is None else fn(inputs)

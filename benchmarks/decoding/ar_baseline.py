@@ -22,7 +22,9 @@ from benchmarks.common import add_flags, parse_timed, print_table, write_json
 
 def hf_generate(model, ids: list[int], n: int) -> list[int]:
     x = torch.tensor([ids])
-    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+    # EOS ignored as the harness ignores it (eos_token_id=[]): min_new_tokens would instead forbid EOS, another
+    # greedy path wherever the model's argmax is EOS, and one more logits processor to time
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, eos_token_id=[], do_sample=False,
                          pad_token_id=0)
     return out[0, len(ids):].tolist()
 

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from benchmarks.common import add_dtype_flag, add_flags, chosen_dtype, versus_ar, versus_ar_cell
+from benchmarks.common import add_dtype_flag, add_flags, chosen_dtype, parse_timed, versus_ar, versus_ar_cell
 
 
 def run_all(decoders: dict, prompts, max_new: int, repeats: int) -> dict:
@@ -44,10 +44,15 @@ def run_all(decoders: dict, prompts, max_new: int, repeats: int) -> dict:
 
 
 def summarize(raw: dict) -> dict:
-    ar_rate = statistics.median(t / s for t, s in zip(raw["ar"]["tokens"], raw["ar"]["times"]))
+    """Per decoder: tokens/s (median over repeats), speedup = the ratio of that median to AR's, and its spread:
+    [min, max] of the per-repeat ratios (each repeat's rate over AR's in the same repeat), as `draftforge eval`."""
+    ar_reps = [t / s for t, s in zip(raw["ar"]["tokens"], raw["ar"]["times"])]
+    ar_rate = statistics.median(ar_reps)
     rows = {}
     for name, r in raw.items():
-        rate = statistics.median(t / s for t, s in zip(r["tokens"], r["times"]))
+        reps = [t / s if s else 0.0 for t, s in zip(r["tokens"], r["times"])]
+        rate = statistics.median(reps)
+        ratios = [a / b for a, b in zip(reps, ar_reps) if b]
         st = r["stats"]
         new = sum(s.new_tokens for s in st)
         forwards = sum(s.target_forwards for s in st)
@@ -58,10 +63,12 @@ def summarize(raw: dict) -> dict:
         hm = 2 * v_d * r_d / (v_d + r_d) * 100 if v_d + r_d else 0.0
         draft_s = sum(s.draft_time_s for s in st)
         verify_s = sum(s.verify_time_s for s in st)
-        rows[name] = {"tokens_per_s": rate, "speedup": rate / ar_rate, "tau": new / forwards, "v_d": v_d,
+        rows[name] = {"tokens_per_s": rate, "speedup": rate / ar_rate if ar_rate else 0.0,
+                      "speedup_spread": [min(ratios), max(ratios)] if ratios else None,
+                      "tau": new / forwards if forwards else 0.0, "v_d": v_d,
                       "r_d": r_d, "hm": hm, "draft_share": draft_s / (draft_s + verify_s) if draft_s else 0.0,
                       "lossless": r["outputs"] == raw["ar"]["outputs"],
-                      "tokens_per_s_repeats": [t / s for t, s in zip(r["tokens"], r["times"])]}
+                      "tokens_per_s_repeats": reps}
     return rows
 
 
@@ -76,7 +83,7 @@ def main(argv=None) -> int:
     add_flags(p, bench="instructions", num_prompts=6, max_new_tokens=96, repeats=3)
     p.add_argument("--out", default=None)
     add_dtype_flag(p)
-    args = p.parse_args(argv)
+    args = parse_timed(p, argv)
 
     target = load_target(args.target, dtype=chosen_dtype(args))
     prompts = [pr.input_ids for pr in load_prompts(args.bench, target.tokenizer, num_prompts=args.num_prompts,
@@ -95,12 +102,13 @@ def main(argv=None) -> int:
     for name, r in raw.items():
         rows[name]["versus_ar"] = (None if name == "ar" else
                                    versus_ar(target, prompts, raw["ar"]["outputs"], r["outputs"], r["stats"]))
-    print("| decoder | τ | v_d | r_d | HM % | tok/s | speedup | draft share | = AR |")
+    print("| decoder | τ | v_d | r_d | HM % | tok/s | speedup [min–max] | draft share | = AR |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         same = versus_ar_cell(r["versus_ar"]) if r["versus_ar"] else "–"
+        spread = " [{:.2f}–{:.2f}]".format(*r["speedup_spread"]) if r["speedup_spread"] else ""
         print(f"| {name} | {r['tau']:.2f} | {r['v_d']:.2f} | {r['r_d']:.2f} | {r['hm']:.1f} | "
-              f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['draft_share']:.2f} | {same} |")
+              f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x{spread} | {r['draft_share']:.2f} | {same} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import add_dtype_flag, add_flags, load_models, versus_ar, versus_ar_cell
+from benchmarks.common import add_dtype_flag, add_flags, load_models, parse_timed, versus_ar, versus_ar_cell
 
 def load_prompts(bench: str, target, n: int, max_prompt_tokens: int, max_new_tokens: int) -> list[list[int]]:
     """The harness's own prompt reader (named benches, chat templates, token rows), each cut to its last
@@ -71,7 +71,7 @@ def summarize(passes: list[dict], ar_passes: list[dict]) -> dict:
     p0 = passes[0]  # greedy: counts are identical across repeats
     v_d = p0["accepted"] / p0["drafted"] if p0["drafted"] else None
     r_d = p0["accepted"] / p0["tokens"] if p0["drafted"] else None
-    hm = 2 * v_d * r_d / (v_d + r_d) if v_d and r_d else None
+    hm = None if v_d is None else 2 * v_d * r_d / (v_d + r_d) if v_d + r_d else 0.0
     speedups = [(p["tokens"] / p["time_s"]) / (a["tokens"] / a["time_s"]) for p, a in zip(passes, ar_passes)]
     return {"tau": p0["tokens"] / p0["forwards"], "v_d": v_d, "r_d": r_d, "hm": hm,
             "draft_len": p0["drafted"] / p0["drafting_rounds"] if p0["drafting_rounds"] else None,
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
     p.add_argument("--out", help="write the results as JSON here")
     add_dtype_flag(p)
-    args = p.parse_args(argv)
+    args = parse_timed(p, argv)
 
     import torch
 
@@ -123,7 +123,8 @@ def main(argv=None) -> int:
         s = {**summarize(passes[name], passes["ar"]), "lossless": lossless, "versus_ar": check}
         result["methods"][name] = s
         rows.append(f"| {name} | {fmt(s['tau'])} | {fmt(s['v_d'])} | {fmt(s['r_d'])} | "
-                    f"{fmt(100 * s['hm'] if s['hm'] else None, 1)} | {fmt(s['draft_len'])} | {fmt(s['tok_s'], 1)} | "
+                    f"{fmt(100 * s['hm'] if s['hm'] is not None else None, 1)} | {fmt(s['draft_len'])} | "
+                    f"{fmt(s['tok_s'], 1)} | "
                     f"{fmt(s['speedup'])}× [{fmt(s['speedup_min'])}–{fmt(s['speedup_max'])}] | "
                     f"{'yes' if lossless else versus_ar_cell(check)} |")
     print("| method | τ | v_d | r_d | HM % | draft len | tok/s | speedup vs AR [min–max] | = AR |")

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (add_dtype_flag, add_flags, load_models, print_table, versus_ar, versus_ar_cell,
-                               write_json)
+from benchmarks.common import (add_dtype_flag, add_flags, load_models, parse_timed, print_table, versus_ar,
+                               versus_ar_cell, write_json)
 
 
 def parse_args(argv=None):
@@ -42,7 +42,7 @@ def parse_args(argv=None):
               c2t_top_k=15, c2t_depth=10, num_prompts=10, max_new_tokens=64, repeats=3, chat_template="auto",
               out="tree_budget_out")
     add_dtype_flag(p)
-    return p.parse_args(argv)
+    return parse_timed(p, argv)
 
 
 def floats(text):

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import add_flags, median_ms, print_table, tiny_model, write_json
+from benchmarks.common import add_flags, median_ms, parse_timed, print_table, tiny_model, write_json
 from draftforge.decode.drafters.cuda_graphs import CudaGraph, StaticStep
 from draftforge.decode.drafters.mamba import MambaDrafter
 from draftforge.decode import parse_tree
@@ -66,7 +66,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--out", default="cuda_graphs.json")
-    args = p.parse_args()
+    args = parse_timed(p)
     device, widths = torch.device(args.device), parse_tree(args.tree)
     graphs = device.type == "cuda"
     if not graphs:

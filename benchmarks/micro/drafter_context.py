@@ -23,7 +23,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from benchmarks.common import memory_mb, print_table, sync, time_ms, tiny_model, write_json
+from benchmarks.common import memory_mb, parse_timed, print_table, sync, time_ms, tiny_model, write_json
 from draftforge.hfcompat import cache_kwargs
 
 
@@ -168,7 +168,7 @@ def main():
     ap.add_argument("--feature-target", metavar="DIR",
                     help="time the two drafters that read this target (the EAGLE-3 head and the feature-conditioned "
                          "Mamba2 drafter, bf16, 8,192-row heads) through the harness's drafter code, on --device")
-    args = ap.parse_args()
+    args = parse_timed(ap)
     device = torch.device(args.device)
     rows = []
     for kind in ("eagle3", "feature_mamba2") if args.feature_target else ():
@@ -193,8 +193,8 @@ def main():
                   f"{r['ms_max']:.2f}", f"{r['prompt_ms']:.0f}" if "prompt_ms" in r else "–", f"{r['state_mb']:.2f}",
                   f"{r['memory_growth_mb']:.1f}"] for r in rows if "skipped" not in r],
                 right=set(range(1, 9)))
-    write_json(args.out, {"device": str(device), "torch": torch.__version__, "args": vars(args), "rows": rows},
-               indent=1)
+    write_json(args.out, {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                          "args": vars(args), "rows": rows}, indent=1)
 
 
 if __name__ == "__main__":

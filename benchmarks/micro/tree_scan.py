@@ -16,7 +16,7 @@ import argparse
 import torch
 from transformers.cache_utils import DynamicCache
 
-from benchmarks.common import add_flags, median_ms, print_table, tiny_model, write_json
+from benchmarks.common import add_flags, median_ms, parse_timed, print_table, tiny_model, write_json
 from draftforge.decode.targets.stree import full_binary_parents, leaf_paths, mamba2_tree_logits
 from draftforge.hfcompat import cache_kwargs, output_cache
 
@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     parser.add_argument("--impl", default="auto", choices=["auto", "ref", "triton"])
     add_flags(parser, warmup=3, repeats=10)
     parser.add_argument("--json", default="runs/bench/tree_scan.json", help="where to write the results")
-    args = parser.parse_args(argv)
+    args = parse_timed(parser, argv)
 
     model = build_model(args)
     prefix_1T = torch.randint(0, args.vocab, (1, args.prefix), device=args.device)
@@ -96,7 +96,7 @@ def main(argv=None) -> None:
               f"{r['packed_tokens']}/{r['unrolled_tokens']}", f"{r['max_logit_diff']:.1e}"] for r in rows]
     print_table(["depth", "nodes", "leaves", "packed ms", "packed (reference) ms", "unrolled ms", "unrolled/packed",
                  "states packed/unrolled", "tokens packed/unrolled", "max logit diff"], table)
-    write_json(args.json, dict(args=vars(args), path=path_kind, rows=rows))
+    write_json(args.json, dict(args=vars(args), threads=torch.get_num_threads(), path=path_kind, rows=rows))
 
 
 if __name__ == "__main__":

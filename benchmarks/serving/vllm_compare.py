@@ -15,6 +15,12 @@ per draft position (rounds whose j-th draft was accepted / rounds that drafted);
 forward with the last, shorter rounds included, is in the JSON. fp32 by default, where every output must equal
 plain decoding's (the table says which do not).
 
+Timing: each setting is timed once per invocation, after one untimed prompt, in a fixed order (vLLM's in its own
+process): one run gives no spread, so docs/results/serving.md runs the script several times and reports each ratio's
+range and median over the runs. draftforge's seconds are its decode loop's (`DecodeStats.total_time_s`: prefill and
+rounds, not the prompt check before it), vLLM's wrap each prompt's `llm.generate` call (its scheduling and
+detokenisation included), which favours draftforge by that overhead.
+
 The two engines cut rounds differently: draftforge drafts its first round from the prompt and drafts no more than
 the token budget has left, where vLLM's prefill emits the first token undrafted and every later step drafts K,
 counting accepted drafts past max_tokens. So the drafter also runs once more on vLLM's rounds ("on vLLM's rounds":

@@ -346,8 +346,9 @@ def protocol_markdown(report: dict) -> str:
                       f"schedule {hf['num_assistant_tokens_schedule']}, assistant_confidence_threshold "
                       f"{hf['assistant_confidence_threshold']} ({adapts})."]
         if hf.get("at_end"):
-            lines.append(f"After the run the drafter's generation_config held {hf['at_end']} (a schedule that "
-                         "persists across calls; hf_assisted has no reset).")
+            lines.append(f"After the run the drafter's generation_config held {hf['at_end']} (transformers' schedule "
+                         "persists across calls within a pass; hf_assisted puts the starting value back before each "
+                         "timed pass).")
     return "\n".join(lines)
 
 
