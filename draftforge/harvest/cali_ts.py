@@ -302,9 +302,9 @@ def load_harvest(path, tokenizer=None) -> tuple:
     except (ValueError, UnicodeDecodeError) as e:
         raise DataError(f"{path / MANIFEST}: not readable JSON ({e}); harvest again into a new --out") from None
     if not isinstance(manifest, dict) or manifest.get("kind", KIND) != KIND or "shards" not in manifest:
-        what = manifest.get("kind") if isinstance(manifest, dict) and manifest.get("kind") else "other harvest"
-        raise DataError(f"{path} holds a {what}, not a θ harvest; point data.sources at the --out of "
-                        "`draftforge harvest theta`")
+        kind = manifest.get("kind") if isinstance(manifest, dict) else None
+        raise DataError(f"{path} holds {'a ' + kind if kind else 'something else'}, not a θ harvest; point "
+                        "data.sources at the --out of `draftforge harvest theta`")
     if tokenizer is not None and not check_record(manifest, tokenizer_identity(tokenizer), str(path), TRAIN_FIX):
         notice([str(path)], "the θ harvest records no tokenizer fingerprint (an older harvest, or a target without "
                             "tokenizer files): its tokenizer cannot be checked")
