@@ -197,7 +197,7 @@ def build_cached_eagle3_task(recipe: Recipe, accelerator, with_data: bool = True
     from draftforge.models.eagle3 import check_aux_layers, default_aux_layers
     from draftforge.models.eagle3_export import save_head
     from draftforge.train.distill import cached_collate, check_cache_vocab
-    from draftforge.train.eagle3 import make_head
+    from draftforge.train.eagle3 import head_from_export, make_head
     from draftforge.train.lm import DRAFT_VOCAB_FILE, choose_draft_vocab
     from draftforge.train.parts import load_tokenizer
     from draftforge.train.spec import TaskSpec, tensor_collate
@@ -205,7 +205,15 @@ def build_cached_eagle3_task(recipe: Recipe, accelerator, with_data: bool = True
     cfg = recipe.task_options
     tokenizer, target_config = load_tokenizer(recipe), load_config(recipe.model.target, "model.target")
     depth = target_config.num_hidden_layers
-    layers = check_aux_layers(default_aux_layers(depth) if cfg.aux_layers is None else cfg.aux_layers, depth)
+    dtype = frozen_dtype(recipe)
+    fine_tune = bool(recipe.model.init_from)
+    target = stored_target(recipe.model.target, target_config, dtype, whole_layer=cfg.init == "target" and
+                           not fine_tune)
+    if fine_tune:  # an exported head, as the online build starts from it: its body, layers and draft vocabulary
+        head, d2t, head_config = head_from_export(recipe, cfg, target)
+        layers = list(head_config.aux_layers)
+    else:
+        layers = check_aux_layers(default_aux_layers(depth) if cfg.aux_layers is None else cfg.aux_layers, depth)
     cache = data = None
     if with_data:  # `draftforge export` rebuilds the head only: no cache needed
         cache = open_cache(cache_dirs(cfg), HiddenCache)
@@ -216,10 +224,9 @@ def build_cached_eagle3_task(recipe: Recipe, accelerator, with_data: bool = True
             data = cached_block_data(recipe.data, tokenizer, recipe.train.block_size, recipe.train.seed,
                                      target_config.vocab_size, cache)
         accelerator.print(f"[draftforge] {describe(data)}")
-    dtype = frozen_dtype(recipe)
-    target = stored_target(recipe.model.target, target_config, dtype, whole_layer=cfg.init == "target")
-    d2t = choose_draft_vocab(recipe, target, data, tokenizer)
-    head, _ = make_head(cfg, target, d2t, recipe.train.seed)  # as the online build: the same initial head
+    if not fine_tune:
+        d2t = choose_draft_vocab(recipe, target, data, tokenizer)
+        head, _ = make_head(cfg, target, d2t, recipe.train.seed)  # as the online build: the same initial head
     d2t_N = None if d2t is None else torch.tensor(d2t, dtype=torch.long)
     collate = tensor_collate
     if cache is not None:
@@ -227,7 +234,8 @@ def build_cached_eagle3_task(recipe: Recipe, accelerator, with_data: bool = True
         accelerator.print(f"[draftforge] eagle3: states and teacher = hidden-state cache {cache.name} (layers "
                           f"{cache.layers} in {cache.state_dtype}, top-{cache.k}, {cache.positions:,} positions; "
                           f"target {recipe.model.target}: {how}; only its embedding read, in {dtype}); "
-                          f"{cfg.body} head, {sum(p.numel() for p in head.parameters()):,} trainable parameters, "
+                          f"{cfg.body} head{' from ' + str(recipe.model.init_from) if fine_tune else ''}, "
+                          f"{sum(p.numel() for p in head.parameters()):,} trainable parameters, "
                           f"{cfg.steps} steps, loss {cfg.loss}")
         if cache.state_dtype != str(dtype).removeprefix("torch."):
             accelerator.print(f"[draftforge] note: the cache holds {cache.state_dtype} states; an online run at this "

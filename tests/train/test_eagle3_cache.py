@@ -217,3 +217,20 @@ def test_a_cache_of_another_target_tokenizer_or_layer_set_or_a_truncated_shard_i
     values["data"]["format"] = "text"
     with pytest.raises(RecipeError, match="eagle3.hidden_cache holds a target's states"):
         recipe_from_dict(values)
+
+
+def test_a_cached_fine_tune_starts_from_the_export_as_the_online_one_does(tmp_path, target_dir, rows_file, cache_dir):
+    # model.init_from was ignored by the cached build: a fresh head (from the target) trained instead, silently
+    from draftforge.train.eagle3 import build_eagle3_task
+
+    first, _ = run(recipe(tmp_path, "first", target_dir, rows_file))
+    exported = load_file(str(first.export_dir / "model.safetensors"))
+    start = {"init_from": str(first.export_dir)}
+    for name, cache, builder in (("online", None, build_eagle3_task), ("cached", cache_dir, build_task)):
+        spec = builder(recipe_from_dict(recipe(tmp_path, name, target_dir, rows_file, cache, model=start)), _Quiet())
+        state = spec.model.state_dict()
+        assert [k for k in exported if not torch.equal(state[k].float(), exported[k].float())] == [], name
+    online, _ = run(recipe(tmp_path, "online-ft", target_dir, rows_file, model=start))
+    cached, _ = run(recipe(tmp_path, "cached-ft", target_dir, rows_file, cache_dir, model=start))
+    assert cached.losses[0] == pytest.approx(online.losses[0], rel=2e-5)  # the same head on the same rows
+    assert cached.losses[0] < first.losses[0]  # a trained head, not a fresh one
