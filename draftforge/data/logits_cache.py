@@ -124,6 +124,24 @@ def stored_weights_fingerprint(model_dir) -> str | None:
     return h.hexdigest()
 
 
+CONFIG_VOLATILE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache")
+
+
+def config_fingerprint(model_dir) -> str | None:
+    """sha256 of the target's config.json as stored (keys that change no logit or state left out; None without
+    one): the weights alone miss a config edit, such as RoPE scaling added for long context, which changes every
+    cached logit and state."""
+    path = Path(str(model_dir)) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    kept = {k: v for k, v in config.items() if k not in CONFIG_VOLATILE} if isinstance(config, dict) else config
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+
+
 def _sample_offsets(begin: int, end: int, n: int = 16, width: int = 16) -> list[int]:
     span = end - begin
     if span <= n * width:
@@ -359,7 +377,14 @@ class LogitsCache:
                                      f"model.target / model.tokenizer at {self.manifest.get('target')}")
 
     def check_target(self, target) -> str:
-        """How the recipe's target was matched with the harvest's; CompatibilityError for another target."""
+        """How the recipe's target was matched with the harvest's; CompatibilityError for another target (other
+        weights, or the same weights under another config.json)."""
+        config = self.manifest.get("target_config")  # caches from before it was recorded: weights only
+        if config is not None and config_fingerprint(target) not in (None, config):
+            raise CompatibilityError(f"{self.WHAT} {self.dir} was harvested from target {self.manifest.get('target')} "
+                                     f"with another config.json than model.target {target} has now (e.g. RoPE "
+                                     "scaling or a norm epsilon edited since): its logits and states are another "
+                                     "model's; harvest again with this config, or restore the old one")
         recorded = self.manifest.get("target_files")
         if recorded is not None and stored_weights_fingerprint(target) == recorded:
             return "its stored weight files match"
@@ -462,6 +487,7 @@ def _cached_blocks(rows: list[dict], idx: list[int], cache: LogitsCache, block_s
     import pyarrow as pa
 
     from draftforge.data.packing import pack_greedy
+    from draftforge.data.pipeline import own_labels
 
     ids, labels, extra = [], [], {name: [] for name in cache.COLUMNS}
     for i in idx:
@@ -470,7 +496,7 @@ def _cached_blocks(rows: list[dict], idx: list[int], cache: LogitsCache, block_s
         if max(columns["cache"]) < 0:  # every loss token lies past the block
             continue
         ids.append(row_ids)
-        labels.append(rows[i]["labels"][:block_size])
+        labels.append(own_labels(rows[i]["labels"][:block_size]))  # as the online blocks have them
         for name, values in columns.items():
             extra[name].append(values)
     ids_BS, labels_BS = pack_greedy(ids, labels, block_size, pad_id)

@@ -233,6 +233,12 @@ def _tokenize_desc(fmt: str, n_docs: int, block_size: int) -> str:
     return f"tokenizing {n_docs:,} {what}"
 
 
+def own_labels(labels: list[int]) -> list[int]:
+    """A row's labels with its first one dropped: nothing in the row predicts its first token, so packed after
+    another row it would be scored from that row's last position (and a row whose only label it is has none)."""
+    return [-100, *labels[1:]] if labels and labels[0] != -100 else list(labels)
+
+
 def _to_blocks(docs, cfg, tokenizer, block_size: int, eos_id: int, pad_id: int):
     tokenized = _tokenize(docs, cfg, tokenizer, block_size, eos_id)  # map output has no indices mapping
     truncated_away = 0
@@ -240,7 +246,7 @@ def _to_blocks(docs, cfg, tokenizer, block_size: int, eos_id: int, pad_id: int):
         tokens_N = flatten_lists(tokenized.data.column("input_ids"))
         input_ids_BS, labels_BS = pack_stream(tokens_N, tokens_N, block_size, pad_id)
     else:
-        input_ids, labels = tokenized["input_ids"], tokenized["labels"]
+        input_ids, labels = tokenized["input_ids"], [own_labels(lab) for lab in tokenized["labels"]]
         keep = [i for i, lab in enumerate(labels) if any(t != -100 for t in lab)]
         truncated_away = len(labels) - len(keep)
         if truncated_away:
@@ -283,8 +289,8 @@ def _stream_blocks(docs, cfg, tokenizer, block_size, eos_id, pad_id, seed, want_
                 enc = {k: v[0] for k, v in enc.items()}
             else:
                 enc = tokenize_conversation(row["messages"], tokenizer, block_size)
-            blocks = packer.add_whole(enc["input_ids"], enc["labels"]) if any(
-                t != -100 for t in enc["labels"]) else ()
+            labels = own_labels(enc["labels"])
+            blocks = packer.add_whole(enc["input_ids"], labels) if any(t != -100 for t in labels) else ()
         for block in blocks:
             yield block
             emitted += 1

@@ -24,7 +24,9 @@ from draftforge.harvest.logits import LogitsHarvestJob, States, harvest_logits, 
 from draftforge.options import option, positive_int
 
 def harvest_hidden(target, rows, out, *, layers=None, pad_to_longest=False, **settings) -> dict:
-    """Write (or continue) a hidden-state cache in `out` (harvest_logits' settings, plus the layers); its manifest."""
+    """Write (or continue) a hidden-state cache in `out` (harvest_logits' settings, plus the layers); its manifest.
+    Shards default to the command's 32 rows: a shard of states is held in memory until written."""
+    settings.setdefault("shard_rows", HiddenHarvestJob.shard_rows)
     return harvest_logits(target, rows, out, states=States(None if layers is None else list(layers), pad_to_longest),
                           **settings)
 

@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 from draftforge.data.logits_cache import (DRAFT_VOCAB_FILE, FORMAT_VERSION, HIDDEN_KIND, KIND, KINDS, MANIFEST,
-                                          check_ids_below, loss_positions, read_manifest, read_token_rows,
-                                          rows_identity, shard_name, shard_problem, stored_weights_fingerprint,
-                                          write_shard)
+                                          check_ids_below, config_fingerprint, loss_positions, read_manifest,
+                                          read_token_rows, rows_identity, shard_name, shard_problem,
+                                          stored_weights_fingerprint, write_shard)
 from draftforge.errors import CompatibilityError, DataError, RecipeError
 from draftforge.fsutil import atomic_write_text, foreign_dir_problem
 from draftforge.harvest.job import HarvestJob
@@ -127,7 +127,12 @@ def _process_group() -> tuple[int, int, int]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        from datetime import timedelta
+
+        # barriers only: a process waits at one while another harvests a larger share or (process 0) checks every
+        # shard of a cache of terabytes before the manifest is complete, which can outlast gloo's 30-minute
+        # default; a process that fails ends the launch anyway (the launcher stops the others)
+        dist.init_process_group("gloo", timeout=timedelta(hours=24))
     return dist.get_rank(), world, int(os.environ.get("LOCAL_RANK", "0"))
 
 
@@ -156,20 +161,25 @@ def _plan(target, rows_path, top_k, draft_vocab, max_len, batch_size, shard_rows
         raise CompatibilityError(f"--top-k {top_k} exceeds {what}; use --top-k {scope} or less (--top-k {scope} "
                                  "stores that distribution whole, with no tail)")
     positions = [loss_positions(row["labels"], max_len) for row in rows]
+    if not any(positions):
+        raise DataError(f"no row of {rows_path} has a loss position within its first {max_len} tokens (every label "
+                        "is -100 there, or rows are one token long): there is nothing to harvest or train on")
     lengths = None if states is None else [min(len(row["input_ids"]), max_len) for row in rows]
     longest = max(lengths) if lengths else max((p[-1] + 1 for p in positions if p), default=0)
-    if states is not None and not states.pad_to_longest:
-        longest = max_len  # every batch is read max_len tokens long
     context = getattr(config, "max_position_embeddings", None)
     if context is not None and longest > context:
         raise RecipeError(f"rows of {rows_path} reach {longest} tokens, beyond the target's context of {context} "
                           f"positions; pass --max-len {context} (train with train.block_size <= {context})")
+    if states is not None and not states.pad_to_longest and context is not None and max_len > context:
+        raise RecipeError(f"--max-len {max_len}: every batch of states is padded to it, beyond the target's context of "
+                          f"{context} positions (the rows reach {longest}); pass --max-len {context} or less")
     if world > 1 and str(device).startswith("cuda"):
         device = f"cuda:{local_rank}"
     choice = resolve_dtype(dtype, device)
     manifest = {
         "kind": KIND, "format_version": FORMAT_VERSION, "target": str(target), "target_fingerprint": None,
-        "target_files": stored_weights_fingerprint(target), **tokenizer_identity(tokenizer), "vocab_size": vocab,
+        "target_files": stored_weights_fingerprint(target), "target_config": config_fingerprint(target),
+        **tokenizer_identity(tokenizer), "vocab_size": vocab,
         "rows": {**rows_identity(rows_path), "count": len(rows), "positions": sum(map(len, positions))},
         "top_k": top_k, "max_len": max_len, "batch_size": batch_size, "shard_rows": shard_rows,
         "num_shards": -(-len(rows) // shard_rows), "dtype": choice.name, "dtype_reason": choice.reason,
@@ -304,7 +314,15 @@ def _existing(out: Path, manifest: dict, resume: bool, overwrite: bool) -> dict 
     if not resume:
         raise DataError(f"{out} already holds {KINDS[manifest['kind']][0]}; pass --resume to continue it, "
                         "--overwrite to replace it, or choose another --out")
-    changed = [f"{k} {old.get(k)} -> {manifest.get(k)}" for k in SETTING_KEYS if old.get(k) != manifest.get(k)]
+    def same(key: str) -> bool:  # a draft vocabulary is its ids, not how they were given (N, or a file of them)
+        a, b = old.get(key), manifest.get(key)
+        if key == "draft_vocab" and isinstance(a, dict) and isinstance(b, dict):
+            return (a.get("size"), a.get("sha256")) == (b.get("size"), b.get("sha256"))
+        return a == b
+
+    changed = [f"{k} {old.get(k)} -> {manifest.get(k)}" for k in SETTING_KEYS if not same(k)]
+    if "target_config" in old and old["target_config"] != manifest.get("target_config"):  # older: not recorded
+        changed.append("the target's config.json (edited since the harvest started)")
     if old["rows"].get("sha256") != manifest["rows"]["sha256"]:
         changed.append(f"rows file sha256 {str(old['rows'].get('sha256'))[:12]} -> {manifest['rows']['sha256'][:12]}")
     if changed:

@@ -515,3 +515,57 @@ def test_an_out_holding_someone_elses_files_is_never_written_into(tmp_path, targ
                                             r"no harvest.json\)"):
             _harvest(target_dir, rows_file, run, **flags)
         assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_a_config_edit_a_row_only_labelled_at_its_first_token_and_an_equivalent_draft_map(tmp_path, target_dir,
+                                                                                          rows_file, cache_dir):
+    # the weights alone named the target: a config.json edited since (here rope_theta) resumed a harvest into
+    # another model's states and trained on them; a resume naming the same draft ids as a file was refused
+    import shutil
+
+    edited = tmp_path / "edited"
+    shutil.copytree(target_dir, edited)
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**config, "rope_theta": 500.0}))
+    out = tmp_path / "killed"
+    with pytest.raises(KeyboardInterrupt):
+        _harvest(target_dir, rows_file, out, stop_after=1)
+    with pytest.raises(CompatibilityError, match="config.json"):
+        _harvest(edited, rows_file, out, resume=True)
+    _refused(cached_recipe(tmp_path, edited, rows_file, cache_dir), CompatibilityError, "another config.json")
+    drafted = tmp_path / "drafted"
+    with pytest.raises(KeyboardInterrupt):
+        _harvest(target_dir, rows_file, drafted, draft_vocab="64", stop_after=1)
+    shutil.copy(drafted / "draft_vocab.json", tmp_path / "ids.json")
+    assert _harvest(target_dir, rows_file, drafted, draft_vocab=str(tmp_path / "ids.json"), resume=True)["complete"]
+    empty = tmp_path / "empty.jsonl"  # no position with a loss: refused at the harvest, not at training
+    empty.write_text(json.dumps({"input_ids": [5, 6, 7], "loss_mask": [1, 0, 0]}) + "\n")
+    with pytest.raises(DataError, match="no row .* has a loss position"):
+        _harvest(target_dir, empty, tmp_path / "none")
+
+
+def test_cached_blocks_are_the_online_blocks_when_a_row_is_labelled_at_its_first_token(tmp_path, target_dir,
+                                                                                       tiny_tokenizer_dir):
+    # a label at a row's first token is predicted by nothing in the row: online packing kept a row whose only
+    # label it was (the cache has no entry for it, so the cached blocks packed differently) and, packed after
+    # another row, scored it from that row's last position
+    from transformers import AutoTokenizer
+
+    from draftforge.data.pipeline import build_block_data
+
+    rows = tmp_path / "packed.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"input_ids": [10, 11, 12, 13, 14, 15], "prompt_len": 2},
+        {"input_ids": [20, 21, 22, 23], "loss_mask": [1, 0, 0, 0]},  # its only label is the first token
+        {"input_ids": [30, 31, 32, 33, 34, 35, 36], "prompt_len": 0},  # every token labelled, the first too
+        {"input_ids": [40, 41, 42, 43, 44], "prompt_len": 1},
+        {"input_ids": [50, 51, 52, 53, 54, 55, 56, 57], "prompt_len": 3}]))
+    _harvest(target_dir, rows, tmp_path / "cache", max_len=16)
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    cfg = DataConfig(sources=[str(rows)], format="tokens", eval_fraction=0.0)
+    online = build_block_data(cfg, tok, 16, 0, len(tok)).train
+    cached = cached_block_data(cfg, tok, 16, 0, len(tok), open_cache(tmp_path / "cache")).train
+    assert online["input_ids"] == cached["input_ids"] and online["labels"] == cached["labels"]
+    assert [b[:7] for b in online["input_ids"]][:2] == [[10, 11, 12, 13, 14, 15, 30], [40, 41, 42, 43, 44, 50, 51]]
+    assert online["labels"][0][6] == -100  # row 3's first token, right after row 1's last
+    assert sum(t != -100 for b in online["labels"] for t in b) == open_cache(tmp_path / "cache").positions

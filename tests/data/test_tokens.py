@@ -1,4 +1,5 @@
-"""format=tokens: ids are trained on exactly as written, the loss mask is exactly the rows' own, bad rows fail clearly."""
+"""format=tokens: ids are trained on exactly as written, the loss mask is the rows' own (but never a row's first token,
+which nothing in the row predicts), bad rows fail clearly."""
 
 import numpy as np
 import pytest
@@ -19,12 +20,14 @@ def _rows():
 
 
 def _expected_labels(row):
+    """The row's own mask, but never its first token: nothing in the row predicts it (packed after another row,
+    that row's last position would)."""
     ids = row["input_ids"]
     if "prompt_len" in row:
         mask = [i >= row["prompt_len"] for i in range(len(ids))]
     else:
         mask = row.get("loss_mask", [1] * len(ids))
-    return [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
+    return [t if m and i > 0 else IGNORE_INDEX for i, (t, m) in enumerate(zip(ids, mask))]
 
 
 def _unpack(ds, pad_id):
@@ -47,7 +50,7 @@ def test_ids_and_loss_mask_round_trip_exactly(tmp_path, tok):
     want_ids = sum((r["input_ids"] for r in _rows()), [])
     want_labels = sum((_expected_labels(r) for r in _rows()), [])
     assert blocks == [(want_ids, want_labels)]
-    assert bd.stats["loss_tokens"] == sum(lab != IGNORE_INDEX for lab in want_labels) == 5 + 3 + 3
+    assert bd.stats["loss_tokens"] == sum(lab != IGNORE_INDEX for lab in want_labels) == 5 + 3 + 2
     assert bd.stats["format"] == "tokens" and bd.stats["documents"] == 3
 
 
