@@ -134,7 +134,8 @@ class TrainConfig:
                                         "AVX512-BF16 or AMX; else fp32), 'fp32', 'bf16' or 'fp16' (or float32, "
                                         "bfloat16, float16: the words eval's --dtype takes)")
     eval_every: int = doc(200, "eval loss every N steps (0: only at the end)")
-    eval_batches: int = doc(8, "micro-batches of held-out data per eval")
+    eval_batches: int = doc(8, "micro-batches of held-out data per eval: eval_batches x micro_batch_size rows in "
+                               "all, shared out over the processes (the same rows on 1 or N)")
     eval_at_start: bool = doc(False, "also evaluate before the first step, logged as step 0: the starting weights' "
                                      "metrics (e.g. of model.init_from) next to the fine-tuned ones; with keep_best the "
                                      "start competes, so a run that never beats it exports the starting weights")

@@ -66,7 +66,11 @@ class BestKeeper:
         record = {"metric": self.metric, "value": value, "step": step}
         atomic_write_text(tmp / RECORD, json.dumps(record, indent=2) + "\n")
         replace_dir(tmp, self.dir)
-        self.record = record
+        self.note(step, value)
+
+    def note(self, step: int, value: float) -> None:
+        """The record of the weights kept at `step` (every process keeps it; only the main one writes them)."""
+        self.record = {"metric": self.metric, "value": value, "step": step}
 
     def load_into(self, model) -> dict | None:
         """Put the kept weights into `model` (the full model to export); the record, or None when none is kept."""

@@ -150,6 +150,10 @@ class Trainer:
         state = ckpt.read_loop_state(last)
         dist.check_resume(state, self.acc, last)  # which world-size changes the backend can reshard
         self.acc.load_state(str(last))
+        # Accelerate restores its micro-step counter, which decides the step that syncs (counter % accumulation ==
+        # 0): from a launch with other accumulation (another process count) it can fall on the first micro-batch of
+        # every step, and then no optimizer step ever runs. Steps here start at 0, as every step of this loop does.
+        self.acc.step = 0
         if "train.max_steps" in self.run_dir.changes:  # an extension: the optimizer came back at the old curve's rate
             self._rate_from_schedule()
         self.run_dir.checkpointed = True
@@ -261,6 +265,9 @@ class Trainer:
             raise TrainingDiverged(f"loss became {loss} at step {step}; the last good checkpoint is kept in "
                                    f"{self.run_dir.path / 'checkpoints'}: lower optim.lr, keep optim.grad_clip "
                                    "on, or check the data, then resume")
+        if not acc.sync_gradients:  # the accumulation and this loop's step disagree: an optimizer step would be lost
+            raise DraftforgeError(f"step {step}: the accelerator did not sync gradients at the step's last "
+                                  "micro-batch (its micro-step counter is off); please report this")
         if self.recipe.optim.grad_clip > 0:
             acc.clip_grad_norm_(model.parameters(), self.recipe.optim.grad_clip)
         self.opt.step()
@@ -326,6 +333,8 @@ class Trainer:
             self.best.save(step, value, model)
             self.say(f"[draftforge] step {step}: best {self.t.keep_best} so far ({value:.4g}); weights kept in "
                      f"{self.best.dir}")
+        else:  # every process holds the record, so every process decides the next eval the same way
+            self.best.note(step, value)
         self.acc.wait_for_everyone()
 
     def export(self, metrics: dict) -> Path | None:
@@ -434,7 +443,7 @@ def evaluate_pass(model, spec: TaskSpec, acc: Accelerator, t, *, alone: bool = F
     rank, world = (0, 1) if alone else (acc.process_index, acc.num_processes)
     device = next(model.parameters()).device if alone else acc.device
     at = {"device": "cpu", "dtype": torch.float64} if alone else {"device": acc.device, "dtype": torch.float32}
-    n = t.eval_batches * t.micro_batch_size * acc.num_processes
+    n = t.eval_batches * t.micro_batch_size  # the same held-out rows however many processes share them
     if hasattr(data, "__len__"):
         n_rows = min(len(data), n)
         take = lambda idx: data[idx]  # noqa: E731

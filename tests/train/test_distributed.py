@@ -351,6 +351,53 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted_two_process_run(tiny_
     _assert_same_weights(full / "export" / "model.safetensors", killed / "export" / "model.safetensors", 0)
 
 
+def _eval_losses(run_dir: Path) -> list[float]:
+    return [r["eval_loss"] for r in read_metrics(run_dir) if r.get("eval_loss") is not None]
+
+
+@pytest.mark.slow
+def test_keep_best_and_the_evals_of_two_processes_are_one_processs(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    # each process evaluated eval_batches micro-batches of its own, so the held-out set (and every eval loss) grew
+    # with the process count; and keep_best's record lived on the main process only, so at the first eval that did
+    # not improve the other process went to keep the weights alone and the run hung
+    def recipe(name: str, lr: float) -> Path:
+        values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=6, save_every=0, eval_every=1,
+                             export=True, precision="fp32", keep_best="loss", eval_batches=2)
+        values["optim"]["lr"] = lr
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(values))
+        return path
+
+    steady = recipe("steady", 3e-3)
+    one, two = _train(None, steady, tmp_path / "one"), _train("multi_cpu.yaml", steady, tmp_path / "two")
+    evals = _eval_losses(one)
+    assert len(evals) == 6 and _eval_losses(two) == pytest.approx(evals, rel=1e-5)
+    # lr 1.5: some evals get worse, so a best is kept and then not beaten (the run hung there); the kept step is
+    # the best eval's of this run (the large steps amplify the processes' rounding, so not one process's curve)
+    rough = _train("multi_cpu.yaml", recipe("rough", 1.5), tmp_path / "rough")
+    evals = _eval_losses(rough)
+    assert len(evals) == 6 and min(evals) != evals[-1]
+    kept = json.loads((rough / "export" / "draftforge.json").read_text())["metrics"]["kept"]
+    assert kept["step"] == 1 + evals.index(min(evals)) and kept["value"] == pytest.approx(min(evals))
+
+
+@pytest.mark.slow
+def test_a_two_process_run_resumed_on_one_process_steps_as_an_uninterrupted_one(tmp_path, tiny_corpus_dir,
+                                                                                tiny_tokenizer_dir):
+    # Accelerate restored its micro-step counter (3 steps x 1 micro-batch) under accumulation 2: every step synced
+    # at its first micro-batch, so no optimizer step ran after the resume, silently. Oracle: one process, no stop
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=6, save_every=3, eval_every=0,
+                         export=True, precision="fp32")
+    values["optim"]["schedule"] = "constant"  # an extension keeps the rate: the same steps as one 6-step run
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    whole = _train(None, recipe, tmp_path / "whole")
+    part = _train("multi_cpu.yaml", recipe, tmp_path / "part", "--set", "train.max_steps=3")
+    _train(None, recipe, part, "--resume")
+    assert _losses(part) == pytest.approx(_losses(whole), rel=1e-5)
+    _assert_same_weights(whole / "export" / "model.safetensors", part / "export" / "model.safetensors", 1e-5)
+
+
 @pytest.mark.slow
 def test_deepspeed_checkpoint_refuses_another_world_size(tiny_run):
     pytest.importorskip("deepspeed")
