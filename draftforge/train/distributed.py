@@ -251,4 +251,7 @@ def check_frozen_placement(acc, frozen: dict) -> None:
     if frozen and plugin is not None and getattr(plugin, "zero3_init_flag", False):
         raise DraftforgeError(f"this task keeps frozen modules ({', '.join(frozen)}) outside ZeRO, but the launch "
                               "config sets zero3_init_flag: true, which partitions every model built under it; "
-                              "set zero3_init_flag: false (launch/deepspeed_zero3.yaml does)")
+                              "set zero3_init_flag: false (launch/deepspeed_zero3.yaml does). Even then a frozen "
+                              "model loaded through transformers (distill's teacher, eesd's trunk, an online eagle3 "
+                              "target) is partitioned by it under ZeRO-3: launch those with ZeRO-2 "
+                              "(launch/deepspeed_zero2.yaml) or FSDP2 (launch/fsdp.yaml)")

@@ -271,7 +271,8 @@ class Trainer:
         if self.recipe.optim.grad_clip > 0:
             acc.clip_grad_norm_(model.parameters(), self.recipe.optim.grad_clip)
         self.opt.step()
-        self.sched.step()
+        if not acc.optimizer_step_was_skipped:  # fp16's loss scaler skips a step with inf gradients: so does the rate
+            self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         return loss, metrics
 
