@@ -12,7 +12,8 @@ state for the drafted token, so it reads its parent's output (training-time test
 Names follow the `speculators` / vLLM checkpoint (`fc`, `layers.0.self_attn.q_proj`, `layers.0.hidden_norm`,
 `norm`, `lm_head`, `d2t`, `t2d`), so the export (models/eagle3_export.py) writes the state dict as it is.
 Positions: the entry of anchor t at step k sits at sequence position t + 1 + k (the position of the token it
-consumes), as vLLM places it. The whole derivation and the mask: docs/methods/eagle3.md.
+consumes). vLLM places it at t + k (the target's own positions); with plain RoPE attention reads only position
+differences, so the two give the same logits. The whole derivation and the mask: docs/methods/eagle3.md.
 
 Legend: B batch, T anchors (positions), K keys, Q queries, H query heads, G key/value heads, E head dim,
 D hidden size, A = len(aux_layers)·D, V target vocabulary, N draft vocabulary.

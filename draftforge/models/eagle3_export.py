@@ -41,8 +41,16 @@ LAYER_CONFIG_DROP = ("architectures", "_name_or_path", "transformers_version", "
 
 
 def offsets_of(d2t: list[int]) -> torch.Tensor:
-    """speculators' d2t: target_id − draft_id for every draft id (int64)."""
+    """speculators' d2t: target_id − draft_id for every draft id (int64). The format keeps draft ids in ascending
+    target-id order (its t2d mask says which ids, not their order; its loaders take head rows as lm_head[t2d]), so
+    a map in another order is refused rather than exported with rows the mask would pair wrongly."""
     ids = torch.tensor(d2t, dtype=torch.long)
+    if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        from draftforge.errors import CompatibilityError
+
+        raise CompatibilityError("the head's draft vocabulary is not in ascending target-id order, which the "
+                                 "speculators format assumes; every draftforge run writes it sorted: retrain or "
+                                 "re-export from a run that did")
     return ids - torch.arange(len(d2t))
 
 

@@ -370,3 +370,12 @@ def test_mamba_body_unrolls_only_the_anchors_asked_and_its_loss_and_gradients_ar
     assert grads_part.keys() == grads_full.keys() and len(grads_full) == len(list(head.parameters()))
     for name, g_full in grads_full.items():
         torch.testing.assert_close(grads_part[name], g_full, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_speculators_offsets_by_hand_and_an_unsorted_map_is_refused():
+    # d2t[i] = target id − i (speculators' vocab_mapping); its t2d mask carries no order, so rows must ascend
+    from draftforge.errors import CompatibilityError
+
+    assert offsets_of([1, 3, 4, 9]).tolist() == [1, 2, 2, 6]
+    with pytest.raises(CompatibilityError, match="ascending"):
+        offsets_of([1, 9, 4])
