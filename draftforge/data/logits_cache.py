@@ -177,18 +177,24 @@ def write_shard(path: Path, tensors: dict, metadata: dict) -> dict:
               metadata={"draftforge": json.dumps(metadata, sort_keys=True)})
     usual_permissions(tmp)
     os.replace(tmp, path)
-    return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    st = path.stat()
+    return {"file": path.name, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path)}
 
 
-def shard_problem(cache_dir: Path, entry: dict) -> str | None:
-    """Why the shard an entry names cannot be used (missing, truncated, corrupt), or None."""
+def shard_problem(cache_dir: Path, entry: dict, quick: bool = False) -> str | None:
+    """Why the shard an entry names cannot be used (missing, truncated, corrupt), or None. `quick` (a training
+    start): a shard with the size and modification time recorded when it was written is taken as it was (the rows
+    files' rule), so a start does not read a cache of terabytes once per process; any other is hashed."""
     path = Path(cache_dir) / entry["file"]
     if not path.is_file():
         return f"{path} is missing"
-    size = path.stat().st_size
+    st = path.stat()
+    size = st.st_size
     if size != entry["bytes"]:
         what = "truncated" if size < entry["bytes"] else "longer than written"
         return f"{path} is {what} ({size:,} of {entry['bytes']:,} bytes)"
+    if quick and entry.get("mtime_ns") == st.st_mtime_ns:
+        return None
     if sha256_file(path) != entry["sha256"]:
         return f"{path} is corrupt (its sha256 differs from the one recorded when it was written)"
     return None
@@ -271,7 +277,7 @@ class LogitsCache:
                 raise DataError(f"the {self.WHAT} in {cache_dir} is incomplete ({len(m.get('shards', []))} of "
                                 f"{m.get('num_shards', '?')} shards): {self.fix}")
             for entry in m["shards"]:  # sizes and hashes: a damaged shard is named before training starts
-                problem = shard_problem(cache_dir, entry)
+                problem = shard_problem(cache_dir, entry, quick=True)
                 if problem:
                     raise DataError(f"{self.WHAT} shard {problem}; {self.fix}")
             maps = [_memmaps(cache_dir / e["file"]) for e in m["shards"]]

@@ -569,3 +569,25 @@ def test_cached_blocks_are_the_online_blocks_when_a_row_is_labelled_at_its_first
     assert [b[:7] for b in online["input_ids"]][:2] == [[10, 11, 12, 13, 14, 15, 30], [40, 41, 42, 43, 44, 50, 51]]
     assert online["labels"][0][6] == -100  # row 3's first token, right after row 1's last
     assert sum(t != -100 for b in online["labels"] for t in b) == open_cache(tmp_path / "cache").positions
+
+
+def test_a_training_start_hashes_only_the_shards_whose_size_or_time_moved(tmp_path, cache_dir, monkeypatch):
+    # every start read the whole cache (every process, a cache of terabytes): a shard with the size and time
+    # recorded when it was written is taken as written, as a rows file is; one edited since is hashed and named
+    import shutil
+
+    import draftforge.data.logits_cache as lc
+
+    copy = tmp_path / "copy"
+    shutil.copytree(cache_dir, copy)  # copy2: the times stay
+    hashed, real = [], lc.sha256_file
+    monkeypatch.setattr(lc, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
+    LogitsCache(copy)
+    assert hashed == []
+    shard = copy / "shard-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # the same size, another byte
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DataError, match="shard-00001.safetensors is corrupt"):
+        LogitsCache(copy)
+    assert hashed == ["shard-00001.safetensors"]
