@@ -8,6 +8,7 @@ have given it under the current umask.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -218,3 +219,31 @@ class OutputLock:
     def __exit__(self, *exc):
         self.path.unlink(missing_ok=True)
         return False
+
+
+@contextlib.contextmanager
+def shared_lock(out, what: str, main: bool = True, share=None):
+    """Hold `OutputLock(out, what)` for the block across the processes of one launch: the main process takes it
+    (a lock whose process died is taken over) and `share(problem)` hands its verdict to every process (returns the
+    main process's value; None for one process), so all of them stop with the same line when another command holds
+    it. Without a parent directory yet there is nothing to lock beside and nothing to collide with."""
+    from draftforge.errors import DraftforgeError
+
+    lock, problem = None, None
+    if main:
+        out = Path(out).expanduser().resolve()
+        if out.name and out.parent.is_dir():
+            lock = OutputLock(out, what)
+            try:
+                lock.__enter__()
+            except DraftforgeError as e:
+                lock, problem = None, str(e)
+    if share is not None:
+        problem = share(problem)
+    if problem:
+        raise DraftforgeError(problem)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)

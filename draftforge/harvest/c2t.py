@@ -302,7 +302,15 @@ class TreeHarvestJob(HarvestJob):
 
 
 def harvest_trees(job: TreeHarvestJob) -> dict:
-    """Harvest every prompt of `job.bench` into `job.out` (resumable); the harvest's summary."""
+    """Harvest every prompt of `job.bench` into `job.out` (resumable); the harvest's summary. One harvest per --out
+    at a time (two wrote the same shard's temp file)."""
+    from draftforge.fsutil import shared_lock
+
+    with shared_lock(job.out, "draftforge harvest trees"):
+        return _harvest_trees(job)
+
+
+def _harvest_trees(job: TreeHarvestJob) -> dict:
     from tqdm import tqdm
 
     from draftforge.data.prompts import load_prompts

@@ -190,9 +190,18 @@ def _check_resume(manifest_path: Path, settings: dict, resume: bool, overwrite: 
     return old
 
 
-def harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, max_offset=16, anchor_stride=8,
-                  max_len=512, generate=0, max_sequences=None, shard_size=64, resume=False, overwrite=False,
-                  device="cpu", allow_vocab_mismatch=False, progress=True, dtype="auto") -> dict:
+def harvest_theta(target_path, drafter_path, sources: list[str], out_dir, **settings) -> dict:
+    """Write the feature rows (resumable); returns the manifest (settings: `_harvest_theta`'s). One harvest per
+    --out at a time (two rewrote each other's manifest)."""
+    from draftforge.fsutil import shared_lock
+
+    with shared_lock(out_dir, "draftforge harvest theta"):
+        return _harvest_theta(target_path, drafter_path, sources, out_dir, **settings)
+
+
+def _harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, max_offset=16, anchor_stride=8,
+                   max_len=512, generate=0, max_sequences=None, shard_size=64, resume=False, overwrite=False,
+                   device="cpu", allow_vocab_mismatch=False, progress=True, dtype="auto") -> dict:
     """Write the feature rows (resumable); returns the manifest. `dtype`: as `draftforge eval --dtype`."""
     from tqdm.auto import tqdm
 

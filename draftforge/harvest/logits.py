@@ -37,7 +37,7 @@ from draftforge.data.logits_cache import (DRAFT_VOCAB_FILE, FORMAT_VERSION, HIDD
                                           read_token_rows, rows_identity, shard_name, shard_problem,
                                           stored_weights_fingerprint, write_shard)
 from draftforge.errors import CompatibilityError, DataError, RecipeError
-from draftforge.fsutil import atomic_write_text, foreign_dir_problem
+from draftforge.fsutil import atomic_write_text, foreign_dir_problem, shared_lock
 from draftforge.harvest.job import HarvestJob
 from draftforge.options import add_flags, option, positive_int
 from draftforge.runtime import announce, resolve_dtype
@@ -96,6 +96,22 @@ def harvest_logits(target, rows, out, *, top_k=32, draft_vocab=None, max_len=204
         raise RecipeError("--resume continues a harvest and --overwrite replaces it: pass one of them")
     rank, world, local_rank = _process_group()
     out = Path(out)
+    with shared_lock(out, "draftforge harvest", rank == 0, _share if world > 1 else None):  # one harvest per --out
+        return _harvest(target, rows, out, top_k, draft_vocab, max_len, batch_size, shard_rows, device, dtype,
+                        resume, overwrite, progress, stop_after, states, rank, world, local_rank)
+
+
+def _share(problem):
+    """Process 0's verdict on the lock, to every process of the gloo group."""
+    import torch.distributed as dist
+
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _harvest(target, rows, out: Path, top_k, draft_vocab, max_len, batch_size, shard_rows, device, dtype, resume,
+             overwrite, progress, stop_after, states, rank: int, world: int, local_rank: int) -> dict:
     plan = _plan(target, rows, top_k, draft_vocab, max_len, batch_size, shard_rows, device, dtype, local_rank, world,
                  states)
     old = _existing(out, plan.manifest, resume, overwrite)  # read only: every process runs the same checks

@@ -17,7 +17,6 @@ One run writes an output_dir at a time: `run_lock` holds `.NAME.lock` beside it 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import shutil
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from draftforge.errors import CheckpointError, DraftforgeError
-from draftforge.fsutil import OutputLock, some_entries
+from draftforge.fsutil import shared_lock, some_entries
 from draftforge.recipe import dump_recipe, recipe_from_dict
 from draftforge.train import checkpoint as ckpt
 
@@ -40,33 +39,16 @@ def is_run_dir(path: Path) -> bool:
     return path.is_dir() and ((path / RUN_MARKER).is_file() or (path / MARKER).is_file())
 
 
-@contextlib.contextmanager
 def run_lock(output_dir, acc):
-    """Hold the run's lock for the block: the main process takes `.NAME.lock` beside output_dir (a lock whose
-    process died is taken over) and every process learns whether it did, so all of them stop with the same line
-    when another run holds it. Two runs on one directory interleaved their checkpoints and metrics, and an
-    --overwrite moved the other run's directory aside under it. Without a parent directory yet there is nothing
-    to lock beside and no run to collide with."""
-    lock, problem = None, None
-    if acc.is_main_process:
-        out = Path(output_dir).expanduser().resolve()
-        if out.name and out.parent.is_dir():
-            lock = OutputLock(out, "draftforge train")
-            try:
-                lock.__enter__()
-            except DraftforgeError as e:
-                lock, problem = None, str(e)
-    if acc.num_processes > 1:
+    """Hold the run's lock (`.NAME.lock` beside output_dir) for the block, every process told whether the main one
+    took it. Two runs on one directory interleaved their checkpoints and metrics, and an --overwrite moved the other
+    run's directory aside under it."""
+    def share(problem):
         from accelerate.utils import broadcast_object_list
 
-        problem = broadcast_object_list([problem])[0]
-    if problem:
-        raise DraftforgeError(problem)
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.__exit__(None, None, None)
+        return broadcast_object_list([problem])[0]
+
+    return shared_lock(output_dir, "draftforge train", acc.is_main_process, share if acc.num_processes > 1 else None)
 
 
 def _protected(path: Path) -> str | None:

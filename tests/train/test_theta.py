@@ -284,3 +284,34 @@ def test_a_theta_task_on_a_tree_harvest_or_a_row_that_is_no_object_is_one_clear_
     rows.write_text(json.dumps({"input_ids": [1, 2, 3, 4]}) + "\n" + json.dumps([1, 2, 3]) + "\n")
     with pytest.raises(DataError, match=r"rows.jsonl:2: a harvest row is a JSON object"):
         harvest_theta(pair / "target", pair / "drafter", [str(rows)], tmp_path / "h", progress=False)
+
+
+def test_a_harvest_whose_out_another_harvest_is_writing_is_refused(pair, tmp_path, tiny_tokenizer_dir):
+    # two harvests into one --out rewrote each other's manifest (theta), wrote one shard's temp file together
+    # (trees), and interleaved shards (logits, hidden); the second one is now refused in one line, nothing written
+    import os
+    import socket
+
+    from draftforge.harvest.c2t import TreeHarvestJob, harvest_trees
+    from draftforge.harvest.logits import harvest_logits
+
+    def held(out):
+        lock = out.with_name(f".{out.name}.lock")  # a first harvest still running: this process, by its record
+        lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "what": "draftforge harvest",
+                                    "started": "then"}))
+        return lock
+
+    calls = {
+        "theta": lambda out: harvest(pair, out),
+        "trees": lambda out: harvest_trees(TreeHarvestJob(target=str(pair / "target"), drafter=str(pair / "drafter"),
+                                                          bench=str(pair / "rows.jsonl"), out=str(out))),
+        "logits": lambda out: harvest_logits(str(pair / "target"), str(pair / "rows.jsonl"), str(out), top_k=4,
+                                             max_len=32, progress=False),
+    }
+    for name, call in calls.items():
+        out = tmp_path / name
+        lock = held(out)
+        with pytest.raises(DraftforgeError, match=rf"{name} is being written by another draftforge harvest \(pid "):
+            call(out)
+        assert not out.exists() and lock.exists(), name
+        lock.unlink()
