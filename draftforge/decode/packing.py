@@ -16,6 +16,7 @@ weight changes afterwards, so only models loaded for inference are packed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -76,6 +77,21 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+
+
+@contextlib.contextmanager
+def unpacked(model):
+    """Within the block every PackedLinear of `model` multiplies by its plain weight (transformers' own linear),
+    so a forward there runs no draftforge product (the self-check's independent evidence)."""
+    mods = [m for m in model.modules() if isinstance(m, PackedLinear) and m.packed is not None]
+    saved = [m.packed for m in mods]
+    for m in mods:
+        m.packed = None
+    try:
+        yield
+    finally:
+        for m, packed in zip(mods, saved):
+            m.packed = packed
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor:

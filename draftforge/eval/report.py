@@ -38,9 +38,13 @@ CONVENTIONS = {
               "max_memory_allocated with the peak reset per pass. On CPU +pass is what the pass needed beyond "
               "heap pages already resident, so it is a lower bound of its working memory",
     "self_check": "temperature 0: prompts whose output equals the AR baseline of the same run (all repeats); "
-                  "a differing prompt is a near-tie when, at its first differing position, the two tokens' "
-                  "logits are within twice the measured one-row vs multi-row logit difference of that prefix, "
-                  "else a defect (the run fails on a defect, and in float32 on any difference). Each turn of a "
+                  "each differing output is a near-tie when, at its first differing position, the two tokens' "
+                  "float32 logits (the model's own plain forward, no draftforge code) are within twice the "
+                  "difference the plain forward in the run's dtype shows from float32 there (at least one "
+                  "rounding step, at most 8 at the logits' scale) and the harness's own logits there are within "
+                  "that ceiling, and each of its later tokens is the plain forward's pick over its own context or "
+                  "such a near-tie; else a defect (the run fails on a defect, and in float32 on any difference). "
+                  "AR's own tokens are checked against the plain forward too. Each turn of a "
                   "multi-turn question counts as a prompt, compared only when its context (the conversation with "
                   "the method's own earlier answers) is AR's; after an earlier turn's near-tie it is not, and the "
                   "turn counts as 'context differs', neither identical nor a defect",

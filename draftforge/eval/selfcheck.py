@@ -4,16 +4,18 @@ whether the difference is rounding (a near-tie) or a defect.
 In reduced precision a verification forward (many rows) sums in another order than an AR step (one row), so two
 correct decodes may part where two logits are within rounding of each other. The tolerance for that is measured
 **without the code under test**: at the first differing position the prefix goes through the model's own plain
-forward (transformers alone: no harness cache, tree scan, multi-row verify or decode attention), once in float32
-(the reference r) and twice in the run's dtype (the whole prefix at once, and with its last token as a cached step); noise = the
-largest |Δlogit| of those two from r. AR chose a, the method b: a near-tie needs |r(a) − r(b)| ≤ tolerance =
+forward (transformers alone: no harness cache, tree scan, multi-row verify, decode attention or packed linears),
+once in float32 (the reference r) and twice in the run's dtype (the whole prefix at once, and with its last token
+as a cached step); noise = the largest |Δlogit| of those two from r. AR chose a, the method b: a near-tie needs |r(a) − r(b)| ≤ tolerance =
 2·noise, at least one rounding step of the dtype at |r(a)| and at most `CEILING_STEPS` rounding steps at the
 logits' scale (a gap larger than the dtype's rounding of logits that size can explain is a defect whatever was
 measured; float32 counts in float16's steps, see CEILING_STEPS), **and** the harness's own logits there (AR's one-row computation, and the prefix verified in the row
 counts the method used) within that ceiling of r. Anything else is a **defect** (the harness changed the output).
 fp32 stays bitwise: any difference fails the run. AR itself is checked the same way: its tokens against the
 plain forward's argmax over the prompt and AR's output (one teacher-forced forward per prompt), so a harness
-that computes AR wrongly too cannot pass by agreeing with itself.
+that computes AR wrongly too cannot pass by agreeing with itself. After a near-tie a method's output continues from a
+context AR never saw; each of its later tokens is checked the same way against the plain forward over its own
+context, and every repeat whose output differs is examined, not only a prompt's first.
 Each turn of a multi-turn question is a prompt of its own, compared only where its context (the conversation
 with the method's own earlier answers) is AR's: after an earlier turn's near-tie it is not (`context_differs`).
 
@@ -22,6 +24,7 @@ Legend: V vocabulary, T tokens.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import weakref
@@ -29,6 +32,7 @@ import weakref
 import torch
 
 from draftforge.decode.attention import standard_attention
+from draftforge.decode.packing import unpacked
 from draftforge.decode.tree import DraftTree
 from draftforge.hfcompat import cache_kwargs, output_cache
 
@@ -122,12 +126,20 @@ def plain_step_logits(model, ids: list[int]) -> torch.Tensor:
     return step.logits[0, -1].float()
 
 
+@contextlib.contextmanager
+def plain(model):
+    """Within the block `model`'s own forward runs transformers' code only: its sdpa attention, not draftforge's
+    decode attention, and plain linears, not the oneDNN-packed copies the harness multiplies by."""
+    with standard_attention(model), unpacked(model):
+        yield
+
+
 def reference(target, prefix: list[int]) -> dict:
     """The independent evidence at `prefix`: fp32 logits r [V] and the run dtype's noise against them (with
     transformers' own attention, not draftforge's decode attention)."""
     model = target.model
     r_V = plain_logits(_fp32(model), prefix, keep=1)[-1].cpu()
-    with standard_attention(model):
+    with plain(model):
         runs = [plain_logits(model, prefix, keep=1)[-1].cpu(), plain_step_logits(model, prefix).cpu()]
     noise = max(float((x - r_V).abs().max()) for x in runs)
     step_eps = max(torch.finfo(_dtype(target)).eps, torch.finfo(torch.float16).eps)
@@ -177,7 +189,7 @@ def check_ar(target, context: list[int], tokens: list[int]) -> dict | None:
     if key not in done:
         found = None
         if tokens:
-            with standard_attention(target.model):  # transformers alone, not draftforge's decode attention
+            with plain(target.model):  # transformers alone, not draftforge's decode attention or packing
                 logits_TV = plain_logits(target.model, context + tokens[:-1], keep=len(tokens))
             picks = logits_TV.argmax(-1).tolist()
             i = next((k for k, (t, p) in enumerate(zip(tokens, picks)) if t != p), None)
@@ -185,6 +197,20 @@ def check_ar(target, context: list[int], tokens: list[int]) -> dict | None:
                 found = {"position": i, **classify(target, context, tokens[:i], tokens[i], picks[i], [1])}
         done[key] = found
     return done[key]
+
+
+def later_mismatches(target, context: list[int], tokens: list[int], start: int, rows: list[int]) -> list[dict]:
+    """A method's own tokens from `start` on against the model's plain forward teacher-forced over its own context
+    (context + its tokens): each position where a token is not that forward's argmax, classified (plain forward's
+    pick = a, the method's = b). After a near-tie the method decodes a context AR never saw, so this is the only
+    evidence for the rest of its output."""
+    if start >= len(tokens):
+        return []
+    with plain(target.model):
+        logits_TV = plain_logits(target.model, context + tokens[:-1], keep=len(tokens) - start)
+    picks = logits_TV.argmax(-1).tolist()
+    return [{"position": j, **classify(target, context, tokens[:j], picks[k], tokens[j], rows)}
+            for k, j in enumerate(range(start, len(tokens))) if tokens[j] != picks[k]]
 
 
 def _key(record) -> tuple[str, int]:
@@ -198,9 +224,11 @@ def _label(key: tuple[str, int]) -> str:
 
 def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=None, check_ar_tokens: bool = True) -> dict:
     """Prompts (each turn of a multi-turn one counted alone) identical to AR in every repeat, and each differing
-    one classified (needs `target`).
+    output classified (needs `target`).
 
-    Only a prompt's first differing record is examined: after it the two contexts differ anyway. A later turn is
+    Every distinct output that differs from AR's is examined (each repeat is a decode of its own): its first
+    difference from AR's, and after a near-tie there, each of its later tokens against the model's plain forward
+    over its own context (`later_mismatches`; a defect among them counts as one). A later turn is
     compared only when its context (the conversation with the method's own earlier answers) is AR's; where an
     earlier turn parted from AR it is not, and the turn counts under `context_differs`, neither identical nor a
     defect (the earlier turn's own verdict says why). With `check_ar_tokens` (and a target), AR's own tokens are
@@ -210,7 +238,7 @@ def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=Non
         ar_by_key.setdefault(_key(r), r)
     identical: dict[tuple[str, int], bool] = {}
     other_context: set[tuple[str, int]] = set()
-    divergences = []
+    divergences, examined = [], set()
     rows = rows_to_probe(records)
     for r in records:
         key, ar = _key(r), ar_by_key.get(_key(r))
@@ -220,13 +248,18 @@ def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=Non
             other_context.add(key)
             continue
         ref, same = ar.tokens, r.tokens == ar.tokens
-        if not same and identical.get(key, True):
+        if not same and (key, tuple(r.tokens)) not in examined:  # a repeat with the same output: examined once
+            examined.add((key, tuple(r.tokens)))
             i = first_divergence(ref, r.tokens)
             found = {"prompt_id": r.prompt_id, "turn": key[1], "repeat": r.repeat, "position": i}
             if target is not None and i < len(ref):
                 other = r.tokens[i] if i < len(r.tokens) else None
                 context = prompt_ids[r.prompt_id] if r.context is None else r.context
                 found.update(classify(target, context, ref[:i], ref[i], other, rows))
+                if found["verdict"] == "near_tie":
+                    found["later"] = later_mismatches(target, context, r.tokens, i + 1, rows)
+                    if any(d["verdict"] == "defect" for d in found["later"]):
+                        found["verdict"] = "defect"  # a near-tie, then a token its own context cannot explain
             else:
                 found["verdict"] = "unchecked" if target is None else "defect"
             divergences.append(found)
@@ -245,5 +278,5 @@ def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=Non
             "ar_near_ties": ar_verdicts.count("near_tie"), "ar_defects": ar_verdicts.count("defect"),
             "ar_divergences": ar_divergences,
             "context_differs": len(other_context - set(identical)),
-            "mismatched_prompts": [_label((d["prompt_id"], d["turn"])) for d in divergences],
+            "mismatched_prompts": list(dict.fromkeys(_label((d["prompt_id"], d["turn"])) for d in divergences)),
             "divergences": divergences, "near_tie_checked": target is not None}

@@ -195,3 +195,24 @@ def test_train_precision_auto_follows_native_bf16(flags, want, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert runtime.resolve_precision("auto", flags=flags) == want
     assert runtime.resolve_precision("fp32", flags=AVX512) == "fp32"  # an explicit choice is kept
+
+
+def test_the_self_checks_evidence_runs_no_packed_linear(tiny, monkeypatch):
+    # the dtype-side noise ran the harness's oneDNN-packed linears, so a packing bug widened the tolerance that
+    # was to catch it (up to the ceiling): the plain forward now multiplies by the plain weights
+    from draftforge.decode.packing import PackedLinear
+
+    path, prompt, _ = tiny
+    target = load_target(path, dtype=torch.bfloat16)
+    if not any(isinstance(m, PackedLinear) and m.packed is not None for m in target.model.modules()):
+        pytest.skip("this CPU does not pack bf16 linears")
+    clean, harness = selfcheck.reference(target, prompt)["noise"], selfcheck.logits_after(target, prompt, 1)
+    real = PackedLinear.forward
+
+    def broken(self, x):  # a packed product that is off by 0.5 everywhere
+        out = real(self, x)
+        return out + 0.5 if self.packed is not None else out
+
+    monkeypatch.setattr(PackedLinear, "forward", broken)
+    assert float((selfcheck.logits_after(target, prompt, 1) - harness).abs().max()) > 0.5  # the harness sees it
+    assert selfcheck.reference(target, prompt)["noise"] == clean  # the evidence does not
