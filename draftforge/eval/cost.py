@@ -9,8 +9,10 @@ puts the predicted speedup next to the measured one:
 
 τ, N_r (1 + the drafts verified in round r) and the draft seconds come from the method's own rounds; t
 from the curve (linear between measured points; a row count the grid missed is timed after the runs).
-AR predicts 1 by construction. What the model leaves out (prefill, sampling and bookkeeping: the report's
-"other" share) is why measured can fall short of predicted. (STree, arXiv:2505.14969 §4, models a hybrid's t(N)
+AR predicts 1 by construction. What the model leaves out is why measured can fall short of predicted: the
+prefill and the harness's bookkeeping (the report's "other" share), and inside each round's verify time the
+verdict, the sampling and the commit (a hybrid's state replay, a KV gather), which t(N), timing the forward alone,
+does not hold. (STree, arXiv:2505.14969 §4, models a hybrid's t(N)
 the same way.)
 
 Attention's share of a verification grows with the context, so t(N)/t(1) does too (SmolLM2 in bf16 on one CPU
@@ -330,7 +332,7 @@ def pace_warning(records, after: dict | None) -> str | None:
             passes[(r.temperature, r.repeat)][1] += r.stats.total_time_s
     by_temperature: dict[float, list[float]] = {}
     for (temperature, _), (n, secs) in sorted(passes.items()):
-        if secs > 0:
+        if secs > 0 and n > 0:  # a pass that emitted nothing has no pace
             by_temperature.setdefault(temperature, []).append(n / secs)
     found = []
     spreads = {t: max(rates) / min(rates) for t, rates in by_temperature.items() if len(rates) > 1}

@@ -227,7 +227,7 @@ def _enforce_self_check(cfg, results, dtype, paths) -> None:
     import torch
 
     def failed(sc):
-        return sc["defects"] > 0 or (dtype == torch.float32 and sc["identical"] < sc["total"])
+        return sc["defects"] > 0 or (dtype in (torch.float32, torch.float64) and sc["identical"] < sc["total"])
 
     bad = [r for r in results if r["self_check"] and failed(r["self_check"])]
     if not bad or not cfg.strict_selfcheck:
@@ -325,6 +325,10 @@ def _cost_curves(cfg, target, prompts, firsts: dict[int, int]) -> dict[int, dict
         rows = planned_rows(cfg)
         if target.max_context is not None:
             rows = [n for n in rows if len(ids) + n <= target.max_context]
+        if not rows:  # the prompt fills the context: its bucket is priced with a neighbour's curve (cost.curve_for)
+            _log(cfg, f"cost model: a prompt of {len(ids)} tokens leaves no room for a verification; no curve for "
+                      "its length bucket")
+            continue
         _log(cfg, f"cost model: timing one verification of N = {', '.join(map(str, rows))} rows on a prompt of "
                   f"{len(ids)} tokens ({cfg.cost_repeats} repeats after a warm-up)")
         curve = curves[bucket] = cost.verify_curve(target, ids, rows, cfg.cost_repeats)

@@ -89,7 +89,8 @@ def _dtype(target) -> torch.dtype:
 
 
 def rounding_step(target, logit: float) -> float:
-    """Twice the spacing of the model dtype's numbers at |logit| (logits come out rounded to it)."""
+    """2·eps·max(1, |logit|) in the model's dtype: two to four spacings of its numbers at |logit| (logits come out
+    rounded to that spacing, which is eps·2^floor(log2|logit|))."""
     return 2 * torch.finfo(_dtype(target)).eps * max(1.0, abs(logit))
 
 
