@@ -342,6 +342,8 @@ def _harvest_trees(job: TreeHarvestJob) -> dict:
     meta = {**harvest_meta(target, drafter, settings, str(job.bench)), "dtype": dtype.name,
             "prompts_sha256": prompts_sha.hexdigest(), "ignore_eos": bool(job.ignore_eos)}
     open_harvest(out, meta, job.resume)
+    for tmp in out.glob(".prompt-*.parquet.tmp"):  # a killed write's half shard (the lock keeps out live ones)
+        tmp.unlink()
     unreadable = [i for i in range(len(prompts)) if shard_path(out, i).is_file() and not _readable(shard_path(out, i))]
     for i in unreadable:  # a shard is written whole and renamed: one that cannot be read was damaged since
         shard_path(out, i).unlink()

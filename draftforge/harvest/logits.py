@@ -367,6 +367,8 @@ def _same_target(out: Path, old: dict | None, manifest: dict) -> None:
 def _start(out: Path, plan: Plan, overwrite: bool) -> None:
     """Process 0: clear a replaced harvest (only the files a harvest writes), then write the manifest."""
     out.mkdir(parents=True, exist_ok=True)
+    for path in out.glob(".shard-*.safetensors.tmp"):  # a killed write's half shard (the lock keeps out live ones)
+        path.unlink(missing_ok=True)
     if overwrite:
         for path in [*out.glob("shard-*.safetensors"), *out.glob("shard-*.json"), out / DRAFT_VOCAB_FILE]:
             path.unlink(missing_ok=True)

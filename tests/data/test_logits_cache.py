@@ -591,3 +591,13 @@ def test_a_training_start_hashes_only_the_shards_whose_size_or_time_moved(tmp_pa
     with pytest.raises(DataError, match="shard-00001.safetensors is corrupt"):
         LogitsCache(copy)
     assert hashed == ["shard-00001.safetensors"]
+
+
+def test_a_resume_removes_the_half_shard_a_killed_write_left(tmp_path, target_dir, rows_file, cache_dir):
+    out = tmp_path / "killed"
+    with pytest.raises(KeyboardInterrupt):
+        _harvest(target_dir, rows_file, out, stop_after=1)
+    half = out / ".shard-00001.safetensors.tmp"  # killed inside save_file: possibly gigabytes, never a shard
+    half.write_bytes(b"x" * 100)
+    _harvest(target_dir, rows_file, out, resume=True)
+    assert not half.exists() and _shard_bytes(out) == _shard_bytes(cache_dir)

@@ -302,3 +302,17 @@ def test_empty_shards_load_and_tree_ids_stay_apart_across_harvests(harvested, tm
     assert harvest_cli(t_dir, d_dir, bench, short, "--max-new-tokens", "1", "--num-prompts", "2") == 2
     err = capsys.readouterr().err
     assert "holds no trees" in err and "Traceback" not in err
+
+
+def test_a_resume_removes_the_half_shard_a_killed_write_left(harvested, tmp_path):
+    import shutil
+
+    t_dir, d_dir, bench, out = harvested
+    copy = tmp_path / "h"
+    shutil.copytree(out, copy)
+    (copy / "prompt-000003.parquet").unlink()
+    half = copy / ".prompt-000003.parquet.tmp"  # killed between writing the temp file and renaming it
+    half.write_bytes(b"PAR1 cut short")
+    assert harvest_cli(t_dir, d_dir, bench, copy, "--resume") == 0
+    assert not half.exists() and (copy / "prompt-000003.parquet").read_bytes() == (out / "prompt-000003.parquet"
+                                                                                   ).read_bytes()
