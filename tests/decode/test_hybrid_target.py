@@ -195,3 +195,26 @@ def test_sampling_on_a_hybrid_target_follows_its_distribution():
     prompt = [1, 2, 3]
     dec = build_decoder("tree", target, load_drafter(tiny_mamba2(vocab=8), target), tree=(3, 2))
     assert_two_tokens_follow_target(dec, target, prompt)  # min(1, p/q) really exercised
+
+
+def test_a_float64_hybrid_a_mixer_called_without_its_cache_and_a_clamped_time_step(capsys):
+    # float64 loaded, then failed at the first verification blaming "the mixer inputs"; a layer that handed its
+    # mixer the cache positionally (or not at all) was scanned from an empty state, silently; a clamped time step
+    # (which generate()'s one-token steps do not apply) parted from generate() without a word
+    from tests.fixtures.hybrid import tiny_nemotron_h
+
+    with pytest.raises(CompatibilityError, match="float32, bfloat16 or float16.*not torch.float64"):
+        load_target(tiny_bamba(vocab=VOCAB, dtype=torch.float64))
+    from draftforge.decode.targets.hybrid import tree_mixers
+
+    target = load_target(tiny_bamba(vocab=VOCAB))
+    mixer = next(iter(target.mixers.values()))
+    hidden = torch.zeros(1, 2, target.model.config.hidden_size)
+    with tree_mixers(target.mixers, None, "reference"):  # the forward a verification routes the mixers through
+        with pytest.raises(CompatibilityError, match="called positionally"):
+            mixer(hidden, target.cache)
+        with pytest.raises(CompatibilityError, match="called without its cache"):
+            mixer(hidden)
+    capsys.readouterr()
+    load_target(tiny_nemotron_h(vocab=VOCAB))  # its time step is clamped from below at time_step_min
+    assert "clamps its SSM time step to (0.001, inf)" in capsys.readouterr().err

@@ -52,6 +52,10 @@ def supported_list() -> str:
     return "; ".join(SUPPORTED_TYPES.values())
 
 
+_NO_LIMIT = (0.0, float("inf"))  # transformers' default time_step_limit: softplus is >= 0, so nothing is clamped
+_LIMIT_NOTED: set[int] = set()
+
+
 def check_hybrid_model(model) -> None:
     """Refuse, at load, SSM/hybrid models the tree harness cannot verify losslessly (one message)."""
     model_type = model.config.model_type
@@ -67,6 +71,19 @@ def check_hybrid_model(model) -> None:
                                  "(in_proj, conv1d, dt_bias, A_log, D, norm, out_proj)")
     for mixer in mixers.values():  # the tree forward replaces theirs: it must know where the cache arrives
         cache_param(mixer)
+    limits = {tuple(float(v) for v in getattr(m, "time_step_limit", _NO_LIMIT)) for m in mixers.values()} - {_NO_LIMIT}
+    if limits and id(model) not in _LIMIT_NOTED:
+        _LIMIT_NOTED.add(id(model))
+        import sys
+
+        print(f"[draftforge] note: target {model_type!r} clamps its SSM time step to {sorted(limits)[0]}; every "
+              "verification clamps it, as transformers' chunked scan does when it encodes a prompt, but "
+              "transformers' one-token steps in generate() do not, so where the clamp binds greedy output can "
+              "differ from generate() (docs/methods/stree.md)", file=sys.stderr)
+    dtype = next(model.parameters()).dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise CompatibilityError(f"a hybrid target runs in float32, bfloat16 or float16 (the tree scan's dtypes), "
+                                 f"not {dtype}; load it in one of them")
 
 
 def find_mixers(model) -> dict[int, torch.nn.Module]:
@@ -205,8 +222,14 @@ def tree_mixers(mixers: dict[int, torch.nn.Module], packed, impl: str):
     def make(layer_idx, mixer):
         name = cache_param(mixer)  # CompatibilityError if the signature names no cache
 
-        def tree_forward(hidden_states, attention_mask=None, **kwargs):
+        def tree_forward(hidden_states, *args, **kwargs):
             cache = passed_cache(kwargs, name)
+            if args or cache is None:  # a verification always hands the model its cache: a layer lost it on the way
+                how = "positionally" if args else "without its cache"
+                raise CompatibilityError(f"{type(mixer).__name__} of layer {layer_idx} was called {how}; the tree "
+                                         f"forward reads the prefix's states from the keyword {name!r} and would "
+                                         "otherwise scan from an empty state (a transformers version whose layers "
+                                         "call their mixer another way)")
             conv, ssm = cache_states(cache, layer_idx) if _has_state(cache, layer_idx) else (None, None)
             out_BND, scans[layer_idx] = mixer_tree_forward(mixer, hidden_states, packed, conv, ssm, impl)
             return out_BND
