@@ -7,6 +7,7 @@ printed as one line (`error: ...`) with exit status 2, never as a traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
@@ -68,6 +69,10 @@ def interrupted_message(command: str | None) -> str:
     return f"interrupted: {what}" if what else "interrupted"
 
 
+# a write the machine refused (read-only mount, permissions, a full disk or quota): the user's to fix, one line
+_WRITE_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Before any command can import deepspeed: it logs its CPU-accelerator notice while being imported.
@@ -87,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except DraftforgeError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno not in _WRITE_ERRNOS:
+            raise  # anything else is a defect: its traceback is the evidence
+        print(f"error: {e.filename or 'a file'} cannot be written ({e.strerror}); give the command a writable place "
+              "(an output directory on another disk, or with room)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(interrupted_message(args.command), file=sys.stderr)

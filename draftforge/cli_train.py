@@ -81,9 +81,17 @@ def configure_export(p: argparse.ArgumentParser) -> None:
 def run_export(args) -> int:
     from draftforge.train.export_run import export_checkpoint
 
+    from draftforge.fsutil import output_problem
+
     run_dir = Path(args.run_dir)
     if not (run_dir / "recipe.yaml").is_file():
-        raise CheckpointError(f"{run_dir} is not a draftforge run directory (no recipe.yaml)")
+        hint = ("; it is an export itself: give the run directory it was exported from"
+                if (run_dir / "draftforge.json").is_file() else "")
+        raise CheckpointError(f"{run_dir} is not a draftforge run directory (no recipe.yaml){hint}")
+    if args.out is not None:
+        problem = output_problem(args.out, "dir")
+        if problem:
+            raise CheckpointError(f"--out {args.out}: {problem}; give --out a writable directory")
     out = export_checkpoint(run_dir, Path(args.out), checkpoint=args.checkpoint, overwrite=args.overwrite,
                             last=args.last)
     print(f"exported {run_dir} -> {out}")

@@ -276,6 +276,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def check_args(args) -> None:
     """Refuse what would fail only after minutes of training: counts below 1, paths that are files."""
     from draftforge.errors import DraftforgeError
+    from draftforge.fsutil import output_problem
 
     for flag, value in (("--threads", args.threads), ("--num-prompts", args.num_prompts),
                         ("--max-new-tokens", args.max_new_tokens)):
@@ -285,6 +286,9 @@ def check_args(args) -> None:
         file = next((p for p in (value, *value.parents) if p.exists() and not p.is_dir()), None)
         if file is not None:
             raise DraftforgeError(f"{flag} {value}: {file} is a file, not a directory; give {flag} a directory")
+        problem = output_problem(value, "dir")
+        if problem:
+            raise DraftforgeError(f"{flag} {value}: {problem}; give {flag} a writable directory")
     check_out_files(Path(args.out))
 
 

@@ -156,9 +156,23 @@ def output_problem(path: str | Path, kind: str) -> str | None:
         where = next((p for p in path.parents if p.exists()), Path("."))
         if not where.is_dir():
             return f"{where} is a file, so {path} cannot be created"
-    if not os.access(where, os.W_OK | os.X_OK):
+    if not writable(where):
         return f"{where} is not writable"
     return None
+
+
+def writable(directory: Path) -> bool:
+    """Whether a file can be created in `directory`: tried (a hidden probe file, removed at once), since permission
+    bits say nothing of a read-only mount, /proc or a full disk, and nothing at all to root."""
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return False
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".draftforge-probe-", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
 
 
 class OutputLock:
@@ -191,6 +205,9 @@ class OutputLock:
                         f"(its lock: {self.path})") from None
                 self.path.unlink(missing_ok=True)  # its writer is gone: a kill left it behind
                 continue
+            except OSError as e:  # a read-only mount, /proc, a parent that is not a directory
+                raise DraftforgeError(f"{self.out} cannot be written: its lock {self.path} cannot be created "
+                                      f"({e.strerror}); choose a writable place") from None
             with os.fdopen(fd, "w") as f:
                 f.write(mine + "\n")
             return self

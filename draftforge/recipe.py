@@ -345,11 +345,15 @@ def _field_names(cls: type) -> set[str]:
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     path = Path(path)
     if not path.is_file():
-        raise RecipeError(f"recipe file {path} does not exist")
+        what = "is a directory; give the YAML file" if path.is_dir() else "does not exist"
+        raise RecipeError(f"recipe file {path} {what}")
     try:
-        values = yaml.safe_load(path.read_text()) or {}
+        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
         raise RecipeError(f"recipe file {path} is not valid YAML: {e}") from None
+    except UnicodeDecodeError:
+        raise RecipeError(f"recipe file {path} is not a text file (not UTF-8: a checkpoint or other binary?); give "
+                          "the recipe's YAML file") from None
     if not isinstance(values, dict):
         raise RecipeError(f"recipe file {path} must hold a mapping at the top level")
     return recipe_from_dict(values, overrides)

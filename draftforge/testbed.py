@@ -228,9 +228,29 @@ def write_heldout_prompts(path=PROMPTS_FILE, n: int = 100) -> Path:
     return path
 
 
+TESTBED_MARKER = ".draftforge-testbed"  # written first: a testbed killed half-built is still recognised as ours
+_WRITES = ("tokenizer", "corpus_train.jsonl", "corpus_heldout.jsonl", "prompts_heldout.jsonl", "target")
+
+
+def _claim(root: Path) -> None:
+    """Refuse a testbed directory holding files of the testbed's names that no testbed wrote (they would be
+    replaced), else mark it as a testbed's."""
+    from draftforge.errors import DataError
+
+    ours = (root / TESTBED_MARKER).is_file() or (root / "corpus_settings.json").is_file()
+    theirs = [name for name in _WRITES if (root / name).exists()] if root.is_dir() and not ours else []
+    if theirs:
+        raise DataError(f"testbed directory {root} holds {', '.join(theirs)}, which no draftforge testbed wrote; "
+                        "building the testbed there would replace them: choose another --testbed (an empty or "
+                        "new directory)")
+    root.mkdir(parents=True, exist_ok=True)
+    (root / TESTBED_MARKER).write_text("a draftforge testbed: `draftforge demo` may rebuild what is here\n")
+
+
 def ensure_testbed(root=None, vocab_size: int = 2048, max_files: int | None = None) -> TestbedPaths:
     """Build (or reuse) tokenizer, corpus files and prompts; the target is trained separately by `pretrain`."""
     paths = testbed_paths(root)
+    _claim(paths.root)
     train_tokenizer(paths.tokenizer, vocab_size=vocab_size, max_files=max_files)
     settings_path = paths.root / "corpus_settings.json"
     settings = {"max_files": max_files, "stdlib": str(stdlib_root())}

@@ -98,7 +98,7 @@ def read_rows(path: Path, cut_torn: bool = False) -> dict[tuple[str, float], lis
                                 "one this command wrote (move it away or pass another --out)")
             if not cut_torn:
                 raise DataError(f"{path}: its last line is not a complete row and the file has no sidecar of "
-                                "`draftforge generate` ({path.name}.meta.json), so it is not cut: it may be yours "
+                                f"`draftforge generate` ({path.name}.meta.json), so it is not cut: it may be yours "
                                 "(move it away or pass another --out)")
             break
         if not isinstance(row, dict) or "prompt_id" not in row or "temperature" not in row:

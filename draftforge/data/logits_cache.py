@@ -62,7 +62,8 @@ def read_token_rows(path, tokenizer=None, fix: str | None = None) -> list[dict]:
 
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"token rows file {path} does not exist")
+        what = "is a directory; give the JSONL file" if path.is_dir() else "does not exist"
+        raise DataError(f"token rows file {path} {what}")
     if path.suffix.lower() not in ROW_FILE_SUFFIXES:
         raise DataError(f"{path}: token rows are .jsonl/.json/.parquet rows of input_ids (format: tokens)")
     check_row_files([path], tokenizer, fix or TRAIN_FIX)

@@ -61,8 +61,8 @@ def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
 
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"prompt file {path} does not exist; pass --bench a JSONL file of prompts "
-                        f"or one of {', '.join(BENCHES)}")
+        raise DataError(f"prompt file {path} {'is a directory' if path.is_dir() else 'does not exist'}; give a JSONL "
+                        f"file of prompts or one of {', '.join(BENCHES)}")
     rows = []
     for line_no, row in iter_jsonl(path):
         if not isinstance(row, dict):

@@ -56,10 +56,29 @@ def check_answers_dir(path: str | Path, say=lambda line: None) -> list[Path]:
     if not os.access(base, os.W_OK | os.X_OK):
         raise RecipeError(f"--answers {d}: cannot write in {base}")
     existing = sorted(d.glob("*.jsonl")) if d.is_dir() else []
+    foreign = [p.name for p in existing if not _answer_file(p)]
+    if foreign:  # a run replaces the files it writes again: only answer files may sit under their names
+        raise RecipeError(f"--answers {d} holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, which "
+                          "is not a Spec-Bench answer file; draftforge replaces answer files of the names it writes, "
+                          "so it keeps its answers out of a directory holding other .jsonl files: choose another "
+                          "--answers directory")
     if existing:
         say(f"--answers {d} already holds {len(existing)} .jsonl file(s); this run replaces those it writes again "
             "(<target>-<method>-<dtype>-temp-<T>.jsonl) and keeps the others")
     return existing
+
+
+def _answer_file(path: Path) -> bool:
+    """Whether `path` starts with a Spec-Bench answer line (question_id, answer_id, model_id, choices)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+        if not first:
+            return True  # empty: nothing in it to lose (a method with no answers writes one)
+        row = json.loads(first)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(row, dict) and {"question_id", "answer_id", "model_id", "choices"} <= set(row)
 
 
 def target_name(target) -> str:

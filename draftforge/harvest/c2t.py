@@ -130,6 +130,8 @@ def open_harvest(out_dir: Path, meta: dict, resume: bool) -> None:
     meta_file = out_dir / META_FILE
     if meta_file.is_file():
         old = _read_meta(meta_file)
+        if isinstance(old, dict) and old.get("kind", "c2t-harvest") != "c2t-harvest":  # another command's harvest
+            raise DataError(f"{out_dir} holds a {old['kind']}, not a trees harvest; choose another --out")
         if not resume:
             raise DataError(f"{out_dir} already holds a harvest; pass --resume to continue it or choose another --out")
         # a harvest from before these were recorded lacks them: the target's weights bind it still

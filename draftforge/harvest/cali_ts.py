@@ -59,7 +59,8 @@ def read_sequences(sources: list[str], tokenizer, max_sequences: int | None) -> 
     out = []
     for src in sources:
         if not Path(src).is_file():
-            raise DataError(f"harvest source {src} does not exist (give JSONL token rows or text rows)")
+            raise DataError(f"harvest source {src} {'is a directory' if Path(src).is_dir() else 'does not exist'} "
+                            "(give a JSONL file of token rows or text rows)")
         checked = False  # text rows need no check: the target's own tokenizer reads them
         for line_no, row in iter_jsonl(src):
             if not isinstance(row, dict):

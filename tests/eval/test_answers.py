@@ -214,6 +214,12 @@ def test_answers_dir_checks_and_replacement(tmp_path, target_dir):
     assert said[-1].startswith(f"--answers {d} already holds 1 .jsonl file(s); this run replaces those it writes")
     answers.write_answers(d, recs, prompts, make_tokenizer(), name="t", dtype="float32", say=said.append)
     assert said[-2] == f"--answers: replacing {first['ar@0']['path']}"
+    # a user's file under a name eval writes was replaced after the run, silently: refused before any model loads
+    mine = d / "t-chain-float32-temp-0.0.jsonl"
+    mine.write_text("my notes\n")
+    with pytest.raises(RecipeError, match="holds t-chain-float32-temp-0.0.jsonl, which is not a Spec-Bench answer"):
+        answers.check_answers_dir(d)
+    assert mine.read_text() == "my notes\n"
     (line,) = read_spec_bench_answers(first["ar@0"]["path"])
     assert line["choices"][0]["turns"] == ["w2 w3"] and line["choices"][0]["accept_lengths"] == [1, 1]
 

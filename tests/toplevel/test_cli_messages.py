@@ -161,3 +161,54 @@ def test_eval_refuses_plain_bad_flags_before_importing_torch(flags, message):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout.split() == ["False", "False"], proc.stdout + proc.stderr
     assert proc.stderr.count("error:") == 1 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_unwritable_place_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    # permission bits said /proc and a read-only mount were writable (to root always): commands measured or
+    # trained, then died with a traceback; the check now creates a file there, and a refused write is one line
+    import errno
+    import tempfile
+
+    from draftforge import fsutil
+    from draftforge.cli import main
+
+    def refused(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "x"))
+
+    import draftforge.cli_target
+    from draftforge.errors import DraftforgeError
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)
+    assert fsutil.output_problem(tmp_path / "out", "dir") == f"{tmp_path} is not writable"
+    monkeypatch.undo()
+    monkeypatch.setattr(draftforge.cli_target, "run", refused)  # a write refused deep inside a command
+    assert main(["target", "prompts", "--out", str(tmp_path / "p.jsonl"), "-n", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {tmp_path / 'x'} cannot be written (Read-only file system); give the command a writable "
+                   "place (an output directory on another disk, or with room)"]
+    monkeypatch.setattr(fsutil.os, "open", refused)
+    with pytest.raises(DraftforgeError, match=r"its lock .* cannot be created \(Read-only file system\)"):
+        fsutil.OutputLock(tmp_path / "run", "draftforge train").__enter__()
+
+
+def test_a_directory_or_a_binary_file_where_a_file_is_expected_is_named_as_such(tmp_path, capsys):
+    # "does not exist" for a directory that exists, and a UnicodeDecodeError traceback for a binary recipe
+    from draftforge.cli import main
+    from draftforge.data.prompts import read_jsonl
+    from draftforge.errors import DataError
+    from draftforge.harvest.c2t import open_harvest
+
+    assert main(["train", str(tmp_path)]) == 2
+    assert f"recipe file {tmp_path} is a directory; give the YAML file" in capsys.readouterr().err
+    binary = tmp_path / "model.safetensors"
+    binary.write_bytes(b"\xd8\x00\xff\xfe" * 16)
+    assert main(["train", str(binary)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a text file" in err and "Traceback" not in err
+    with pytest.raises(DataError, match="is a directory; give a JSONL file of prompts"):
+        read_jsonl(tmp_path)
+    cache = tmp_path / "cache"  # a hidden-state cache resumed as a trees harvest: not "another target"
+    cache.mkdir()
+    (cache / "harvest.json").write_text('{"kind": "hidden-cache", "target": "t"}')
+    with pytest.raises(DataError, match="holds a hidden-cache, not a trees harvest"):
+        open_harvest(cache, {"kind": "c2t-harvest", "target": "t"}, resume=True)

@@ -119,3 +119,21 @@ def test_paths_and_ensure_testbed(tmp_path, monkeypatch):
     assert len(paths.corpus_heldout.read_text().splitlines()) == 3
     testbed.ensure_testbed(tmp_path / "tb", vocab_size=300, max_files=4)  # other settings: corpus rewritten
     assert len(paths.corpus_train.read_text().splitlines()) == 4
+
+
+def test_a_testbed_directory_holding_a_users_files_is_refused_and_left_as_it_was(tmp_path):
+    # `demo --testbed DIR` replaced a user's corpus_train.jsonl there with the stdlib corpus, silently
+    from draftforge.errors import DataError
+
+    root = tmp_path / "mine"
+    root.mkdir()
+    (root / "corpus_train.jsonl").write_text("mine\n")
+    with pytest.raises(DataError, match="holds corpus_train.jsonl, which no draftforge testbed wrote"):
+        testbed.ensure_testbed(root, max_files=2)
+    assert sorted(p.name for p in root.iterdir()) == ["corpus_train.jsonl"]
+    assert (root / "corpus_train.jsonl").read_text() == "mine\n"
+    ours = tmp_path / "ours"  # a testbed killed half-built: its marker says it is a testbed's, so it is rebuilt
+    ours.mkdir()
+    (ours / testbed.TESTBED_MARKER).write_text("")
+    (ours / "corpus_train.jsonl").write_text("half\n")
+    testbed._claim(ours)
