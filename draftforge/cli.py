@@ -69,7 +69,7 @@ def interrupted_message(command: str | None) -> str:
     return f"interrupted: {what}" if what else "interrupted"
 
 
-# a write the machine refused (read-only mount, permissions, a full disk or quota): the user's to fix, one line
+# an access the machine refused (read-only mount, permissions, a full disk or quota): the user's to fix, one line
 _WRITE_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT}
 
 
@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         if e.errno not in _WRITE_ERRNOS:
             raise  # anything else is a defect: its traceback is the evidence
-        print(f"error: {e.filename or 'a file'} cannot be written ({e.strerror}); give the command a writable place "
-              "(an output directory on another disk, or with room)", file=sys.stderr)
+        print(f"error: {e.filename or 'a file'}: {e.strerror} (the machine refused the access: check that path's "
+              "permissions, and that its disk is writable and has room)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(interrupted_message(args.command), file=sys.stderr)

@@ -184,8 +184,8 @@ def test_an_unwritable_place_is_one_line_not_a_traceback(tmp_path, monkeypatch, 
     monkeypatch.setattr(draftforge.cli_target, "run", refused)  # a write refused deep inside a command
     assert main(["target", "prompts", "--out", str(tmp_path / "p.jsonl"), "-n", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: {tmp_path / 'x'} cannot be written (Read-only file system); give the command a writable "
-                   "place (an output directory on another disk, or with room)"]
+    assert err == [f"error: {tmp_path / 'x'}: Read-only file system (the machine refused the access: check that "
+                   "path's permissions, and that its disk is writable and has room)"]
     monkeypatch.setattr(fsutil.os, "open", refused)
     with pytest.raises(DraftforgeError, match=r"its lock .* cannot be created \(Read-only file system\)"):
         fsutil.OutputLock(tmp_path / "run", "draftforge train").__enter__()
