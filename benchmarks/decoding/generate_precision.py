@@ -5,7 +5,8 @@
 
 Both dtypes answer the same training-split instruction prompts greedily with the same batches (the code
 `draftforge generate` runs: data.generate.generate_rows), 1 torch thread unless --threads; the dtypes
-alternate, first one first in odd repeats, after one untimed batch each; tokens/s = new tokens / seconds, median over repeats. Agreement:
+alternate, first one first in odd repeats, after one untimed batch each; tokens/s = new tokens / seconds, median
+over repeats. Agreement:
 the share of answers identical to fp32's and the mean length of the common prefix as a share of fp32's
 answer (a bf16 answer parts from fp32's at its first near-tie and then is a different, equally valid answer).
 """

@@ -6,16 +6,17 @@ correct decodes may part where two logits are within rounding of each other. The
 **without the code under test**: at the first differing position the prefix goes through the model's own plain
 forward (transformers alone: no harness cache, tree scan, multi-row verify, decode attention or packed linears),
 once in float32 (the reference r) and twice in the run's dtype (the whole prefix at once, and with its last token
-as a cached step); noise = the largest |Δlogit| of those two from r. AR chose a, the method b: a near-tie needs |r(a) − r(b)| ≤ tolerance =
-2·noise, at least one rounding step of the dtype at |r(a)| and at most `CEILING_STEPS` rounding steps at the
-logits' scale (a gap larger than the dtype's rounding of logits that size can explain is a defect whatever was
-measured; float32 counts in float16's steps, see CEILING_STEPS), **and** the harness's own logits there (AR's one-row computation, and the prefix verified in the row
-counts the method used) within that ceiling of r. Anything else is a **defect** (the harness changed the output).
-fp32 stays bitwise: any difference fails the run. AR itself is checked the same way: its tokens against the
-plain forward's argmax over the prompt and AR's output (one teacher-forced forward per prompt), so a harness
-that computes AR wrongly too cannot pass by agreeing with itself. After a near-tie a method's output continues from a
-context AR never saw; each of its later tokens is checked the same way against the plain forward over its own
-context, and every repeat whose output differs is examined, not only a prompt's first.
+as a cached step); noise = the largest |Δlogit| of those two from r. AR chose a, the method b: a near-tie needs
+|r(a) − r(b)| ≤ tolerance = 2·noise, at least one rounding step of the dtype at |r(a)| and at most `CEILING_STEPS`
+rounding steps at the logits' scale (a gap larger than the dtype's rounding of logits that size can explain is a
+defect whatever was measured; float32 counts in float16's steps, see CEILING_STEPS), **and** the harness's own
+logits there (AR's one-row computation, and the prefix verified in the row counts the method used) within that
+ceiling of r. Anything else is a **defect** (the harness changed the output). fp32 stays bitwise: any difference
+fails the run. AR itself is checked the same way: its tokens against the plain forward's argmax over the prompt and
+AR's output (one teacher-forced forward per prompt), so a harness that computes AR wrongly too cannot pass by
+agreeing with itself. After a near-tie a method's output continues from a context AR never saw; each of its later
+tokens is checked the same way against the plain forward over its own context, and every repeat whose output
+differs is examined, not only a prompt's first.
 Each turn of a multi-turn question is a prompt of its own, compared only where its context (the conversation
 with the method's own earlier answers) is AR's: after an earlier turn's near-tie it is not (`context_differs`).
 

@@ -107,7 +107,8 @@ def build_theta_task(recipe, accelerator, with_data: bool = True):
         return export_predictor(trained, Path(out_dir), metadata, overwrite)
 
     return TaskSpec(model=model, loss=make_loss(weight, shift), train_data=train, eval_data=eval_,
-                    collate=theta_collate, export=export, export_metadata={**pair_metadata(manifest), "harvest_rows": manifest["rows"]},
+                    collate=theta_collate, export=export,
+                    export_metadata={**pair_metadata(manifest), "harvest_rows": manifest["rows"]},
                     unit="rows", units=lambda b: len(b["label"]))
 
 
