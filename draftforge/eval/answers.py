@@ -33,7 +33,6 @@ all turns of a question come from one pass and, for odd R, the file's tokens/s i
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 import uuid
@@ -41,7 +40,7 @@ from pathlib import Path
 
 from draftforge.errors import DataError, RecipeError
 from draftforge.data.prompts import Prompt, answer_text
-from draftforge.fsutil import atomic_write_text
+from draftforge.fsutil import atomic_write_text, writable
 
 
 def check_answers_dir(path: str | Path, say=lambda line: None) -> list[Path]:
@@ -53,7 +52,7 @@ def check_answers_dir(path: str | Path, say=lambda line: None) -> list[Path]:
     base = next((p for p in (d, *d.parents) if p.exists()), Path.cwd())  # the nearest existing folder
     if not base.is_dir():
         raise RecipeError(f"--answers {d}: {base} is a file, so the directory cannot be made")
-    if not os.access(base, os.W_OK | os.X_OK):
+    if not writable(base):  # tried, not read from permission bits (a read-only mount, and root, fool those)
         raise RecipeError(f"--answers {d}: cannot write in {base}")
     existing = sorted(d.glob("*.jsonl")) if d.is_dir() else []
     foreign = [p.name for p in existing if not _answer_file(p)]

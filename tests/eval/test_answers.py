@@ -7,7 +7,9 @@ verbatim in the second turn's context.
 """
 
 import argparse
+import errno
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -203,6 +205,13 @@ def test_answers_dir_checks_and_replacement(tmp_path, target_dir):
         with pytest.raises(RecipeError, match=match):
             answers.check_answers_dir(bad)
     d = tmp_path / "answers"
+    with pytest.MonkeyPatch.context() as mp:  # a place the machine refuses (a read-only mount: root's permission
+        def refused(*args, **kwargs):  # bits said writable and the run failed after measuring)
+            raise OSError(errno.EROFS, "Read-only file system")
+
+        mp.setattr(tempfile, "mkstemp", refused)
+        with pytest.raises(RecipeError, match=f"--answers {d}: cannot write in {tmp_path}"):
+            answers.check_answers_dir(d)
     assert answers.check_answers_dir(d) == []  # not there yet: made when the files are written
     prompts = [Prompt("7", "qa", [4, 5], True, question_id=7)]
     recs = [RunRecord("ar", 0.0, 0, "7", 2, [6, 7], DecodeStats(new_tokens=2, target_forwards=2,
