@@ -51,6 +51,35 @@ def _options(args) -> dict:
     return out
 
 
+def check_args(args) -> dict:
+    """What would fail only after the models load (seconds for a small target, minutes for a large one), refused
+    first in one line: the method, its options, the numbers, a local --target / --drafter that does not exist.
+    Returns the method's options."""
+    from draftforge.decode.loading import lookup_options
+    from draftforge.decode.methods import OPTIONS, get_method, readers, resolve_options
+    from draftforge.errors import CheckpointError, RecipeError
+    from draftforge.loading import missing_local_path
+
+    if args.max_new_tokens < 1 or args.temperature < 0:
+        raise RecipeError("--max-new-tokens must be >= 1 and --temperature >= 0")
+    if args.threads is not None and args.threads < 1:
+        raise RecipeError(f"--threads must be >= 1, got {args.threads}")
+    get_method(args.method)  # an unknown name, with the names there are
+    options = _options(args)
+    for name in options:
+        if args.method not in readers(name):
+            raise RecipeError(f"{OPTIONS[name].flag} does not apply to --method {args.method} (it is read by "
+                              f"{', '.join(readers(name))})")
+    resolve_options(args.method, options)  # each value checked
+    for flag, value in (("--target", args.target), ("--drafter", args.drafter)):
+        if flag == "--drafter" and lookup_options(value) is not None:
+            continue
+        missing = missing_local_path(value)
+        if missing is not None:
+            raise CheckpointError(f"cannot load the {flag[2:]}: directory {missing} does not exist ({flag})")
+    return options
+
+
 def _encode(tokenizer, messages: list[dict]) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -112,8 +141,7 @@ def run(args) -> int:
     from draftforge.errors import RecipeError
     from draftforge.runtime import announce, choose_threads, resolve_dtype
 
-    if args.max_new_tokens < 1 or args.temperature < 0:
-        raise RecipeError("--max-new-tokens must be >= 1 and --temperature >= 0")
+    options = check_args(args)
     print(f"[draftforge] {choose_threads(args.threads)}", file=sys.stderr)
     dtype = resolve_dtype(args.dtype, args.device)
     announce(dtype, "target and drafter")
@@ -121,7 +149,7 @@ def run(args) -> int:
     if target.tokenizer is None:
         raise RecipeError(f"--target {args.target} has no tokenizer files; chat needs text")
     drafter = load_drafter(args.drafter, target, device=args.device, dtype=dtype.torch_dtype)
-    spec = build_decoder(args.method, target, drafter, **_options(args))
+    spec = build_decoder(args.method, target, drafter, **options)
     ar = None if args.no_ar else build_decoder("ar", target)
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     from draftforge.decode.engine import eos_set

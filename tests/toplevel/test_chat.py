@@ -159,3 +159,28 @@ def test_the_printer_shows_exactly_the_decoded_answer(models):
             printer.add(ids[i:i + step], own_last=True)
         printer.finish()
         assert out.getvalue() == tok.decode(ids, skip_special_tokens=True) + "\n"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--method", "foo"], "unknown decoding method 'foo'"),
+    (["--method", "tree", "--chain-length", "3"], "--chain-length does not apply to --method tree (it is read by"),
+    (["--tree", "3,x"], "--tree expects comma-separated integers"),
+    (["--chain-length", "0"], "--chain-length must be >= 1, got 0"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--drafter", "{missing}"], "cannot load the drafter: directory {missing} does not exist (--drafter)"),
+])
+def test_what_would_fail_after_the_models_load_is_refused_before(tmp_path, monkeypatch, capsys, flags, message):
+    # these were refused only after the target and drafter loaded (seconds here, minutes for a large target)
+    import draftforge.decode
+    from draftforge.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(draftforge.decode, "load_target", no_load)
+    target = tmp_path / "target"
+    target.mkdir()
+    missing = str(tmp_path / "missing")
+    argv = ["chat", "--target", str(target), "--drafter", "prompt-lookup"] + [f.format(missing=missing) for f in flags]
+    assert main(argv) == 2
+    assert message.format(missing=missing) in capsys.readouterr().err
