@@ -26,7 +26,7 @@ from draftforge.decode.methods.c2t import parent_entropy
 from draftforge.decode.methods.eagle2 import Eagle2Builder
 from draftforge.decode.plan import DynamicTree
 from draftforge.decode.sampling import SamplingParams
-from draftforge.errors import CompatibilityError, DataError
+from draftforge.errors import CompatibilityError, DataError, RecipeError
 from draftforge.models.c2t import DEPTH_ORIGIN
 from draftforge.harvest.job import HarvestJob
 from draftforge.options import add_flags, option, positive_int
@@ -301,6 +301,8 @@ class TreeHarvestJob(HarvestJob):
     chat_template: Literal["auto", "always", "never"] = option(
         "auto", "auto: chat prompts use the target's chat template if it has one; always / never force it on or off")
     ignore_eos: bool = option(False, "always generate --max-new-tokens tokens (default: stop at the target's eos)")
+    overwrite: bool = option(False, "replace the trees harvest in --out: its shards and harvest.json, once the models "
+                             "and prompts have loaded (nothing else there is touched)")
 
 
 def harvest_trees(job: TreeHarvestJob) -> dict:
@@ -326,10 +328,15 @@ def _harvest_trees(job: TreeHarvestJob) -> dict:
     problem = foreign_dir_problem(out, META_FILE, "a harvest")
     if problem:
         raise DataError(problem)
+    if job.resume and job.overwrite:
+        raise RecipeError("--resume continues a harvest and --overwrite replaces it: pass one of them")
     if (out / META_FILE).is_file():
-        _read_meta(out / META_FILE)
-        if not job.resume:
-            raise DataError(f"{out} already holds a harvest; pass --resume to continue it or choose another --out")
+        old = _read_meta(out / META_FILE)
+        if isinstance(old, dict) and old.get("kind", "c2t-harvest") != "c2t-harvest":  # another command's harvest
+            raise DataError(f"{out} holds a {old['kind']}, not a trees harvest; choose another --out")
+        if not job.resume and not job.overwrite:
+            raise DataError(f"{out} already holds a harvest; pass --resume to continue it, --overwrite to start again, "
+                            "or choose another --out")
     dtype = resolve_dtype(job.dtype, job.device)
     announce(dtype, "target and drafter")
     target = load_target(job.target, device=job.device, dtype=dtype.torch_dtype)
@@ -343,6 +350,13 @@ def _harvest_trees(job: TreeHarvestJob) -> dict:
     prompts_sha = hashlib.sha256(json.dumps([[str(p.prompt_id), list(p.input_ids)] for p in prompts]).encode())
     meta = {**harvest_meta(target, drafter, settings, str(job.bench)), "dtype": dtype.name,
             "prompts_sha256": prompts_sha.hexdigest(), "ignore_eos": bool(job.ignore_eos)}
+    if job.overwrite and (out / META_FILE).is_file():  # only now: a load or prompt error above leaves it whole
+        replaced = sorted(out.glob("prompt-*.parquet"))
+        for shard in replaced:
+            shard.unlink()
+        (out / META_FILE).unlink()
+        print(f"harvest trees: --overwrite: removed the harvest in {out} ({len(replaced)} shard(s) and {META_FILE})",
+              file=sys.stderr)
     open_harvest(out, meta, job.resume)
     for tmp in out.glob(".prompt-*.parquet.tmp"):  # a killed write's half shard (the lock keeps out live ones)
         tmp.unlink()

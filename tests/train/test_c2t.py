@@ -127,6 +127,33 @@ def test_a_resume_over_other_prompts_or_a_broken_record_is_refused(harvested, tm
     assert len(err) == 1 and "harvest.json: not readable JSON" in err[0]
 
 
+def test_overwrite_replaces_the_harvest_and_nothing_else(harvested, tmp_path, capsys):
+    """harvest trees had no --overwrite (the other harvests have one): starting again meant deleting by hand."""
+    import shutil
+
+    t_dir, d_dir, bench, out = harvested
+    copy = tmp_path / "h"
+    shutil.copytree(out, copy)
+    (copy / "NOTES.md").write_text("mine")
+    before = {p.name: p.read_bytes() for p in copy.glob("*.parquet")}
+    (copy / "prompt-000099.parquet").write_bytes(b"a shard of a longer harvest")  # not the new harvest's: removed
+    assert harvest_cli(t_dir, d_dir, bench, copy, "--resume", "--overwrite") == 2
+    assert "pass one of them" in capsys.readouterr().err
+    assert harvest_cli(tmp_path / "no-such-target", d_dir, bench, copy, "--overwrite") == 2  # a failed load: kept
+    assert (copy / "prompt-000099.parquet").is_file() and (copy / "harvest.json").is_file()
+    capsys.readouterr()
+    assert harvest_cli(t_dir, d_dir, bench, copy, "--overwrite") == 0
+    assert "--overwrite: removed the harvest in" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in copy.glob("*.parquet")} == before  # the same settings: the same shards
+    assert (copy / "NOTES.md").read_text() == "mine"
+    other = tmp_path / "other"  # another command's harvest under harvest.json is not replaced
+    other.mkdir()
+    (other / "harvest.json").write_text(json.dumps({"kind": "theta-harvest"}))
+    assert harvest_cli(t_dir, d_dir, bench, other, "--overwrite") == 2
+    assert "holds a theta-harvest, not a trees harvest" in capsys.readouterr().err
+    assert json.loads((other / "harvest.json").read_text()) == {"kind": "theta-harvest"}
+
+
 def test_harvest_bad_input(harvested, tmp_path, capsys):
     _, d_dir, bench, out = harvested
     other = tiny_llama(vocab=VOCAB, seed=5)
