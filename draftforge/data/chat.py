@@ -5,6 +5,12 @@ character span of every assistant message's content in it, then keep the label o
 token whose character span (fast tokenizer offset mapping) overlaps one of them. A token
 that straddles a template marker and assistant content (possible when a template glues
 them without a separator) counts as assistant.
+
+The special token that closes an assistant turn (ChatML's <|im_end|>, Llama 3's <|eot_id|>,
+the default template's eos) is labelled too, with any whitespace between it and the content:
+the target emits it to end its answer, so a drafter that never learnt it fails that round
+of every answer. The template names it: the special token it writes after an answer, with
+nothing but whitespace between (a template without one labels the content alone).
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ DEFAULT_CHAT_TEMPLATE = (
 
 Each message renders as ``<|role|>\\n{content}{eos}\\n``; a generation prompt is
 ``<|assistant|>\\n``. Content starts right after a newline, so with byte-level BPE no
-token straddles a marker and an assistant message's content. Only the content is
-trained on (not the markers, not the eos that closes the turn).
+token straddles a marker and an assistant message's content. The content and the eos that
+closes its turn are trained on, not the markers.
 """
 
 
@@ -91,8 +97,51 @@ def tokenize_conversation(messages: list[dict], tokenizer, max_length: int) -> d
     text, spans = render_with_spans(messages, tokenizer)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = enc["input_ids"][:max_length]
+    offsets = enc["offset_mapping"][:len(input_ids)]
     labels = []
-    for token_id, (start, end) in zip(input_ids, enc["offset_mapping"]):
+    for token_id, (start, end) in zip(input_ids, offsets):
         in_assistant = any(start < s_end and end > s_start for s_start, s_end in spans)
         labels.append(token_id if in_assistant else IGNORE_INDEX)
+    closer = closing_token(tokenizer)
+    if closer is not None:
+        for _, s_end in spans:
+            for i in _turn_end(input_ids, offsets, text, s_end, closer):
+                labels[i] = input_ids[i]
     return {"input_ids": input_ids, "labels": labels}
+
+
+def closing_token(tokenizer) -> int | None:
+    """The special token the chat template writes to close an assistant turn, or None: read from a rendered
+    one-turn conversation, where everything after the answer is the template's closing (a special token after
+    whitespace only). The next message's opening marker, also special, is never taken for it."""
+    answer = "\x00DF-answer\x00"
+    try:
+        text = render([{"role": "user", "content": "Hello"}, {"role": "assistant", "content": answer}], tokenizer)
+    except Exception:  # a template that refuses this conversation (it still renders the real ones): no closer
+        return None
+    if text.count(answer) != 1:
+        return None
+    tail = text[text.index(answer) + len(answer):]
+    enc = tokenizer(tail, add_special_tokens=False, return_offsets_mapping=True)
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    for token_id, (start, end) in zip(enc["input_ids"], enc["offset_mapping"]):
+        if token_id in special:
+            return token_id if not tail[:start].strip() else None
+        if tail[start:end].strip():
+            return None
+    return None
+
+
+def _turn_end(input_ids, offsets, text: str, content_end: int, closer: int) -> list[int]:
+    """Indices of the tokens that close the assistant content ending at character `content_end`: whitespace
+    tokens, then `closer`, when it comes before anything else; else none."""
+    between = []
+    for i, (start, end) in enumerate(offsets):
+        if start < content_end:
+            continue
+        if input_ids[i] == closer:
+            return between + [i] if not text[content_end:start].strip() else []
+        if text[start:end].strip():
+            return []
+        between.append(i)
+    return []

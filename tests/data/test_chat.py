@@ -29,7 +29,8 @@ def openai_row(convo):
 
 
 def expected_default(tok, convo):
-    """Hand-built oracle for DEFAULT_CHAT_TEMPLATE: tokenize each piece alone, label only assistant content."""
+    """Hand-built oracle for DEFAULT_CHAT_TEMPLATE: tokenize each piece alone, label the assistant content and the
+    eos that closes its turn (the target emits it to end an answer)."""
     ids, labels = [], []
 
     def piece(text, train):
@@ -40,14 +41,16 @@ def expected_default(tok, convo):
     for role, content in convo:
         piece(f"<|{role}|>\n", False)
         piece(content, role == "assistant")
-        piece("</s>\n", False)
+        piece("</s>", role == "assistant")
+        piece("\n", False)
     return ids, labels
 
 
 def expected_chatml(tok, convo):
     ids, labels = [], []
     for role, content in convo:
-        for text, train in ((f"<|im_start|>{role}\n", False), (content, role == "assistant"), ("<|im_end|>\n", False)):
+        for text, train in ((f"<|im_start|>{role}\n", False), (content, role == "assistant"),
+                            ("<|im_end|>", role == "assistant"), ("\n", False)):
             t = tok(text, add_special_tokens=False)["input_ids"]
             ids.extend(t)
             labels.extend(t if train else [IGNORE_INDEX] * len(t))
@@ -160,3 +163,23 @@ def test_a_change_to_the_masking_code_re_tokenizes_cached_conversations(tmp_path
     monkeypatch.setattr(pipeline, "_CHAT_CODE", "an-edited-chat-module", raising=False)
     after = build_block_data(data_cfg([src], format="chat"), tok, 64, seed=0).stats
     assert after["loss_tokens"] == after["tokens"] - after["documents"] > before  # all but each row's first
+
+
+@pytest.mark.parametrize("closing, labelled", [
+    ("\n<|im_end|>\n", "\n<|im_end|>"),  # whitespace the template writes before the end token: the target emits it
+    (" [done]<|im_end|>\n", ""),  # text between: the content alone (a marker the template writes, not the target)
+    ("\n\n", ""),  # no special token closes the turn
+])
+def test_the_token_that_closes_an_assistant_turn_is_labelled(make_tokenizer, closing, labelled):
+    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+                + repr(closing) + " }}{% endfor %}")
+    tok = make_tokenizer(chat_template=template)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    convo = [("user", "Hello world"), ("assistant", "return a + b"), ("user", "again"), ("assistant", "ok")]
+    out = tokenize_conversation(openai_row(convo)["messages"], tok, max_length=1000)
+    spans = [tok.decode([t for t, lab in zip(out["input_ids"], out["labels"]) if lab != IGNORE_INDEX])]
+    assert spans == [f"return a + b{labelled}ok{labelled}"]
+    end = out["input_ids"].index(tok.convert_tokens_to_ids("<|im_end|>")) if "<|im_end|>" in closing else 12
+    for n in (end, end + 1):  # truncated just before the closing token, and just after it: the same labels as whole
+        cut = tokenize_conversation(openai_row(convo)["messages"], tok, max_length=n)
+        assert cut["input_ids"] == out["input_ids"][:n] and cut["labels"] == out["labels"][:n]
