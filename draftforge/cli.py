@@ -37,6 +37,7 @@ INTERRUPTED = {
     "eval": "no report was written for this run (eval writes its report only after every run has finished)",
     "generate": "the rows already appended to --out are kept; rerun the same command to continue",
     "harvest": "the finished shards in --out are kept; rerun the same command with --resume to continue",
+    "demo": "what the drafter runs in --out saved is kept; rerun the same command with --resume to continue",
 }
 
 

@@ -75,12 +75,24 @@ QUICK = ["train.max_steps=8", "train.block_size=64", "train.global_batch_size=8"
          "train.eval_every=0", "train.save_every=0"]
 
 
-def _train(values: dict, label: str, say, quick: bool) -> dict:
+def _train(values: dict, label: str, say, quick: bool, resume: bool = False) -> dict:
+    """One drafter run; with `resume`, a run the demo started in --out continues from its last checkpoint (a
+    finished one only exports again), else it is replaced."""
+    from draftforge.errors import CheckpointError
     from draftforge.recipe import recipe_from_dict
     from draftforge.train import run as run_training
 
     say(f"\n== {label}")
-    result = run_training(recipe_from_dict(values, QUICK if quick else ()), overwrite=True)
+    recipe = recipe_from_dict(values, QUICK if quick else ())
+    if resume and (Path(recipe.output_dir) / "recipe.yaml").is_file():
+        say(f"--resume: continuing the run in {recipe.output_dir}")
+        try:
+            result = run_training(recipe, resume=True)
+        except CheckpointError as e:
+            raise CheckpointError(f"the demo in {Path(recipe.output_dir).parent} cannot be resumed ({e}); run the "
+                                  "demo without --resume to start it again") from None
+    else:
+        result = run_training(recipe, overwrite=True)
     return {"final_loss": result.final_loss, "eval_loss": result.eval_loss, "tokens_per_s": result.tokens_per_s,
             "export": str(result.export_dir)}
 
@@ -114,7 +126,8 @@ def distill_row(prompt_ids: list[int], new_ids: list[int], eos_id: int) -> dict:
     return {"input_ids": prompt_ids + new_ids, "loss_mask": mask}
 
 
-def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens: int, say) -> Path:
+def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens: int, say, resume: bool = False
+                       ) -> Path:
     """Token rows of training-split snippets and the target's greedy and sampled continuations of them.
 
     Rows carry ids, not text: the target's output re-tokenized from text is often other ids
@@ -128,8 +141,17 @@ def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens:
     from draftforge.loading import load_causal_lm
     from draftforge.testbed import prompt_candidates
 
+    from draftforge.data.provenance import read_sidecar, rows_record, write_sidecar
+    from draftforge.fsutil import atomic_write_text
+
     tok = AutoTokenizer.from_pretrained(testbed / "tokenizer")
     model = load_causal_lm(testbed / "target", what="target", dtype=resolve_dtype("auto").torch_dtype).eval()
+    path = out / "sft_distill.jsonl"
+    record = {**rows_record(tok, model, testbed / "target", "draftforge demo"),
+              "demo": {"prompts": n_prompts, "max_new_tokens": max_new_tokens}}
+    if resume and path.is_file() and read_sidecar(path) == record:  # written whole (renamed into place)
+        say(f"\n== distillation data: --resume keeps {path} (the same target and settings)")
+        return path
     prompts = []
     with open(testbed / "corpus_train.jsonl") as f:
         for line in f:
@@ -157,12 +179,10 @@ def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens:
 
         raise DataError("the target produced no text for any snippet; is the target trained? (rebuild it by "
                         f"deleting {testbed / 'target'})")
-    from draftforge.data.provenance import rows_record, write_sidecar
-
-    path = out / "sft_distill.jsonl"
-    # the sidecar first: rows never exist without the record of the tokenizer that made them
-    write_sidecar(path, rows_record(tok, model, testbed / "target", "draftforge demo"))
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # the sidecar first: rows never exist without the record of the tokenizer that made them; the rows are
+    # renamed into place whole, so a file there is a complete one (what --resume keeps)
+    write_sidecar(path, record)
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
@@ -207,18 +227,18 @@ def _eval(testbed: Path, paths, drafter: str, out: Path, quick: bool, num_prompt
 
 
 def run_demo(testbed: Path, out: Path, *, quick: bool = False, num_prompts: int = 20, max_new_tokens: int = 64,
-             threads: int | None = None, say=print) -> dict:
+             threads: int | None = None, resume: bool = False, say=print) -> dict:
     import torch
 
     before = torch.get_num_threads()
     try:
-        return _run_demo(testbed, out, quick, num_prompts, max_new_tokens, choose_threads(threads), say)
+        return _run_demo(testbed, out, quick, num_prompts, max_new_tokens, choose_threads(threads), say, resume)
     finally:
         torch.set_num_threads(before)  # an in-process caller (a test) keeps its own setting
 
 
 def _run_demo(testbed: Path, out: Path, quick: bool, num_prompts: int, max_new_tokens: int, threads_note: str,
-              say) -> dict:
+              say, resume: bool = False) -> dict:
     from draftforge.eval.report import markdown_table
     from draftforge.testbed import ensure_testbed
 
@@ -235,12 +255,12 @@ def _run_demo(testbed: Path, out: Path, quick: bool, num_prompts: int, max_new_t
         summary["target_training"] = ensure_target(testbed, quick, say)
     with _phase(seconds, "drafter pre-training"):
         summary["drafter_pretrain"] = _train(tiny_recipe("pretrain", testbed, out), "drafter: pre-training a tiny "
-                                             "Mamba2", say, quick)
+                                             "Mamba2", say, quick, resume)
     with _phase(seconds, "distillation data"):
-        write_distill_data(testbed, out, 32 if quick else 256, 16 if quick else 64, say)
+        write_distill_data(testbed, out, 32 if quick else 256, 16 if quick else 64, say, resume)
     with _phase(seconds, "drafter SFT"):
         summary["drafter_sft"] = _train(tiny_recipe("sft", testbed, out), "drafter: SFT on the target's "
-                                        "continuations", say, quick)
+                                        "continuations", say, quick, resume)
     say(f"\n== eval: speculative decoding vs plain decoding on held-out prompts, {EVAL_REPEATS} timed passes")
     with _phase(seconds, "eval"):
         report = _eval(testbed, paths, summary["drafter_sft"]["export"], out, quick, num_prompts, max_new_tokens)
@@ -267,6 +287,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                                                       "(default %(default)s)")
     p.add_argument("--out", default=OUT, help="where the drafter runs, exports and eval report go (default %(default)s)")
     p.add_argument("--quick", action="store_true", help="smallest settings (a smoke test, ~1 min; numbers mean little)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted demo in --out (same flags): each "
+                   "drafter run continues from its last checkpoint (a finished one is kept), the distillation rows "
+                   "are kept when the target and settings match, and the eval runs again; without it a demo "
+                   "replaces the one in --out")
     p.add_argument("--num-prompts", type=int, default=20, help="held-out prompts in the eval (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default %(default)s)")
     p.add_argument("--threads", type=int, help="torch threads for every phase (default: 1, or OMP_NUM_THREADS "
@@ -325,5 +349,5 @@ def check_out_files(out: Path) -> None:
 def run(args) -> int:
     check_args(args)
     run_demo(Path(args.testbed).expanduser(), Path(args.out), quick=args.quick, num_prompts=args.num_prompts,
-             max_new_tokens=args.max_new_tokens, threads=args.threads)
+             max_new_tokens=args.max_new_tokens, threads=args.threads, resume=args.resume)
     return 0

@@ -22,6 +22,7 @@ SAYS = {
     "eval": "interrupted: no report was written for this run",
     "generate": "interrupted: the rows already appended to --out are kept; rerun the same command to continue",
     "harvest": "interrupted: the finished shards in --out are kept; rerun the same command with --resume",
+    "demo": "interrupted: what the drafter runs in --out saved is kept; rerun the same command with --resume",
 }
 
 

@@ -69,3 +69,64 @@ def test_run_demo_prints_phase_times_spread_and_threads(tmp_path, monkeypatch, r
                                               "drafter SFT", "eval"]
     text = "\n".join(lines)
     assert "phase times: testbed 0.0 min" in text and "tree 2.00×" in text and "torch threads: 1 (" in text
+
+
+def test_resume_continues_the_demos_runs_and_says_how_to_start_again(tmp_path, monkeypatch):
+    # an interrupted demo started over: minutes of training lost; --resume continues each drafter run
+    import draftforge.train
+    from draftforge.errors import CheckpointError
+
+    calls = []
+
+    def fake_run(recipe, **kwargs):
+        calls.append(kwargs)
+        return SimpleNamespace(final_loss=1.0, eval_loss=None, tokens_per_s=1.0, export_dir="x")
+
+    monkeypatch.setattr(draftforge.train, "run", fake_run)
+    values = demo.tiny_recipe("pretrain", tmp_path / "tb", tmp_path / "out")
+    demo._train(values, "pre-training", lambda *_: None, quick=False, resume=True)  # nothing there yet: a new run
+    run_dir = tmp_path / "out" / "drafter-pretrain"
+    run_dir.mkdir(parents=True)
+    (run_dir / "recipe.yaml").write_text("{}")
+    demo._train(values, "pre-training", lambda *_: None, quick=False, resume=True)
+    demo._train(values, "pre-training", lambda *_: None, quick=False)  # without --resume: replaced, as before
+    assert calls == [{"overwrite": True}, {"resume": True}, {"overwrite": True}]
+
+    def refused(recipe, **kwargs):
+        raise CheckpointError("--resume: the recipe differs from the run in X in train.block_size")
+
+    monkeypatch.setattr(draftforge.train, "run", refused)
+    with pytest.raises(CheckpointError, match=r"the demo in .*out cannot be resumed \(--resume: the recipe differs.*"
+                                              r"run the demo without --resume to start it again"):
+        demo._train(values, "pre-training", lambda *_: None, quick=False, resume=True)
+
+
+def test_resume_keeps_distillation_rows_only_of_the_same_target_and_settings(tmp_path, tiny_tokenizer_dir):
+    import json
+    import shutil
+
+    from tests.fixtures.decode import tiny_llama
+    from transformers import AutoTokenizer
+
+    tb, out = tmp_path / "tb", tmp_path / "out"
+    shutil.copytree(tiny_tokenizer_dir, tb / "tokenizer")
+    tok = AutoTokenizer.from_pretrained(tb / "tokenizer")
+    tiny_llama(vocab=len(tok), seed=0).save_pretrained(tb / "target")
+    source = ('''def add(a, b):\n    """Add two numbers and return the sum of them, as the caller asked; both '''
+              '''are kept as they are."""\n    return a + b\n''' * 4)
+    (tb / "corpus_train.jsonl").write_text(json.dumps({"text": source}) + "\n")
+    out.mkdir()
+    said = []
+    path = demo.write_distill_data(tb, out, 2, 4, said.append)
+    first = path.read_bytes()
+    path.write_text(path.read_text() + "\n")  # marks this copy: kept or not
+    demo.write_distill_data(tb, out, 2, 4, said.append, resume=True)
+    assert path.read_bytes() == first + b"\n" and "--resume keeps" in said[-1]
+    for settings in ((2, 5), (1, 4)):  # other settings: written again
+        demo.write_distill_data(tb, out, *settings, said.append, resume=True)
+        assert "--resume keeps" not in said[-1] and path.read_bytes() != first + b"\n"
+    demo.write_distill_data(tb, out, 2, 4, said.append)
+    assert path.read_bytes() == first
+    tiny_llama(vocab=len(tok), seed=1).save_pretrained(tb / "target")  # another target: its rows are not the old ones
+    demo.write_distill_data(tb, out, 2, 4, said.append, resume=True)
+    assert "--resume keeps" not in said[-1]
