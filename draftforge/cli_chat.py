@@ -60,8 +60,10 @@ def check_args(args) -> dict:
     from draftforge.errors import CheckpointError, RecipeError
     from draftforge.loading import missing_local_path
 
-    if args.max_new_tokens < 1 or args.temperature < 0:
-        raise RecipeError("--max-new-tokens must be >= 1 and --temperature >= 0")
+    if args.max_new_tokens < 1:
+        raise RecipeError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.temperature >= 0:  # NaN too
+        raise RecipeError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.threads is not None and args.threads < 1:
         raise RecipeError(f"--threads must be >= 1, got {args.threads}")
     get_method(args.method)  # an unknown name, with the names there are

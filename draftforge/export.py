@@ -89,9 +89,11 @@ def _check_destination(out_dir: Path, identity: dict, overwrite: bool) -> None:
     existing = check_not_foreign(out_dir)
     if existing is None:
         return
-    if not overwrite and {k: existing.get(k) for k in _IDENTITY_KEYS} != identity:
-        raise CheckpointError(f"{out_dir} already holds a different export (task {existing.get('task')!r}, "
-                              f"target {existing.get('target')!r}); choose another --out or pass --overwrite")
+    differ = [k for k in _IDENTITY_KEYS if existing.get(k) != identity.get(k)]
+    if not overwrite and differ:
+        said = "; ".join(f"its {k} {existing.get(k)!r}, this one's {identity.get(k)!r}" for k in differ)
+        raise CheckpointError(f"{out_dir} already holds a different export ({said}); choose another --out or pass "
+                              "--overwrite")
 
 
 GENERATE_PY = '''"""Written by `draftforge export`: transformers' generate() runs speculative decoding with this drafter.

@@ -138,8 +138,11 @@ def open_harvest(out_dir: Path, meta: dict, resume: bool) -> None:
         later = tuple(k for k in ("tokenizer_fingerprint", "dtype", "prompts_sha256", "ignore_eos") if k in old)
         for key in ("target", "drafter", "settings", *later):
             if old.get(key) != meta.get(key):
-                raise CompatibilityError(f"{out_dir} was harvested with another {key} ({old.get(key)} vs "
-                                         f"{meta.get(key)}); harvest into a new --out")
+                what = (f"another {key} ({old.get(key)} vs {meta.get(key)})" if key != "prompts_sha256" else
+                        "other prompts (the --bench file, --num-prompts or --chat-template changed: their sha256 "
+                        f"{str(old.get(key))[:12]}... vs {str(meta.get(key))[:12]}...)")
+                raise CompatibilityError(f"{out_dir} was harvested with {what}; resume with the same ones, or "
+                                         "harvest into a new --out (or --overwrite it)")
         return
     from draftforge.fsutil import atomic_write_text
 

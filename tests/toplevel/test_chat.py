@@ -167,6 +167,8 @@ def test_the_printer_shows_exactly_the_decoded_answer(models):
     (["--tree", "3,x"], "--tree expects comma-separated integers"),
     (["--chain-length", "0"], "--chain-length must be >= 1, got 0"),
     (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--temperature", "-1"], "--temperature must be >= 0 (0 = greedy), got -1.0"),  # it named both flags
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
     (["--drafter", "{missing}"], "cannot load the drafter: directory {missing} does not exist (--drafter)"),
 ])
 def test_what_would_fail_after_the_models_load_is_refused_before(tmp_path, monkeypatch, capsys, flags, message):

@@ -100,7 +100,9 @@ def test_overwrite_protection(tokenizer, tmp_path):
     out = export_model(model, tokenizer, tmp_path / "export", metadata=META)
     export_model(model, tokenizer, out, metadata={**META, "metrics": {"eval_loss": 2.0}})  # same run: replaced
     assert read_export_metadata(out)["metrics"] == {"eval_loss": 2.0}
-    with pytest.raises(CheckpointError, match="different export.*--overwrite"):
+    # the message names what differs, both sides (it named the old export's task and target, which may match)
+    with pytest.raises(CheckpointError, match=r"different export \(its task 'pretrain', this one's 'sft'\); .*"
+                                              "--overwrite"):
         export_model(model, tokenizer, out, metadata={**META, "task": "sft"})
     export_model(model, tokenizer, out, metadata={**META, "task": "sft"}, overwrite=True)
     assert read_export_metadata(out)["task"] == "sft"

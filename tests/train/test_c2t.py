@@ -116,7 +116,8 @@ def test_a_resume_over_other_prompts_or_a_broken_record_is_refused(harvested, tm
                              for i in range(12)))
     before = sorted((p.name, p.stat().st_mtime_ns) for p in copy.iterdir())
     assert harvest_cli(t_dir, d_dir, other, copy, "--resume") == 2
-    assert "another prompts_sha256" in capsys.readouterr().err
+    assert "harvested with other prompts (the --bench file, --num-prompts or --chat-template changed" in \
+        capsys.readouterr().err
     assert cli_main(["harvest", "trees", "--target", str(t_dir), "--drafter", str(d_dir), "--bench", str(bench),
                      "--out", str(copy), "--top-k", "3", "--depth", "3", "--max-new-tokens", "24", "--resume"]) == 2
     assert "another ignore_eos" in capsys.readouterr().err
