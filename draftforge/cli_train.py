@@ -13,6 +13,17 @@ EPILOG = """examples:
   draftforge train recipes/tiny/pretrain.yaml --resume          # continue from the latest checkpoint
   accelerate launch --config_file launch/multi_cpu.yaml -m draftforge train recipes/tiny/pretrain.yaml
   draftforge train --help-recipe pretrain                       # every recipe field with its default and doc
+
+what a run writes in its output_dir (and, while it runs, the lock .NAME.lock beside it):
+  recipe.yaml      the recipe as run (--set applied); --resume compares against it
+  inputs.json      what the run read (data, init weights, frozen target), checked again on --resume
+  metrics.jsonl    one line per logged step and per eval (loss, lr, tokens/s, held-out metrics)
+  checkpoints/     step-NNNNNNNN/ every train.save_every steps (train.keep_checkpoints kept) and at the end
+  export/          the model in Hugging Face form + draftforge.json, when training ends (train.export): what
+                   `eval` reads and `draftforge export` copies out; the best eval's weights with train.keep_best
+  best/            train.keep_best's record: the best eval's weights so far and best.json
+  logs/            tracker output (tensorboard, ...; train.trackers)
+  history.jsonl    each --resume that changed train.max_steps
 """
 
 

@@ -354,3 +354,18 @@ def test_a_moved_run_exports_its_own_draft_vocabulary(tmp_path, tiny_corpus_dir,
     shutil.rmtree(first)
     out = export_checkpoint(moved, tmp_path / "out2", say=lambda *a: None)
     assert json.loads((out / "config.json").read_text())["draft_vocab"] == own
+
+
+def test_train_help_lists_everything_a_run_writes(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    # `train --help` did not say what a run writes; its list must name every entry a run (resumed with a longer
+    # max_steps, exporting, keeping the best, with a tracker) leaves in output_dir, and nothing it never writes
+    from draftforge.cli_train import EPILOG
+
+    listed = set(re.findall(r"^  ([a-z_.]+)/?\s{2,}", EPILOG.split("what a run writes", 1)[1], re.M))
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=2, export=True, keep_best="loss",
+                         eval_every=1, trackers=["tensorboard"])
+    run(recipe_from_dict(values))
+    result = run(recipe_from_dict(values, ["train.max_steps=3"]), resume=True)
+    written = {p.name for p in result.run_dir.iterdir() if not p.name.startswith(".")}
+    assert written == listed, (written, listed)
+    assert not [p.name for p in tmp_path.iterdir() if p.name not in ("run",)]  # the lock beside it is gone
