@@ -135,7 +135,8 @@ def open_harvest(out_dir: Path, meta: dict, resume: bool) -> None:
         if not resume:
             raise DataError(f"{out_dir} already holds a harvest; pass --resume to continue it or choose another --out")
         # a harvest from before these were recorded lacks them: the target's weights bind it still
-        later = tuple(k for k in ("tokenizer_fingerprint", "dtype", "prompts_sha256", "ignore_eos") if k in old)
+        later = tuple(k for k in ("tokenizer_fingerprint", "dtype", "prompts_sha256", "ignore_eos", "depth_origin")
+                      if k in old)
         for key in ("target", "drafter", "settings", *later):
             if old.get(key) != meta.get(key):
                 what = (f"another {key} ({old.get(key)} vs {meta.get(key)})" if key != "prompts_sha256" else
@@ -398,7 +399,7 @@ def configure(p) -> None:
 
 def run_job(job: TreeHarvestJob) -> int:
     summary = harvest_trees(job)
-    print(f"harvest: {summary['prompts']} prompts, {summary['trees']} trees, {summary['rows']} nodes, "
-          f"{summary['positives']} accepted ({summary['positive_rate']:.3%}), τ {summary['tau']:.2f} accepted "
+    print(f"harvest: {summary['prompts']:,} prompts, {summary['trees']:,} trees, {summary['rows']:,} nodes, "
+          f"{summary['positives']:,} accepted ({summary['positive_rate']:.3%}), τ {summary['tau']:.2f} accepted "
           f"drafts per tree; in {job.out}")
     return 0

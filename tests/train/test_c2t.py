@@ -122,6 +122,10 @@ def test_a_resume_over_other_prompts_or_a_broken_record_is_refused(harvested, tm
                      "--out", str(copy), "--top-k", "3", "--depth", "3", "--max-new-tokens", "24", "--resume"]) == 2
     assert "another ignore_eos" in capsys.readouterr().err
     assert sorted((p.name, p.stat().st_mtime_ns) for p in copy.iterdir()) == before
+    meta = json.loads((copy / "harvest.json").read_text())
+    (copy / "harvest.json").write_text(json.dumps({**meta, "depth_origin": 1}))  # its d column counts from 1
+    assert harvest_cli(t_dir, d_dir, bench, copy, "--resume") == 2
+    assert "another depth_origin (1 vs 0)" in capsys.readouterr().err
     (copy / "harvest.json").write_text("{not json")
     assert harvest_cli(t_dir, d_dir, bench, copy, "--resume") == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
