@@ -139,7 +139,7 @@ def test_a_message_longer_than_the_context_is_refused_and_the_session_goes_on(mo
     out = chat_in_process(monkeypatch, capsys, tmp_path, ["word " * 80, "def add(a, b):"], "--max-new-tokens", "8")
     assert "the target's context is 64: send a shorter one" in out.err
     assert out.out == greedy_answer(target, tok, [{"role": "user", "content": "def add(a, b):"}], 8) + "\n"
-    assert "chat: 1 answers" in out.err
+    assert "chat: 1 answer," in out.err
 
 
 def test_the_printer_shows_exactly_the_decoded_answer(models):

@@ -356,12 +356,15 @@ def test_a_moved_run_exports_its_own_draft_vocabulary(tmp_path, tiny_corpus_dir,
     assert json.loads((out / "config.json").read_text())["draft_vocab"] == own
 
 
-def test_train_help_lists_everything_a_run_writes(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+def test_train_help_lists_everything_a_run_writes(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, capsys):
     # `train --help` did not say what a run writes; its list must name every entry a run (resumed with a longer
     # max_steps, exporting, keeping the best, with a tracker) leaves in output_dir, and nothing it never writes
-    from draftforge.cli_train import EPILOG
+    from draftforge.cli import main
 
-    listed = set(re.findall(r"^  ([a-z_.]+)/?\s{2,}", EPILOG.split("what a run writes", 1)[1], re.M))
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out.split("what a run writes", 1)[1].split("\n\n", 1)[0]
+    listed = set(re.findall(r"^  ([a-z_.]+)/?\s{2,}", text, re.M))
     values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=2, export=True, keep_best="loss",
                          eval_every=1, trackers=["tensorboard"])
     run(recipe_from_dict(values))
