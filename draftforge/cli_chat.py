@@ -207,7 +207,8 @@ def run(args) -> int:
         messages.append({"role": "assistant", "content": target.tokenizer.decode(res.tokens, skip_special_tokens=True)})
     if totals["answers"]:
         rate = totals["tokens"] / totals["seconds"]
-        summary = (f"chat: {totals['answers']} answer{'s' if totals['answers'] > 1 else ''}, {totals['tokens']} tokens, {rate:.1f} tok/s, "
+        answers = f"{totals['answers']} answer{'s' if totals['answers'] > 1 else ''}"
+        summary = (f"chat: {answers}, {totals['tokens']} tokens, {rate:.1f} tok/s, "
                    f"τ {totals['tokens'] / max(totals['forwards'], 1):.2f}")
         if totals["ar_tokens"]:
             summary += f", {rate / (totals['ar_tokens'] / totals['ar_seconds']):.2f}× plain decoding"

@@ -138,11 +138,10 @@ def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens:
     import torch
     from transformers import AutoTokenizer
 
-    from draftforge.loading import load_causal_lm
-    from draftforge.testbed import prompt_candidates
-
     from draftforge.data.provenance import read_sidecar, rows_record, write_sidecar
     from draftforge.fsutil import atomic_write_text
+    from draftforge.loading import load_causal_lm
+    from draftforge.testbed import prompt_candidates
 
     tok = AutoTokenizer.from_pretrained(testbed / "tokenizer")
     model = load_causal_lm(testbed / "target", what="target", dtype=resolve_dtype("auto").torch_dtype).eval()

@@ -90,8 +90,10 @@ def _search_spans(text: str, messages: list[dict]) -> list[tuple[int, int]]:
     return spans
 
 
-def tokenize_conversation(messages: list[dict], tokenizer, max_length: int) -> dict:
-    """Render, tokenize and mask one conversation; truncated to `max_length` tokens."""
+def tokenize_conversation(messages: list[dict], tokenizer, max_length: int, closer: int | None | str = "find"
+                          ) -> dict:
+    """Render, tokenize and mask one conversation; truncated to `max_length` tokens. `closer`: the template's
+    turn-closing token id (`closing_token`), found here unless a caller of many conversations found it once."""
     if not getattr(tokenizer, "is_fast", False):
         raise DataError("format=chat needs a fast tokenizer (offset mapping); load it with use_fast=True")
     text, spans = render_with_spans(messages, tokenizer)
@@ -102,7 +104,7 @@ def tokenize_conversation(messages: list[dict], tokenizer, max_length: int) -> d
     for token_id, (start, end) in zip(input_ids, offsets):
         in_assistant = any(start < s_end and end > s_start for s_start, s_end in spans)
         labels.append(token_id if in_assistant else IGNORE_INDEX)
-    closer = closing_token(tokenizer)
+    closer = closing_token(tokenizer) if closer == "find" else closer
     if closer is not None:
         for _, s_end in spans:
             for i in _turn_end(input_ids, offsets, text, s_end, closer):

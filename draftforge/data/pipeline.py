@@ -21,7 +21,7 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 
-from draftforge.data.chat import tokenize_conversation
+from draftforge.data.chat import closing_token, tokenize_conversation
 from draftforge.data.packing import StreamPacker, blocks_table, flatten_lists, pack_greedy, pack_stream
 from draftforge.data.sources import check_token_sources, load_sources
 from draftforge.errors import DataError
@@ -209,7 +209,8 @@ _CHAT_CODE = _chat_code_hash()
 
 
 def _tokenize_chat(batch, tokenizer, block_size, masking=None):  # masking: _CHAT_CODE, for the cache key only
-    out = [tokenize_conversation(m, tokenizer, block_size) for m in batch["messages"]]
+    closer = closing_token(tokenizer)  # once per batch: it renders a probe conversation
+    out = [tokenize_conversation(m, tokenizer, block_size, closer) for m in batch["messages"]]
     return {"input_ids": [o["input_ids"] for o in out], "labels": [o["labels"] for o in out]}
 
 

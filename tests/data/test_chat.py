@@ -155,7 +155,7 @@ def test_a_change_to_the_masking_code_re_tokenizes_cached_conversations(tmp_path
                                              for i in range(4)])
     before = build_block_data(data_cfg([src], format="chat"), tok, 64, seed=0).stats["loss_tokens"]
 
-    def every_token(messages, tokenizer, max_length):
+    def every_token(messages, tokenizer, max_length, closer=None):
         ids = tokenizer(render(messages, tokenizer), add_special_tokens=False)["input_ids"][:max_length]
         return {"input_ids": ids, "labels": list(ids)}
 
