@@ -25,6 +25,8 @@ SKIP = [
     (r"^bash \.ci/latest", "a fresh venv from the package index: the drift check, not a user command"),
     (r"^python -m pytest", "the test suite itself"),
     (r"^draftforge demo$", "~15 min of CPU: the README's next command runs the same pipeline with --quick"),
+    (r"^draftforge demo --resume$", "continues an interrupted full demo (~15 min of CPU); test_demo_units checks "
+                                    "what --resume keeps and continues"),
     (r"^draftforge target smollm2", "fetches SmolLM2 from the package index"),
     (r"^bash benchmarks/pipelines/", "hours of CPU on SmolLM2"),
     (r"recipes/pretrain\.yaml", "streams FineWeb-Edu from the Hugging Face Hub"),
