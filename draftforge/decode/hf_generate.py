@@ -9,9 +9,11 @@
 is any draftforge method (chain, tree, ucb, eagle2, c2t, eesd, the length controllers) with its options in
 `method_options`. Honoured: max_new_tokens / max_length, eos_token_id, do_sample with temperature / top_k / top_p,
 stop strings, max_time, stopping_criteria (checked after every token, as generate() does; their `scores` argument is
-None), a streamer, return_dict_in_generate. Refused in one line: batch size > 1, padding, beams, several return
-sequences, scores / logits outputs, logits warpers passed by hand, and every other logits processor (repetition
-penalty, min length, ...), which would change the distribution the harness verifies against. Settings come as
+None; a caller's MaxLengthCriteria / EosTokenCriteria replaces the config's, as in generate()), a streamer,
+return_dict_in_generate. Refused in one line: batch size > 1, padding, beams, several return sequences, scores /
+logits outputs, logits warpers passed by hand, every other logits processor (repetition penalty, min length, ...),
+which would change the distribution the harness verifies against, and the other decoding modes (contrastive search,
+DoLa, constrained search). A setting generate() itself ignores (min_p when greedy, guidance_scale 1) is accepted. Settings come as
 generate() takes them: the call's arguments over generation_config over the model's own over transformers'
 defaults (top_k 50 when sampling, 20 new tokens when no length is given).
 
@@ -41,16 +43,62 @@ from draftforge.errors import CompatibilityError, DraftforgeError
 _ATTR = "_draftforge_speculative_cache"
 _KEEP = 4
 
-# GenerationConfig fields that add a logits processor or another output: value when off
-_UNSUPPORTED_FIELDS = {
-    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": None,
-    "min_length": 0, "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
-    "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None, "typical_p": 1.0,
-    "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": None, "guidance_scale": None, "renormalize_logits": False,
-    "exponential_decay_length_penalty": None, "watermarking_config": None, "output_scores": False,
-    "output_logits": False, "output_attentions": False, "output_hidden_states": False, "top_h": None,
+# GenerationConfig fields that make generate() add a logits processor, pick another decoding mode or return an
+# output the harness does not have; each with the test generate() (transformers 5.24, generation/utils.py and
+# configuration_utils.py) applies to it, so a value generate() itself ignores (min_p when greedy, guidance_scale 1,
+# suppress_tokens []) is accepted rather than refused
+def _sampled(gc) -> bool:
+    return bool(gc.do_sample)
+
+
+def _positive(v) -> bool:
+    return v is not None and v > 0
+
+
+def _eos(gc) -> bool:
+    return gc.eos_token_id is not None
+
+
+_ACTIVE = {
+    "repetition_penalty": lambda v, gc: v is not None and v != 1.0,
+    "encoder_repetition_penalty": lambda v, gc: v is not None and v != 1.0,
+    "no_repeat_ngram_size": lambda v, gc: _positive(v),
+    "encoder_no_repeat_ngram_size": lambda v, gc: _positive(v),
+    "min_new_tokens": lambda v, gc: _positive(v) and _eos(gc),  # before min_length, which generate() sets from it
+    "min_length": lambda v, gc: _positive(v) and _eos(gc),
+    "bad_words_ids": lambda v, gc: v is not None,
+    "suppress_tokens": lambda v, gc: bool(v),
+    "begin_suppress_tokens": lambda v, gc: bool(v),
+    "sequence_bias": lambda v, gc: bool(v),
+    "forced_bos_token_id": lambda v, gc: v is not None,
+    "forced_eos_token_id": lambda v, gc: v is not None,
+    "remove_invalid_values": lambda v, gc: v is True,
+    "exponential_decay_length_penalty": lambda v, gc: v is not None,
+    "guidance_scale": lambda v, gc: v is not None and v != 1,
+    "watermarking_config": lambda v, gc: v is not None,
+    "token_healing": lambda v, gc: bool(v),
+    # warpers generate() adds only when sampling
+    "top_h": lambda v, gc: _sampled(gc) and v is not None,
+    "min_p": lambda v, gc: _sampled(gc) and _positive(v),
+    "typical_p": lambda v, gc: _sampled(gc) and v is not None and v < 1.0,
+    "epsilon_cutoff": lambda v, gc: _sampled(gc) and v is not None and 0.0 < v < 1.0,
+    "eta_cutoff": lambda v, gc: _sampled(gc) and v is not None and 0.0 < v < 1.0,
+    # other decoding modes: contrastive search, DoLa, constrained beam search
+    "penalty_alpha": lambda v, gc: not _sampled(gc) and _positive(v) and gc.top_k is not None and gc.top_k > 1,
+    "dola_layers": lambda v, gc: v is not None,
+    "constraints": lambda v, gc: v is not None,
+    "force_words_ids": lambda v, gc: v is not None,
+    # outputs generate() returns only with return_dict_in_generate
+    "output_scores": lambda v, gc: bool(v) and bool(gc.return_dict_in_generate),
+    "output_logits": lambda v, gc: bool(v) and bool(gc.return_dict_in_generate),
+    "output_attentions": lambda v, gc: bool(v) and bool(gc.return_dict_in_generate),
+    "output_hidden_states": lambda v, gc: bool(v) and bool(gc.return_dict_in_generate),
 }
 _WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
+# processors generate() builds that leave the distribution as it is: no tokens suppressed, a min-p of 0, and the
+# final log-softmax of renormalize_logits (sampling and argmax read the same distribution)
+_NO_OPS = {"SuppressTokensLogitsProcessor": lambda p: p.suppress_tokens.numel() == 0,
+           "MinPLogitsWarper": lambda p: p.min_p == 0, "LogitNormalization": lambda p: True}
 
 
 def _refuse(what: str) -> DraftforgeError:
@@ -132,15 +180,17 @@ def _sampling(gc, logits_processor) -> tuple[float, int, float]:
         raise _refuse("beam search (num_beams > 1) is not speculative decoding; use num_beams=1")
     if (gc.num_return_sequences or 1) > 1:
         raise _refuse("one sequence per prompt (num_return_sequences=1)")
-    for field, off in _UNSUPPORTED_FIELDS.items():
-        value = getattr(gc, field, off)
-        if value is not None and value != off:
+    for field, active in _ACTIVE.items():
+        value = getattr(gc, field, None)
+        if active(value, gc):
             raise _refuse(f"{field}={value!r} is not supported (the harness verifies against the target's own "
-                          "distribution; only temperature, top_k and top_p shape it)")
+                          "distribution: only temperature, top_k and top_p shape it, and it returns the sequences)")
     settings = {"TemperatureLogitsWarper": ("temperature", gc.temperature), "TopKLogitsWarper": ("top_k", gc.top_k),
                 "TopPLogitsWarper": ("top_p", gc.top_p)}
     for proc in logits_processor or ():
         name = type(proc).__name__
+        if name in _NO_OPS and _NO_OPS[name](proc):
+            continue
         if name not in _WARPERS:
             raise _refuse(f"logits processor {name} is not supported (only temperature, top_k, top_p)")
         field, value = settings[name]
@@ -164,6 +214,30 @@ def _sampling(gc, logits_processor) -> tuple[float, int, float]:
 _ENFORCED = ("MaxLengthCriteria", "EosTokenCriteria")  # the harness stops there itself, exactly as these would
 
 
+def _limits(criteria, gc, prompt_len: int) -> tuple[int, list[int]]:
+    """(new tokens at most, eos ids) as generate() stops: from the generation config, except where the stopping
+    criteria hold a MaxLengthCriteria or EosTokenCriteria, which generate() puts in place of the ones it builds from
+    that config (a user's own takes precedence). The harness stops there itself instead of checking them per token."""
+    max_new = gc.max_new_tokens if gc.max_new_tokens is not None else (gc.max_length or 20) - prompt_len
+    eos = _ids(gc.eos_token_id)
+    for c in criteria or ():
+        name = type(c).__name__
+        if name == "MaxLengthCriteria":
+            max_new = max(c.max_length - prompt_len, 1)  # generate() checks after a token: one at least
+        elif name == "EosTokenCriteria":
+            eos = _ids(c.eos_token_id)
+    return max_new, eos
+
+
+def _ids(value) -> list[int]:
+    """eos ids as generate() accepts them: None, an int, a list or a tensor (0-d included)."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.flatten().tolist()]
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
 def speculative_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
                          drafter=None, method: str = "chain", method_options: dict | None = None,
                          seed: int | None = None, stream=None, stop=None, stop_tokenizer=None, **model_kwargs):
@@ -178,7 +252,7 @@ def speculative_generate(model, input_ids, logits_processor=None, stopping_crite
     if mask is not None and not bool(mask.all()):
         raise _refuse("padding is not supported (batch size 1, attention_mask all ones)")
     prompt = input_ids[0].tolist()
-    max_new = gc.max_new_tokens if gc.max_new_tokens is not None else (gc.max_length or 20) - len(prompt)
+    max_new, eos = _limits(stopping_criteria, gc, len(prompt))
     if max_new < 1:
         raise _refuse(f"nothing to generate: max_length {gc.max_length} is not above the prompt's {len(prompt)} tokens")
     dec = _decoder(model, drafter, method, dict(method_options or {}), stop_tokenizer)
@@ -223,7 +297,6 @@ def speculative_generate(model, input_ids, logits_processor=None, stopping_crite
 
     if seed is None and temperature > 0:  # as generate() samples: from torch's global generator (manual_seed: repeats)
         seed = int(torch.randint(0, 2**31 - 1, ()))
-    eos = gc.eos_token_id if gc.eos_token_id is not None else []
     if stream is not None:
         stream.put(input_ids.cpu())
     try:
@@ -243,6 +316,14 @@ def speculative_generate(model, input_ids, logits_processor=None, stopping_crite
 _PASSED_ON = ("drafter", "method", "method_options", "seed")
 _IGNORED_IF_UNSET = ("prefix_allowed_tokens_fn", "assistant_model", "negative_prompt_ids",
                      "negative_prompt_attention_mask", "synced_gpus", "use_model_defaults", "assistant_tokenizer")
+
+
+def _pads(input_ids, gc) -> bool:
+    """Whether generate() would infer padding from these ids (no attention_mask given): the pad token is in them
+    and is not an eos token (generation/utils.py, _prepare_attention_mask_for_generation)."""
+    pad = _ids(gc.pad_token_id)
+    return bool(pad) and bool(torch.isin(input_ids, torch.tensor(pad)).any()) and not set(pad) & set(_ids(
+        gc.eos_token_id))
 
 
 def is_the_export(model, export_dir: str) -> bool:
@@ -289,6 +370,9 @@ def _generate_from_export(model, drafter_dir: str, inputs=None, generation_confi
     unused = {k: v for k, v in unused.items() if v is not None and k not in ("use_cache", "pad_token_id")}
     if unused:
         raise _refuse(f"unknown or unsupported generate() argument(s): {', '.join(sorted(unused))}")
+    if attention_mask is None and _pads(input_ids, gc):
+        raise _refuse("padding is not supported (batch size 1): the prompt holds the pad token, which generate() "
+                      "reads as padding when no attention_mask is given")
     if stop is None and gc.stop_strings:
         stop = gc.stop_strings
     gc.stop_strings = None

@@ -149,7 +149,10 @@ def test_an_exports_own_custom_generate_directory(target, tok, tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     ({"num_beams": 2}, "beam search"),
     ({"repetition_penalty": 1.3}, "repetition_penalty=1.3 is not supported"),
-    ({"min_new_tokens": 3}, "min_new_tokens=3 is not supported"),
+    ({"min_new_tokens": 3, "eos_token_id": 5}, "min_new_tokens=3 is not supported"),
+    ({"penalty_alpha": 0.6}, "penalty_alpha=0.6 is not supported"),  # contrastive search: it decoded greedily
+    ({"dola_layers": "high"}, "dola_layers='high' is not supported"),  # DoLa: the same
+    ({"do_sample": True, "min_p": 0.1}, "min_p=0.1 is not supported"),  # sampled: generate() adds its warper
     ({"num_return_sequences": 2, "do_sample": True}, "one sequence per prompt"),
 ])
 def test_what_the_harness_cannot_verify_is_refused_in_one_line(target, kwargs, message):
@@ -408,3 +411,49 @@ def test_a_model_moved_after_a_first_call_gets_a_new_harness():
     got = spec(model, ids, max_new_tokens=12, drafter="prompt-lookup")
     assert model.__dict__["_draftforge_speculative_cache"]["target"] is not first
     assert torch.equal(got, plain(model, ids, max_new_tokens=12))
+
+
+def test_what_generate_itself_ignores_or_takes_from_the_caller_is_what_the_harness_does(target, tok, export_dir):
+    """generate() puts a user's MaxLengthCriteria / EosTokenCriteria in place of its own: the harness dropped them
+    and ran to max_new_tokens. Settings generate() ignores (min_p, typical_p when greedy; guidance_scale 1;
+    suppress_tokens []; min_new_tokens without an eos) were refused. An eos id given as a tensor raised a
+    TypeError. Oracle: the target's own generate() with the same arguments."""
+    from transformers import StoppingCriteriaList
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    ids = PROMPTS[1]
+    free = plain(target, ids, max_new_tokens=16)[0, len(ids):].tolist()
+    stop_at = free[5]  # an eos the free run meets mid-way
+    cases = [
+        {"stopping_criteria": StoppingCriteriaList([EosTokenCriteria(eos_token_id=stop_at)])},
+        {"stopping_criteria": StoppingCriteriaList([MaxLengthCriteria(max_length=len(ids) + 4)])},
+        {"eos_token_id": torch.tensor(stop_at)},
+        {"min_p": 0.1}, {"typical_p": 0.5}, {"guidance_scale": 1.0}, {"suppress_tokens": []},
+        {"renormalize_logits": True},
+        {"min_new_tokens": 3},  # the target has no eos: generate() adds no processor
+        {"output_scores": True},  # without return_dict_in_generate nothing is returned for it
+    ]
+    for kw in cases:
+        want = plain(target, ids, max_new_tokens=16, **kw)
+        assert torch.equal(spec(target, ids, max_new_tokens=16, drafter="prompt-lookup", **kw), want), kw
+        assert torch.equal(from_export(target, ids, export_dir, max_new_tokens=16, do_sample=False, **kw), want), kw
+    sampled = target.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=True, min_p=0.0,
+                              custom_generate=draftforge.speculative_generate, drafter="prompt-lookup")
+    assert sampled.shape[1] == len(ids) + 16  # a min-p of 0 removes nothing: sampling runs
+    assert plain(target, ids, max_new_tokens=16, **cases[0]).shape[1] < len(ids) + 16  # the cases stop early
+    assert plain(target, ids, max_new_tokens=16, **cases[1]).shape[1] == len(ids) + 4
+
+
+def test_a_prompt_holding_the_pad_token_is_padding_on_both_paths(target, export_dir):
+    """Without an attention_mask generate() reads the pad token in a prompt as padding: the callable path refused
+    it, the export's directory path decoded it as text."""
+    x = torch.tensor([[12] + PROMPTS[0]])
+    with pytest.raises(CompatibilityError, match="padding"):
+        target.generate(x, max_new_tokens=5, pad_token_id=12, custom_generate=draftforge.speculative_generate,
+                        drafter="prompt-lookup")
+    with pytest.raises(CompatibilityError, match="padding"):
+        target.generate(x, max_new_tokens=5, pad_token_id=12, custom_generate=export_dir, trust_remote_code=True)
+    want = target.generate(x, max_new_tokens=5, pad_token_id=12, eos_token_id=12, do_sample=False)  # pad = eos:
+    got = target.generate(x, max_new_tokens=5, pad_token_id=12, eos_token_id=12, do_sample=False,  # not padding
+                          custom_generate=export_dir, trust_remote_code=True)
+    assert torch.equal(got, want)
