@@ -13,9 +13,9 @@ None; a caller's MaxLengthCriteria / EosTokenCriteria replaces the config's, as 
 return_dict_in_generate. Refused in one line: batch size > 1, padding, beams, several return sequences, scores /
 logits outputs, logits warpers passed by hand, every other logits processor (repetition penalty, min length, ...),
 which would change the distribution the harness verifies against, and the other decoding modes (contrastive search,
-DoLa, constrained search). A setting generate() itself ignores (min_p when greedy, guidance_scale 1) is accepted. Settings come as
-generate() takes them: the call's arguments over generation_config over the model's own over transformers'
-defaults (top_k 50 when sampling, 20 new tokens when no length is given).
+DoLa, constrained search). A setting generate() itself ignores (min_p when greedy, guidance_scale 1) is accepted.
+Settings come as generate() takes them: the call's arguments over generation_config over the model's own over
+transformers' defaults (top_k 50 when sampling, 20 new tokens when no length is given).
 
 transformers (5.24) hands a *callable* custom_generate neither `streamer` nor `tokenizer` (it keeps only what its
 own `_sample` does not take), so `stop_strings` fail there before draftforge runs: with the callable, give
