@@ -116,7 +116,9 @@ class EvalConfig:
         None, "encode each prompt in forwards of N tokens, each continuing the K/V cache (and an SSM / hybrid "
         "target's conv and SSM states; default: one forward). "
         "Bounds the prefill's attention scores to N x context instead of context x context; logits equal one "
-        "forward's within the dtype's rounding (not always bitwise: CPU GEMM sums may depend on the row count)",
+        "forward's within the dtype's rounding (not always bitwise: CPU GEMM sums may depend on the row count). In "
+        "bf16 that rounding can change greedy text (SmolLM2, chunks of 256: from the 13th token of a long "
+        "question): compare runs encoded the same way",
         metavar="N")
     seed: int = option(0, "sampling seed; prompt i uses seed + i")
     out_dir: str = option("eval_out", "directory for report.json, report.md and PNG plots, checked before any "
