@@ -116,7 +116,9 @@ def run_longctx(job: LongctxJob) -> int:
     if Path(job.out).exists():
         raise DataError(f"--out {job.out} exists; this command writes a new file and never replaces one")
     tokenizer = AutoTokenizer.from_pretrained(job.target)
-    context = getattr(AutoConfig.from_pretrained(job.target), "max_position_embeddings", None)
+    from draftforge.decode.targets import max_context
+
+    context = max_context(AutoConfig.from_pretrained(job.target))  # as eval reads it (n_positions, seq_length, ...)
     from draftforge.data.prompts import chat_prompt_length
 
     rows = build_longctx(lambda text: chat_prompt_length(tokenizer, text), lengths, job.per_bucket, seed=job.seed,

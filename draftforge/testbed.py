@@ -113,37 +113,24 @@ def _read(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
 
 
-def write_corpus_jsonl(out_path, split: str = "train", max_files: int | None = None, *,
-                       without_heldout_prompts: bool = False) -> Path:
+def write_corpus_jsonl(out_path, split: str = "train", max_files: int | None = None, *, exclude=None) -> Path:
     """One JSONL row {"text", "source"} per corpus file, ready for draftforge.data's local .jsonl source.
 
-    `without_heldout_prompts`: leave out the files of the modules whose instruction and long-context prompts are
-    held out (`feeds_heldout_prompts`), for a drafter measured on those prompts (the SmolLM2 pipelines). This
-    corpus's own train/held-out split is by file and knows nothing of theirs, which is by module: a drafter
-    pre-trained on the plain train split had read 25 of the 27 held-out long-context documents verbatim."""
+    `exclude(source) -> bool` leaves out files by their relative path: the SmolLM2 pipelines pass
+    `draftforge.data.instructions.feeds_heldout_prompts`, since this corpus's own train/held-out split is by file
+    and knows nothing of the instruction and long-context prompts' split, which is by module (a drafter
+    pre-trained on the plain train split had read 25 of the 27 held-out long-context documents verbatim)."""
     root, out_path = stdlib_root(), Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
     with tmp.open("w", encoding="utf-8") as f:
         for path in corpus_files(split, max_files=max_files):
             source = path.relative_to(root).as_posix()
-            if without_heldout_prompts and feeds_heldout_prompts(source):
+            if exclude is not None and exclude(source):
                 continue
             f.write(json.dumps({"text": _read(path), "source": source}) + "\n")
     tmp.replace(out_path)
     return out_path
-
-
-def feeds_heldout_prompts(source: str) -> bool:
-    """Whether the stdlib file at POSIX relative path `source` holds text of a module whose instruction and
-    long-context prompts are held out (`instructions.is_heldout`, by top-level name). A private implementation
-    file counts as its public module: `_pydecimal.py` as `decimal`, `_collections_abc.py` as `collections`."""
-    from draftforge.data.instructions import is_heldout
-
-    top = source.split("/", 1)[0].removesuffix(".py")
-    names = {top, top.lstrip("_"), top.lstrip("_").split("_")[0]}
-    names |= {n[2:] for n in list(names) if n.startswith("py") and len(n) > 2}
-    return any(is_heldout(n) for n in names if n)
 
 
 def _tokenizer_settings(vocab_size: int, files: list[Path]) -> dict:

@@ -24,8 +24,9 @@ TARGET="$CACHE/smollm2"
 phase "data: stdlib code corpus (pretrain) + training-split instruction prompts"
 # without the modules whose instruction and long-context prompts are held out (the corpus's own split is by file)
 [ -s "$OUT/corpus_train.jsonl" ] || python -c "from draftforge.testbed import write_corpus_jsonl as w
-w('$OUT/corpus_train.jsonl', without_heldout_prompts=True)"
-python -c "import json, sys; from draftforge.testbed import feeds_heldout_prompts as held
+from draftforge.data.instructions import feeds_heldout_prompts as held
+w('$OUT/corpus_train.jsonl', exclude=held)"
+python -c "import json, sys; from draftforge.data.instructions import feeds_heldout_prompts as held
 bad = [r['source'] for r in map(json.loads, open('$OUT/corpus_train.jsonl')) if held(r['source'])]
 sys.exit(f'$OUT/corpus_train.jsonl holds {len(bad)} files of modules whose prompts are held out ({bad[0]}, ...): '
          'it was written before they were left out; move it away and run again to write it without them' if bad else 0)"

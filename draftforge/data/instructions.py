@@ -110,6 +110,16 @@ def is_heldout(module: str) -> bool:
     return int(hashlib.sha256(top.encode()).hexdigest(), 16) % 100 < HELDOUT_PERCENT
 
 
+def feeds_heldout_prompts(source: str) -> bool:
+    """Whether the stdlib file at POSIX relative path `source` holds text of a module whose instruction and
+    long-context prompts are held out (`instructions.is_heldout`, by top-level name). A private implementation
+    file counts as its public module: `_pydecimal.py` as `decimal`, `_collections_abc.py` as `collections`."""
+    top = source.split("/", 1)[0].removesuffix(".py")
+    names = {top, top.lstrip("_"), top.lstrip("_").split("_")[0]}
+    names |= {n[2:] for n in list(names) if n.startswith("py") and len(n) > 2}
+    return any(is_heldout(n) for n in names if n)
+
+
 def _lower_first(text: str) -> str:
     return text[:1].lower() + text[1:] if text[1:2].islower() else text
 

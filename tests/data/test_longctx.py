@@ -98,6 +98,7 @@ def test_the_smollm2_corpus_holds_no_held_out_document(tmp_path):
     text; the plain train split (what the pipeline wrote before) must show the leak, or this test proves nothing."""
     import json
 
+    from draftforge.data.instructions import feeds_heldout_prompts
     from draftforge.testbed import write_corpus_jsonl
 
     docs = longctx.stdlib_documents()
@@ -112,4 +113,4 @@ def test_the_smollm2_corpus_holds_no_held_out_document(tmp_path):
         return found
 
     assert len(leaked(write_corpus_jsonl(tmp_path / "plain.jsonl"))) > len(docs) // 2
-    assert leaked(write_corpus_jsonl(tmp_path / "clean.jsonl", without_heldout_prompts=True)) == []
+    assert leaked(write_corpus_jsonl(tmp_path / "clean.jsonl", exclude=feeds_heldout_prompts)) == []
