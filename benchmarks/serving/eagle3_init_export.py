@@ -71,7 +71,10 @@ def greedy_answers(target, prompts: list[list[int]], new_tokens: int, eos) -> li
 
 def build(target_dir: str, out_dir: str, draft_vocab: int = 8192, steps: int = 3, overwrite: bool = False,
           fit_prompts: int = 0, fit_bench: str = "instructions", fit_new_tokens: int = 64,
-          aux_layers: list[int] | None = None) -> Path:
+          aux_layers: list[int] | None = None, spread: bool = False) -> Path:
+    """`spread`: the draft vocabulary leaves out vocab - draft_vocab ids spread over the whole vocabulary instead of
+    its tail, so d2t's offsets are not all 0 (with the first N ids they are, and an engine that dropped the map
+    would draft the same: a test of the map needs the spread)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -84,6 +87,10 @@ def build(target_dir: str, out_dir: str, draft_vocab: int = 8192, steps: int = 3
     if not 0 <= draft_vocab <= vocab:
         raise SystemExit(f"--draft-vocab {draft_vocab}: give 0 (the whole vocabulary) or 1..{vocab}")
     ids = None if draft_vocab in (0, vocab) else list(range(draft_vocab))
+    if ids is not None and spread:
+        step = vocab // (vocab - draft_vocab)
+        dropped = {vocab - 1 - i * step for i in range(vocab - draft_vocab)}
+        ids = [i for i in range(vocab) if i not in dropped]
     head = Eagle3Head(Eagle3Config.from_target(target.config, aux_layers=aux_layers, draft_vocab=ids))
     how = init_from_target(head, target)
     recipe = "untrained (init_from_target)"
@@ -98,7 +105,8 @@ def build(target_dir: str, out_dir: str, draft_vocab: int = 8192, steps: int = 3
                               "prompts": f"last {len(rows)}", "new_tokens": fit_new_tokens}}
         recipe = "init_from_target + ridge-fitted lm_head (a probe, not EAGLE-3 training)"
     metadata = {"target": str(Path(target_dir).expanduser().resolve()), "recipe": recipe,
-                "init": how, "draft_vocab": "whole" if ids is None else f"first {len(ids)} ids"}
+                "init": how, "draft_vocab": "whole" if ids is None else f"{'spread' if spread else 'first'} "
+                                                                             f"{len(ids)} ids"}
     return save_head(head.eval(), target.config, tokenizer, out_dir, metadata, steps=steps, overwrite=overwrite)
 
 
@@ -107,6 +115,8 @@ def main(argv=None) -> Path:
     p.add_argument("--target", required=True, help="a local HF Llama-family target directory")
     p.add_argument("--out", required=True)
     p.add_argument("--draft-vocab", type=int, default=8192, help="the target's first N ids; 0: the whole vocabulary")
+    p.add_argument("--spread-draft-vocab", action="store_true", help="leave out ids spread over the vocabulary, not "
+                                                                      "its tail (d2t offsets not all 0)")
     p.add_argument("--steps", type=int, default=3, help="speculative tokens the export's config proposes")
     p.add_argument("--fit-prompts", type=int, default=0, help="refit the LM head on the target's answers to the "
                                                                 "last N prompts of --fit-bench (0: no fit)")
@@ -115,7 +125,7 @@ def main(argv=None) -> Path:
     p.add_argument("--overwrite", action="store_true")
     args = p.parse_args(argv)
     out = build(str(Path(args.target).expanduser()), args.out, args.draft_vocab, args.steps, args.overwrite,
-                args.fit_prompts, args.fit_bench, args.fit_new_tokens)
+                args.fit_prompts, args.fit_bench, args.fit_new_tokens, spread=args.spread_draft_vocab)
     print(f"wrote {out}")
     return out
 

@@ -29,7 +29,8 @@ def parse_setting(text: str) -> tuple[str, dict | None]:
         return f"ngram-{rest[0]}", {"method": "ngram", "num_speculative_tokens": int(rest[0]),
                                     "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     if kind == "draft" and len(rest) == 2:
-        return f"draft-{rest[1]}", {"model": rest[0], "num_speculative_tokens": int(rest[1])}
+        # method named: a relative directory such as drafter.v1 would read as a proposer class path to vLLM
+        return f"draft-{rest[1]}", {"model": rest[0], "method": "draft_model", "num_speculative_tokens": int(rest[1])}
     if kind == "eagle3" and len(rest) == 2:  # a speculators-format EAGLE-3 checkpoint (models/eagle3_export.py)
         return f"eagle3-{rest[1]}", {"model": rest[0], "method": "eagle3", "num_speculative_tokens": int(rest[1])}
     if kind == "mamba" and len(rest) == 2:  # a draftforge Mamba drafter through vLLM's custom_class proposer

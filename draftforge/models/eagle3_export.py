@@ -93,10 +93,17 @@ def speculators_config(head: Eagle3Head, target_config, target_name: str, steps:
     }
 
 
+def writes_maps(config) -> bool:
+    """Whether the export carries d2t / t2d: only for a draft vocabulary smaller than the target's. One holding every
+    id (ascending: the identity) gets none, as vLLM expects of a head with draft_vocab_size == vocab_size: it drops
+    its map then and refuses a checkpoint that still holds d2t (llama_eagle3.py, vLLM 0.32)."""
+    return config.draft_vocab is not None and len(config.draft_vocab) < config.vocab_size
+
+
 def head_tensors(head: Eagle3Head) -> dict[str, torch.Tensor]:
     """The state dict as written: trained weights, plus d2t / t2d for a reduced draft vocabulary."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
-    if head.config.draft_vocab is not None:
+    if writes_maps(head.config):
         tensors["d2t"] = offsets_of(head.config.draft_vocab)
         tensors["t2d"] = t2d_mask(head.config.draft_vocab, head.config.vocab_size)
     return tensors
@@ -164,7 +171,7 @@ def load_head(path, target_config=None) -> tuple[Eagle3Head | FeatureMamba2Head,
     except Exception as err:  # a truncated or foreign file
         raise CheckpointError(f"{weights} cannot be read ({err}); re-export the eagle3 run") from None
     d2t, t2d = state.pop("d2t", None), state.pop("t2d", None)
-    if config.draft_vocab is not None:
+    if writes_maps(config) or (config.draft_vocab is not None and (d2t is not None or t2d is not None)):
         if d2t is None or not torch.equal(d2t, offsets_of(config.draft_vocab)) or t2d is None or \
                 not torch.equal(t2d, t2d_mask(config.draft_vocab, config.vocab_size)):
             raise CompatibilityError(f"{weights}: d2t / t2d do not match the draft vocabulary in {METADATA_FILE}; "

@@ -24,7 +24,9 @@ def test_no_vllm_environment_is_a_skip_with_its_reason(tmp_path):
 def test_settings():
     assert parse_setting("plain") == ("plain", None)
     assert parse_setting("ngram:3")[1]["num_speculative_tokens"] == 3
-    assert parse_setting("draft:/d:4") == ("draft-4", {"model": "/d", "num_speculative_tokens": 4})
+    # the method named: vLLM reads a "model" without "/" whose parts are identifiers (drafter.v1) as a class path
+    assert parse_setting("draft:drafter.v1:4") == ("draft-4", {"model": "drafter.v1", "method": "draft_model",
+                                                                "num_speculative_tokens": 4})
     assert parse_setting("eagle3:/e:3") == ("eagle3-3", {"model": "/e", "method": "eagle3",
                                                          "num_speculative_tokens": 3})
     with pytest.raises(SystemExit, match="give plain, ngram:K, draft:DIR:K, mamba:DIR:K or eagle3:DIR:K"):
@@ -171,7 +173,7 @@ def eagle3_export(tiny_target, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("eagle3_exports") / "fit"
     return eagle3_init_export.build(str(tiny_target), str(out), draft_vocab=500, steps=3, fit_prompts=24,
-                                    fit_bench="testbed", fit_new_tokens=24)
+                                    fit_bench="testbed", fit_new_tokens=24, spread=True)  # d2t offsets not all 0
 
 
 def test_an_eagle3_export_is_served_as_vllms_eagle3_method(eagle3_export, tiny_target, tmp_path):
@@ -190,6 +192,9 @@ def test_an_eagle3_export_is_served_as_vllms_eagle3_method(eagle3_export, tiny_t
         vllm_compare.drafter_kind(str(tmp_path / "nowhere"))
     config = json.loads((eagle3_export / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 500
+    from safetensors.torch import load_file
+
+    assert load_file(str(eagle3_export / "model.safetensors"))["d2t"].count_nonzero() > 400  # the map is tested
     meta = json.loads((eagle3_export / "draftforge.json").read_text())
     assert meta["init"]["fit"]["sequences"] == 24 and meta["target"] == str(tiny_target.resolve())
 
@@ -227,7 +232,7 @@ def test_vllm_serves_an_eagle3_export(eagle3_export, tiny_target, tmp_path, aux)
 
         eagle3_export = eagle3_init_export.build(str(tiny_target), str(tmp_path / "e3"), draft_vocab=500, steps=3,
                                                  fit_prompts=24, fit_bench="testbed", fit_new_tokens=24,
-                                                 aux_layers=aux)
+                                                 aux_layers=aux, spread=True)
     result = vllm_compare.main(["--target", str(tiny_target), "--drafter", str(eagle3_export), "--bench", "testbed",
                                 "--num-prompts", "3", "--max-new-tokens", "16", "--draft-tokens", "3",
                                 "--out", str(tmp_path / "out.json")])

@@ -5,6 +5,7 @@ positions, computed from the target alone."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -379,3 +380,19 @@ def test_speculators_offsets_by_hand_and_an_unsorted_map_is_refused():
     assert offsets_of([1, 3, 4, 9]).tolist() == [1, 2, 2, 6]
     with pytest.raises(CompatibilityError, match="ascending"):
         offsets_of([1, 9, 4])
+
+
+def test_a_draft_vocabulary_of_every_id_exports_no_maps(tmp_path):
+    """A head whose draft vocabulary holds every target id wrote d2t / t2d with draft_vocab_size == vocab_size;
+    vLLM drops its map for such a head and then refuses the checkpoint's d2t (no parameter of that name)."""
+    from safetensors.torch import load_file
+
+    target = tiny_target()
+    vocab = target.config.vocab_size
+    head = random_head(target, draft_vocab=list(range(vocab))).float()
+    out = save_head(head, target.config, None, tmp_path / "e3", {"target": "tiny"}, steps=3)
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == vocab
+    assert not {"d2t", "t2d"} & set(load_file(str(out / "model.safetensors")))
+    loaded, _ = load_head(out, target.config)
+    for name, value in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
