@@ -111,7 +111,9 @@ def on_vllm_rounds(dec, prompts: list[list[int]], answers: list[list[int]], k: i
             per_prompt.append(vllm_rounds([], [], 0, k))
             tokens.append([])
             continue
-        res = dec.generate(ids + answer[:1], max_new_tokens=len(answer) - 1 + k)
+        # EOS ignored: vLLM counts a round's accepted drafts before it trims the answer at its stop token, so an
+        # EOS accepted mid-round still counts the drafts after it (the tokens are cut to the answer below)
+        res = dec.generate(ids + answer[:1], max_new_tokens=len(answer) - 1 + k, eos_token_id=[])
         seconds += res.stats.total_time_s
         tokens.append((answer[:1] + res.tokens)[: len(answer)])
         per_prompt.append(vllm_rounds(res.stats.accepted_per_round, res.stats.drafted_per_round, len(answer), k))

@@ -252,3 +252,33 @@ def test_the_harness_side_runs_ar_with_and_without_the_lean_forward_to_the_same_
     own = "ar, the model's own forward (lean_forward off)"
     assert {"ar", own, "prompt-lookup-3"} <= set(out)
     assert out[own]["tokens"] == out["ar"]["tokens"] and all(len(t) == 12 for t in out["ar"]["tokens"])
+
+
+def test_on_vllms_rounds_an_eos_accepted_mid_round_counts_as_vllm_counts(tmp_path):
+    """vLLM records a round's accepted drafts before trimming the answer at EOS; the harness stopped at the EOS
+    and counted fewer. Oracle by hand: with the target as its own drafter every draft is accepted, so an answer
+    of L tokens (the first from the prefill) takes ceil((L - 1) / (k + 1)) rounds of k accepted drafts each."""
+    import math
+
+    import torch
+
+    from draftforge.decode import build_decoder, load_drafter, load_target
+    from tests.fixtures.decode import tiny_llama
+
+    model = tiny_llama(vocab=64, layers=2, hidden=64)
+    free = build_decoder("ar", load_target(model)).generate([1, 2, 3, 4, 5], max_new_tokens=20,
+                                                             eos_token_id=[]).tokens
+    eos = free[6]  # met mid-answer
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(tmp_path / "t")
+    target = load_target(str(tmp_path / "t"), dtype=torch.float32)
+    answer = build_decoder("ar", target).generate([1, 2, 3, 4, 5], max_new_tokens=20).tokens  # ends at the EOS
+    assert answer[-1] == eos and len(answer) < 20
+    k = 3
+    chain = build_decoder("chain", target, load_drafter(str(tmp_path / "t"), target, dtype=torch.float32),
+                          chain_length=k)
+    got = vllm_compare.on_vllm_rounds(chain, [[1, 2, 3, 4, 5]], [answer], k)
+    rounds = math.ceil((len(answer) - 1) / (k + 1))
+    assert got["tokens"] == [answer]
+    assert got["spec_per_prompt"] == [{"num_drafts": rounds, "num_accepted_tokens": k * rounds,
+                                       "accepted_per_pos": [rounds] * k}]
