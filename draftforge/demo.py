@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import shutil
 import time
@@ -139,7 +140,7 @@ def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens:
     import torch
     from transformers import AutoTokenizer
 
-    from draftforge.data.provenance import read_sidecar, rows_record, write_sidecar
+    from draftforge.data.provenance import rows_record, write_sidecar
     from draftforge.fsutil import atomic_write_text
     from draftforge.loading import load_causal_lm
     from draftforge.testbed import prompt_candidates
@@ -149,7 +150,7 @@ def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens:
     path = out / "sft_distill.jsonl"
     record = {**rows_record(tok, model, testbed / "target", "draftforge demo"),
               "demo": {"prompts": n_prompts, "max_new_tokens": max_new_tokens}}
-    if resume and path.is_file() and read_sidecar(path) == record:  # written whole (renamed into place)
+    if resume and path.is_file() and _kept_rows(path, record):
         say(f"\n== distillation data: --resume keeps {path} (the same target and settings)")
         return path
     prompts = []
@@ -179,11 +180,23 @@ def write_distill_data(testbed: Path, out: Path, n_prompts: int, max_new_tokens:
 
         raise DataError("the target produced no text for any snippet; is the target trained? (rebuild it by "
                         f"deleting {testbed / 'target'})")
-    # the sidecar first: rows never exist without the record of the tokenizer that made them; the rows are
-    # renamed into place whole, so a file there is a complete one (what --resume keeps)
-    write_sidecar(path, record)
-    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+    # the sidecar first: rows never exist without the record of the tokenizer that made them. It names the rows'
+    # sha256 too, and the rows are renamed into place whole: a run killed between the two writes leaves an older
+    # file under the new record, which --resume then does not keep
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    write_sidecar(path, {**record, "rows_sha256": hashlib.sha256(text.encode()).hexdigest()})
+    atomic_write_text(path, text)
     return path
+
+
+def _kept_rows(path: Path, record: dict) -> bool:
+    """Whether --resume may keep the rows at `path`: their sidecar is `record` (the same target and settings) and
+    names these very rows."""
+    from draftforge.data.provenance import read_sidecar
+
+    side = dict(read_sidecar(path) or {})
+    want = side.pop("rows_sha256", None)
+    return side == record and want == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @contextlib.contextmanager

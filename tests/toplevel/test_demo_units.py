@@ -119,13 +119,16 @@ def test_resume_keeps_distillation_rows_only_of_the_same_target_and_settings(tmp
     out.mkdir()
     said = []
     path = demo.write_distill_data(tb, out, 2, 4, said.append)
-    first = path.read_bytes()
-    path.write_text(path.read_text() + "\n")  # marks this copy: kept or not
+    first, stamp = path.read_bytes(), path.stat().st_mtime_ns
     demo.write_distill_data(tb, out, 2, 4, said.append, resume=True)
-    assert path.read_bytes() == first + b"\n" and "--resume keeps" in said[-1]
+    assert path.stat().st_mtime_ns == stamp and "--resume keeps" in said[-1]  # kept, not written again
+    path.write_bytes(first + b"\n")  # not the rows its record names (a run killed between the two writes)
+    demo.write_distill_data(tb, out, 2, 4, said.append, resume=True)
+    assert "--resume keeps" not in said[-1] and path.read_bytes() == first
     for settings in ((2, 5), (1, 4)):  # other settings: written again
+        stamp = path.stat().st_mtime_ns
         demo.write_distill_data(tb, out, *settings, said.append, resume=True)
-        assert "--resume keeps" not in said[-1] and path.read_bytes() != first + b"\n"
+        assert "--resume keeps" not in said[-1] and path.stat().st_mtime_ns != stamp
     demo.write_distill_data(tb, out, 2, 4, said.append)
     assert path.read_bytes() == first
     tiny_llama(vocab=len(tok), seed=1).save_pretrained(tb / "target")  # another target: its rows are not the old ones
