@@ -117,17 +117,46 @@ def next_tokens(batch) -> torch.Tensor:
     return F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
 
 
-def _result(model, weights: dict, terms_P: dict, agree_P, ce_sum, keep_BT, link_BT):
-    """(weighted total, counted positions, metric sums); eval batches add the chain sums (divergences.chain_sums)."""
+def measured_positions(batch, keep_BT, have_BT=None) -> torch.Tensor:
+    """measure_BT: the positions α and top-1 are taken over. For a reduced head (its collate keeps the target ids
+    as `target_labels`), every position whose next token exists (and, on a cache, has an entry: have_BT), in the
+    draft vocabulary or not: one outside it carries no loss but is a position the head cannot get right.
+    Otherwise keep_BT itself."""
+    if "target_labels" not in batch:
+        return keep_BT
+    measure_BT = F.pad(batch["target_labels"][:, 1:], (0, 1), value=-100) != -100
+    return measure_BT if have_BT is None else measure_BT & have_BT
+
+
+def _result(model, weights: dict, terms_M: dict, agree_M, ce_sum, keep_BT, measure_BT, link_BT):
+    """(weighted total, counted positions, metric sums); eval batches add the chain sums (divergences.chain_sums).
+
+    terms_M, agree_M: per measured position (measure_BT, a superset of keep_BT). The loss and its own terms (kl,
+    tvd, ce_target) sum the kept ones; alpha, top1_agree and the chain sums every measured one. When the two
+    differ, `measured` sums the measured positions: the loop divides every sum by the kept count, and
+    derive_metrics divides alpha and top1_agree by measured's mean to make them per measured position."""
+    terms_P = terms_M if measure_BT is keep_BT else {k: v[keep_BT[measure_BT]] for k, v in terms_M.items()}
     total = sum(w * (ce_sum if name == "ce" else terms_P[name].sum()) for name, w in weights.items())
     metrics = {name: v.detach().sum() for name, v in terms_P.items()}
-    metrics.update(ce=ce_sum.detach(), top1_agree=agree_P.sum())
+    metrics.update(alpha=terms_M["alpha"].sum(), ce=ce_sum.detach(), top1_agree=agree_M.sum())
+    if measure_BT is not keep_BT:
+        metrics["measured"] = measure_BT.sum()
     if not model.training:
-        alpha_BT = torch.zeros(keep_BT.shape, device=keep_BT.device)
-        agree_BT = torch.zeros(keep_BT.shape, device=keep_BT.device)
-        alpha_BT[keep_BT], agree_BT[keep_BT] = terms_P["alpha"].detach(), agree_P.float()
-        metrics.update(chain_sums(alpha_BT, agree_BT, keep_BT, link_BT))
+        alpha_BT = torch.zeros(measure_BT.shape, device=measure_BT.device)
+        agree_BT = torch.zeros(measure_BT.shape, device=measure_BT.device)
+        alpha_BT[measure_BT], agree_BT[measure_BT] = terms_M["alpha"].detach(), agree_M.float()
+        metrics.update(chain_sums(alpha_BT, agree_BT, measure_BT, link_BT))
     return total, keep_BT.sum(), metrics
+
+
+def derive_metrics(means: dict, cost: tuple[float, float] | None = None) -> dict[str, float]:
+    """derive_acceptance on α and top-1 per measured position (see _result): for a reduced head the loop's means
+    of alpha and top1_agree are per kept position, and `measured` is measured positions per kept position."""
+    measured = means.get("measured")
+    if measured:
+        means = {**means, "alpha": means["alpha"] / measured, "top1_agree": means["top1_agree"] / measured}
+    out = derive_acceptance(means, cost=cost)
+    return {"alpha": means["alpha"], "top1_agree": means["top1_agree"], **out} if measured else out
 
 
 def _link(keep_BT, entry_BT=None):
@@ -148,6 +177,7 @@ def make_loss(teacher, options: DistillConfig, d2t_N: torch.Tensor | None = None
     def loss(model, batch):
         ids_BT, next_BT = batch["input_ids"], next_tokens(batch)
         keep_BT = next_BT != -100
+        measure_BT = measured_positions(batch, keep_BT)
         with torch.no_grad():
             teacher_BTV = teacher(input_ids=ids_BT).logits
         student_BTS = model(input_ids=ids_BT).logits
@@ -156,17 +186,18 @@ def make_loss(teacher, options: DistillConfig, d2t_N: torch.Tensor | None = None
             raise CompatibilityError(f"the student predicts {student_BTS.shape[-1]} tokens, the teacher's vocabulary"
                                      f"{' restricted to its draft vocabulary' if d2t_N is not None else ''} has {want}: "
                                      "build the student with the target's vocabulary (model.target)")
-        s_PS, t_PV = student_BTS[keep_BT].float(), teacher_BTV[keep_BT].float()
-        d2t = None if d2t_N is None else d2t_N.to(t_PV.device)
+        s_MS, t_MV = student_BTS[measure_BT].float(), teacher_BTV[measure_BT].float()
+        d2t = None if d2t_N is None else d2t_N.to(t_MV.device)
         if d2t is None:
-            terms = full_terms(s_PS, t_PV, options.temperature)
-            top_P = s_PS.argmax(-1)
+            terms = full_terms(s_MS, t_MV, options.temperature)
+            top_M = s_MS.argmax(-1)
         else:
-            terms = full_terms(s_PS, t_PV[:, d2t], options.temperature, t_PV.logsumexp(-1))
-            top_P = d2t[s_PS.argmax(-1)]
+            terms = full_terms(s_MS, t_MV[:, d2t], options.temperature, t_MV.logsumexp(-1))
+            top_M = d2t[s_MS.argmax(-1)]
+        s_PS = s_MS if measure_BT is keep_BT else s_MS[keep_BT[measure_BT]]
         ce_sum = F.cross_entropy(s_PS, next_BT[keep_BT], reduction="sum")
-        agree_P = top_P == t_PV.argmax(-1)
-        return _result(model, weights, terms, agree_P, ce_sum, keep_BT, _link(keep_BT))
+        agree_M = top_M == t_MV.argmax(-1)
+        return _result(model, weights, terms, agree_M, ce_sum, keep_BT, measure_BT, _link(measure_BT))
 
     return loss
 
@@ -211,14 +242,16 @@ def make_cached_loss(options: DistillConfig, d2t_N: torch.Tensor | None = None):
 
     def loss(model, batch):
         keep_BT = cached_keep(batch)
+        measure_BT = measured_positions(batch, keep_BT, batch["cache"] >= 0)
         student_BTS = model(input_ids=batch["input_ids"]).logits
-        s_PS = student_BTS[keep_BT].float()
-        top = TopK(batch["t_ids"][keep_BT], batch["t_logp"][keep_BT], batch["t_rest"][keep_BT])
-        terms = topk_terms(s_PS, top)
-        top_P = s_PS.argmax(-1) if d2t_N is None else d2t_N.to(s_PS.device)[s_PS.argmax(-1)]
-        agree_P = top_P == batch["t_top1"][keep_BT]
+        s_MS = student_BTS[measure_BT].float()
+        top = TopK(batch["t_ids"][measure_BT], batch["t_logp"][measure_BT], batch["t_rest"][measure_BT])
+        terms = topk_terms(s_MS, top)
+        top_M = s_MS.argmax(-1) if d2t_N is None else d2t_N.to(s_MS.device)[s_MS.argmax(-1)]
+        agree_M = top_M == batch["t_top1"][measure_BT]
+        s_PS = s_MS if measure_BT is keep_BT else s_MS[keep_BT[measure_BT]]
         ce_sum = F.cross_entropy(s_PS, next_tokens(batch)[keep_BT], reduction="sum")
-        return _result(model, weights, terms, agree_P, ce_sum, keep_BT, _link(keep_BT, batch["cache"]))
+        return _result(model, weights, terms, agree_M, ce_sum, keep_BT, measure_BT, _link(measure_BT, batch["cache"]))
 
     return loss
 
@@ -355,7 +388,7 @@ def _as_distill(spec, recipe: Recipe, options: DistillConfig, logits_cache=None,
     if logits_cache is not None:
         meta["logits_cache"] = logits_cache
     return dataclasses.replace(spec, **fields, export_metadata=meta, export_report=acceptance_report,
-                               derive_metrics=partial(derive_acceptance, cost=(options.draft_cost, options.verify_cost)))
+                               derive_metrics=partial(derive_metrics, cost=(options.draft_cost, options.verify_cost)))
 
 
 # ---------------------------------------------------------------- held-out acceptance, once, at export
@@ -363,10 +396,10 @@ def _as_distill(spec, recipe: Recipe, options: DistillConfig, logits_cache=None,
 def acceptance_report(means: dict, positions: int) -> dict:
     """The export's metrics.acceptance: the eval means of the exported weights (the chain sums left out: what they
     give is derived) and the positions counted; {} when a mean is not finite. Prints a summary line."""
-    report = {k: v for k, v in means.items() if not k.startswith("chain_")}
+    report = {k: v for k, v in means.items() if not k.startswith("chain_") and k != "measured"}
     if not all(map(math.isfinite, report.values())):  # (what is derived is finite when the means are)
         return {}
-    report["positions"] = positions
+    report["positions"] = round(positions * means.get("measured", 1.0))  # a reduced head's: every position
     depth = "/".join(f"{report.get(f'alpha_depth{d}', float('nan')):.2f}" for d in range(1, 6))
     print(f"[draftforge] distill: held-out acceptance α {report['alpha']:.3f} (τ at γ=5: "
           f"{report['tau_g5']:.2f}), top-1 {report['top1_agree']:.3f} (τ {report['tau_g5_greedy']:.2f}), "

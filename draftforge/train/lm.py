@@ -128,7 +128,8 @@ def row_labels(source: str, tokenizer=None):
 
 
 def labels_to_draft_ids(t2d_V: torch.Tensor):
-    """A collate that maps target-id labels to draft ids (-100 where the draft vocabulary lacks the token)."""
+    """A collate that maps target-id labels to draft ids (-100 where the draft vocabulary lacks the token); the
+    target ids stay as `target_labels`, so acceptance can count the positions the head cannot get right."""
     from draftforge.train.spec import tensor_collate
 
     def collate(columns, device):
@@ -136,6 +137,7 @@ def labels_to_draft_ids(t2d_V: torch.Tensor):
         labels_BT = batch["labels"]
         mapped_BT = t2d_V.to(labels_BT.device)[labels_BT.clamp_min(0)]
         batch["labels"] = torch.where(labels_BT < 0, labels_BT, mapped_BT)
+        batch["target_labels"] = labels_BT
         return batch
 
     return collate

@@ -218,7 +218,7 @@ def test_cached_kl_and_tvd_match_the_teacher_within_the_truncation_bound(tmp_pat
     collate = distill.cached_collate(base, cache, t2d)
     torch.manual_seed(0)
     width = cache.vocab_size if draft is None else draft
-    checked = 0
+    checked = measured = 0
     for i in range(0, len(data), 2):
         batch = collate(data[i: i + 2], "cpu")
         keep = distill.cached_keep(batch)
@@ -242,15 +242,21 @@ def test_cached_kl_and_tvd_match_the_teacher_within_the_truncation_bound(tmp_pat
         gap = got["alpha"] - full["alpha"]
         assert (gap >= -1e-5).all() and (gap <= bound["alpha"] + 1e-5).all()
         assert torch.allclose(got["ce_target"], full["ce_target"], atol=1e-4)  # the top cached id is the argmax
-        cached_sum = distill.make_cached_loss(distill.DistillConfig(), d2t)(Fixed(student_BTS), batch)[2]["kl"]
-        fly_batch = {k: batch[k] for k in ("input_ids", "labels")}
+        cached = distill.make_cached_loss(distill.DistillConfig(), d2t)(Fixed(student_BTS), batch)[2]
+        fly_batch = {k: batch[k] for k in ("input_ids", "labels", "target_labels") if k in batch}
         _, count, fly = distill.make_loss(teacher, distill.DistillConfig(), d2t)(Fixed(student_BTS), fly_batch)
         assert int(count) == int(keep.sum())  # one row per block: the same kept positions
-        assert 0 <= float(fly["kl"] - cached_sum) <= float(bound["kl"].sum()) + 1e-3
+        assert 0 <= float(fly["kl"] - cached["kl"]) <= float(bound["kl"].sum()) + 1e-3
+        # acceptance: both over the same positions (a reduced head's: every cached one), the same top-1 agreement
+        assert int(cached["top1_agree"]) == int(fly["top1_agree"])
+        assert int(cached.get("measured", count)) == int(fly.get("measured", count))
+        measured += int(fly.get("measured", count))
         checked += int(keep.sum())
     total = cache.manifest["rows"]["positions"]
-    # every cached position was compared (a reduced head skips those whose next token is no draft id)
+    # every cached position was compared (a reduced head skips those whose next token is no draft id) and every
+    # one counted in acceptance
     assert checked == total if draft is None else total / 3 < checked < total
+    assert measured == total
 
 
 # ---------------------------------------------------------------- resume, damage

@@ -141,6 +141,44 @@ def test_reduced_head_kl_is_against_the_teachers_restricted_renormalised_distrib
     assert int(metrics["top1_agree"]) == 1  # position 1 only: draft id 1 is target id 4
 
 
+def test_a_reduced_heads_acceptance_counts_the_positions_outside_its_draft_vocabulary():
+    """Hand case: the target is sure of every next token (logit 30), the student is the target restricted to 3 of
+    6 ids, and 2 of the 7 next tokens lie outside them. The head accepts 5 of 7: α = top-1 = 5/7, not 1 (the loss
+    still counts the 5 positions it can learn). Eval chains (γ = 5) run over all 7: greedy agreement
+    1,1,0,1,0,1,1 gives 2, 1 and 0 tokens from the three anchors, τ = 1 + 3/3 = 2."""
+    from draftforge.models.draft_vocab import target_to_draft
+    from draftforge.train.lm import labels_to_draft_ids
+
+    d2t, tokens = [0, 2, 4], [0, 2, 4, 1, 0, 3, 2, 4]
+    teacher_logits = torch.zeros(1, len(tokens), 6)
+    for t, nxt in enumerate(tokens[1:]):
+        teacher_logits[0, t, nxt] = 30.0
+
+    class Fixed(torch.nn.Module):
+        def __init__(self, logits):
+            super().__init__()
+            self.out = logits
+
+        def forward(self, input_ids):
+            return type("Out", (), {"logits": self.out})()
+
+    collate = labels_to_draft_ids(target_to_draft(6, d2t))
+    batch = collate({"input_ids": [tokens], "labels": [tokens]}, "cpu")
+    assert batch["target_labels"].tolist() == [tokens]
+    loss = distill.make_loss(Fixed(teacher_logits), distill.DistillConfig(), torch.tensor(d2t))
+    for training in (True, False):
+        student = Fixed(teacher_logits[..., d2t]).train(training)
+        total, count, sums = loss(student, batch)
+        means = {k: float(v) / float(count) for k, v in sums.items()}  # as the loop divides every sum
+        means.update(distill.derive_metrics(means))
+        assert int(count) == 5
+        assert means["alpha"] == pytest.approx(5 / 7, abs=1e-6)
+        assert means["top1_agree"] == pytest.approx(5 / 7)
+    assert means["tau_chain_g5_greedy"] == pytest.approx(2.0)
+    report = distill.acceptance_report(means, int(count))["acceptance"]
+    assert report["positions"] == 7 and report["alpha"] == pytest.approx(5 / 7, abs=1e-6)
+
+
 def test_distill_trains_a_reduced_head_student(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir):
     """A student with a draft vocabulary (model.draft_vocab) learns the teacher's restricted distribution, and its
     export loads as a reduced-vocabulary drafter of that target."""
