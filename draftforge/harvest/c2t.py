@@ -125,15 +125,33 @@ def harvest_prompt(target, drafter, prompt: list[int], prompt_id: str, settings:
     return rows
 
 
-def open_harvest(out_dir: Path, meta: dict, resume: bool) -> None:
-    """Start a harvest dir, or check a resumed one was made with the same target, drafter and settings."""
+def check_out(out: Path, resume: bool, overwrite: bool) -> None:
+    """Before the models load: refuse an --out this harvest may not write into (another command's files, another
+    command's harvest), or a harvest there without --resume or --overwrite."""
+    from draftforge.fsutil import foreign_dir_problem
+
+    problem = foreign_dir_problem(out, META_FILE, "a harvest")
+    if problem:
+        raise DataError(problem)
+    if resume and overwrite:
+        raise RecipeError("--resume continues a harvest and --overwrite replaces it: pass one of them")
+    if (out / META_FILE).is_file():
+        old = _read_meta(out / META_FILE)
+        if not isinstance(old, dict):
+            raise DataError(f"{out / META_FILE} is JSON but no harvest record; harvest into a new --out")
+        if old.get("kind", "c2t-harvest") != "c2t-harvest":  # another command's harvest
+            raise DataError(f"{out} holds a {old['kind']}, not a trees harvest; choose another --out")
+        if not resume and not overwrite:
+            raise DataError(f"{out} already holds a harvest; pass --resume to continue it, --overwrite to start again, "
+                            "or choose another --out")
+
+
+def open_harvest(out_dir: Path, meta: dict) -> None:
+    """Start a harvest dir, or check that the one there (check_out let it be resumed) was made with the same
+    target, drafter and settings."""
     meta_file = out_dir / META_FILE
     if meta_file.is_file():
         old = _read_meta(meta_file)
-        if isinstance(old, dict) and old.get("kind", "c2t-harvest") != "c2t-harvest":  # another command's harvest
-            raise DataError(f"{out_dir} holds a {old['kind']}, not a trees harvest; choose another --out")
-        if not resume:
-            raise DataError(f"{out_dir} already holds a harvest; pass --resume to continue it or choose another --out")
         # a harvest from before these were recorded lacks them: the target's weights bind it still
         later = tuple(k for k in ("tokenizer_fingerprint", "dtype", "prompts_sha256", "ignore_eos", "depth_origin")
                       if k in old)
@@ -326,21 +344,8 @@ def _harvest_trees(job: TreeHarvestJob) -> dict:
     from draftforge.decode.methods.eagle2 import check_eagle2
     from draftforge.runtime import announce, resolve_dtype
 
-    from draftforge.fsutil import foreign_dir_problem
-
-    out = Path(job.out)  # before the models load: an --out this harvest may not write into
-    problem = foreign_dir_problem(out, META_FILE, "a harvest")
-    if problem:
-        raise DataError(problem)
-    if job.resume and job.overwrite:
-        raise RecipeError("--resume continues a harvest and --overwrite replaces it: pass one of them")
-    if (out / META_FILE).is_file():
-        old = _read_meta(out / META_FILE)
-        if isinstance(old, dict) and old.get("kind", "c2t-harvest") != "c2t-harvest":  # another command's harvest
-            raise DataError(f"{out} holds a {old['kind']}, not a trees harvest; choose another --out")
-        if not job.resume and not job.overwrite:
-            raise DataError(f"{out} already holds a harvest; pass --resume to continue it, --overwrite to start again, "
-                            "or choose another --out")
+    out = Path(job.out)
+    check_out(out, job.resume, job.overwrite)
     dtype = resolve_dtype(job.dtype, job.device)
     announce(dtype, "target and drafter")
     target = load_target(job.target, device=job.device, dtype=dtype.torch_dtype)
@@ -361,7 +366,7 @@ def _harvest_trees(job: TreeHarvestJob) -> dict:
         (out / META_FILE).unlink()
         print(f"harvest trees: --overwrite: removed the harvest in {out} ({len(replaced)} shard(s) and {META_FILE})",
               file=sys.stderr)
-    open_harvest(out, meta, job.resume)
+    open_harvest(out, meta)
     for tmp in out.glob(".prompt-*.parquet.tmp"):  # a killed write's half shard (the lock keeps out live ones)
         tmp.unlink()
     unreadable = [i for i in range(len(prompts)) if shard_path(out, i).is_file() and not _readable(shard_path(out, i))]

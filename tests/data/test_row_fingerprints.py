@@ -168,10 +168,10 @@ def test_c2t_harvest_records_and_checks_the_tokenizer(target, chat_tok, other_to
     out = tmp_path / "h"
     meta = hv.harvest_meta(_fake(target, chat_tok), _fake(target), hv.HarvestSettings(), "bench")
     assert meta["tokenizer_fingerprint"] == tokenizer_fingerprint(chat_tok)
-    hv.open_harvest(out, meta, resume=False)
+    hv.open_harvest(out, meta)
     other_meta = hv.harvest_meta(_fake(target, other_tok), _fake(target), hv.HarvestSettings(), "bench")
     with pytest.raises(CompatibilityError, match="another tokenizer_fingerprint"):
-        hv.open_harvest(out, other_meta, resume=True)
+        hv.open_harvest(out, other_meta)
     shard = {c: [v] for c, v in zip(hv.COLUMNS, ["p0/0", "p0", 0, -1, 0.5, 0.1, 1, 1, meta["target"],
                                                     meta["drafter"]])}
     hv.write_shard(shard, hv.shard_path(out, 0))

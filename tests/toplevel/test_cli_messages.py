@@ -197,7 +197,7 @@ def test_a_directory_or_a_binary_file_where_a_file_is_expected_is_named_as_such(
     from draftforge.cli import main
     from draftforge.data.prompts import read_jsonl
     from draftforge.errors import DataError
-    from draftforge.harvest.c2t import open_harvest
+    from draftforge.harvest.c2t import check_out
 
     assert main(["train", str(tmp_path)]) == 2
     assert f"recipe file {tmp_path} is a directory; give the YAML file" in capsys.readouterr().err
@@ -212,4 +212,7 @@ def test_a_directory_or_a_binary_file_where_a_file_is_expected_is_named_as_such(
     cache.mkdir()
     (cache / "harvest.json").write_text('{"kind": "hidden-cache", "target": "t"}')
     with pytest.raises(DataError, match="holds a hidden-cache, not a trees harvest"):
-        open_harvest(cache, {"kind": "c2t-harvest", "target": "t"}, resume=True)
+        check_out(cache, resume=True, overwrite=False)
+    (cache / "harvest.json").write_text("[1, 2]")  # JSON, but no record: named, not an AttributeError
+    with pytest.raises(DataError, match="is JSON but no harvest record"):
+        check_out(cache, resume=True, overwrite=False)
