@@ -55,10 +55,9 @@ def check_args(args) -> dict:
     """What would fail only after the models load (seconds for a small target, minutes for a large one), refused
     first in one line: the method, its options, the numbers, a local --target / --drafter that does not exist.
     Returns the method's options."""
-    from draftforge.decode.loading import lookup_options
+    from draftforge.decode.loading import check_local_models
     from draftforge.decode.methods import OPTIONS, get_method, readers, resolve_options
-    from draftforge.errors import CheckpointError, RecipeError
-    from draftforge.loading import missing_local_path
+    from draftforge.errors import RecipeError
 
     if args.max_new_tokens < 1:
         raise RecipeError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -73,12 +72,7 @@ def check_args(args) -> dict:
             raise RecipeError(f"{OPTIONS[name].flag} does not apply to --method {args.method} (it is read by "
                               f"{', '.join(readers(name))})")
     resolve_options(args.method, options)  # each value checked
-    for flag, value in (("--target", args.target), ("--drafter", args.drafter)):
-        if flag == "--drafter" and lookup_options(value) is not None:
-            continue
-        missing = missing_local_path(value)
-        if missing is not None:
-            raise CheckpointError(f"cannot load the {flag[2:]}: directory {missing} does not exist ({flag})")
+    check_local_models(args.target, args.drafter)
     return options
 
 

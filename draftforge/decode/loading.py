@@ -140,6 +140,21 @@ def check_vocab(target: Target, model, tokenizer, allow_vocab_mismatch: bool) ->
 LOOKUP_FIRST_KEYS = {"drafter_tokens": "drafter_depth"}  # lookup_first specs also take: the drafter's depth cap
 
 
+def check_local_models(target, drafter) -> None:
+    """A --target / --drafter that names a missing local directory, refused before any model loads (the loader's
+    own words, said before the seconds it takes to get there). A prompt-lookup spec, a Hub id, None and an
+    object already loaded pass."""
+    from draftforge.errors import CheckpointError
+    from draftforge.loading import missing_local_path
+
+    for flag, value in (("--target", target), ("--drafter", drafter)):
+        if not isinstance(value, str) or (flag == "--drafter" and lookup_options(value) is not None):
+            continue
+        missing = missing_local_path(value)
+        if missing is not None:
+            raise CheckpointError(f"cannot load the {flag[2:]}: directory {missing} does not exist ({flag})")
+
+
 def lookup_options(spec, extra_keys: dict | None = None) -> dict | None:
     """PromptLookupDrafter keywords from a drafter spec like 'prompt-lookup:ngram=3,tokens=10'; None when the
     spec is not a prompt-lookup one (a checkpoint). RecipeError for a prompt-lookup spec that cannot be read.

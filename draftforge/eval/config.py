@@ -193,18 +193,10 @@ def check_lookup_first(cfg: EvalConfig) -> None:
 def check_paths(cfg: EvalConfig) -> None:
     """A --target / --drafter that names a missing local directory, or an --out that cannot take the report,
     fails before any model loads."""
-    from draftforge.decode.loading import lookup_options
-    from draftforge.errors import CheckpointError
-    from draftforge.loading import missing_local_path
+    from draftforge.decode.loading import check_local_models
 
     check_out(cfg.out_dir)
-
-    for flag, value in (("--target", cfg.target), ("--drafter", cfg.drafter)):
-        if value is None or not isinstance(value, str) or (flag == "--drafter" and lookup_options(value)):
-            continue
-        missing = missing_local_path(value)
-        if missing is not None:  # the loader's own words, said before the seconds it takes to get there
-            raise CheckpointError(f"cannot load the {flag[2:]}: directory {missing} does not exist ({flag})")
+    check_local_models(cfg.target, cfg.drafter)
     if cfg.head_window is not None and isinstance(cfg.drafter, str):
         check_head_window_export(cfg.drafter)
 
