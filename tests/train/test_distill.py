@@ -108,6 +108,17 @@ def test_distill_on_two_processes_matches_one(tmp_path, tiny_corpus_dir, tiny_to
     assert curves["multi_cpu.yaml"] == pytest.approx(curves[None], rel=1e-4)
 
 
+class Fixed(torch.nn.Module):
+    """A model whose logits are given (teacher or student of a hand computation)."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.out = logits
+
+    def forward(self, input_ids):
+        return type("Out", (), {"logits": self.out})()
+
+
 def test_reduced_head_kl_is_against_the_teachers_restricted_renormalised_distribution():
     """Hand computation: p = softmax(teacher)[d2t] / its sum, KL(p ‖ softmax(student)); top-1 agreement maps the
     student's argmax back to a target id and compares it with the teacher's argmax over the whole vocabulary."""
@@ -118,14 +129,6 @@ def test_reduced_head_kl_is_against_the_teachers_restricted_renormalised_distrib
     teacher_logits[0, 1, 4] = 9.0  # position 1: inside (draft id 1)
     student = torch.randn(1, 3, 4)
     student[0, 0, 2] = student[0, 1, 1] = 9.0
-
-    class Fixed(torch.nn.Module):
-        def __init__(self, logits):
-            super().__init__()
-            self.out = logits
-
-        def forward(self, input_ids):
-            return type("Out", (), {"logits": self.out})()
 
     batch = {"input_ids": torch.zeros(1, 3, dtype=torch.long), "labels": torch.tensor([[0, 2, 3]])}
     loss = distill.make_loss(Fixed(teacher_logits), distill.DistillConfig(), d2t)
@@ -153,14 +156,6 @@ def test_a_reduced_heads_acceptance_counts_the_positions_outside_its_draft_vocab
     teacher_logits = torch.zeros(1, len(tokens), 6)
     for t, nxt in enumerate(tokens[1:]):
         teacher_logits[0, t, nxt] = 30.0
-
-    class Fixed(torch.nn.Module):
-        def __init__(self, logits):
-            super().__init__()
-            self.out = logits
-
-        def forward(self, input_ids):
-            return type("Out", (), {"logits": self.out})()
 
     collate = labels_to_draft_ids(target_to_draft(6, d2t))
     batch = collate({"input_ids": [tokens], "labels": [tokens]}, "cpu")
