@@ -62,7 +62,8 @@ class LoraConfig:
     r: int = doc(16, "LoRA rank")
     alpha: int = doc(32, "LoRA scaling alpha")
     dropout: float = doc(0.0, "LoRA dropout")
-    target_modules: list[str] = doc([], "module names to adapt ([]: in_proj/out_proj for Mamba, attention+MLP for Llama)")
+    target_modules: list[str] = doc([], "module names to adapt ([]: in_proj (+ x_proj, dt_proj) for Mamba, whose "
+                                    "out_proj PEFT refuses; attention + MLP projections for Llama)")
 
     def check(self, at: str) -> None:
         require(self.r > 0, f"{at}.r", "must be > 0")

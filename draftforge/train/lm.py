@@ -143,11 +143,18 @@ def labels_to_draft_ids(t2d_V: torch.Tensor):
     return collate
 
 
+# LoRA's default targets: the projections each family has. A Mamba mixer's out_proj and conv1d are left out:
+# its fused CUDA kernel reads their weights directly, past an adapter, and PEFT refuses them for that reason.
+LORA_DEFAULT_TARGETS = {"mamba": ["in_proj", "x_proj", "dt_proj"],
+                        "attention": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
 def add_lora(model, lora):
     from peft import LoraConfig, get_peft_model
 
-    targets = lora.target_modules or (["in_proj", "out_proj"] if "mamba" in model.config.model_type
-                                      else ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    family = "mamba" if "mamba" in model.config.model_type else "attention"
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    targets = lora.target_modules or [t for t in LORA_DEFAULT_TARGETS[family] if t in names]
     cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                      task_type="CAUSAL_LM")
     return get_peft_model(model, cfg)

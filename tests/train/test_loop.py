@@ -47,6 +47,32 @@ def test_training_lowers_loss_and_changes_every_parameter(tmp_path, tiny_corpus_
     assert result.eval_loss is not None
 
 
+@pytest.mark.parametrize("arch", ["mamba2", "llama"])
+def test_lora_with_its_default_targets_trains_and_exports_merged_weights(tmp_path, tiny_corpus_dir,
+                                                                        tiny_tokenizer_dir, arch):
+    """model.lora.enabled with no target_modules: the adapters train (the base weights stay as built) and the
+    export holds plain weights that differ from the base. PEFT refuses a Mamba mixer's out_proj, which the
+    Mamba default once named, so LoRA on a Mamba drafter failed before its first step."""
+    from safetensors.torch import load_file
+
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=1, save_every=0, export=True)
+    if arch == "llama":
+        values["model"].update(arch="llama", size="tiny-drafter",
+                               overrides={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                          "num_key_value_heads": 2, "intermediate_size": 64})
+    base_dir = run(recipe_from_dict(values)).export_dir
+    values["output_dir"] = str(tmp_path / "lora")
+    values["model"].update(init_from=str(base_dir), lora={"enabled": True, "r": 4, "alpha": 8})
+    values["train"]["max_steps"] = 3
+    result = run(recipe_from_dict(values))
+    base = load_file(str(base_dir / "model.safetensors"))
+    exported = load_file(str(result.export_dir / "model.safetensors"))
+    assert not any("lora" in name for name in exported) and exported.keys() == base.keys()
+    changed = [name for name, value in exported.items() if not torch.equal(value, base[name])]
+    wanted = {"mamba2": ("in_proj",), "llama": ("q_proj", "down_proj")}[arch]
+    assert changed and all(any(w in name for name in changed) for w in wanted), changed
+
+
 def test_resume_reproduces_uninterrupted_losses_bitwise(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
     full = run(recipe_from_dict(tiny_recipe(tmp_path / "a", tiny_corpus_dir, tiny_tokenizer_dir)))
     part = recipe_from_dict(tiny_recipe(tmp_path / "b", tiny_corpus_dir, tiny_tokenizer_dir))
