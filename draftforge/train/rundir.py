@@ -69,7 +69,7 @@ def _aside(path: Path) -> Path:
     return resolved.with_name(f".{resolved.name}.replaced")
 
 
-INPUTS_FILE = "inputs.json"  # what the run read: the target's weight files and the data files, fingerprinted
+INPUTS_FILE = "inputs.json"  # what the run read (recipe_inputs): weight files, data files, caches, fingerprinted
 _END = 1 << 16
 
 
@@ -87,23 +87,40 @@ def quick_fingerprint(path: Path) -> dict:
     return {"size": size, "sha256_ends": h.hexdigest()}
 
 
+# recipe keys naming files or folders a run reads, besides model.target, model.init_from and data.sources
+INPUT_KEYS = ("data.eval_sources", "model.draft_vocab_from", "distill.logits_cache", "eagle3.hidden_cache",
+              "eesd.open_sources")
+
+
 def recipe_inputs(recipe) -> dict:
-    """model.target's weight files and every local data.sources file (a folder's files), fingerprinted; a Hub
-    name or a glob is not a file here and is left out."""
+    """model.target's and model.init_from's weight files, and every local file (a folder's files) of data.sources
+    and INPUT_KEYS, fingerprinted; a Hub name or a glob is not a file here and is left out."""
     def files(root: Path) -> dict:
         if root.is_file():
             return {"": quick_fingerprint(root)}
         return {str(f.relative_to(root)): quick_fingerprint(f) for f in sorted(root.rglob("*")) if f.is_file()}
 
+    def weights(root: Path) -> dict:
+        return {f.name: quick_fingerprint(f) for f in sorted(root.glob("*.safetensors"))}
+
     out = {}
     target = getattr(recipe.model, "target", None)
     if target and Path(target).expanduser().is_dir():
-        root = Path(target).expanduser()
-        out["model.target"] = {f.name: quick_fingerprint(f) for f in sorted(root.glob("*.safetensors"))}
+        out["model.target"] = weights(Path(target).expanduser())
+    init = Path(str(recipe.model.init_from or "")).expanduser()
+    if recipe.model.init_from and init.is_dir():
+        out["model.init_from"] = weights(init if (init / "config.json").is_file() else init / "export")
     for src in recipe.data.sources:
         path = Path(str(src)).expanduser()
         if path.exists():
             out[f"data.sources {src}"] = files(path)
+    values = ckpt.flatten(recipe.to_dict())
+    for key in INPUT_KEYS:
+        paths = values.get(key) or []
+        for src in [paths] if isinstance(paths, str) else paths:
+            path = Path(str(src)).expanduser()
+            if path.exists():
+                out[f"{key} {src}"] = files(path)
     return out
 
 
@@ -197,7 +214,8 @@ class RunDir:
             raise CheckpointError(f"--resume: {saved} is not readable JSON ({e}); it records what the run trained on: "
                                   "start a new output_dir, or remove it to resume unchecked") from None
         now = recipe_inputs(self.recipe)
-        changed = sorted(k for k in set(old) | set(now) if old.get(k) != now.get(k))
+        # an input the run did not record (it started before draftforge recorded that kind) is not checked
+        changed = sorted(k for k in old if old[k] != now.get(k))
         if changed:
             raise CheckpointError(f"--resume: {'; '.join(changed)} changed since the run in {self.path} started "
                                   f"(another file, or other content, at the same path: {INPUTS_FILE} records them); "

@@ -162,6 +162,39 @@ def test_resume_refuses_other_inputs_at_the_same_paths(tmp_path, tiny_corpus_dir
     assert recipe_inputs(recipe_from_dict(values))["model.target"] != before
 
 
+def test_resume_refuses_another_init_checkpoint_or_cache_at_the_same_path(tmp_path, tiny_corpus_dir,
+                                                                         tiny_tokenizer_dir):
+    """model.init_from's weights and a task's cache are inputs too: other weights exported at the init path (or a
+    logits cache harvested again with another top-k at the cache path) are named on --resume, not trained on."""
+    from safetensors.torch import load_file, save_file
+
+    from draftforge.train.rundir import recipe_inputs
+
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=1, save_every=0, export=True)
+    values["output_dir"] = str(tmp_path / "base")
+    weights = run(recipe_from_dict(values)).export_dir / "model.safetensors"
+    values["output_dir"], values["model"]["init_from"] = str(tmp_path / "run"), str(tmp_path / "base")
+    values["train"].update(max_steps=4, save_every=2, export=False)
+    run(recipe_from_dict(values), stop_after=2)
+    assert list(json.loads((tmp_path / "run" / "inputs.json").read_text())["model.init_from"]) == [weights.name]
+    before = weights.read_bytes()
+    save_file({k: v + 1.0 for k, v in load_file(str(weights)).items()}, str(weights), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="--resume: model.init_from changed since"):
+        run(recipe_from_dict(values), resume=True)
+    weights.write_bytes(before)  # put back: the run resumes
+    assert run(recipe_from_dict(values), resume=True).step == 4
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "manifest.json").write_text('{"k": 8}')
+    values.update(task="distill", distill={"logits_cache": str(cache)})  # recipe_inputs alone: no cache to train on
+    values["model"]["target"] = str(weights.parent)
+    (tmp_path / "rows.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')
+    values["data"].update(format="tokens", sources=[str(tmp_path / "rows.jsonl")])
+    before = recipe_inputs(recipe_from_dict(values))[f"distill.logits_cache {cache}"]
+    (cache / "manifest.json").write_text('{"k": 2}')
+    assert recipe_inputs(recipe_from_dict(values))[f"distill.logits_cache {cache}"] != before
+
+
 def test_output_dir_with_another_run_needs_overwrite(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
     values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=1)
     run(recipe_from_dict(values))
