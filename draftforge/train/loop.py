@@ -123,7 +123,7 @@ class Trainer:
         run_dir.claim(spec.run_files)  # the first write to output_dir: recipe, data and model are known to work
         self.losses, self.eval_loss, self.last_loss = [], None, float("nan")
         self.start, self.units_seen = self._resume_point()  # a resumed run's last loss and eval loss too
-        self.best = BestKeeper(self.t.keep_best, run_dir.path, self.start)
+        self.best = BestKeeper(self.t.keep_best, run_dir.path, self.start, main=self.acc.is_main_process)
         # a restart (killed before its first checkpoint) starts the log again: its step-0 eval is logged anew
         self.metrics_log = MetricsLog(run_dir.path / "metrics.jsonl", acc.is_main_process,
                                       self.start if run_dir.mode == RESUME else -1)
@@ -317,6 +317,7 @@ class Trainer:
                      "last_loss": self.last_loss if math.isfinite(self.last_loss) else None,
                      "eval_loss": self.eval_loss}
             ckpt.commit(tmp, state, self.t.keep_checkpoints)
+        self.best.checkpointed(acc.is_main_process)
         acc.wait_for_everyone()
         self.run_dir.settle()
 

@@ -311,6 +311,51 @@ def test_keep_best_exports_the_best_evals_weights_and_survives_resume(tmp_path, 
     assert all(torch.equal(again[k], exported[k]) for k in exported)
 
 
+def test_a_resume_keeps_the_best_record_its_checkpoint_saw(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir,
+                                                          monkeypatch):
+    """Killed after a new best (step 5) and before that step's checkpoint, then resumed from step 4 with another
+    eval cadence (train.eval_every may change on --resume): step 5's record is not the resumed run's, but the one
+    step 4's checkpoint saw is, and it was lost with the replaced best/ (the export kept a worse later eval).
+    Oracle: the kept record is the best eval that metrics.jsonl records, and its weights are that step's."""
+    from safetensors.torch import load_file
+
+    from draftforge.train import loop
+
+    class Killed(Exception):
+        pass
+
+    real_save = loop.Trainer.save
+
+    def save(self, step):
+        if step == 5:
+            raise Killed
+        real_save(self, step)
+
+    train = dict(max_steps=9, eval_every=1, save_every=4, keep_checkpoints=10, export=True, keep_best="loss")
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, **train)
+    values["optim"].update(lr=0.3, schedule="constant", warmup_steps=0)
+    monkeypatch.setattr(loop.Trainer, "save", save)
+    with pytest.raises(Killed):
+        run(recipe_from_dict(values), stop_after=5)
+    monkeypatch.undo()
+    evals = {r["step"]: r["eval_loss"] for r in read_metrics(tmp_path / "run") if "eval_loss" in r}
+    best_to_4 = min((s for s in evals if s <= 4), key=evals.get)
+    assert json.loads((tmp_path / "run" / "best" / "best.json").read_text())["step"] == 5, (
+        f"the test needs step 5 to be a new best: {evals}")
+    values["train"]["eval_every"] = 2
+    result = run(recipe_from_dict(values), resume=True)
+    evals = {r["step"]: r["eval_loss"] for r in read_metrics(result.run_dir) if "eval_loss" in r}
+    assert 5 not in evals and best_to_4 in evals
+    best = min(evals, key=evals.get)
+    kept = json.loads((result.export_dir / "draftforge.json").read_text())["metrics"]["kept"]
+    assert kept == {"metric": "loss", "value": evals[best], "step": best}
+    if best in (4, 8):  # a checkpoint step: the exported weights are its weights
+        at = load_file(str(result.run_dir / "checkpoints" / f"step-{best:08d}" / "model.safetensors"))
+        exported = load_file(str(result.export_dir / "model.safetensors"))
+        assert all(torch.equal(at[k], exported[k]) for k in set(at) & set(exported))
+    assert not (result.run_dir / ".best-at-checkpoint").exists()
+
+
 def test_keep_best_names_the_metrics_the_eval_logs(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
     values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, keep_best="tau_g5")
     with pytest.raises(DraftforgeError, match="train.keep_best: the eval logs no metric 'tau_g5'; it logs: loss"):
