@@ -47,8 +47,9 @@ def configure(p: argparse.ArgumentParser) -> None:
         "start tokens (greedy for 3-5 tokens, then sampled: EESD §3.2). Rows {input_ids, prompt_len, prompt_id, "
         "temperature} are appended to --out; rerunning the same command resumes a killed run. A resume must "
         "keep --max-new-tokens, --seed, --batch-size and --dtype (recorded in FILE.meta.json; other values are "
-        "refused, as is a prompt whose tokens changed); a file at --out that is not generate's rows is never "
-        "cut or appended to.")
+        "refused, as is a prompt whose tokens changed); more prompts on the same --out are answered too, with a "
+        "notice that the file then equals no single uninterrupted run. A file at --out that is not generate's "
+        "rows is never cut or appended to.")
     add_flags(p, GenerateJob)
 
 

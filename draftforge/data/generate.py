@@ -212,6 +212,15 @@ def rows_problem(out: Path, settings: dict, prompts: Path | None = None) -> str 
     return None
 
 
+def jobs_fingerprint(jobs: list[Job]) -> str:
+    """sha256 of the job list the batches are planned over (plan_batches): a resume over another list batches, and
+    so samples, the remaining rows otherwise than an uninterrupted run of either list."""
+    import hashlib
+
+    text = json.dumps(sorted([j.prompt_id, list(j.input_ids), j.greedy_prefix] for j in jobs))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def batch_seed(seed: int, batch_index: int, temperature: float) -> int:
     return (seed * 1_000_003 + batch_index * 7919 + int(round(temperature * 1000))) % (2**31)
 
@@ -261,11 +270,14 @@ def generate_rows(model, tokenizer, jobs: list[Job], out: Path, *, temperatures=
 
 def _generate_rows(model, tokenizer, jobs, out: Path, temps, max_new_tokens, batch_size, seed, progress, target,
                    settings) -> GenStats:
-    from draftforge.data.provenance import open_rows_file, read_sidecar, rows_record
+    from draftforge.data.provenance import notice, open_rows_file, read_sidecar, rows_record
 
     target = target or getattr(model.config, "name_or_path", None)
-    open_rows_file(out, {**rows_record(tokenizer, model, target, WRITTEN_BY), "settings": settings})
-    ours = (read_sidecar(out) or {}).get("written_by") == WRITTEN_BY
+    jobs_sha = jobs_fingerprint(jobs)
+    open_rows_file(out, {**rows_record(tokenizer, model, target, WRITTEN_BY), "settings": settings,
+                         "jobs_sha256": jobs_sha})
+    record = read_sidecar(out) or {}
+    ours = record.get("written_by") == WRITTEN_BY
     kept = read_rows(out, cut_torn=ours)
     changed = [job.prompt_id for job in jobs for temp in temps  # our own rows only: outside ones are as they are
                if ours and kept.get((job.prompt_id, temp)) not in (None, [], list(job.input_ids))]
@@ -278,6 +290,11 @@ def _generate_rows(model, tokenizer, jobs, out: Path, temps, max_new_tokens, bat
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else (eos or [0])[0]
     stats, t0 = GenStats(), time.perf_counter()
     stats.skipped = sum((job.prompt_id, temp) in done for temp in temps for job in jobs)
+    if record.get("jobs_sha256", jobs_sha) != jobs_sha and 0 < stats.skipped < len(jobs) * len(temps):
+        notice([str(out)], "it was started on another prompt list (--num-prompts, --random-starts or the prompts "
+                           "changed); its rows are kept and the rest are batched over this list, so the file equals "
+                           "no single uninterrupted run (each row is still the target's own answer); pass another "
+                           "--out for rows that one run reproduces")
     model.eval()
     for temp in temps:
         for b, batch in enumerate(plan_batches(jobs, batch_size)):

@@ -103,6 +103,24 @@ def test_resume_after_a_kill_gives_the_same_file(target, chat_tok, prompt_file, 
     assert again.rows == 0 and part.read_text() == whole.read_text()
 
 
+def test_a_resume_over_a_grown_prompt_list_says_the_file_is_no_single_run(target, chat_tok, prompt_file, tmp_path,
+                                                                         capsys):
+    """Batches are planned over the whole job list and seeded by their index, so rows resumed over a longer list are
+    sampled in other batches than an uninterrupted run of it would sample them: said once, the rows kept."""
+    jobs = chat_jobs(prompt_file, chat_tok, context=96, max_new_tokens=6)
+    kw = dict(temperatures=[1.0], max_new_tokens=6, batch_size=3, seed=7)
+    out = tmp_path / "grown.jsonl"
+    generate_rows(target, chat_tok, jobs[:4], out, **kw)
+    first = out.read_text()
+    capsys.readouterr()
+    generate_rows(target, chat_tok, jobs[:4], out, **kw)  # the same list: nothing to say, nothing to do
+    assert "notice" not in capsys.readouterr().err
+    generate_rows(target, chat_tok, jobs, out, **kw)
+    err = capsys.readouterr().err
+    assert "started on another prompt list" in err and "equals no single uninterrupted run" in err
+    assert out.read_text().startswith(first) and len(_rows(out)) == len(jobs)
+
+
 def test_sampled_rows_differ_from_greedy_and_mix_in_one_file(target, chat_tok, prompt_file, tmp_path):
     jobs = chat_jobs(prompt_file, chat_tok, context=96, max_new_tokens=10)
     generate_rows(target, chat_tok, jobs, tmp_path / "m.jsonl", temperatures=[0, 1.0], max_new_tokens=10)
