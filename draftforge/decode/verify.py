@@ -109,8 +109,8 @@ def _try_drawn(tree: DraftTree, node: int, p_V, q_V, generator, distinct: bool):
         if _uniform(generator) < min(1.0, _share(p_V, x) / _share(q_V, x)):
             return child, p_V
         p_V = residual(p_V, q_V)
-        if distinct:
-            q_V = q_V.clone()
+        if distinct:  # the next sibling was drawn from q without x: in float64, as the draw summed it
+            q_V = q_V.to(torch.float64, copy=True)
             q_V[x] = 0
             if not float(q_V.sum()) > 0:
                 break
