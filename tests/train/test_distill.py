@@ -14,6 +14,7 @@ from draftforge.train import checkpoint as ckpt
 from draftforge.train import distill, run
 from draftforge.train.loop import read_metrics
 from tests.fixtures.hybrid import tiny_bamba
+from tests.fixtures.resume import assert_resume_matches_uninterrupted
 
 
 def distill_recipe(tmp_path, corpus, tokenizer, teacher_dir, **options) -> dict:
@@ -187,6 +188,14 @@ def test_distill_trains_a_reduced_head_student(tmp_path, tiny_corpus_dir, tiny_t
     drafter = load_drafter(str(result.export_dir), load_target(str(teacher_dir)))
     assert drafter.model.get_output_embeddings().weight.shape[0] == 64
     assert len(drafter.model.config.draft_vocab) == 64
+
+
+def test_a_reduced_head_distill_resumes_as_it_would_have_run(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir,
+                                                             teacher_dir):
+    values = distill_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir)
+    values["model"]["draft_vocab"] = 64
+    values["train"].update(max_steps=6, eval_every=2, save_every=2)
+    assert_resume_matches_uninterrupted(values, tmp_path, stop=3)
 
 
 def test_distills_export_keys_are_its_own_and_the_lm_spec_it_starts_from_is_untouched(

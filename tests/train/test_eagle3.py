@@ -104,6 +104,14 @@ def test_the_head_trains_exports_and_drafts_the_same_after_loading(tmp_path, tar
     assert (out / "model.safetensors").read_bytes() == (export / "model.safetensors").read_bytes()
 
 
+def test_a_head_resumes_as_it_would_have_run(tmp_path, target_dir):
+    from tests.fixtures.resume import assert_resume_matches_uninterrupted
+
+    values = recipe(tmp_path, target_dir, token_rows(tmp_path / "rows.jsonl", target_dir), model={"draft_vocab": 64})
+    values["train"].update(max_steps=6, eval_every=2, save_every=2, log_every=1)
+    assert_resume_matches_uninterrupted(values, tmp_path, stop=3)
+
+
 def test_bad_recipes_are_refused(tmp_path, target_dir):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("")

@@ -194,6 +194,14 @@ def test_head_only_exit_trains_norm_and_head(tmp_path, target_dir):
     assert {k.split(".")[0] for k in saved} == {"norm", "lm_head"}
 
 
+def test_an_exit_head_resumes_as_it_would_have_run(tmp_path, target_dir, tiny_corpus_dir):
+    from tests.fixtures.resume import assert_resume_matches_uninterrupted
+
+    values = recipe(tmp_path, target_dir, token_rows(tmp_path / "rows.jsonl", target_dir), tiny_corpus_dir)
+    values["train"].update(max_steps=6, eval_every=2, save_every=2, log_every=1)
+    assert_resume_matches_uninterrupted(values, tmp_path, stop=3)
+
+
 def test_bad_recipes_are_refused(tmp_path, target_dir):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")

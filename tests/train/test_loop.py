@@ -73,6 +73,18 @@ def test_lora_with_its_default_targets_trains_and_exports_merged_weights(tmp_pat
     assert changed and all(any(w in name for name in changed) for w in wanted), changed
 
 
+def test_lora_with_dropout_resumes_as_it_would_have_run(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    """LoRA dropout draws from the RNG every step: a resume must restore it (the checkpoint's RNG states)."""
+    from tests.fixtures.resume import assert_resume_matches_uninterrupted
+
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=1, save_every=0, export=True)
+    values["output_dir"] = str(tmp_path / "base")
+    values["model"]["init_from"] = str(run(recipe_from_dict(values)).export_dir)
+    values["model"]["lora"] = {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.3}
+    values["train"].update(max_steps=6, eval_every=2, save_every=2)
+    assert_resume_matches_uninterrupted(values, tmp_path, stop=3)
+
+
 def test_resume_reproduces_uninterrupted_losses_bitwise(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
     full = run(recipe_from_dict(tiny_recipe(tmp_path / "a", tiny_corpus_dir, tiny_tokenizer_dir)))
     part = recipe_from_dict(tiny_recipe(tmp_path / "b", tiny_corpus_dir, tiny_tokenizer_dir))
