@@ -28,9 +28,7 @@ LOWER_IS_BETTER = ("loss", "kl", "tvd", "ce", "brier", "nll")  # a metric's lead
 BEST_DIR = "best"
 RECORD = "best.json"
 WEIGHTS = "model.safetensors"
-
-
-AT_CHECKPOINT_DIR = ".best-at-checkpoint"
+AT_CHECKPOINT_DIR = ".best-at-checkpoint"  # the record the last checkpoint saw, while best/ holds a newer one
 
 
 class BestKeeper:
