@@ -128,8 +128,15 @@ class Trainer:
         self.metrics_log = MetricsLog(run_dir.path / "metrics.jsonl", acc.is_main_process,
                                       self.start if run_dir.mode == RESUME else -1)
         if acc.is_main_process and acc.log_with:
-            acc.init_trackers("draftforge", config=_tracker_config(recipe))
+            acc.init_trackers("draftforge", config=_tracker_config(recipe), init_kwargs=self._tracker_kwargs(run_dir))
         self.train_time, self.timed_units = 0.0, 0
+
+    def _tracker_kwargs(self, run_dir) -> dict:
+        """TensorBoard drops the events a killed run logged after the step it continues from, as metrics.jsonl
+        does (else a resumed run's steps show twice); every event on a restart from step 0."""
+        if run_dir.mode not in (RESUME, RESTART) or not any(str(t) == "tensorboard" for t in self.acc.log_with):
+            return {}
+        return {"tensorboard": {"purge_step": self.start + 1 if run_dir.mode == RESUME else 0}}
 
     def _announce(self) -> None:
         t, acc = self.t, self.acc

@@ -16,6 +16,24 @@ from draftforge.train import run
 from draftforge.train.loop import TrainingDiverged, read_metrics
 
 
+class Killed(Exception):
+    """A kill, raised where a test puts it."""
+
+
+def kill_at_save(monkeypatch, at: int) -> None:
+    """The run dies when it would write step `at`'s checkpoint: that step is trained and logged, not saved."""
+    from draftforge.train import loop
+
+    real_save = loop.Trainer.save
+
+    def save(self, step):
+        if step == at:
+            raise Killed
+        real_save(self, step)
+
+    monkeypatch.setattr(loop.Trainer, "save", save)
+
+
 def tiny_recipe(tmp_path, corpus, tokenizer, **train) -> dict:
     return {
         "task": "pretrain",
@@ -331,22 +349,10 @@ def test_a_resume_keeps_the_best_record_its_checkpoint_saw(tmp_path, tiny_corpus
     Oracle: the kept record is the best eval that metrics.jsonl records, and its weights are that step's."""
     from safetensors.torch import load_file
 
-    from draftforge.train import loop
-
-    class Killed(Exception):
-        pass
-
-    real_save = loop.Trainer.save
-
-    def save(self, step):
-        if step == 5:
-            raise Killed
-        real_save(self, step)
-
     train = dict(max_steps=9, eval_every=1, save_every=4, keep_checkpoints=10, export=True, keep_best="loss")
     values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, **train)
     values["optim"].update(lr=0.3, schedule="constant", warmup_steps=0)
-    monkeypatch.setattr(loop.Trainer, "save", save)
+    kill_at_save(monkeypatch, 5)
     with pytest.raises(Killed):
         run(recipe_from_dict(values), stop_after=5)
     monkeypatch.undo()
@@ -366,6 +372,27 @@ def test_a_resume_keeps_the_best_record_its_checkpoint_saw(tmp_path, tiny_corpus
         exported = load_file(str(result.export_dir / "model.safetensors"))
         assert all(torch.equal(at[k], exported[k]) for k in set(at) & set(exported))
     assert not (result.run_dir / ".best-at-checkpoint").exists()
+
+
+def test_tensorboard_drops_what_a_killed_run_logged_after_its_checkpoint(tmp_path, tiny_corpus_dir,
+                                                                         tiny_tokenizer_dir, monkeypatch):
+    """Killed after step 3 was logged but before its checkpoint (the last is step 2): metrics.jsonl drops step 3
+    on --resume, and TensorBoard must too, or the resumed run's step 3 shows twice."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    kill_at_save(monkeypatch, 3)
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=5, save_every=2,
+                         trackers=["tensorboard"])
+    with pytest.raises(Killed):
+        run(recipe_from_dict(values), stop_after=3)
+    monkeypatch.undo()
+    run(recipe_from_dict(values), resume=True)
+    events = EventAccumulator(str(tmp_path / "run" / "logs" / "draftforge"))  # both runs' event files
+    events.Reload()
+    steps = [e.step for e in events.Scalars("loss")]
+    logged = [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert steps == logged == [1, 2, 3, 4, 5]
 
 
 def test_keep_best_names_the_metrics_the_eval_logs(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
