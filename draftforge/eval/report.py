@@ -172,7 +172,9 @@ def markdown_table(report: dict) -> str:
         f"dtype {m['dtype']} · seed {m['seed']} · {device}{threads}",
         "speedup = ratio of medians (tokens/s over repeats) against AR measured in the same run on the same prompts; "
         "[min–max] = spread over repeats, so a reader sees the noise.",
-        "τ (+bonus) counts the bonus/correction token; τ (no bonus) counts accepted draft tokens only.",
+        "τ (+bonus) = new tokens per round, the bonus/correction token counted; τ (no bonus) = accepted drafts per "
+        "round that drafted (rounds with no draft, e.g. prompt lookup without a match, are left out, so it is not "
+        "τ (+bonus) − 1).",
     ]
     for who, words in (m.get("attention") or {}).items():  # kernels may differ between machines: say which ran
         lines.append(f"{who} {words if words.startswith('attention') else 'attention: ' + words}.")
