@@ -13,7 +13,7 @@ import torch
 
 from draftforge.cli import main as cli_main
 from draftforge.data import build_block_data
-from draftforge.data.generate import chat_jobs, generate_rows
+from draftforge.data.generate import chat_jobs, generate_rows, jobs_fingerprint
 from draftforge.data.provenance import OUTSIDE, sidecar_path
 from draftforge.errors import CompatibilityError, DataError
 from draftforge.export import tokenizer_fingerprint
@@ -68,13 +68,14 @@ def _one_line(err: Exception) -> str:
     return msg
 
 
-def test_generate_writes_the_sidecar(rows, target, chat_tok):
+def test_generate_writes_the_sidecar(rows, target, chat_tok, jobs):
     meta = json.loads(sidecar_path(rows).read_text())
     assert sidecar_path(rows).name == "rows.jsonl.meta.json"
     assert meta == {"tokenizer": None, "tokenizer_fingerprint": tokenizer_fingerprint(chat_tok),
                     "target": "tiny/target", "target_fingerprint": model_fingerprint(target),
                     "written_by": "draftforge generate", "version": 1,
-                    "settings": {"max_new_tokens": 6, "seed": 0, "batch_size": 8, "dtype": "float32"}}
+                    "settings": {"max_new_tokens": 6, "seed": 0, "batch_size": 8, "dtype": "float32"},
+                    "jobs_sha256": jobs_fingerprint(jobs)}
     assert len(rows.read_text().splitlines()) == 3
 
 
