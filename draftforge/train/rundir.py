@@ -109,7 +109,7 @@ def recipe_inputs(recipe) -> dict:
         out["model.target"] = weights(Path(target).expanduser())
     init = Path(str(recipe.model.init_from or "")).expanduser()
     if recipe.model.init_from and init.is_dir():
-        out["model.init_from"] = weights(init if (init / "config.json").is_file() else init / "export")
+        out["model.init_from"] = weights(init if any(init.glob("*.safetensors")) else init / "export")  # run dir
     for src in recipe.data.sources:
         path = Path(str(src)).expanduser()
         if path.exists():

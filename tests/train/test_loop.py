@@ -213,6 +213,8 @@ def test_resume_refuses_another_init_checkpoint_or_cache_at_the_same_path(tmp_pa
         run(recipe_from_dict(values), resume=True)
     weights.write_bytes(before)  # put back: the run resumes
     assert run(recipe_from_dict(values), resume=True).step == 4
+    values["model"]["init_from"] = str(weights.parent)  # the export itself, not the run dir: the same weights
+    assert list(recipe_inputs(recipe_from_dict(values))["model.init_from"]) == [weights.name]
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "manifest.json").write_text('{"k": 8}')
