@@ -33,8 +33,9 @@ AT_CHECKPOINT_DIR = ".best-at-checkpoint"  # the record the last checkpoint saw,
 
 class BestKeeper:
     def __init__(self, metric: str | None, run_dir: Path, resumed_step: int, main: bool = True):
-        """A resumed run (resumed_step > 0) takes the record its checkpoint saw; the main process removes a best/
-        that holds a later one (another process reading it at the same time rejects it all the same)."""
+        """A resumed run (resumed_step > 0) takes the record its checkpoint saw. `main`: the training run's main
+        process, which removes a best/ that holds a later record (another process reading it at the same time
+        rejects it all the same); False for a reader such as `draftforge export RUN_DIR`, which changes nothing."""
         self.metric, self.dir, self.record = metric, Path(run_dir) / BEST_DIR, None
         self.at_checkpoint_dir = Path(run_dir) / AT_CHECKPOINT_DIR
         self.record_dir = self.dir  # where the record's weights are (the at-checkpoint copy after a resume)

@@ -48,9 +48,10 @@ def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None
     load_fitting_state(spec.model, load_file(str(weights)), str(weights))
     state = ckpt.read_loop_state(src)
     metrics = _final_metrics(run_dir, state["step"])
-    # train.keep_best: the kept weights (RUN_DIR/best, recorded at or before this checkpoint), as the run's own export
+    # train.keep_best: the kept weights (the record at or before this checkpoint, in RUN_DIR/best or the copy the
+    # checkpoint saw), as the run's own export; read only (main=False: the run dir is left as it is)
     metric = None if checkpoint or last else recipe.train.keep_best
-    kept = BestKeeper(metric, run_dir, state["step"]).load_into(spec.model) if metric else None
+    kept = BestKeeper(metric, run_dir, state["step"], main=False).load_into(spec.model) if metric else None
     if kept is not None:
         metrics["kept"] = kept
         say(f"exporting the weights of step {kept['step']}, the best {kept['metric']} ({kept['value']:.4g}; "

@@ -362,6 +362,13 @@ def test_a_resume_keeps_the_best_record_its_checkpoint_saw(tmp_path, tiny_corpus
     best_to_4 = min((s for s in evals if s <= 4), key=evals.get)
     assert json.loads((tmp_path / "run" / "best" / "best.json").read_text())["step"] == 5, (
         f"the test needs step 5 to be a new best: {evals}")
+    # `draftforge export RUN_DIR` of the killed run exports what a resume keeps, and changes nothing in the run
+    from draftforge.train.export_run import export_checkpoint
+
+    before = sorted(p.relative_to(tmp_path / "run") for p in (tmp_path / "run").rglob("*"))
+    out = export_checkpoint(tmp_path / "run", tmp_path / "exported", say=lambda *a: None)
+    assert json.loads((out / "draftforge.json").read_text())["metrics"]["kept"]["step"] == best_to_4
+    assert sorted(p.relative_to(tmp_path / "run") for p in (tmp_path / "run").rglob("*")) == before
     values["train"]["eval_every"] = 2
     result = run(recipe_from_dict(values), resume=True)
     evals = {r["step"]: r["eval_loss"] for r in read_metrics(result.run_dir) if "eval_loss" in r}
