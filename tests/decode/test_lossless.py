@@ -78,3 +78,16 @@ def test_float32_chain_agrees(target):
     drafter = load_drafter(noisy_copy(target32.model, noise=0.05), target32)
     res = build_decoder("chain", target32, drafter, chain_length=4).generate(PROMPTS[2], max_new_tokens=16)
     assert res.tokens == reference(target32, PROMPTS[2], 16)
+
+
+def test_hf_assisted_counts_an_accepted_eos_draft_as_accepted(target):
+    """A round whose accepted drafts end in EOS emits no bonus token. Oracle: with a drafter equal to the target
+    (float64), every draft is accepted, so the target itself chose one token per round but the last, which stopped
+    on a drafted EOS: new tokens = accepted drafts + rounds - 1, and every round accepted what it drafted."""
+    prompt = PROMPTS[2]
+    eos = late_eos(reference(target, prompt, 20), at_least=6)
+    dec = build_decoder("hf_assisted", target, load_drafter(noisy_copy(target.model, noise=0.0), target))
+    res = dec.generate(prompt, max_new_tokens=20, eos_token_id=eos)
+    assert res.tokens == reference(target, prompt, 20, eos=eos) and res.tokens[-1] == eos
+    assert res.stats.accepted_per_round == res.stats.drafted_per_round and res.stats.drafted_per_round[-1] >= 1
+    assert res.stats.new_tokens == sum(res.stats.accepted_per_round) + res.stats.target_forwards - 1

@@ -104,7 +104,7 @@ def hf_generate(target: Target, input_ids, max_new_tokens: int, params: Sampling
                 h.remove()
     stats.total_time_s = clock(device) - t_start
     tokens = out[0, len(seq) :].tolist()
-    _fill_assisted_stats(stats, calls, len(seq), len(tokens))
+    _fill_assisted_stats(stats, calls, seq + tokens, len(seq))
     return DecodeResult(tokens=tokens, stats=stats)
 
 
@@ -123,33 +123,46 @@ def _draft_vocab_hook(drafter) -> tuple:
 
 
 def _timing_hooks(model, log: list):
-    """Record (cached length, query length, seconds) of every forward of `model`."""
+    """Record (cached length, query length, seconds, the query's last ids) of every forward of `model`: the ids
+    hold a round's drafts (the target's query ends in them); the prompt's are not kept."""
     state, name = {}, cache_param(model)
 
     def pre(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         cache = passed_cache(kwargs, name)
-        state["start"] = (cache.get_seq_length() if cache is not None else 0, ids.shape[1], clock(model.device))
+        state["start"] = (cache.get_seq_length() if cache is not None else 0, ids, clock(model.device))
 
     def post(module, args, kwargs, output):
-        past, q, t0 = state["start"]
-        log.append((past, q, clock(model.device) - t0))
+        past, ids, t0 = state["start"]
+        log.append((past, ids.shape[1], clock(model.device) - t0, ids[0, -_KEEP_IDS:]))  # a view: read later
 
     return (model.register_forward_pre_hook(pre, with_kwargs=True), model.register_forward_hook(post, with_kwargs=True))
 
 
-def _fill_assisted_stats(stats: DecodeStats, calls, prompt_len: int, n_new: int) -> None:
-    """Rounds from the target's forwards: one call = one round (a chain of `drafted` drafts)."""
+_KEEP_IDS = 128  # a query's last ids kept per forward: more than any round drafts (transformers caps drafts at 20)
+
+
+def _fill_assisted_stats(stats: DecodeStats, calls, sequence: list[int], prompt_len: int) -> None:
+    """Rounds from the target's forwards: one call = one round (a chain of `drafted` drafts, the query's last ids).
+    A round accepted the drafts its emitted tokens begin with: a rejected draft is never emitted in its place (the
+    greedy correction differs from it; a sampled one comes from max(0, p - q), which is 0 there), and a round that
+    stops on an accepted EOS draft emits no bonus token."""
     target_calls = calls["target"]
-    stats.new_tokens = n_new
+    stats.new_tokens = len(sequence) - prompt_len
     stats.verify_time_s = sum(c[2] for c in target_calls)
     stats.draft_time_s = sum(c[2] for c in calls["drafter"])
     committed = prompt_len  # committed tokens when round r starts; the next round starts one past the cache
-    for r, (past, q, _) in enumerate(target_calls):
-        drafted = max(past + q - committed, 0)
-        nxt = target_calls[r + 1][0] + 1 if r + 1 < len(target_calls) else prompt_len + n_new
-        emitted = max(nxt - committed, 1)
-        stats.add_round(min(emitted - 1, drafted), drafted, drafted, f"hf{drafted}")
+    for r, (past, q, _, tail) in enumerate(target_calls):
+        tail = tail.tolist()
+        drafted = min(max(past + q - committed, 0), len(tail))
+        nxt = target_calls[r + 1][0] + 1 if r + 1 < len(target_calls) else len(sequence)
+        emitted = sequence[committed:nxt]
+        accepted = 0
+        for draft, token in zip(tail[len(tail) - drafted:] if drafted else [], emitted):
+            if draft != token:
+                break
+            accepted += 1
+        stats.add_round(accepted, drafted, drafted, f"hf{drafted}")
         committed = nxt
 
 
