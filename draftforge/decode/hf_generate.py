@@ -10,7 +10,8 @@ is any draftforge method (chain, tree, ucb, eagle2, c2t, eesd, the length contro
 `method_options`. Honoured: max_new_tokens / max_length, eos_token_id, do_sample with temperature / top_k / top_p,
 stop strings, max_time, stopping_criteria (checked after every token, as generate() does; their `scores` argument is
 None; a caller's MaxLengthCriteria / EosTokenCriteria replaces the config's, as in generate()), a streamer,
-return_dict_in_generate. Refused in one line: batch size > 1, padding, beams, several return sequences, scores /
+return_dict_in_generate (the output carries no cache; a cache passed in is not read: the whole prompt is prefilled,
+the output is the same). Refused in one line: batch size > 1, padding, beams, several return sequences, scores /
 logits outputs, logits warpers passed by hand, every other logits processor (repetition penalty, min length, ...),
 which would change the distribution the harness verifies against, and the other decoding modes (contrastive search,
 DoLa, constrained search). A setting generate() itself ignores (min_p when greedy, guidance_scale 1) is accepted.

@@ -457,3 +457,21 @@ def test_a_prompt_holding_the_pad_token_is_padding_on_both_paths(target, export_
     got = target.generate(x, max_new_tokens=5, pad_token_id=12, eos_token_id=12, do_sample=False,  # not padding
                           custom_generate=export_dir, trust_remote_code=True)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_a_cache_passed_in_is_not_read_and_none_comes_out(target, name):
+    """The harness prefills the whole prompt: a cache of the prompt's first tokens changes nothing, and one holding
+    another text's states (which would change generate()'s own output) is not read either."""
+    from transformers import DynamicCache
+
+    ids, other = PROMPTS[1], [11, 22, 33, 44]
+    want = plain(target, ids, max_new_tokens=16)
+    for prefix in (ids[:4], other):
+        cache = DynamicCache(config=target.config)
+        with torch.no_grad():
+            target(torch.tensor([prefix]), past_key_values=cache, use_cache=True)
+        out = spec(target, ids, max_new_tokens=16, drafter=noisy_copy(target, noise=0.05), return_dict_in_generate=True,
+                   **{name: cache})
+        assert torch.equal(out.sequences, want), prefix
+        assert getattr(out, "past_key_values", None) is None and getattr(out, "cache", None) is None
