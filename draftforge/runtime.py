@@ -63,6 +63,28 @@ def _is_cuda(device) -> bool:
     return str(device).startswith("cuda")
 
 
+def device_name(device) -> str:
+    """What ran a computation, as far as its rounding goes: "cuda: <GPU name>" or "cpu: <CPU model>" (bf16 and
+    fp32 kernels differ between GPU models and between CPUs, so the same model's numbers differ at rounding level)."""
+    if _is_cuda(device):
+        import torch
+
+        return f"cuda: {torch.cuda.get_device_name(torch.device(device))}"
+    return f"cpu: {cpuinfo('model name') or platform.processor() or platform.machine()}"
+
+
+def other_devices(recorded, now: str) -> list[str]:
+    """The devices in `recorded` (names, None for work recorded before devices were) other than `now`, sorted."""
+    return sorted({d for d in recorded if d is not None and d != now})
+
+
+def mixed_devices_text(others: list[str], now: str) -> str:
+    """The notice a resume on another device gives: the output mixes work from both, which differs in rounding."""
+    return (f"continued on {now}; the part already written was computed on {' and '.join(others)}: the two parts "
+            "differ at rounding level (other kernels), so the whole is not what one uninterrupted run on either "
+            "would write")
+
+
 @dataclass(frozen=True)
 class DtypeChoice:
     name: str  # float32 | bfloat16 | float16

@@ -270,12 +270,13 @@ def generate_rows(model, tokenizer, jobs: list[Job], out: Path, *, temperatures=
 
 def _generate_rows(model, tokenizer, jobs, out: Path, temps, max_new_tokens, batch_size, seed, progress, target,
                    settings) -> GenStats:
-    from draftforge.data.provenance import notice, open_rows_file, read_sidecar, rows_record
+    from draftforge.data.provenance import notice, open_rows_file, read_sidecar, rows_record, write_sidecar
+    from draftforge.runtime import device_name, mixed_devices_text, other_devices
 
     target = target or getattr(model.config, "name_or_path", None)
-    jobs_sha = jobs_fingerprint(jobs)
+    jobs_sha, device = jobs_fingerprint(jobs), device_name(model.device)
     open_rows_file(out, {**rows_record(tokenizer, model, target, WRITTEN_BY), "settings": settings,
-                         "jobs_sha256": jobs_sha})
+                         "jobs_sha256": jobs_sha, "devices": [device]})
     record = read_sidecar(out) or {}
     ours = record.get("written_by") == WRITTEN_BY
     kept = read_rows(out, cut_torn=ours)
@@ -295,6 +296,11 @@ def _generate_rows(model, tokenizer, jobs, out: Path, temps, max_new_tokens, bat
                            "changed); its rows are kept and the rest are batched over this list, so the file equals "
                            "no single uninterrupted run (each row is still the target's own answer); pass another "
                            "--out for rows that one run reproduces")
+    if "devices" in record and stats.skipped < len(jobs) * len(temps):  # a sidecar from before: nothing to compare
+        others = other_devices(record["devices"], device)
+        if others:
+            notice([str(out)], mixed_devices_text(others, device))
+            write_sidecar(out, {**record, "devices": [*record["devices"], device]})
     model.eval()
     for temp in temps:
         for b, batch in enumerate(plan_batches(jobs, batch_size)):

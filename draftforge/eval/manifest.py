@@ -10,7 +10,7 @@ import shlex
 import sys
 from datetime import datetime, timezone
 
-from draftforge.runtime import cpuinfo
+from draftforge.runtime import device_name
 
 LIBRARIES = ("torch", "transformers", "accelerate", "draftforge", "triton", "mamba-ssm", "causal-conv1d")
 # transformers' assisted generation reads its draft length policy from the assistant's generation_config
@@ -18,7 +18,7 @@ ASSISTED_POLICY_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule",
 
 
 def cpu_model() -> str:
-    return cpuinfo("model name") or platform.processor() or platform.machine()
+    return device_name("cpu").removeprefix("cpu: ")
 
 
 def gpu_names() -> list[str]:

@@ -30,6 +30,7 @@ from draftforge.errors import CompatibilityError, DataError, RecipeError
 from draftforge.models.c2t import DEPTH_ORIGIN
 from draftforge.harvest.job import HarvestJob
 from draftforge.options import add_flags, option, positive_int
+from draftforge.runtime import device_name, mixed_devices_text, other_devices
 
 COLUMNS = ("tree_id", "prompt_id", "node", "parent", "P", "H", "d", "label", "target", "drafter")
 COLUMN_TYPES = ("string", "string", "int64", "int64", "float64", "float64", "int64", "int64", "string", "string")
@@ -205,6 +206,20 @@ def harvest_meta(target, drafter, settings: HarvestSettings, source: str) -> dic
             **tokenizer_identity(target.tokenizer)}
 
 
+def _note_device(out_dir: Path, here: str) -> None:
+    """A resume that harvests on another device than earlier runs (harvest.json's `devices`, absent in a harvest
+    from before they were recorded) says so and adds its own to the list."""
+    from draftforge.fsutil import atomic_write_text
+
+    meta = _read_meta(out_dir / META_FILE)
+    devices = meta.get("devices", [])
+    others = other_devices(devices, here)
+    if others:
+        print(f"harvest trees: notice: {mixed_devices_text(others, here)}", file=sys.stderr)
+    if devices and here not in devices:
+        atomic_write_text(out_dir / META_FILE, json.dumps({**meta, "devices": [*devices, here]}, indent=2))
+
+
 def _read_meta(meta_file: Path) -> dict:
     try:
         return json.loads(meta_file.read_text())
@@ -358,7 +373,8 @@ def _harvest_trees(job: TreeHarvestJob) -> dict:
     # other prompts would put other prompts' trees under the same shard numbers
     prompts_sha = hashlib.sha256(json.dumps([[str(p.prompt_id), list(p.input_ids)] for p in prompts]).encode())
     meta = {**harvest_meta(target, drafter, settings, str(job.bench)), "dtype": dtype.name,
-            "prompts_sha256": prompts_sha.hexdigest(), "ignore_eos": bool(job.ignore_eos)}
+            "prompts_sha256": prompts_sha.hexdigest(), "ignore_eos": bool(job.ignore_eos),
+            "devices": [device_name(job.device)]}
     if job.overwrite and (out / META_FILE).is_file():  # only now: a load or prompt error above leaves it whole
         replaced = sorted(out.glob("prompt-*.parquet"))
         for shard in replaced:
@@ -377,6 +393,8 @@ def _harvest_trees(job: TreeHarvestJob) -> dict:
               f"{' ...' if len(unreadable) > 1 else ''}): harvested again", file=sys.stderr)
     fingerprints, eos = (meta["target"], meta["drafter"]), ([] if job.ignore_eos else None)
     done = sum(shard_path(out, i).is_file() for i in range(len(prompts)))
+    if done < len(prompts):
+        _note_device(out, meta["devices"][0])
     totals = {"trees": 0, "rows": 0, "positives": 0}
     bar = tqdm(total=len(prompts), initial=done, desc="harvest trees", file=sys.stderr, dynamic_ncols=True)
     for i, prompt in enumerate(prompts):

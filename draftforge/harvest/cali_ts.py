@@ -37,7 +37,7 @@ from draftforge.errors import DataError, DraftforgeError
 from draftforge.fsutil import atomic_write_text, foreign_dir_problem, sha256_file, temp_dir_beside
 from draftforge.harvest.job import HarvestJob
 from draftforge.options import add_flags, non_negative_int, option, positive_int
-from draftforge.runtime import announce, resolve_dtype
+from draftforge.runtime import announce, device_name, mixed_devices_text, other_devices, resolve_dtype
 
 MANIFEST = "harvest.json"
 KIND = "theta-harvest"  # manifests before 2026-11-28 have no kind
@@ -242,6 +242,10 @@ def _harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, ma
     if kept:
         print(f"[draftforge] harvest θ: {kept} of {len(seqs)} sequences are in shards an earlier run wrote: kept",
               file=sys.stderr)
+    here = device_name(device)
+    others = other_devices([manifest["shards"][k].get("device") for k in manifest["shards"]], here)
+    if others and kept < len(seqs):
+        print(f"[draftforge] harvest θ: notice: {mixed_devices_text(others, here)}", file=sys.stderr)
     # the bar starts at the kept sequences, so its rate and ETA count only the ones harvested now
     bar = tqdm(total=len(seqs), initial=kept, desc="harvest θ rows", unit="seq", disable=not progress)
     for shard in range(n_shards):
@@ -259,7 +263,7 @@ def _harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, ma
                 cols[k] += v
             cols["sequence"] += [shard * shard_size + j] * len(rows["label"])  # the theta task splits by it
             bar.update(1)
-        manifest["shards"][str(shard)] = _write_shard(out_dir, shard, cols)
+        manifest["shards"][str(shard)] = {**_write_shard(out_dir, shard, cols), "device": here}
         atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     bar.close()
     return finish_manifest(out_dir, manifest)

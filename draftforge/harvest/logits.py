@@ -40,7 +40,7 @@ from draftforge.errors import CompatibilityError, DataError, RecipeError
 from draftforge.fsutil import atomic_write_text, foreign_dir_problem, shared_lock
 from draftforge.harvest.job import HarvestJob
 from draftforge.options import add_flags, option, positive_int
-from draftforge.runtime import announce, resolve_dtype
+from draftforge.runtime import announce, device_name, mixed_devices_text, other_devices, resolve_dtype
 
 ROWS_FIX = "regenerate the rows with this target, or pass --target {theirs}"
 # what a resume must share with the harvest it continues (the target's weights are compared once loaded)
@@ -408,6 +408,10 @@ def _harvest_shards(model, plan: Plan, out: Path, mine: list[int], done: dict, p
         (kept if index in done and not problem else todo).append(index)
     if kept:
         say(f"kept {len(kept)} of {len(mine)} shards an earlier run wrote (each checked against its sha256)")
+    device = device_name(plan.device)
+    others = other_devices([done[i].get("device") for i in kept], device)
+    if others and todo:
+        say(f"notice: {mixed_devices_text(others, device)}")
     # the bar starts at the kept shards, so its rate and ETA count only the shards harvested now
     bar = tqdm(total=len(mine), initial=len(kept), desc=f"{KINDS[m['kind']][1].removeprefix('draftforge ')} "
                "(shards)", disable=not progress, dynamic_ncols=True)
@@ -416,7 +420,7 @@ def _harvest_shards(model, plan: Plan, out: Path, mine: list[int], done: dict, p
         a, b = index * m["shard_rows"], min((index + 1) * m["shard_rows"], m["rows"]["count"])
         tensors = shard_tensors(model, plan, a, b)
         meta = {"kind": m["kind"], "shard": index, "rows": f"{a}:{b}", "top_k": m["top_k"]}
-        entry = {"index": index, "rows": [a, b], "positions": int(tensors["position"].numel()),
+        entry = {"index": index, "rows": [a, b], "positions": int(tensors["position"].numel()), "device": device,
                  **({"tokens": int(tensors["states"].shape[0])} if "states" in tensors else {}),
                  **write_shard(out / shard_name(index), tensors, meta)}
         atomic_write_text(_record_path(out, index), json.dumps(entry) + "\n")

@@ -121,6 +121,26 @@ def test_a_resume_over_a_grown_prompt_list_says_the_file_is_no_single_run(target
     assert out.read_text().startswith(first) and len(_rows(out)) == len(jobs)
 
 
+def test_a_resume_on_another_device_says_so_and_records_it(target, chat_tok, prompt_file, tmp_path, monkeypatch,
+                                                           capsys):
+    from draftforge.data.provenance import sidecar_path
+
+    jobs = chat_jobs(prompt_file, chat_tok, context=96, max_new_tokens=6)
+    kw = dict(temperatures=[0], max_new_tokens=6, batch_size=2)
+    out = tmp_path / "moved.jsonl"
+    generate_rows(target, chat_tok, jobs[:2], out, **kw)
+    devices = json.loads(sidecar_path(out).read_text())["devices"]
+    assert len(devices) == 1 and devices[0].startswith("cpu: ")
+    monkeypatch.setattr("draftforge.runtime.device_name", lambda device: "cuda: Imaginary GPU")
+    capsys.readouterr()
+    generate_rows(target, chat_tok, jobs[:2], out, **kw)  # nothing left to write: nothing to say
+    assert "continued on" not in capsys.readouterr().err
+    generate_rows(target, chat_tok, jobs, out, **kw)
+    assert f"continued on cuda: Imaginary GPU; the part already written was computed on {devices[0]}" in \
+        capsys.readouterr().err
+    assert json.loads(sidecar_path(out).read_text())["devices"] == [*devices, "cuda: Imaginary GPU"]
+
+
 def test_sampled_rows_differ_from_greedy_and_mix_in_one_file(target, chat_tok, prompt_file, tmp_path):
     jobs = chat_jobs(prompt_file, chat_tok, context=96, max_new_tokens=10)
     generate_rows(target, chat_tok, jobs, tmp_path / "m.jsonl", temperatures=[0, 1.0], max_new_tokens=10)

@@ -293,6 +293,23 @@ def test_harvest_resumes_after_a_kill_to_the_same_bytes_and_redoes_a_truncated_s
     assert _shard_bytes(out) == _shard_bytes(cache_dir)
 
 
+def test_each_shard_records_its_device_and_a_resume_on_another_says_so(tmp_path, target_dir, rows_file,
+                                                                         monkeypatch, capsys):
+    out = tmp_path / "moved"
+    with pytest.raises(KeyboardInterrupt):
+        _harvest(target_dir, rows_file, out, stop_after=1)
+    first = json.loads((out / "shard-00000.json").read_text())["device"]
+    assert first.startswith("cpu: ")
+    capsys.readouterr()
+    monkeypatch.setattr("draftforge.harvest.logits.device_name", lambda device: "cuda: Imaginary GPU")
+    manifest = _harvest(target_dir, rows_file, out, resume=True)
+    assert f"notice: continued on cuda: Imaginary GPU; the part already written was computed on {first}" in \
+        capsys.readouterr().err
+    assert [e["device"] for e in manifest["shards"]] == [first] + ["cuda: Imaginary GPU"] * (manifest["num_shards"] - 1)
+    _harvest(target_dir, rows_file, out, resume=True)  # nothing left to harvest: nothing to say
+    assert "continued on" not in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- rows added later: one cache per rows file
 
 def _split_rows(tmp_path: Path, rows_file: Path, at: int = 10) -> tuple[Path, Path]:

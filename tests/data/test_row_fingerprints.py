@@ -71,11 +71,13 @@ def _one_line(err: Exception) -> str:
 def test_generate_writes_the_sidecar(rows, target, chat_tok, jobs):
     meta = json.loads(sidecar_path(rows).read_text())
     assert sidecar_path(rows).name == "rows.jsonl.meta.json"
+    devices = meta.get("devices", [])
+    assert len(devices) == 1 and devices[0].startswith("cpu: ")  # where the rows were computed (kernels round)
     assert meta == {"tokenizer": None, "tokenizer_fingerprint": tokenizer_fingerprint(chat_tok),
                     "target": "tiny/target", "target_fingerprint": model_fingerprint(target),
                     "written_by": "draftforge generate", "version": 1,
                     "settings": {"max_new_tokens": 6, "seed": 0, "batch_size": 8, "dtype": "float32"},
-                    "jobs_sha256": jobs_fingerprint(jobs)}
+                    "jobs_sha256": jobs_fingerprint(jobs), "devices": devices}
     assert len(rows.read_text().splitlines()) == 3
 
 

@@ -103,6 +103,25 @@ def test_harvest_cli_writes_shards_and_resumes(harvested, capsys):
     assert shards[5].read_bytes() == before and len(hv.load_harvest([out])) == len(data)
 
 
+def test_a_resume_on_another_device_says_so_and_records_it(harvested, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    t_dir, d_dir, bench, out = harvested
+    copy = tmp_path / "h"
+    shutil.copytree(out, copy)
+    devices = json.loads((copy / "harvest.json").read_text())["devices"]
+    assert len(devices) == 1 and devices[0].startswith("cpu: ")
+    monkeypatch.setattr("draftforge.harvest.c2t.device_name", lambda device: "cuda: Imaginary GPU")
+    capsys.readouterr()
+    assert harvest_cli(t_dir, d_dir, bench, copy, "--resume") == 0  # nothing left to harvest: nothing to say
+    assert "continued on" not in capsys.readouterr().err
+    (copy / "prompt-000003.parquet").unlink()
+    assert harvest_cli(t_dir, d_dir, bench, copy, "--resume") == 0
+    assert (f"notice: continued on cuda: Imaginary GPU; the part already written was computed on {devices[0]}"
+            in capsys.readouterr().err)
+    assert json.loads((copy / "harvest.json").read_text())["devices"] == [*devices, "cuda: Imaginary GPU"]
+
+
 def test_a_resume_over_other_prompts_or_a_broken_record_is_refused(harvested, tmp_path, capsys):
     """Another bench (or --num-prompts, or without --ignore-eos) under --resume put other prompts' trees under the
     same shard numbers; a damaged harvest.json was a JSONDecodeError traceback."""

@@ -170,6 +170,24 @@ def test_harvest_resumes_and_refuses_to_mix(pair, tmp_path, capsys):
     assert again["rows"] == full["rows"] and load_harvest(out)[0].num_rows == full["rows"]
 
 
+def test_each_shard_records_its_device_and_a_resume_on_another_says_so(pair, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "h"
+    harvest(pair, out)
+    manifest = json.loads((out / "harvest.json").read_text())
+    first = manifest["shards"]["0"]["device"]
+    assert first.startswith("cpu: ") and {e["device"] for e in manifest["shards"].values()} == {first}
+    del manifest["shards"]["1"]  # as if killed before shard 1 was written
+    (out / "harvest.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr("draftforge.harvest.cali_ts.device_name", lambda device: "cuda: Imaginary GPU")
+    capsys.readouterr()
+    again = harvest(pair, out, resume=True)
+    assert f"notice: continued on cuda: Imaginary GPU; the part already written was computed on {first}" in \
+        capsys.readouterr().err
+    assert again["shards"]["1"]["device"] == "cuda: Imaginary GPU" and again["shards"]["0"]["device"] == first
+    harvest(pair, out, resume=True)  # nothing left to harvest: nothing to say
+    assert "continued on" not in capsys.readouterr().err
+
+
 def test_an_empty_harvest_is_one_clear_error(pair, tmp_path):
     short = tmp_path / "short.jsonl"
     short.write_text(json.dumps({"input_ids": [1]}) + "\n")
