@@ -23,8 +23,9 @@ COMMANDS = {
     "eval": ("draftforge.eval.command", "measure a drafter's speedup over plain decoding (JSON/Markdown/PNG report)"),
     "demo": ("draftforge.demo", "try it in ~15 min on a laptop CPU, offline: train a small Mamba drafter for a "
                                 "tiny target and show how much faster it decodes"),
-    "harvest": ("draftforge.cli_harvest", "harvest training data from a target + drafter (trees: EAGLE-2 trees for C2T; theta: χ labels "
-                                         "for Cali-TS; logits: a target's top-k distributions for distill)"),
+    "harvest": ("draftforge.cli_harvest", "harvest training data from a target (+ drafter): trees (EAGLE-2 trees for "
+                                         "C2T), theta (χ labels for Cali-TS), logits (top-k distributions for "
+                                         "distill), hidden (states at chosen layers for eagle3)"),
     "generate": ("draftforge.cli_generate", "a target's own answers (greedy and sampled) as token rows for SFT, resumable"),
     "target": ("draftforge.cli_target", "prepare a real target offline (smollm2) or its instruction prompts (prompts)"),
     "chat": ("draftforge.cli_chat", "talk to a target through your drafter: answers stream as they are accepted, "
