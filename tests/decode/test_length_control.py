@@ -108,6 +108,76 @@ def test_specdec_pp_stops_when_rejection_chance_passes_the_threshold():
     assert stops == [False, False, False, True]
 
 
+def test_specdec_pp_keeps_going_at_exactly_the_threshold():
+    """The rule is strict: 1 - 0.5 = 0.5 is not above a threshold of 0.5; 1 - 0.25 is."""
+    rule = SpecDecPP(threshold=0.5)
+    rule.start_round()
+    assert [rule.should_stop(DraftStep(d, 0, torch.zeros(3), 0.5)) for d in (1, 2)] == [False, True]
+
+
+class Head:
+    """A θ predictor whose answer depends only on the step's offset (the rule reads nothing else of it)."""
+
+    def __init__(self, by_offset: dict[int, float]):
+        self.by_offset = by_offset
+
+    def target_terms(self, h_T):
+        return torch.zeros(2)
+
+    def theta_from_terms(self, terms, h_D, offset):
+        return self.by_offset[offset]
+
+
+def _headed_rule(head: Head, after_token: bool, threshold: float) -> SpecDecPP:
+    from types import SimpleNamespace
+
+    rule = SpecDecPP(threshold, 8, SimpleNamespace(last=None), head, after_token)
+    rule.start_round()
+    rule.round_bias_O2 = torch.zeros(2)  # as after a verification (the stub target has none)
+    return rule
+
+
+def _stops(rule: SpecDecPP, probs: list[float]) -> list[bool]:
+    out = []
+    for d, p in enumerate(probs, 1):
+        out.append(rule.should_stop(DraftStep(d, 0, torch.zeros(3), p, torch.zeros(4))))
+        if out[-1]:
+            break
+    return out
+
+
+def test_specdec_pp_with_a_head_multiplies_the_heads_acceptances():
+    """A head predicting draft i at step i (a Mamba or Transformer drafter's state chose draft i): threshold 0.3,
+    head 0.95, 0.95, 0.5: P(all accepted) 0.95, 0.9025, 0.45125 -> stop after draft 3. The drafter's own 0.1 (which
+    would stop at once) is not read."""
+    rule = _headed_rule(Head({1: 0.95, 2: 0.95, 3: 0.5, 4: 0.5}), after_token=False, threshold=0.3)
+    assert _stops(rule, [0.1] * 4) == [False, False, True]
+
+
+def test_specdec_pp_with_an_early_exit_head_counts_each_draft_once():
+    """The early-exit drafter's state at step i comes after draft i, so its head predicts draft i+1 there (the θ
+    harvest pairs them so). Draft 1 takes the drafter's own 0.6, drafts 2.. the head's 0.9 from the step before:
+    threshold 0.5, P(all accepted) 0.6, 0.54, 0.486 -> stop after draft 3. Multiplying the head's value at each
+    step instead (drafts 2..k+1) gave 0.9, 0.81, ... and drafted 7."""
+    rule = _headed_rule(Head({i: 0.9 for i in range(1, 9)}), after_token=True, threshold=0.5)
+    assert _stops(rule, [0.6, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2]) == [False, False, True]
+
+
+def test_cali_ts_samples_around_the_heads_theta():
+    """n = 0 (no verified round yet this prompt): θ ~ N(θ_M, σ_M²) with θ_M the head's 0.9, not θ̂₀ = 0.5."""
+    from types import SimpleNamespace
+
+    ctl = CaliTS(SimpleNamespace(last=None), Head({d: 0.9 for d in range(1, 6)}), sigma_m=0.2, sigma_s=0.3,
+                 theta0=0.5, seed=7)
+    ctl.start_round()
+    ctl.round_bias_O2 = torch.zeros(2)
+    rng = random.Random(7)
+    for depth in range(1, 6):
+        theta = min(1.0, max(0.0, rng.gauss(0.9, 0.2)))
+        expected_stop = not rng.random() < theta
+        assert ctl.should_stop(DraftStep(depth, 0, torch.zeros(3), 0.5, torch.zeros(4))) == expected_stop
+
+
 # ---------------------------------------------------------------- through the engine
 
 @pytest.fixture(scope="module")
@@ -139,14 +209,16 @@ def test_controllers_are_lossless_greedy(target, drafters, tmp_path, kind, metho
         if kind == "recompute":
             pytest.skip("the throwaway drafter gives no hidden state (tested below)")
         options = {"theta_predictor": predictor_for(target, drafter, tmp_path)}
+    if method == "specdec_pp":  # these toy drafters' tokens have p ~0.1-0.2: at 0.3 it stops after every draft
+        options = {**options, "specpp_threshold": 0.9}
     dec = build_decoder(method, target, drafter, max_draft=6, **options)
-    lengths, accepted = set(), 0
+    decisions, rule = [], dec.controller.should_stop  # the rule's own stop / go answers, not the budget's cuts
+    dec.controller.should_stop = lambda step: decisions.append(rule(step)) or decisions[-1]
+    accepted = 0
     for _, res in greedy_runs(dec, target, PROMPTS, (1, 2, 17)):
         assert max(res.stats.drafted_per_round) <= 6
-        lengths |= set(res.stats.drafted_per_round)
         accepted += sum(res.stats.accepted_per_round)
-    if method != "specdec_pp":  # the TS rules draw their lengths; several show up
-        assert len(lengths) > 1
+    assert True in decisions and False in decisions  # the rule both stopped and went on: lengths it chose
     if kind in ("transformer", "recompute"):  # near copies of the target: drafts really get accepted
         assert accepted > 0
 
@@ -208,6 +280,27 @@ def test_posteriors_restart_for_each_prompt(target, drafters):
     assert (post.alpha, post.beta) != (1.0, 1.0)
     dec.generate(PROMPTS[1], max_new_tokens=1)  # one token: no drafting round, only the restart
     assert (post.alpha, post.beta) == (1.0, 1.0)
+    cali = build_decoder("cali_ts", target, drafters["transformer"], theta0=0.4)
+    cali.generate(PROMPTS[2], max_new_tokens=20)
+    calib = cali.controller.calib
+    assert calib.n > 0 and calib.theta_hat != 0.4
+    cali.generate(PROMPTS[1], max_new_tokens=1)
+    assert (calib.n, calib.theta_hat) == (0, 0.4)
+
+
+def test_the_heads_target_state_is_the_row_that_emitted_the_last_token(target, drafters, tmp_path):
+    """H_t^T: the target's final hidden state at the position before the last committed token (its logits chose
+    that token), checked against one forward over the whole sequence after decodes that end in every way."""
+    from draftforge.decode.methods.length_control import target_state
+
+    drafter = drafters["transformer"]
+    dec = build_decoder("cali_ts", target, drafter, theta_predictor=predictor_for(target, drafter, tmp_path),
+                        max_draft=6)
+    for n in (5, 9, 14):
+        seq = PROMPTS[2] + dec.generate(PROMPTS[2], max_new_tokens=n).tokens
+        with torch.no_grad():
+            full = target.model(torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0]
+        torch.testing.assert_close(target_state(target), full[len(seq) - 2], rtol=0, atol=1e-9)
 
 
 def test_runs_repeat_exactly_with_a_seed(target, drafters):
@@ -261,7 +354,7 @@ def test_cali_ts_with_a_drafter_without_hidden_states_says_so(target, drafters, 
 # ---------------------------------------------------------------- T > 0: still the target's distribution
 
 @pytest.mark.slow  # ~30 s each on a shared CPU
-@pytest.mark.parametrize("method", ["beta_ts", "specdec_pp"])
+@pytest.mark.parametrize("method", ["beta_ts", "cali_ts", "specdec_pp"])
 def test_sampled_output_follows_the_target_with_a_stop_rule(method):
     """First three tokens (the rule chooses 1 or 2 drafts in round one; SpecDec++'s choice depends on the
     drafted token itself) against the exact product of the target's warped distributions (chi-square)."""

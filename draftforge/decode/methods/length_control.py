@@ -201,14 +201,20 @@ class CaliTS(LengthController):
 
 
 class SpecDecPP(LengthController):
-    """SpecDec++'s deterministic rule: stop once the chance that some draft is rejected exceeds `threshold`."""
+    """SpecDec++'s deterministic rule: stop once the chance that some draft is rejected exceeds `threshold`.
 
-    def __init__(self, threshold: float = 0.3, max_draft=DEFAULT_MAX_DRAFT, target=None, predictor=None):
+    After draft k the product runs over p_acc(x_1..x_k). A θ predictor of a drafter whose hidden state at step i
+    comes after consuming draft i (`after_token`: the early-exit drafter) predicts draft i+1 there, so its value
+    at step k - 1 is x_k's factor, and x_1 (which no step predicts) takes the drafter's own probability."""
+
+    def __init__(self, threshold: float = 0.3, max_draft=DEFAULT_MAX_DRAFT, target=None, predictor=None,
+                 after_token: bool = False):
         if not 0.0 < threshold < 1.0:
             raise DraftforgeError(f"specpp_threshold must be in (0, 1), got {threshold}")
         if predictor is not None and target is None:
             raise DraftforgeError("specdec_pp with a θ predictor as its head needs the target")
         self.threshold, self.target, self.predictor = float(threshold), target, predictor
+        self.after_token = bool(after_token)
         self.wants_hidden = predictor is not None
         if predictor is not None:
             target.want_hidden = True
@@ -216,13 +222,23 @@ class SpecDecPP(LengthController):
 
     def start_round(self) -> None:
         self.all_accepted = 1.0  # Π p_acc over this round's drafts
+        self.predicted_next = None  # after_token: the predictor's p_acc of the draft to come
         h_T = target_state(self.target) if self.predictor is not None else None
         self.round_bias_O2 = None if h_T is None else self.predictor.target_terms(h_T)
 
-    def acceptance(self, step: DraftStep) -> float:
+    def _predicted(self, step: DraftStep) -> float | None:
         if self.predictor is None or self.round_bias_O2 is None or step.hidden_D is None:
-            return step.prob  # no trained head: the drafter's own confidence stands in
+            return None
         return self.predictor.theta_from_terms(self.round_bias_O2, step.hidden_D, step.depth)
+
+    def acceptance(self, step: DraftStep) -> float:
+        """p_acc of draft `step.depth`: the predictor's where it has one, else the drafter's own confidence."""
+        if not self.after_token:
+            predicted = self._predicted(step)
+            return step.prob if predicted is None else predicted
+        here = self.predicted_next if step.depth > 1 and self.predicted_next is not None else step.prob
+        self.predicted_next = self._predicted(step)  # of draft depth + 1
+        return here
 
     def should_stop(self, step: DraftStep) -> bool:
         self.all_accepted *= self.acceptance(step)
@@ -296,5 +312,6 @@ register_method(Method(
 register_method(Method(
     "specdec_pp", "chains ended by SpecDec++'s threshold on P(some draft rejected) (drafter prob as p_acc)",
     True, _make("specdec_pp", lambda t, d, o: SpecDecPP(o.specpp_threshold, o.max_draft, t,
-                                                        _predictor(o.theta_predictor, t, d))),
+                                                        _predictor(o.theta_predictor, t, d),
+                                                        getattr(d, "hidden_after_token", False))),
     SpecDecPPOptions))
