@@ -129,13 +129,16 @@ class UCBTree(Controller):
         self.record(rnd.shape, rnd.n_emitted, rnd.draft_time_s, rnd.verify_time_s)
 
     def record(self, shape: TreeShape | None, n_emitted, draft_time_s=0.0, verify_time_s=0.0) -> None:
-        """Learn from a round of the last arm (shape None: the round drafted nothing, e.g. at the token
-        budget's end): its timing (for λ_γ) and reward."""
+        """Learn from a round of the last arm: its timing (for λ_γ) always, its reward only where it drafted the
+        arm's whole tree. At the token budget's end the engine cuts the tree to the tokens left (or drafts nothing,
+        shape None), which caps N_accept whatever the arm is worth, and deep arms would be cut most."""
         self.draft_step_time += draft_time_s
         self.draft_steps += _depth(shape)
         self.target_time += verify_time_s
         self.target_rounds += 1
         arm = self.last_arm
+        if shape != self.arms[arm]:
+            return
         self.counts[arm] += 1
         self.reward_sums[arm] += self.reward(shape, n_emitted)
 

@@ -197,7 +197,8 @@ def markdown_table(report: dict) -> str:
     for temp, t in (cost.get("chain_tuning") or {}).items():
         each = ", ".join(f"{g}: {v:.2f}×" for g, v in t["predicted"].items())
         lines.append(f"chain length tuned (--tune-chain-length), T={float(temp):g}: chain {t['probed_length']} on "
-                     f"{len(t['prompts'])} warm-up prompt(s), {t['rounds']} rounds, cut at each length predicts "
+                     f"the first {len(t['prompts'])} prompt(s) (untimed here; they are timed with the rest), "
+                     f"{t['rounds']} rounds, cut at each length predicts "
                      f"{each or 'nothing (no round drafted 2 or more)'}; timed at {t['chosen']}.")
     for s in report.get("skipped", []):
         if s.get("asked", True):  # a default baseline that cannot run is in report.json only

@@ -75,6 +75,29 @@ def test_ucb_choices_match_hand_computation():
     assert ucb.counts == [2, 4, 1]
 
 
+def test_ucb_learns_from_the_rounds_the_engine_plays_by_hand(target):
+    """A drafter equal to the target (float64) has every draft accepted, so a round of an arm of depth d emits
+    N = d + 1. Arms (1,1,1,1,1) and (1,1), λ_γ 0.5, 13 new tokens: arm 0 (untried) emits 6, reward -(1 + 0.5·5)/6;
+    arm 1 emits 3, reward -(1 + 0.5·2)/3; then arm 0 again (mean -0.583 against -0.667, equal bonuses), cut by the
+    budget to 3 drafts: no reward, no pull. A second prompt adds to the same statistics (they restart with the
+    decoder, not per prompt): 7 tokens, arm 0 whole (6), then 1 token left, a round that drafts nothing."""
+    from tests.fixtures.decode import noisy_copy
+
+    prompt = [(7 * i + 3) % VOCAB for i in range(23)]
+    perfect = load_drafter(noisy_copy(target.model, noise=0.0), target)
+    dec = build_decoder("ucb", target, perfect, ucb_trees=[(1, 1, 1, 1, 1), (1, 1)], ucb_lambda=0.1,
+                        lambda_gamma=0.5)
+    res = dec.generate(prompt, max_new_tokens=13)
+    assert res.stats.drafted_per_round == [5, 2, 3] and res.tokens == greedy_reference(target, prompt, 13)
+    ucb = dec.controller
+    assert ucb.counts == [1, 1] and ucb.reward_sums == pytest.approx([-3.5 / 6, -2.0 / 3])
+    res = dec.generate([3, 5, 7], max_new_tokens=7)
+    assert res.stats.drafted_per_round == [5, 0]
+    assert ucb.counts == [2, 1] and ucb.reward_sums == pytest.approx([-7.0 / 6, -2.0 / 3])
+    dec.reset()
+    assert ucb.counts == [0, 0] and ucb.reward_sums == [0.0, 0.0]
+
+
 def test_bad_input_errors(target):
     mamba = load_drafter(tiny_mamba(vocab=VOCAB), target)
     with pytest.raises(DraftforgeError, match="positive integer"):
