@@ -131,17 +131,24 @@ MAMBA_PROMPT = [5, 7, 3]  # the random Mamba2 drafter's top 2 overlaps the targe
     ("feature_mamba2", "chain", {"chain_length": 2}, "iid", (0.9, 1.0, 3), PROMPT),
     ("lookup", "tree", {"tree": (2, 1)}, "distinct", (0.9, 1.0, 3), PROMPT),
     ("transformer", "beta_ts", {"max_draft": 2}, "iid", (0.9, 0.9, 3), PROMPT),
+    # lookup first, a reduced head reading the target where lookup finds nothing: rounds of both kinds in a decode
+    ("lookup-first:eagle3-reduced", "chain", {"chain_length": 2}, "iid", (1.0, 1.0, 3), PROMPT),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_the_decoders_exact_distribution_is_the_targets(target, monkeypatch, kind, method, options, draws, warp,
                                                         prompt):
     temperature, top_p, top_k = warp
     params = SamplingParams(temperature, top_p, top_k, draws)
-    dec = build_decoder(method, target, load_drafter(DRAFTERS[kind](target), target), **options)
+    first, _, kind = kind.rpartition(":")
+    lookup_first = "prompt-lookup:min_ngram=2" if first else None
+    drafter = load_drafter(DRAFTERS[kind](target), target, lookup_first=lookup_first)
+    dec = build_decoder(method, target, drafter, **options)
     got, seen = exact_decoder_distribution(dec, params, monkeypatch, prompt)
     assert abs(sum(got.values()) - 1.0) < TOLERANCE
     assert seen["deepest"] >= 2, "the plan must reach past depth 1 (a two-token decode never does)"
     assert seen["accepted"] > 0.2, seen  # the acceptance rule was exercised, not only the residual
     assert total_variation(got, target_distribution(target.model, params, prompt)) < TOLERANCE
+    if lookup_first:  # both kinds of round were enumerated
+        assert drafter.rounds["lookup"] > 0 and drafter.rounds["drafter"] > 0, drafter.rounds
 
 
 def test_the_exact_check_sees_a_verifier_that_tests_every_level_against_the_roots_q(target, monkeypatch):
