@@ -341,3 +341,47 @@ def test_a_map_outside_the_target_vocabulary_is_refused(target):
     head.config.draft_vocab = [0, 3, VOCAB + 2]  # a map made for a larger target
     with pytest.raises(CompatibilityError, match="outside the target's vocabulary"):
         EarlyExitDrafter(head, 2, target.vocab_size)
+
+
+def _cache_free_chain(target, drafter, seq, k):
+    """Greedy drafts of the exit head recomputed with no cache at all: the trunk and exit layer over the whole text."""
+    parts, out = split_target(target.model), []
+    with torch.no_grad():
+        for _ in range(k):
+            h, pos, rope, mask = Trunk(parts, drafter.n)(torch.tensor([seq + out]))
+            logits, _ = drafter.exit_head(h, pos, rope, mask)
+            out.append(int(logits[0, -1].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("n", [1, LAYERS - 1])
+def test_every_round_drafts_what_a_cache_free_recomputation_drafts(n, dtype, monkeypatch):
+    """Greedy output stays lossless when the exit layer's cache keeps a rejected draft (it only costs acceptance),
+    so every round's chain is checked against the exit head run over the whole text with no cache, across rounds
+    that reject. The head's layer is perturbed, so that even at N = L - 1 (where an untrained copy of the last layer
+    is the target itself) drafts get rejected; fp32 as well as fp64."""
+    target = load_target(tiny_llama(vocab=VOCAB, layers=LAYERS, dtype=dtype))
+    drafter = drafter_for(target, n)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in drafter.exit_head.parameters():
+            p.add_(0.3 * p.std() * torch.randn_like(p))
+    chains, draft = [], drafter.draft_levels
+
+    def recorded(seq, shape, params, generator, stop=None):
+        tree = draft(seq, shape, params, generator, stop)
+        chains.append((list(seq), tree.tokens))
+        return tree
+
+    monkeypatch.setattr(drafter, "draft_levels", recorded)
+    dec = build_decoder("eesd", target, drafter, chain_length=3)
+    rejected = 0
+    for prompt in PROMPTS:
+        res = dec.generate(prompt, max_new_tokens=20)
+        assert res.tokens == greedy_reference(target, prompt, 20)
+        rejected += sum(a < d for a, d in zip(res.stats.accepted_per_round, res.stats.drafted_per_round))
+    assert rejected >= 3 and len(chains) > 10
+    for seq, tokens in chains:
+        assert tokens == _cache_free_chain(target, drafter, seq, len(tokens)), len(seq)
+
