@@ -38,12 +38,25 @@ WEIGHTS_FILE = "exit_head.safetensors"
 TASK = "eesd"
 
 
+# config fields the frozen layers 1..N compute with besides their weights (positions, norms, attention layout):
+# the same weights under another RoPE base or scaling give other states H^N, which the head was not trained on
+TRUNK_CONFIG_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "rms_norm_eps",
+                     "layer_norm_eps", "hidden_act", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "attention_bias", "mlp_bias", "sliding_window", "attn_logit_softcapping")
+
+
+def trunk_config(parts: TargetParts) -> dict:
+    """The TRUNK_CONFIG_KEYS the target's config has, as JSON stores them."""
+    c = parts.config
+    return json.loads(json.dumps({k: getattr(c, k) for k in TRUNK_CONFIG_KEYS if hasattr(c, k)}, default=str))
+
+
 def target_identity(parts: TargetParts, n: int) -> dict:
-    """What an exit head needs of its target: shape and the fingerprint of the frozen part."""
+    """What an exit head needs of its target: shape, the fingerprint of the frozen part and the config it runs by."""
     c = parts.config
     return {"model_type": c.model_type, "num_layers": parts.num_layers, "hidden_size": c.hidden_size,
             "vocab_size": parts.head.out_features, "exit_after_layer": n,
-            "frozen_fingerprint": frozen_fingerprint(parts, n)}
+            "frozen_fingerprint": frozen_fingerprint(parts, n), "trunk_config": trunk_config(parts)}
 
 
 def save_exit_head(head: ExitHead, identity: dict, tokenizer, out_dir, metadata: dict, overwrite=False) -> Path:
@@ -89,6 +102,10 @@ def check_target(meta: dict, parts: TargetParts, where: str) -> None:
     diff = [f"{k} {meta.get(k)!r} vs {v!r}" for k, v in have.items() if meta.get(k) != v]
     if not diff and n < parts.num_layers and frozen_fingerprint(parts, n) != meta.get("frozen_fingerprint"):
         diff = [f"the embeddings / layers 1..{n} differ (frozen-weight fingerprint mismatch)"]
+    if not diff and "trunk_config" in meta:  # exports from before it was recorded are checked by weights only
+        ours = trunk_config(parts)
+        diff = [f"config {k} {meta['trunk_config'].get(k)!r} vs {ours.get(k)!r}"
+                for k in sorted(set(meta["trunk_config"]) | set(ours)) if meta["trunk_config"].get(k) != ours.get(k)]
     if diff:
         raise CompatibilityError(f"EESD export {where} was trained on {trained_on} and cannot attach to this target: "
                                  f"{'; '.join(diff)}; use the target it was trained on or train an exit head for "

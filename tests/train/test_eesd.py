@@ -130,6 +130,20 @@ def test_only_the_exit_head_trains_and_the_export_attaches_to_its_target(tmp_pat
     other = load_target(str(save_target(tmp_path / "other", target_dir, seed=1)))
     with pytest.raises(CompatibilityError, match="fingerprint"):
         load_drafter(str(export), other)
+    # the same weights under another RoPE base give the frozen layers other states: refused, naming the key
+    import shutil
+
+    moved = tmp_path / "rope"
+    shutil.copytree(target_dir, moved)
+    config = json.loads((moved / "config.json").read_text())
+    rope = config.get("rope_parameters") or {}
+    if rope:
+        config["rope_parameters"] = {**rope, "rope_theta": rope["rope_theta"] * 2}
+    else:
+        config["rope_theta"] = config.get("rope_theta", 10000.0) * 2
+    (moved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CompatibilityError, match="config rope_"):
+        load_drafter(str(export), load_target(str(moved)))
 
 
 def test_a_reduced_draft_vocabulary_trains_exports_and_drafts_inside_it(tmp_path, target_dir, tiny_corpus_dir):
