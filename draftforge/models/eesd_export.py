@@ -103,9 +103,11 @@ def check_target(meta: dict, parts: TargetParts, where: str) -> None:
     if not diff and n < parts.num_layers and frozen_fingerprint(parts, n) != meta.get("frozen_fingerprint"):
         diff = [f"the embeddings / layers 1..{n} differ (frozen-weight fingerprint mismatch)"]
     if not diff and "trunk_config" in meta:  # exports from before it was recorded are checked by weights only
-        ours = trunk_config(parts)
-        diff = [f"config {k} {meta['trunk_config'].get(k)!r} vs {ours.get(k)!r}"
-                for k in sorted(set(meta["trunk_config"]) | set(ours)) if meta["trunk_config"].get(k) != ours.get(k)]
+        # only the fields both configs have: a transformers release may name one differently (rope_theta inside
+        # rope_parameters), which is no evidence that the target differs
+        theirs, ours = meta["trunk_config"], trunk_config(parts)
+        diff = [f"config {k} {theirs[k]!r} vs {ours[k]!r}" for k in sorted(set(theirs) & set(ours))
+                if theirs[k] != ours[k]]
     if diff:
         raise CompatibilityError(f"EESD export {where} was trained on {trained_on} and cannot attach to this target: "
                                  f"{'; '.join(diff)}; use the target it was trained on or train an exit head for "
