@@ -91,3 +91,19 @@ def test_hf_assisted_counts_an_accepted_eos_draft_as_accepted(target):
     assert res.tokens == reference(target, prompt, 20, eos=eos) and res.tokens[-1] == eos
     assert res.stats.accepted_per_round == res.stats.drafted_per_round and res.stats.drafted_per_round[-1] >= 1
     assert res.stats.new_tokens == sum(res.stats.accepted_per_round) + res.stats.target_forwards - 1
+
+
+def test_hf_assisted_counts_rounds_of_any_number_of_drafts(target):
+    """transformers' draft length has no cap of its own (the heuristic schedule grows it by 2 after every fully
+    accepted round): a first round of 150 drafts is counted whole, and every round emits its accepted drafts and
+    one token of the target's (no EOS here)."""
+    model = noisy_copy(target.model, noise=0.0)
+    model.generation_config.num_assistant_tokens = 150
+    model.generation_config.num_assistant_tokens_schedule = "constant"
+    model.generation_config.assistant_confidence_threshold = 0.0  # no early stop on this random model's low p
+    dec = build_decoder("hf_assisted", target, load_drafter(model, target))
+    res = dec.generate(PROMPTS[2], max_new_tokens=200)
+    assert res.tokens == reference(target, PROMPTS[2], 200)
+    assert res.stats.drafted_per_round[0] == 150
+    assert res.stats.new_tokens == sum(res.stats.accepted_per_round) + res.stats.target_forwards
+

@@ -123,8 +123,8 @@ def _draft_vocab_hook(drafter) -> tuple:
 
 
 def _timing_hooks(model, log: list):
-    """Record (cached length, query length, seconds, the query's last ids) of every forward of `model`: the ids
-    hold a round's drafts (the target's query ends in them); the prompt's are not kept."""
+    """Record (cached length, query length, seconds, the query's ids) of every forward of `model`: a round's drafts
+    end the target's query (the heuristic schedule lets transformers draft any number of them)."""
     state, name = {}, cache_param(model)
 
     def pre(module, args, kwargs):
@@ -134,12 +134,9 @@ def _timing_hooks(model, log: list):
 
     def post(module, args, kwargs, output):
         past, ids, t0 = state["start"]
-        log.append((past, ids.shape[1], clock(model.device) - t0, ids[0, -_KEEP_IDS:]))  # a view: read later
+        log.append((past, ids.shape[1], clock(model.device) - t0, ids[0]))  # a view, read after the decode
 
     return (model.register_forward_pre_hook(pre, with_kwargs=True), model.register_forward_hook(post, with_kwargs=True))
-
-
-_KEEP_IDS = 128  # a query's last ids kept per forward: more than any round drafts (transformers caps drafts at 20)
 
 
 def _fill_assisted_stats(stats: DecodeStats, calls, sequence: list[int], prompt_len: int) -> None:
@@ -152,13 +149,12 @@ def _fill_assisted_stats(stats: DecodeStats, calls, sequence: list[int], prompt_
     stats.verify_time_s = sum(c[2] for c in target_calls)
     stats.draft_time_s = sum(c[2] for c in calls["drafter"])
     committed = prompt_len  # committed tokens when round r starts; the next round starts one past the cache
-    for r, (past, q, _, tail) in enumerate(target_calls):
-        tail = tail.tolist()
-        drafted = min(max(past + q - committed, 0), len(tail))
+    for r, (past, q, _, query) in enumerate(target_calls):
+        drafted = min(max(past + q - committed, 0), q)
         nxt = target_calls[r + 1][0] + 1 if r + 1 < len(target_calls) else len(sequence)
         emitted = sequence[committed:nxt]
         accepted = 0
-        for draft, token in zip(tail[len(tail) - drafted:] if drafted else [], emitted):
+        for draft, token in zip(query[q - drafted:].tolist(), emitted):  # the drafts end the query
             if draft != token:
                 break
             accepted += 1
