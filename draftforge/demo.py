@@ -236,6 +236,7 @@ def _eval(testbed: Path, paths, drafter: str, out: Path, quick: bool, num_prompt
     return run_eval(EvalConfig(target=str(testbed / "target"), drafter=drafter, bench=str(paths.prompts),
                                num_prompts=3 if quick else num_prompts, max_new_tokens=16 if quick else max_new_tokens,
                                methods=("ar", "chain", "tree"), temperatures=(0.0,), repeats=EVAL_REPEATS,
+                               baselines=("ar",),  # the same table whatever transformers can run as an assistant
                                out_dir=str(out / "eval"), plots=True))  # the PNGs the README lists, quick too
 
 

@@ -5,6 +5,12 @@ transformers 5.24 renamed the cache argument of every model, decoder layer and m
 with a warning) and the output field to `.cache`. Code that calls a forward names the argument with
 `cache_kwargs`; code that *replaces or hooks* a forward, and so receives whatever name transformers passes,
 reads it with `passed_cache` after `cache_param` has checked, once per forward, that the signature has one.
+
+transformers 5.25 made `from_pretrained` kernelize every model by default: on CUDA, ROCm and XPU it swaps layers
+(RMSNorm, activations, RoPE, the Mamba scans) for kernels fetched from the Hugging Face Hub at load time, and it
+refuses to load at all without the `kernels` package. draftforge loads with `NO_HUB_KERNELS`: nothing is
+downloaded, and a model computes the PyTorch functions that draftforge's own steps (the Mamba2 step, the
+tree-scan kernel, the EESD trunk) are tested against. Releases before 5.25 take the same argument (default off).
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import functools
 import inspect
 
 from draftforge.errors import CompatibilityError
+
+NO_HUB_KERNELS = {"use_kernels": False}  # from_pretrained keyword arguments; see the module docstring
 
 # newest first: the name a forward takes is the first of these in its signature
 CACHE_NAMES = ("cache", "past_key_values", "cache_params")
@@ -63,3 +71,18 @@ def output_cache(out):
         if cache is not None:
             return cache
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def assisted_generation_rolls_back_ssm() -> bool:
+    """Whether transformers' assisted generation can run an SSM (Mamba / Mamba2) model as the assistant.
+
+    Rejected drafts must be taken back out of the assistant's cache. A KV cache is cut; an SSM state cannot be, so
+    from 5.25 transformers records the recurrent state after each drafted token while drafting
+    (`activate_past_recording(recurrent_states_to_keep=...)`) and crops back to one of them. Before, it could not."""
+    from transformers import cache_utils
+
+    layer = getattr(cache_utils, "LinearAttentionLayer", None)
+    if layer is None:
+        return False
+    return "recurrent_states_to_keep" in inspect.signature(layer.activate_past_recording).parameters

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from draftforge.errors import CheckpointError, RecipeError
+from draftforge.hfcompat import NO_HUB_KERNELS
 
 ALLOW_PICKLE_ENV = "DRAFTFORGE_ALLOW_PICKLE"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -128,6 +129,7 @@ def load_causal_lm(source, *, what: str = "model", allow_pickle: bool | None = N
     if local is not None:
         check_local_weights(local, allowed, what)
     quiet_known_notices()
+    kwargs = {**NO_HUB_KERNELS, **kwargs}
     if local is not None:  # a reduced draft head does not fit config.vocab_size: put back after loading
         kwargs.update(reduced_head_kwargs(local))
     try:

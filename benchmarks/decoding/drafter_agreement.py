@@ -87,19 +87,20 @@ def retokenize_stats(tokenizer, prompts, continuations) -> dict:
 
 def run(target_dir: str, drafter_dirs: list[str], bench: str, num_prompts: int, max_new_tokens: int,
         gamma: int) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from draftforge.loading import load_causal_lm
     from draftforge.data.prompts import load_prompts
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    target = load_causal_lm(target_dir, what="target").eval()
     prompts = [p.input_ids for p in load_prompts(bench, tokenizer, num_prompts=num_prompts)]
     conts = target_continuations(target, prompts, max_new_tokens, tokenizer.eos_token_id)
     result = {"target": target_dir, "bench": bench, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
               "gamma": gamma, "retokenize": retokenize_stats(tokenizer, prompts, conts), "drafters": {}}
     for d in drafter_dirs:
-        drafter = AutoModelForCausalLM.from_pretrained(d).eval()
+        drafter = load_causal_lm(d, what="drafter").eval()
         result["drafters"][d] = drafter_agreement(drafter, prompts, conts, gamma)
     return result
 

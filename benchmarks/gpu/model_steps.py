@@ -134,7 +134,9 @@ def feature_eval_step(ctx) -> dict:
     drafter's state bytes. Heads are started from the tiny random target (draftforge's own init_from_target) and,
     so a few drafts are accepted (EAGLE-2 τ 1.3-1.6 on CPU) and the rollback paths run."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from draftforge.loading import load_causal_lm
 
     from benchmarks.common import versus_ar_cell
     from benchmarks.decoding.spec_decode import save_random_models, write_random_prompts
@@ -145,7 +147,7 @@ def feature_eval_step(ctx) -> dict:
     size = ctx.size(EVAL)
     paths = save_random_models(ctx.work / "feature-models")
     bench = write_random_prompts(ctx.work / "feature-prompts.jsonl", size["num_prompts"])
-    target = AutoModelForCausalLM.from_pretrained(paths["target"]).eval()
+    target = load_causal_lm(paths["target"], what="target").eval()
     config = AutoConfig.from_pretrained(paths["target"])
     torch.manual_seed(0)
     heads = {"eagle3": eagle3.Eagle3Head(eagle3.Eagle3Config.from_target(config)),

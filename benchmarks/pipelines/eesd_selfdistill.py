@@ -28,11 +28,13 @@ def main(argv=None) -> None:
     p.add_argument("-n", type=int, default=None, help="at most this many prompts")
     args = p.parse_args(argv)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from draftforge.loading import load_causal_lm
 
     tok = AutoTokenizer.from_pretrained(args.target)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    model = load_causal_lm(args.target, what="target", dtype=torch.float32).eval()
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()][: args.n]
     out = Path(args.out)
     done = {json.loads(line).get("prompt_id") for line in out.read_text().splitlines()} if out.exists() else set()

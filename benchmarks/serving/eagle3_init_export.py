@@ -76,12 +76,13 @@ def build(target_dir: str, out_dir: str, draft_vocab: int = 8192, steps: int = 3
     its tail, so d2t's offsets are not all 0 (with the first N ids they are, and an engine that dropped the map
     would draft the same: a test of the map needs the spread)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from draftforge.loading import load_causal_lm
     from draftforge.models.eagle3 import Eagle3Config, Eagle3Head, init_from_target
     from draftforge.models.eagle3_export import save_head
 
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    target = load_causal_lm(target_dir, what="target", dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     vocab = target.config.vocab_size
     if not 0 <= draft_vocab <= vocab:

@@ -50,8 +50,9 @@ class EvalConfig:
         ("ar", "chain", "tree"), "decoding methods, comma list or repeated (ar always runs as the baseline): the "
         "methods are listed below, and in docs/evaluation.md", repeat=True, parse=comma_list, metavar="M")
     baselines: tuple[str, ...] | None = option(
-        None, "extra baselines, comma list or repeated: ar, hf_assisted (default: ar, plus hf_assisted when the "
-        "drafter is a Transformer)", flag="--baseline", repeat=True, parse=comma_list, metavar="B")
+        None, "extra baselines, comma list or repeated: ar, hf_assisted (default: ar, plus hf_assisted when "
+        "transformers can run the drafter as its assistant: a Transformer, or from transformers 5.25 a Mamba)",
+        flag="--baseline", repeat=True, parse=comma_list, metavar="B")
     # method -> its options: the method's options dataclass (decode/methods/__init__.py), or a dict of values by option
     # name, e.g. {"tree": {"tree": "stree13"}, "chain": ChainOptions(chain_length=3)}; a method not named here runs
     # with its defaults. `validate` resolves every running method's to its dataclass (unknown names: "did you mean").
@@ -238,7 +239,7 @@ def resolve_method_options(cfg: EvalConfig) -> dict[str, method_registry.MethodO
 def method_order(cfg: EvalConfig) -> tuple[list[str], list[str]]:
     """(methods that must build, optional baselines that may be skipped), AR first, no duplicates."""
     required = ["ar"] + [m for m in cfg.methods if m != "ar"]
-    if cfg.baselines is None:  # external baselines run when they can (hf_assisted: Transformer drafters)
+    if cfg.baselines is None:  # external baselines run when they can (hf_assisted: HF drafters)
         optional = [m for m, info in method_registry.METHODS.items() if info.baseline] if cfg.drafter else []
     else:
         required += list(cfg.baselines)

@@ -12,6 +12,7 @@ import struct
 from pathlib import Path
 
 from draftforge.errors import CheckpointError
+from draftforge.hfcompat import NO_HUB_KERNELS
 
 # transformers reads these GGUF architectures as something other than a causal LM (or not at all here).
 _NOT_CAUSAL = {"general", "tokenizer", "t5", "umt5"}
@@ -76,7 +77,7 @@ def load_gguf(path: str | Path, dtype=None):
         raise CheckpointError(f"{path}: cannot build a tokenizer from the GGUF metadata: "
                               f"{type(e).__name__}: {e}") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype or torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype or torch.float32, **NO_HUB_KERNELS)
     except _READ_ERRORS as e:
         raise CheckpointError(f"{path}: transformers could not load the GGUF weights (corrupt or truncated?): "
                               f"{type(e).__name__}: {e}") from None

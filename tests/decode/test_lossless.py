@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from draftforge.decode import build_decoder, load_drafter, load_target, parse_tree
+from draftforge.errors import DraftforgeError
 from tests.fixtures.decode import (assert_stops_at_eos, greedy_reference, greedy_runs, late_eos, noisy_copy,
-                                   tiny_llama)
+                                   tiny_llama, tiny_mamba, tiny_mamba2)
 
 VOCAB = 12
 PROMPTS = [[4], [3, 5, 7], [(7 * i + 3) % VOCAB for i in range(23)]]
@@ -107,3 +108,52 @@ def test_hf_assisted_counts_rounds_of_any_number_of_drafts(target):
     assert res.stats.drafted_per_round[0] == 150
     assert res.stats.new_tokens == sum(res.stats.accepted_per_round) + res.stats.target_forwards
 
+
+
+@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+def test_hf_assisted_runs_a_mamba_drafter_from_transformers_5_25(target, kind):
+    """transformers 5.25 records an SSM assistant's states while it drafts and crops back after a rejection. Oracle
+    for that rollback: every round drafts what a fresh copy of the drafter, run without a cache over the committed
+    text, drafts greedily (a state left one token off drafts other tokens; the output would still be lossless).
+    Mamba2's drafts show a rollback that keeps the rejected drafts' state (that mutant fails here); tiny_mamba's
+    argmax barely reads its SSM state, so for Mamba the check is the output and drafts equal to a fresh run."""
+    from draftforge.hfcompat import assisted_generation_rolls_back_ssm
+
+    model = (tiny_mamba if kind == "mamba" else tiny_mamba2)(vocab=VOCAB, dtype=torch.float64)
+    drafter = load_drafter(model, target)
+    if not assisted_generation_rolls_back_ssm():
+        with pytest.raises(DraftforgeError, match=r"needs transformers >= 5\.25 \(installed: "):
+            build_decoder("hf_assisted", target, drafter)
+        pytest.skip("transformers < 5.25 cannot run a Mamba assistant (refusal checked)")
+    config = model.generation_config
+    config.num_assistant_tokens, config.num_assistant_tokens_schedule = 3, "constant"
+    config.assistant_confidence_threshold = 0.0  # always 3 drafts (bar the budget's end): a fixed oracle
+    queries = []
+    hook = target.model.register_forward_pre_hook(
+        lambda m, args, kwargs: queries.append((int(kwargs["cache"].get_seq_length()) if kwargs.get("cache") else 0,
+                                                kwargs["input_ids"][0].tolist())), with_kwargs=True)
+    dec = build_decoder("hf_assisted", target, drafter)
+    rounds = accepted = 0
+    try:
+        for prompt in PROMPTS:
+            queries.clear()
+            res = dec.generate(prompt, max_new_tokens=13)
+            assert res.tokens == reference(target, prompt, 13)
+            text = prompt + res.tokens
+            for past, ids in queries:
+                committed = len(prompt) if past == 0 else past + 1  # the query starts at the cache's end
+                drafts = ids[committed - past:]
+                assert drafts == _greedy_without_cache(model, text[:committed], len(drafts)), (prompt, past)
+            rounds += len(queries)
+            accepted += sum(res.stats.accepted_per_round)
+    finally:
+        hook.remove()
+    assert rounds > len(PROMPTS) and accepted > 0  # rollbacks after partial acceptance happened
+
+
+def _greedy_without_cache(model, prefix: list[int], n: int) -> list[int]:
+    seq = list(prefix)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+    return seq[len(prefix):]

@@ -169,3 +169,24 @@ def test_a_missing_path_is_named_by_where_it_came_from(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(RecipeError, match=r"^--target: cannot read a model config"):
         loading.load_config(str(tmp_path / "empty"), "--target")
+
+
+def test_models_load_without_hub_kernels(dirs, tmp_path, monkeypatch):
+    """transformers 5.25 kernelizes in from_pretrained unless told not to (Hub downloads on CUDA; no load at all
+    without the `kernels` package): both of draftforge's loaders must say use_kernels=False themselves."""
+    import transformers
+
+    from tests.models.test_gguf import write_tiny_gguf
+    from draftforge.models.gguf import load_gguf
+
+    original, seen = transformers.AutoModelForCausalLM.from_pretrained, []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("use_kernels", "not passed"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    load_causal_lm(dirs / "safe")
+    load_target(dirs / "safe")
+    load_gguf(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    assert seen == [False, False, False]

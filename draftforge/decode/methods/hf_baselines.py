@@ -17,26 +17,31 @@ from draftforge.decode.methods import Method, MethodOptions, option, register_me
 from draftforge.decode.sampling import SamplingParams
 from draftforge.decode.targets import Target, is_recurrent_model
 from draftforge.errors import DraftforgeError
-from draftforge.hfcompat import cache_param, passed_cache
+from draftforge.hfcompat import assisted_generation_rolls_back_ssm, cache_param, passed_cache
 
 
 class HFAssistedDecoder(Decoder):
     """Baseline: transformers' assisted generation (`generate(assistant_model=...)`).
 
-    Transformer drafters only: transformers cannot roll back an SSM drafter's state. Round
-    statistics are read with forward hooks (one target call = one round; the first call also
-    prefills the prompt, so prefill_time_s stays 0 and its time counts as verify time).
+    Transformer drafters, and from transformers 5.25 Mamba / Mamba2 drafters too (before, transformers could not
+    roll back an SSM drafter's state). Round statistics are read with forward hooks (one target call = one round;
+    the first call also prefills the prompt, so prefill_time_s stays 0 and its time counts as verify time).
     """
 
     name = "hf_assisted"
 
     def __init__(self, target: Target, drafter: Drafter):
-        if drafter is None or drafter.kind != "transformer":
+        kinds = ("transformer", "mamba") if assisted_generation_rolls_back_ssm() else ("transformer",)
+        if drafter is None or drafter.kind not in kinds:
             kind = None if drafter is None else drafter.kind
+            if kind == "mamba":
+                raise DraftforgeError(
+                    f"hf_assisted with a Mamba drafter needs transformers >= 5.25 (installed: "
+                    f"{transformers_version()}): earlier releases cannot roll back an SSM drafter's state; use "
+                    "method 'chain' or 'tree'")
             raise DraftforgeError(
-                f"hf_assisted needs a Transformer drafter (transformers cannot roll back {kind!r} state); "
-                "use method 'chain' or 'tree' for Mamba drafters"
-            )
+                f"hf_assisted needs a Hugging Face model as the drafter ({' or '.join(kinds)}), not {kind!r}: "
+                "transformers' assisted generation runs the assistant's own forward")
         self.target, self.drafter = target, drafter
         config = drafter.model.generation_config
         self._initial_draft_tokens = getattr(config, "num_assistant_tokens", None)
@@ -108,6 +113,12 @@ def hf_generate(target: Target, input_ids, max_new_tokens: int, params: Sampling
     return DecodeResult(tokens=tokens, stats=stats)
 
 
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def _draft_vocab_hook(drafter) -> tuple:
     """A reduced-vocabulary drafter's head predicts draft ids: map its logits into the target's vocabulary
     (-inf elsewhere) so transformers drafts target ids (greedy) and gets a full-width q (sampling)."""
@@ -130,7 +141,8 @@ def _timing_hooks(model, log: list):
     def pre(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         cache = passed_cache(kwargs, name)
-        state["start"] = (cache.get_seq_length() if cache is not None else 0, ids, clock(model.device))
+        # int(): from transformers 5.25 an SSM cache's length is a counter tensor it updates in place
+        state["start"] = (int(cache.get_seq_length()) if cache is not None else 0, ids, clock(model.device))
 
     def post(module, args, kwargs, output):
         past, ids, t0 = state["start"]
@@ -170,7 +182,8 @@ class HFPromptLookupOptions(MethodOptions):
                                 "default 10)", check=positive_int)
 
 
-register_method(Method("hf_assisted", "transformers' assisted generation (Transformer drafters only)", True,
+register_method(Method("hf_assisted", "transformers' assisted generation (Transformer drafters; Mamba drafters "
+                       "from transformers 5.25)", True,
                        lambda target, drafter, o: HFAssistedDecoder(target, drafter), baseline=True))
 # Not baseline=True: eval adds every baseline whenever a drafter is given; this one runs only when named
 # (--methods or --baseline), and needs no drafter.
