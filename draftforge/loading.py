@@ -221,6 +221,8 @@ _QUIET = (
     ("transformers.models.mamba2.modeling_mamba2", "fast path is not available"),
     ("DeepSpeed", "Setting accelerator to CPU"),
     ("accelerate.utils.other", "Removed shared tensor {'lm_head.weight'} while saving"),
+    # transformers' assisted generation (5.25) calls the assistant's generate() with both, on every run
+    ("transformers.generation.utils", "Passing `generation_config` together with generation-related arguments"),
 )
 _state = {"quiet": False, "noted": False}
 # Model types whose layers call the mamba-ssm / causal-conv1d kernels when they are installed.

@@ -218,3 +218,15 @@ def test_a_float64_hybrid_a_mixer_called_without_its_cache_and_a_clamped_time_st
     capsys.readouterr()
     load_target(tiny_nemotron_h(vocab=VOCAB))  # its time step is clamped from below at time_step_min
     assert "clamps its SSM time step to (0.001, inf)" in capsys.readouterr().err
+
+
+
+def test_hf_assisted_refuses_ssm_and_hybrid_targets_at_build(targets):
+    """Before transformers 5.25 assisted generation with a stateful target raised a ValueError mid-decode (and
+    mid-eval, which adds hf_assisted by default); 5.25 runs it but on a Mamba2 target emits other tokens than
+    generate() once a round accepts part of its drafts. So hf_assisted is refused at build, in one line."""
+    from draftforge.errors import DraftforgeError
+
+    for name, target in targets.items():
+        with pytest.raises(DraftforgeError, match=rf"needs a Transformer target with a KV cache, not '{name}'"):
+            build_decoder("hf_assisted", target, load_drafter(tiny_llama(vocab=VOCAB), target))

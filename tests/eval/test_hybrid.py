@@ -84,3 +84,21 @@ def test_a_tree_forward_that_drops_the_ssm_state_fails_the_self_check(tmp_path, 
     assert code == 2 and "defect(s)" in capsys.readouterr().err
     chain = next(r for r in json.loads((out / "report.json").read_text())["results"] if r["method"] == "chain")
     assert chain["self_check"]["defects"] >= 1
+
+
+def test_eval_of_a_hybrid_target_with_a_transformer_drafter_skips_hf_assisted(tmp_path):
+    """hf_assisted joins an eval with a Transformer drafter by default; on a hybrid target transformers 5.24
+    raised mid-run ("assisted generation is not supported with stateful models"), ending the whole eval."""
+    from tests.fixtures.decode import tiny_llama
+
+    target, drafter = tmp_path / "bamba", tmp_path / "drafter"
+    tiny_bamba(vocab=64).save_pretrained(target)
+    tiny_llama(vocab=64).save_pretrained(drafter)
+    bench = tmp_path / "p.jsonl"
+    bench.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    rep = run_eval(EvalConfig(target=str(target), drafter=str(drafter), bench=str(bench), max_new_tokens=8,
+                              methods=("ar", "chain"), out_dir=str(tmp_path / "out"), quiet=True, plots=False,
+                              cost_repeats=0))
+    assert [row["method"] for row in rep["results"]] == ["ar", "chain"]
+    assert [s["method"] for s in rep["skipped"]] == ["hf_assisted"]
+    assert "needs a Transformer target with a KV cache, not 'bamba'" in rep["skipped"][0]["reason"]

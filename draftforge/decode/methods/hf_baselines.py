@@ -42,6 +42,10 @@ class HFAssistedDecoder(Decoder):
             raise DraftforgeError(
                 f"hf_assisted needs a Hugging Face model as the drafter ({' or '.join(kinds)}), not {kind!r}: "
                 "transformers' assisted generation runs the assistant's own forward")
+        if _stateful(target):
+            raise DraftforgeError(
+                f"hf_assisted needs a Transformer target with a KV cache, not {target.model.config.model_type!r}: "
+                f"{_SSM_TARGETS_IN_TRANSFORMERS}; use method 'chain' or 'tree'")
         self.target, self.drafter = target, drafter
         config = drafter.model.generation_config
         self._initial_draft_tokens = getattr(config, "num_assistant_tokens", None)
@@ -67,11 +71,10 @@ class HFPromptLookupDecoder(Decoder):
     name = "hf_prompt_lookup"
 
     def __init__(self, target: Target, lookup_tokens: int = 10):
-        if is_recurrent_model(target.model.config) or getattr(target.model, "_is_stateful", False):
+        if _stateful(target):
             raise DraftforgeError(
-                f"hf_prompt_lookup needs a Transformer target with a KV cache; transformers' assisted generation "
-                f"cannot roll back {target.model.config.model_type!r}'s recurrent state: use --drafter prompt-lookup "
-                "with --methods chain,tree instead")
+                f"hf_prompt_lookup needs a Transformer target with a KV cache, not {target.model.config.model_type!r}: "
+                f"{_SSM_TARGETS_IN_TRANSFORMERS}; use --drafter prompt-lookup with --methods chain,tree instead")
         self.target, self.lookup_tokens = target, int(lookup_tokens)
 
     def reset(self) -> None:
@@ -111,6 +114,17 @@ def hf_generate(target: Target, input_ids, max_new_tokens: int, params: Sampling
     tokens = out[0, len(seq) :].tolist()
     _fill_assisted_stats(stats, calls, seq + tokens, len(seq))
     return DecodeResult(tokens=tokens, stats=stats)
+
+
+# Why both baselines refuse SSM and hybrid targets, whatever the transformers version (docs/use-your-drafter.md)
+_SSM_TARGETS_IN_TRANSFORMERS = ("transformers refuses assisted generation with such targets before 5.25, and 5.25 "
+                                "emits other tokens than greedy decoding on a Mamba2 target whenever a round accepts "
+                                "part of its drafts")
+
+
+def _stateful(target: Target) -> bool:
+    """A target whose layers keep recurrent (SSM) state, which assisted generation must roll back."""
+    return is_recurrent_model(target.model.config) or bool(getattr(target.model, "_is_stateful", False))
 
 
 def transformers_version() -> str:
