@@ -24,7 +24,7 @@ class HFAssistedDecoder(Decoder):
     """Baseline: transformers' assisted generation (`generate(assistant_model=...)`).
 
     Transformer drafters, and from transformers 5.25 Mamba / Mamba2 drafters too (before, transformers could not
-    roll back an SSM drafter's state). Round statistics are read with forward hooks (one target call = one round;
+    roll back an SSM drafter's state); Transformer (KV-cache) targets only. Round statistics are read with forward hooks (one target call = one round;
     the first call also prefills the prompt, so prefill_time_s stays 0 and its time counts as verify time).
     """
 
