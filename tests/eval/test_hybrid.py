@@ -14,14 +14,19 @@ from tests.fixtures.hybrid import tiny_bamba
 PROMPTS = [[5, 17, 42, 9], [3, 8, 12, 61, 7, 30, 2, 9, 14]]
 
 
-def test_eval_on_a_hybrid_target_reports_verify_cost(tmp_path):
-    target, drafter = tmp_path / "bamba", tmp_path / "drafter"
-    model = tiny_bamba(vocab=64)
-    model.save_pretrained(target)
-    tiny_mamba2(vocab=64).save_pretrained(drafter)
-    bench = tmp_path / "p.jsonl"
+def _saved(tmp_path, target_model, drafter_model) -> tuple[str, str, str]:
+    """(target dir, drafter dir, bench file) written under tmp_path: the models and PROMPTS."""
+    target, drafter, bench = tmp_path / "target", tmp_path / "drafter", tmp_path / "p.jsonl"
+    target_model.save_pretrained(target)
+    drafter_model.save_pretrained(drafter)
     bench.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
-    rep = run_eval(EvalConfig(target=str(target), drafter=str(drafter), bench=str(bench), max_new_tokens=8,
+    return str(target), str(drafter), str(bench)
+
+
+def test_eval_on_a_hybrid_target_reports_verify_cost(tmp_path):
+    model = tiny_bamba(vocab=64)
+    target, drafter, bench = _saved(tmp_path, model, tiny_mamba2(vocab=64))
+    rep = run_eval(EvalConfig(target=target, drafter=drafter, bench=bench, max_new_tokens=8,
                               methods=("ar", "chain", "tree", "ucb"),
                               method_options={"chain": {"chain_length": 4}, "tree": {"tree": (3, 1, 1, 1)}},
                               out_dir=str(tmp_path / "out"), quiet=True, plots=False, dtype="float32"))
@@ -40,12 +45,8 @@ def test_eval_on_a_hybrid_target_reports_verify_cost(tmp_path):
 
 def test_bf16_eval_on_a_hybrid_target_has_no_defect(tmp_path):
     """bf16 tree scan + replay: every prompt identical to bf16 AR or a measured near-tie."""
-    target, drafter = tmp_path / "bamba", tmp_path / "drafter"
-    tiny_bamba(vocab=64).save_pretrained(target)
-    tiny_mamba2(vocab=64).save_pretrained(drafter)
-    bench = tmp_path / "p.jsonl"
-    bench.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
-    rep = run_eval(EvalConfig(target=str(target), drafter=str(drafter), bench=str(bench), max_new_tokens=12,
+    target, drafter, bench = _saved(tmp_path, tiny_bamba(vocab=64), tiny_mamba2(vocab=64))
+    rep = run_eval(EvalConfig(target=target, drafter=drafter, bench=bench, max_new_tokens=12,
                               methods=("ar", "chain", "tree"), dtype="bfloat16",
                               method_options={"chain": {"chain_length": 4}, "tree": {"tree": (3, 1, 1, 1)}},
                               out_dir=str(tmp_path / "out"), quiet=True, plots=False, cost_repeats=1))
@@ -91,12 +92,8 @@ def test_eval_of_a_hybrid_target_with_a_transformer_drafter_skips_hf_assisted(tm
     raised mid-run ("assisted generation is not supported with stateful models"), ending the whole eval."""
     from tests.fixtures.decode import tiny_llama
 
-    target, drafter = tmp_path / "bamba", tmp_path / "drafter"
-    tiny_bamba(vocab=64).save_pretrained(target)
-    tiny_llama(vocab=64).save_pretrained(drafter)
-    bench = tmp_path / "p.jsonl"
-    bench.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
-    rep = run_eval(EvalConfig(target=str(target), drafter=str(drafter), bench=str(bench), max_new_tokens=8,
+    target, drafter, bench = _saved(tmp_path, tiny_bamba(vocab=64), tiny_llama(vocab=64))
+    rep = run_eval(EvalConfig(target=target, drafter=drafter, bench=bench, max_new_tokens=8,
                               methods=("ar", "chain"), out_dir=str(tmp_path / "out"), quiet=True, plots=False,
                               cost_repeats=0))
     assert [row["method"] for row in rep["results"]] == ["ar", "chain"]
