@@ -220,7 +220,6 @@ def test_a_float64_hybrid_a_mixer_called_without_its_cache_and_a_clamped_time_st
     assert "clamps its SSM time step to (0.001, inf)" in capsys.readouterr().err
 
 
-
 def test_hf_assisted_refuses_ssm_and_hybrid_targets_at_build(targets):
     """Before transformers 5.25 assisted generation with a stateful target raised a ValueError mid-decode (and
     mid-eval, which adds hf_assisted by default); 5.25 runs it but on a Mamba2 target emits other tokens than

@@ -176,8 +176,8 @@ def test_models_load_without_hub_kernels(dirs, tmp_path, monkeypatch):
     without the `kernels` package): both of draftforge's loaders must say use_kernels=False themselves."""
     import transformers
 
-    from tests.models.test_gguf import write_tiny_gguf
     from draftforge.models.gguf import load_gguf
+    from tests.models.test_gguf import write_tiny_gguf
 
     original, seen = transformers.AutoModelForCausalLM.from_pretrained, []
 

@@ -37,7 +37,7 @@ class HFAssistedDecoder(Decoder):
             if kind == "mamba":
                 raise DraftforgeError(
                     f"hf_assisted with a Mamba drafter needs transformers >= 5.25 (installed: "
-                    f"{transformers_version()}): earlier releases cannot roll back an SSM drafter's state; use "
+                    f"{_transformers_version()}): earlier releases cannot roll back an SSM drafter's state; use "
                     "method 'chain' or 'tree'")
             raise DraftforgeError(
                 f"hf_assisted needs a Hugging Face model as the drafter ({' or '.join(kinds)}), not {kind!r}: "
@@ -127,7 +127,7 @@ def _stateful(target: Target) -> bool:
     return is_recurrent_model(target.model.config) or bool(getattr(target.model, "_is_stateful", False))
 
 
-def transformers_version() -> str:
+def _transformers_version() -> str:
     import transformers
 
     return transformers.__version__
