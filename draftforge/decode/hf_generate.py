@@ -20,14 +20,17 @@ transformers' defaults (top_k 50 when sampling, 20 new tokens when no length is 
 
 transformers (5.24) hands a *callable* custom_generate neither `streamer` nor `tokenizer` (it keeps only what its
 own `_sample` does not take), so `stop_strings` fail there before draftforge runs: with the callable, give
-`stream=` (the streamer) and `stop=` with `stop_tokenizer=`; the export's directory form receives every argument
-of generate() and takes the usual names.
+`stream=` (the streamer, never `streamer=`: generate() sends that one the prompt and nothing more) and `stop=` with
+`stop_tokenizer=`; the export's directory form receives every argument of generate() and takes the usual names.
+Calls on one model from several threads take turns (they share its harness and caches).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 
@@ -43,6 +46,16 @@ from draftforge.errors import CompatibilityError, DraftforgeError
 # would keep every model alive, since its values (the Target) hold the model.
 _ATTR = "_draftforge_speculative_cache"
 _KEEP = 4
+# A model's harness holds one KV cache per decoder, so generate() calls on one model from several threads (a server
+# with one thread per request, as TextIteratorStreamer invites) take turns; each model's lock dies with the model
+# (kept here, not on the model: a lock cannot be deep-copied or pickled with it)
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def _lock(model) -> threading.Lock:
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(model, threading.Lock())
 
 # GenerationConfig fields that make generate() add a logits processor, pick another decoding mode or return an
 # output the harness does not have; each with the test generate() (transformers 5.24, generation/utils.py and
@@ -256,7 +269,9 @@ def speculative_generate(model, input_ids, logits_processor=None, stopping_crite
     max_new, eos = _limits(stopping_criteria, gc, len(prompt))
     if max_new < 1:
         raise _refuse(f"nothing to generate: max_length {gc.max_length} is not above the prompt's {len(prompt)} tokens")
-    dec = _decoder(model, drafter, method, dict(method_options or {}), stop_tokenizer)
+    lock = _lock(model)  # one call at a time per model: its decoders and their caches are reused across calls
+    with lock:
+        dec = _decoder(model, drafter, method, dict(method_options or {}), stop_tokenizer)
     ctx = dec.target.max_context
     if ctx is not None and len(prompt) >= ctx:
         raise _refuse(f"the prompt has {len(prompt)} tokens and the target's context is {ctx}")
@@ -301,8 +316,9 @@ def speculative_generate(model, input_ids, logits_processor=None, stopping_crite
     if stream is not None:
         stream.put(input_ids.cpu())
     try:
-        dec.generate(prompt, max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k,
-                     seed=seed or 0, eos_token_id=eos, on_tokens=on_tokens)
+        with lock:
+            dec.generate(prompt, max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k,
+                         seed=seed or 0, eos_token_id=eos, on_tokens=on_tokens)
     finally:  # a consumer of TextIteratorStreamer waits for end(): it comes on an error too
         if stream is not None:
             stream.end()
@@ -315,6 +331,7 @@ def speculative_generate(model, input_ids, logits_processor=None, stopping_crite
 
 
 _PASSED_ON = ("drafter", "method", "method_options", "seed")
+_NOT_READ = ("use_cache", "pad_token_id", "cache", "past_key_values")
 _IGNORED_IF_UNSET = ("prefix_allowed_tokens_fn", "assistant_model", "negative_prompt_ids",
                      "negative_prompt_attention_mask", "synced_gpus", "use_model_defaults", "assistant_tokenizer")
 
@@ -368,7 +385,8 @@ def _generate_from_export(model, drafter_dir: str, inputs=None, generation_confi
     tokenizer, stop = kwargs.pop("tokenizer", None), kwargs.pop("stop_strings", None)
     attention_mask = kwargs.pop("attention_mask", None)
     gc, unused = _prepared_config(model, generation_config, kwargs, input_ids.shape[-1])
-    unused = {k: v for k, v in unused.items() if v is not None and k not in ("use_cache", "pad_token_id")}
+    # a cache passed in is not read, as with the callable (the harness prefills the whole prompt)
+    unused = {k: v for k, v in unused.items() if v is not None and k not in _NOT_READ}
     if unused:
         raise _refuse(f"unknown or unsupported generate() argument(s): {', '.join(sorted(unused))}")
     if attention_mask is None and _pads(input_ids, gc):

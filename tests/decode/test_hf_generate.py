@@ -85,6 +85,32 @@ def test_greedy_equals_generate_for_every_drafter_kind(target, kind):
                 assert torch.equal(got, want), (kind, method, ids, eos)
 
 
+def test_calls_from_several_threads_on_one_model_each_equal_generate(target):
+    """A server thread per request on one model: the calls share the model's harness (its KV caches), so they take
+    turns; without that they crashed or mixed their caches."""
+    import threading
+
+    drafter = tiny_mamba2(vocab=VOCAB)
+    prompts = PROMPTS + [[11, 22, 33], [100, 200, 300, 50, 60]]
+    want = [plain(target, ids, max_new_tokens=24) for ids in prompts]
+    spec(target, prompts[0], max_new_tokens=2, drafter=drafter)  # built once first, as a server would warm up
+    got, errors = {}, []
+
+    def call(i):
+        try:
+            got[i] = spec(target, prompts[i], max_new_tokens=24, drafter=drafter, method_options={"chain_length": 4})
+        except Exception as e:  # noqa: BLE001 - a thread's error is reported by the assert below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert all(torch.equal(got[i], want[i]) for i in range(len(prompts)))
+
+
 def test_an_eesd_exit_drafts_for_its_own_target(target, eesd_export):
     for ids in PROMPTS:
         got = spec(target, ids, max_new_tokens=16, drafter=eesd_export, method="eesd",
@@ -460,18 +486,20 @@ def test_a_prompt_holding_the_pad_token_is_padding_on_both_paths(target, export_
 
 
 @pytest.mark.parametrize("name", ["cache", "past_key_values"])
-def test_a_cache_passed_in_is_not_read_and_none_comes_out(target, name):
+def test_a_cache_passed_in_is_not_read_and_none_comes_out(target, export_dir, name):
     """The harness prefills the whole prompt: a cache of the prompt's first tokens changes nothing, and one holding
-    another text's states (which would change generate()'s own output) is not read either."""
+    another text's states (which would change generate()'s own output) is not read either; the callable and the
+    export's directory form alike (the directory form refused the argument)."""
     from transformers import DynamicCache
 
     ids, other = PROMPTS[1], [11, 22, 33, 44]
     want = plain(target, ids, max_new_tokens=16)
     for prefix in (ids[:4], other):
-        cache = DynamicCache(config=target.config)
-        with torch.no_grad():
-            target(torch.tensor([prefix]), past_key_values=cache, use_cache=True)
-        out = spec(target, ids, max_new_tokens=16, drafter=noisy_copy(target, noise=0.05), return_dict_in_generate=True,
-                   **{name: cache})
-        assert torch.equal(out.sequences, want), prefix
-        assert getattr(out, "past_key_values", None) is None and getattr(out, "cache", None) is None
+        for call in (lambda **kw: spec(target, ids, drafter=noisy_copy(target, noise=0.05), **kw),
+                     lambda **kw: from_export(target, ids, export_dir, **kw)):
+            cache = DynamicCache(config=target.config)
+            with torch.no_grad():
+                target(torch.tensor([prefix]), past_key_values=cache, use_cache=True)
+            out = call(max_new_tokens=16, return_dict_in_generate=True, **{name: cache})
+            assert torch.equal(out.sequences, want), prefix
+            assert getattr(out, "past_key_values", None) is None and getattr(out, "cache", None) is None
