@@ -8,8 +8,8 @@ terminal shows colour; NO_COLOR or a pipe turns it off). After each answer: toke
 forward) and the speedup against plain decoding of the same conversation, timed in the same session (--no-ar
 skips that; the time spent printing is left out of both). An answer stops at the target's EOS tokens (its
 generation config's and its tokenizer's). When the conversation outgrows the target's context, the oldest turns
-are dropped (the system message stays), and the session says so. An empty line, /quit or end of input ends the
-session with a summary.
+are dropped (the system message stays), and the session says so; a message too long for the context on its own is
+refused, the conversation kept as it was. An empty line, /quit or end of input ends the session with a summary.
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ def check_args(args) -> dict:
     if args.threads is not None and args.threads < 1:
         raise RecipeError(f"--threads must be >= 1, got {args.threads}")
     get_method(args.method)  # an unknown name, with the names there are
+    if args.method.startswith("hf_"):
+        raise RecipeError(f"--method {args.method} is transformers' own generation, which cannot stream its rounds; "
+                          "chat runs draftforge's methods (chain, tree, ucb, eagle2, c2t, eesd, ...)")
     options = _options(args)
     for name in options:
         if args.method not in readers(name):
@@ -116,18 +119,21 @@ class Printer:
         self.out.flush()
 
 
-def fit_context(tokenizer, messages: list[dict], context: int | None, room: int) -> tuple[list[int], int]:
-    """(the prompt's ids, how many of the oldest messages were dropped from `messages`, in place) so that the
-    prompt leaves `room` tokens for an answer in the target's context: the oldest messages go first, a system
-    message stays, the last one (the question) always stays. So the prompt may still be too long (the last message
-    alone: the caller refuses it) or leave less room (the answer is cut at the context)."""
-    ids, dropped = _encode(tokenizer, messages), 0
-    first = 1 if messages and messages[0]["role"] == "system" else 0
-    while context is not None and len(ids) + room > context and len(messages) - first > 1:
-        del messages[first]
-        dropped += 1
-        ids = _encode(tokenizer, messages)
-    return ids, dropped
+def fit_context(tokenizer, messages: list[dict], context: int | None, room: int) -> tuple[list[int], list[dict]]:
+    """(the prompt's ids, the messages it holds) so that the prompt leaves `room` tokens for an answer in the
+    target's context: the oldest turns go first, each a user message with what followed it up to the next one (so
+    the rest still alternates user / assistant, as strict chat templates demand), a system message stays, the last
+    message (the question) always stays. So the prompt may still be too long (the last message alone: the caller
+    refuses it) or leave less room (the answer is cut at the context). `messages` itself is left as it is."""
+    kept = list(messages)
+    first = 1 if kept and kept[0]["role"] == "system" else 0
+    ids = _encode(tokenizer, kept)
+    while context is not None and len(ids) + room > context and len(kept) - first > 1:
+        del kept[first]
+        while len(kept) - first > 1 and kept[first]["role"] != "user":
+            del kept[first]
+        ids = _encode(tokenizer, kept)
+    return ids, kept
 
 
 def run(args) -> int:
@@ -150,6 +156,11 @@ def run(args) -> int:
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     from draftforge.decode.engine import eos_set
 
+    try:
+        from jinja2.exceptions import TemplateError  # what a chat template raises (transformers renders with jinja2)
+    except ImportError:  # without jinja2 there are no chat templates, and nothing of theirs to catch
+        TemplateError = ()  # noqa: N806
+
     # the generation config's EOS list (end-of-turn tokens live there) and the tokenizer's own
     eos = sorted(eos_set(None, target) | ({target.tokenizer.eos_token_id} - {None}))
     context = target.max_context
@@ -163,16 +174,20 @@ def run(args) -> int:
             break
         if not line.strip() or line.strip() == "/quit":
             break
-        messages.append({"role": "user", "content": line})
-        ids, dropped = fit_context(target.tokenizer, messages, context, args.max_new_tokens)
+        try:
+            ids, kept = fit_context(target.tokenizer, messages + [{"role": "user", "content": line}], context,
+                                    args.max_new_tokens)
+        except TemplateError as e:  # a template's own rule (no system role, say): the conversation stays as it was
+            print(f"[the target's chat template refused the conversation: {e}]", file=sys.stderr)
+            continue
+        if context is not None and len(ids) >= context:  # refused: the conversation stays as it was
+            print(f"[this message is {len(ids)} tokens with the template, the target's context is {context}: "
+                  "send a shorter one]", file=sys.stderr)
+            continue
+        dropped, messages = len(messages) + 1 - len(kept), kept
         if dropped:
             print(f"[the conversation outgrew the target's context of {context} tokens: dropped the oldest "
                   f"{dropped} message{'s' if dropped > 1 else ''}]", file=sys.stderr)
-        if context is not None and len(ids) >= context:
-            print(f"[this message is {len(ids)} tokens with the template, the target's context is {context}: "
-                  "send a shorter one]", file=sys.stderr)
-            messages.pop()
-            continue
         max_new = args.max_new_tokens if context is None else min(args.max_new_tokens, context - len(ids))
         printer = Printer(target.tokenizer, color)
         seed = int(torch.randint(0, 2**31 - 1, ()))

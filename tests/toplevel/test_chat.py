@@ -13,7 +13,12 @@ import torch
 from tests import REPO
 
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+# strict, as many real templates are (Mistral, Gemma, Llama 2): user and assistant turns must alternate
+TEMPLATE = ("{% for m in messages | rejectattr('role', 'equalto', 'system') %}"
+            "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+            "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+            "{% endfor %}"
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
@@ -104,7 +109,8 @@ def test_an_answer_stops_at_the_generation_configs_eos(models, tmp_path, monkeyp
 
 def test_a_conversation_past_the_context_drops_its_oldest_turns(models, tmp_path, monkeypatch, capsys):
     """A 64-token target: the session goes on past its context, each answer the target's own greedy answer to
-    the conversation that is left (the oldest messages dropped until the prompt leaves room for 12 tokens)."""
+    the conversation that is left (the oldest turns, a question with its answer, dropped until the prompt leaves
+    room for 12 tokens; dropping single messages broke the chat template's alternation)."""
     from tests.fixtures.decode import tiny_llama
 
     root, _, tok = models
@@ -118,7 +124,7 @@ def test_a_conversation_past_the_context_drops_its_oldest_turns(models, tmp_path
     for q in questions:
         messages.append({"role": "user", "content": q})
         while len(encode(tok, messages)) + 12 > 64 and len(messages) > 1:
-            messages.pop(0)
+            messages[:2] = []  # a question and its answer
             drops += 1
         answer = greedy_answer(target, tok, messages, 12)
         messages.append({"role": "assistant", "content": answer})
@@ -136,10 +142,34 @@ def test_a_message_longer_than_the_context_is_refused_and_the_session_goes_on(mo
     target.save_pretrained(tmp_path / "target")
     tok.save_pretrained(tmp_path / "target")
     (tmp_path / "drafter").symlink_to(root / "drafter")
-    out = chat_in_process(monkeypatch, capsys, tmp_path, ["word " * 80, "def add(a, b):"], "--max-new-tokens", "8")
+    first, last = "def add(a, b):", "print(x)"
+    out = chat_in_process(monkeypatch, capsys, tmp_path, [first, "word " * 80, last], "--max-new-tokens", "8")
     assert "the target's context is 64: send a shorter one" in out.err
-    assert out.out == greedy_answer(target, tok, [{"role": "user", "content": "def add(a, b):"}], 8) + "\n"
-    assert "chat: 1 answer," in out.err
+    # the refused message took nothing with it: the last answer still reads the first turn (it dropped it)
+    history = [{"role": "user", "content": first}]
+    history.append({"role": "assistant", "content": greedy_answer(target, tok, history, 8)})
+    assert "dropped the oldest" not in out.err
+    want = [history[1]["content"], greedy_answer(target, tok, history + [{"role": "user", "content": last}], 8)]
+    assert out.out == "\n".join(want) + "\n"
+    assert "chat: 2 answers," in out.err
+
+
+def test_a_message_the_chat_template_refuses_is_refused_in_one_line(models, tmp_path, monkeypatch, capsys):
+    """A template's own rule (here: no system role, as Gemma's) ended the session in a traceback."""
+    from tests.conftest import _data_tokenizer
+
+    root, _, _ = models
+    tok = _data_tokenizer(chat_template="{% if messages[0]['role'] == 'system' %}"
+                                        "{{ raise_exception('System role not supported') }}{% endif %}" + TEMPLATE)
+    for name in ("target", "drafter"):
+        (tmp_path / name).mkdir()
+        for f in (root / name).iterdir():
+            if f.name.startswith(("config", "generation_config", "model")):
+                (tmp_path / name / f.name).symlink_to(f)
+        tok.save_pretrained(tmp_path / name)
+    out = chat_in_process(monkeypatch, capsys, tmp_path, ["def add(a, b):"], "--system", "be brief")
+    assert "[the target's chat template refused the conversation: System role not supported]" in out.err
+    assert out.out == "" and "chat: 1 answer" not in out.err
 
 
 def test_the_printer_shows_exactly_the_decoded_answer(models):
@@ -169,6 +199,7 @@ def test_the_printer_shows_exactly_the_decoded_answer(models):
     (["--threads", "0"], "--threads must be >= 1, got 0"),
     (["--temperature", "-1"], "--temperature must be >= 0 (0 = greedy), got -1.0"),  # it named both flags
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--method", "hf_prompt_lookup"], "--method hf_prompt_lookup is transformers' own generation"),  # crashed
     (["--drafter", "{missing}"], "cannot load the drafter: directory {missing} does not exist (--drafter)"),
 ])
 def test_what_would_fail_after_the_models_load_is_refused_before(tmp_path, monkeypatch, capsys, flags, message):
