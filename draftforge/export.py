@@ -4,8 +4,8 @@ An export directory loads with plain `AutoModelForCausalLM.from_pretrained(DIR)`
 vocabulary (`model.draft_vocab`): its lm_head holds the draft vocabulary's rows only, which transformers refuses
 against the config's vocabulary (and, told to ignore sizes, replaces with a random head), so it loads with
 draftforge's loader (`load_drafter`, the harness, `speculative_generate`). The `draftforge.json` beside it says
-which method made it, for which target, with which tokenizer (by fingerprint), so a drafter is never paired with
-the wrong target silently.
+which method made it, for which target (by name), with which tokenizer (by fingerprint), so a drafter is never
+paired silently with a target of another tokenizer (it would decode losslessly, accepting little).
 """
 
 from __future__ import annotations

@@ -254,15 +254,17 @@ class LogitsCache:
 
     Several cache directories, one per rows file of data.sources, read as one cache over those files' rows in
     order (rows added later get a cache of their own instead of a harvest of everything again); they must share
-    the target, the tokenizer, k, max_len and the draft vocabulary.
+    the target (its weights and config.json), the tokenizer, k, max_len and the draft vocabulary.
 
     A kind of cache that stores more per row (data/hidden_cache.py) names itself in KIND / WHAT / RECIPE_KEY, adds
     its columns to COLUMNS and checks its own tensors in `_check_layout` and its rows in `check_rows`."""
 
     KIND, WHAT, RECIPE_KEY = KIND, "logits cache", "distill.logits_cache"
     COLUMNS = ("cache",)  # the per-token columns `block_columns` gives a block (packed as the labels are)
-    # what every cache of a chain must share (the target, its tokenizer, the stored distribution's shape)
-    CHAIN_KEYS = ("target_fingerprint", "tokenizer_fingerprint", "top_k", "max_len", "vocab_size", "draft_vocab")
+    # what every cache of a chain must share (the target's weights and config, its tokenizer, the stored
+    # distribution's shape); check_target compares the recipe's target with the first cache's
+    CHAIN_KEYS = ("target_fingerprint", "target_config", "tokenizer_fingerprint", "top_k", "max_len", "vocab_size",
+                  "draft_vocab")
 
     def __init__(self, cache_dirs):
         dirs = [Path(d) for d in (cache_dirs if isinstance(cache_dirs, (list, tuple)) else [cache_dirs])]

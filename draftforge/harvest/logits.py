@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from dataclasses import MISSING, dataclass
 from pathlib import Path
@@ -237,7 +238,7 @@ def _check_room(out: Path, plan: Plan, old: dict | None, say: bool) -> None:
     import shutil
 
     need = plan.manifest["storage"]["bytes"]
-    kept = sum(p.stat().st_size for p in out.glob("shard-*.safetensors")) if old is not None else 0
+    kept = sum(p.stat().st_size for p in _ours(out, "safetensors")) if old is not None else 0
     where = next(p for p in (out, *out.parents) if p.exists())
     free = shutil.disk_usage(where).free
     s, m = plan.manifest["storage"], plan.manifest
@@ -367,15 +368,23 @@ def _same_target(out: Path, old: dict | None, manifest: dict) -> None:
 def _start(out: Path, plan: Plan, overwrite: bool) -> None:
     """Process 0: clear a replaced harvest (only the files a harvest writes), then write the manifest."""
     out.mkdir(parents=True, exist_ok=True)
-    for path in out.glob(".shard-*.safetensors.tmp"):  # a killed write's half shard (the lock keeps out live ones)
+    for path in _ours(out, "safetensors.tmp"):  # a killed write's half shard (the lock keeps out live ones)
         path.unlink(missing_ok=True)
     if overwrite:
-        for path in [*out.glob("shard-*.safetensors"), *out.glob("shard-*.json"), out / DRAFT_VOCAB_FILE]:
+        for path in [*_ours(out, "safetensors"), *_ours(out, "json"), out / DRAFT_VOCAB_FILE]:
             path.unlink(missing_ok=True)
     if plan.draft_ids is not None:
         atomic_write_text(out / DRAFT_VOCAB_FILE, json.dumps(plan.draft_ids) + "\n")
     old = read_manifest(out, plan.manifest["kind"]) if (out / MANIFEST).is_file() and not overwrite else {}
     atomic_write_text(out / MANIFEST, json.dumps({**plan.manifest, "shards": old.get("shards", [])}, indent=2) + "\n")
+
+
+def _ours(out: Path, suffix: str) -> list[Path]:
+    """The shard files (and records, and half-written shards) a harvest writes in `out`, by their exact names
+    (shard_name's): a user's own shard-notes.json beside them is neither read nor deleted."""
+    name = re.compile(r"\.shard-\d{5,}\.safetensors\.tmp" if suffix.endswith(".tmp")
+                      else r"shard-\d{5,}\." + re.escape(suffix))
+    return sorted(p for p in out.glob(f"*{suffix}") if name.fullmatch(p.name))
 
 
 def _record_path(out: Path, index: int) -> Path:
@@ -387,7 +396,7 @@ def _records(out: Path, kind: str) -> dict[int, dict]:
     found = {}
     if (out / MANIFEST).is_file():
         found.update({e["index"]: e for e in read_manifest(out, kind).get("shards", [])})
-    for path in sorted(out.glob("shard-*.json")):
+    for path in _ours(out, "json"):
         try:
             entry = json.loads(path.read_text())
         except ValueError:

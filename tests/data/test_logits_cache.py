@@ -367,6 +367,16 @@ def test_chained_caches_that_do_not_belong_together_are_refused(tmp_path, tiny_t
     _harvest(other, second, tmp_path / "other")
     values["distill"]["logits_cache"] = [str(tmp_path / "c1"), str(tmp_path / "other")]
     _refused(values, CompatibilityError, "differ in target_fingerprint")
+    # the same weights under an edited config.json are another model: only the first cache's config was checked
+    import shutil
+
+    edited = tmp_path / "edited"
+    shutil.copytree(target_dir, edited)
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**config, "rope_theta": 500.0}))
+    _harvest(edited, second, tmp_path / "edited-cache")
+    values["distill"]["logits_cache"] = [str(tmp_path / "c1"), str(tmp_path / "edited-cache")]
+    _refused(values, CompatibilityError, "differ in target_config")
 
 
 # ---------------------------------------------------------------- distill on the cache
@@ -538,6 +548,21 @@ def test_an_out_holding_someone_elses_files_is_never_written_into(tmp_path, targ
                                             r"no harvest.json\)"):
             _harvest(target_dir, rows_file, run, **flags)
         assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_a_users_own_file_inside_a_harvest_is_neither_read_nor_deleted(tmp_path, target_dir, rows_file, cache_dir):
+    """shard-notes.json beside the shards: --overwrite deleted it (it matched shard-*.json), and --resume read it as a
+    shard record; only the harvest's own names (shard-NNNNN.*) are its files."""
+    import shutil
+
+    out = tmp_path / "cache"
+    shutil.copytree(cache_dir, out)
+    notes = out / "shard-notes.json"
+    notes.write_text('{"note": "mine"}\n')
+    _harvest(target_dir, rows_file, out, resume=True)
+    _harvest(target_dir, rows_file, out, overwrite=True)
+    assert notes.read_text() == '{"note": "mine"}\n'
+    assert _shard_bytes(out) == _shard_bytes(cache_dir) and open_cache(out).manifest["complete"]
 
 
 def test_a_config_edit_a_row_only_labelled_at_its_first_token_and_an_equivalent_draft_map(tmp_path, target_dir,
