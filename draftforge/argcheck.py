@@ -8,6 +8,7 @@ negative temperature or a zero count is refused in milliseconds instead of after
 from __future__ import annotations
 
 import argparse
+import math
 
 from draftforge.errors import RecipeError
 
@@ -18,8 +19,11 @@ def check_eval_settings(temperatures, max_new_tokens: int, repeats: int, warmup:
     if not temperatures:
         raise RecipeError("give at least one --temperature")
     for t in temperatures:
-        if t < 0:
-            raise RecipeError(f"--temperature must be >= 0 (0 means greedy), got {t}")
+        if not 0 <= t < math.inf:  # NaN too
+            raise RecipeError(f"--temperature must be >= 0 (0 means greedy) and finite, got {t}")
+    twice = repeated(temperatures)
+    if twice is not None:  # every prompt ran twice at it, counted as one temperature's repeats
+        raise RecipeError(f"--temperature names {twice} twice; give each temperature once")
     if max_new_tokens < 1:
         raise RecipeError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if repeats < 1 or warmup < 0:
@@ -32,6 +36,16 @@ def check_eval_settings(temperatures, max_new_tokens: int, repeats: int, warmup:
         raise RecipeError(f"--threads must be >= 1, got {threads}")
     if cost_repeats < 0:
         raise RecipeError(f"--cost-repeats must be >= 0, got {cost_repeats}")
+
+
+def repeated(values) -> float | None:
+    """The first value given a second time (1 and 1.0 alike), or None."""
+    seen = set()
+    for v in values:
+        if v in seen:
+            return v
+        seen.add(v)
+    return None
 
 
 def check_token_count(value, name: str, none_means: str | None = None,

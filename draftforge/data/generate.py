@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from draftforge.argcheck import repeated
 from draftforge.errors import DataError
 
 GREEDY_PREFIX = (3, 5)  # EESD §3.2: random first token, greedy for 3-5 tokens, then sample
@@ -49,17 +50,12 @@ class GenStats:
 
 
 def chat_jobs(prompt_file, tokenizer, context: int, max_new_tokens: int, num_prompts=None) -> list[Job]:
-    """Prompts from a JSONL file through the chat template; DataError for a prompt longer than the context."""
+    """Prompts from a JSONL file through the chat template; DataError for a prompt longer than the context or an id
+    given twice (a resumed run knows its answered prompts by id)."""
     from draftforge.data.prompts import load_prompts
 
     prompts = load_prompts(prompt_file, tokenizer, num_prompts=num_prompts, context_length=context,
                            max_new_tokens=max_new_tokens)
-    seen = set()
-    for p in prompts:
-        if p.prompt_id in seen:
-            raise DataError(f"{prompt_file}: prompt id {p.prompt_id!r} appears twice; ids must be unique so that "
-                            "a resumed run knows which prompts are answered")
-        seen.add(p.prompt_id)
     return [Job(p.prompt_id, p.input_ids) for p in prompts]
 
 
@@ -238,8 +234,11 @@ def check_settings(temperatures, max_new_tokens: int, batch_size: int) -> list[f
     if batch_size <= 0:
         raise DataError(f"--batch-size must be positive, got {batch_size}")
     temps = [float(t) for t in temperatures]
-    if not temps or any(t < 0 or math.isnan(t) for t in temps):
-        raise DataError(f"--temperature takes values >= 0 (0 = greedy), got {list(temperatures)}")
+    if not temps or any(not 0 <= t < math.inf for t in temps):  # NaN too
+        raise DataError(f"--temperature takes finite values >= 0 (0 = greedy), got {list(temperatures)}")
+    twice = repeated(temps)
+    if twice is not None:  # its rows were written twice (the rows already there are read once, before the loop)
+        raise DataError(f"--temperature names {twice} twice; give each temperature once")
     return temps
 
 

@@ -162,11 +162,19 @@ def resolve_bench(bench: str | Path) -> Path:
 def load_prompt_rows(path: str | Path, num_prompts: int | None = None) -> list[PromptRow]:
     """Read a prompt file (any format above) into PromptRows, keeping at most num_prompts."""
     name, path = str(path), resolve_bench(path)
-    rows = [_parse_row(path, n, r) for n, r in read_jsonl(path)]
+    numbered = [(n, _parse_row(path, n, r)) for n, r in read_jsonl(path)]
+    numbered = numbered[:num_prompts] if num_prompts else numbered
+    first_line = {}
+    for n, row in numbered:  # an eval's self-check, its answer files and a resumed generate match prompts by id
+        if row.prompt_id in first_line:
+            raise DataError(f"{path}: prompt id {row.prompt_id!r} appears twice (lines {first_line[row.prompt_id]} "
+                            f"and {n}); ids must be unique, since results are matched to prompts by id")
+        first_line[row.prompt_id] = n
+    rows = [row for _, row in numbered]
     if name == "humaneval":  # one task: its figures per category are the overall ones
         for row in rows:
             row.category = row.category or "humaneval"
-    return rows[:num_prompts] if num_prompts else rows
+    return rows
 
 
 def _has_chat_template(tokenizer) -> bool:
@@ -209,12 +217,14 @@ def encode_prompts(
     max_new_tokens: int = 0,
     source: str = "prompts",
     all_turns: bool = False,
+    vocab_size: int | None = None,
 ) -> list[Prompt]:
     """Tokenize rows; chat rows go through the tokenizer's chat template (add_generation_prompt=True).
 
     chat: "auto" (chat rows only, when a template exists), "always" (plain text too), "never".
     all_turns: keep every turn of a multi-turn question (`Prompt.turns`, decoded turn by turn with
     `encode_turn`), refusing one whose last turn could outgrow the context; else the first turn only.
+    vocab_size: the target's; a prompt's `input_ids` past it is refused (an embedding lookup would fail mid-run).
     """
     if chat not in CHAT_MODES:
         raise DataError(f"chat mode must be one of {CHAT_MODES}, got {chat!r}")
@@ -223,6 +233,9 @@ def encode_prompts(
         ids, templated = _encode(row, tokenizer, chat)
         if not ids:
             raise DataError(f"{source}: prompt {row.prompt_id} tokenizes to no tokens")
+        if vocab_size is not None and max(ids) >= vocab_size:
+            raise DataError(f"{source}: prompt {row.prompt_id} holds token id {max(ids)}, outside the target's "
+                            f"vocabulary of {vocab_size} ids (0..{vocab_size - 1}); give ids of the target's tokenizer")
         if context_length is not None and len(ids) + max_new_tokens > context_length:
             raise DataError(
                 f"{source}: prompt {row.prompt_id} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} "

@@ -409,7 +409,8 @@ def run_eval(cfg: EvalConfig) -> dict:
     try:
         target, drafter, regime = _load(cfg)
         prompts = encode_prompts(rows, target.tokenizer, chat=cfg.chat_template, context_length=target.max_context,
-                                 max_new_tokens=cfg.max_new_tokens, source=str(cfg.bench), all_turns=True)
+                                 max_new_tokens=cfg.max_new_tokens, source=str(cfg.bench), all_turns=True,
+                                 vocab_size=target.vocab_size)
         turns = sum(len(p.turns or [None]) for p in prompts)
         _log(cfg, f"{len(prompts)} prompts from {cfg.bench}" + (f", {turns} turns" if turns > len(prompts) else ""))
         if cfg.answers:

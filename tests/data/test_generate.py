@@ -184,7 +184,8 @@ def test_bad_input_gets_one_clear_error(target, chat_tok, prompt_file, tmp_path)
     with pytest.raises(DataError, match="appears twice"):
         chat_jobs(dup, chat_tok, context=96, max_new_tokens=4)
     jobs = chat_jobs(prompt_file, chat_tok, context=96, max_new_tokens=4)
-    for kw, msg in (({"temperatures": [-1]}, "temperature"), ({"max_new_tokens": 0}, "max-new-tokens"),
+    for kw, msg in (({"temperatures": [-1]}, "temperature"), ({"temperatures": [1, 1.0]}, "names 1.0 twice"),
+                    ({"max_new_tokens": 0}, "max-new-tokens"),
                     ({"batch_size": 0}, "batch-size")):
         with pytest.raises(DataError, match=msg):
             generate_rows(target, chat_tok, jobs, tmp_path / "x.jsonl", **kw)

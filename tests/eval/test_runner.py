@@ -38,7 +38,7 @@ class FakeModel(torch.nn.Module):
 class FakeTarget:
     """The Target calls the cost model and the self-check make: every verified row has the same logits."""
 
-    device, tokenizer, max_context = "cpu", None, None
+    device, tokenizer, max_context, vocab_size = "cpu", None, None, V
 
     def __init__(self, model, logits_V=None):
         self.model, self.verified_rows = model, []
@@ -376,6 +376,22 @@ def test_bad_config_fails_before_loading(bench, tmp_path, monkeypatch, kw, match
     with pytest.raises(RecipeError, match=match):
         run_eval(cfg_for(bench, tmp_path, **kw))
     assert api.loaded == []
+
+
+def test_prompts_sharing_an_id_or_outside_the_vocabulary_are_refused(tmp_path, monkeypatch):
+    """Two prompts with one id: the self-check compared the second's output with the first's AR output and failed a
+    lossless run; an id past the vocabulary died in the embedding lookup mid-run."""
+    api = FakeAPI()
+    monkeypatch.setattr(runner, "decode_api", api)
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text('{"id": "x", "input_ids": [1, 2]}\n{"id": "y", "input_ids": [3]}\n{"id": "x", "input_ids": [4]}\n')
+    with pytest.raises(DataError, match=r"prompt id 'x' appears twice \(lines 1 and 3\)"):
+        run_eval(cfg_for(str(twice), tmp_path))
+    assert api.loaded == []
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text(json.dumps({"input_ids": [1, V + 3]}) + "\n")
+    with pytest.raises(DataError, match=f"holds token id {V + 3}, outside the target's vocabulary of {V} ids"):
+        run_eval(cfg_for(str(outside), tmp_path))
 
 
 def test_empty_prompt_file_is_a_data_error(tmp_path, monkeypatch):

@@ -148,6 +148,8 @@ def test_eval_speaks_in_its_own_words_once(random_models, tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--temperature", "0,x"], "--temperature expects numbers, got 'x'"),
+    (["--temperature", "1", "--temperature", "0,1.0"], "--temperature names 1.0 twice"),  # ran every prompt twice
+    (["--temperature", "nan"], "--temperature must be >= 0 (0 means greedy) and finite, got nan"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--repeats", "two"], "--repeats expects an integer, got 'two'"),
     (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
