@@ -57,6 +57,14 @@ def _context(model) -> int:
     return int(getattr(model.config, "max_position_embeddings", None) or 1 << 30)
 
 
+def _without_tokenizer(target: str) -> bool:
+    """A local target directory with no tokenizer files: random starts and {input_ids} prompts need none."""
+    from pathlib import Path
+
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+    return Path(target).is_dir() and not any((Path(target) / f).exists() for f in files)
+
+
 def run(args) -> int:
     import torch
     from tqdm.auto import tqdm
@@ -85,12 +93,15 @@ def run(args) -> int:
         raise DataError(problem)
     announce(dtype, "target")
     model = load_causal_lm(args.target, what="target", dtype=dtype.torch_dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    tokenizer = None if _without_tokenizer(args.target) else AutoTokenizer.from_pretrained(args.target)
     if args.prompts:
         jobs = chat_jobs(args.prompts, tokenizer, _context(model), args.max_new_tokens, args.num_prompts)
     else:
         specials = set(tokenizer.all_special_ids) if tokenizer is not None else set()
-        jobs = random_start_jobs(args.random_starts, model.config.vocab_size, args.seed, specials)
+        # the ids the tokenizer has: an embedding table padded past them (Qwen2.5: 151,936 rows, 151,665 ids)
+        # holds rows no text ever trained
+        vocab = model.config.vocab_size if tokenizer is None else min(model.config.vocab_size, len(tokenizer))
+        jobs = random_start_jobs(args.random_starts, vocab, args.seed, specials)
     total = len(jobs) * len(args.temperature)
     print(f"generate: {len(jobs)} prompts x temperatures {args.temperature} = {total} rows, "
           f"up to {args.max_new_tokens} new tokens each, batches of {args.batch_size} on {device}, {dtype.name}, "

@@ -136,8 +136,17 @@ def _generate(model, prompts_BP, mask_BP, n_new: int, temperature: float, eos, p
     cfg = GenerationConfig(max_new_tokens=n_new, do_sample=sample, temperature=temperature if sample else None,
                            top_k=0 if sample else None, top_p=1.0 if sample else None,
                            eos_token_id=eos or None, pad_token_id=pad_id)
-    with torch.no_grad():
-        out_BT = model.generate(input_ids=prompts_BP, attention_mask=mask_BP, generation_config=cfg)
+    # generate() fills every setting a call leaves unset from the model's own generation config, so a target that
+    # ships repetition_penalty (Qwen2.5-Instruct: 1.05), no_repeat_ngram_size or min_p bent its rows away from its
+    # own distribution, the one speculative decoding verifies against: the call sees the model's token ids only
+    own = model.generation_config
+    model.generation_config = GenerationConfig(bos_token_id=own.bos_token_id, eos_token_id=own.eos_token_id,
+                                               pad_token_id=own.pad_token_id)
+    try:
+        with torch.no_grad():
+            out_BT = model.generate(input_ids=prompts_BP, attention_mask=mask_BP, generation_config=cfg)
+    finally:
+        model.generation_config = own
     return out_BT[:, prompts_BP.shape[1]:]
 
 

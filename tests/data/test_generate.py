@@ -53,6 +53,29 @@ def test_greedy_rows_equal_the_targets_own_generate(target, chat_tok, prompt_fil
         assert chat_tok.decode(job.input_ids).endswith("<assistant>")  # through the chat template
 
 
+def test_greedy_rows_are_the_argmax_whatever_the_targets_generation_config_adds(target, chat_tok, prompt_file,
+                                                                               tmp_path):
+    """A target that ships repetition_penalty (Qwen2.5-Instruct does) or no_repeat_ngram_size: generate() applied
+    them to the rows, which are meant as the target's own greedy answers. Oracle: an argmax loop over the logits."""
+    import copy
+
+    model = copy.deepcopy(target)
+    model.generation_config.repetition_penalty, model.generation_config.no_repeat_ngram_size = 3.0, 2
+    jobs = chat_jobs(prompt_file, chat_tok, context=96, max_new_tokens=12)
+    out = tmp_path / "rows.jsonl"
+    generate_rows(model, chat_tok, jobs, out, temperatures=[0], max_new_tokens=12, batch_size=3)
+    rows = {r["prompt_id"]: r for r in _rows(out)}
+    for job in jobs:
+        seq = list(job.input_ids)
+        with torch.no_grad():
+            for _ in range(12):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+                if seq[-1] == 0:  # the fixture's eos
+                    break
+        assert rows[job.prompt_id]["input_ids"] == seq, job.prompt_id
+    assert model.generation_config.repetition_penalty == 3.0  # the model's own config is given back
+
+
 def test_eos_is_respected(target, chat_tok, prompt_file, tmp_path):
     jobs = chat_jobs(prompt_file, chat_tok, context=96, max_new_tokens=8)[:1]
     first = target.generate(torch.tensor([jobs[0].input_ids]), do_sample=False, max_new_tokens=3,
@@ -164,6 +187,24 @@ def test_random_starts_for_base_targets(target, tmp_path):
         got = row["input_ids"]
         n = min(len(got), len(greedy))
         assert got[:n] == greedy[:n]
+
+
+def test_random_starts_from_the_command_with_and_without_a_tokenizer(target, chat_tok, tmp_path, capsys):
+    """A target saved without tokenizer files crashed in AutoTokenizer (random starts need none); with one, starts
+    come from its ids, not from embedding rows past them (a table padded beyond the tokenizer)."""
+    from draftforge.cli import main
+
+    path = tmp_path / "target"
+    target.save_pretrained(path)
+    argv = ["generate", "--target", str(path), "--random-starts", "40", "--max-new-tokens", "4", "--temperature", "0",
+            "--dtype", "float32"]
+    assert main(argv + ["--out", str(tmp_path / "bare.jsonl")]) == 0
+    assert len(_rows(tmp_path / "bare.jsonl")) == 40
+    chat_tok.save_pretrained(path)
+    assert len(chat_tok) < target.config.vocab_size
+    assert main(argv + ["--out", str(tmp_path / "tok.jsonl")]) == 0
+    assert all(r["input_ids"][0] < len(chat_tok) for r in _rows(tmp_path / "tok.jsonl"))
+    capsys.readouterr()
 
 
 def test_token_rows_load_for_sft(target, chat_tok, prompt_file, tmp_path):
