@@ -40,8 +40,8 @@ class EvalConfig:
     bench: str = option(MISSING, f"a named prompt set ({', '.join(BENCHES)}) or a prompt file: Spec-Bench/MT-bench "
                         "question.jsonl ('turns'), or JSONL with 'prompt'/'text'/'messages'/'input_ids'")
     drafter: str | None = option(None, "drafter: an exported draftforge checkpoint, an HF Mamba or small causal LM, "
-                                 "or prompt-lookup (n-gram copying from the prompt, no model); every method but ar "
-                                 "needs one")
+                                 "or prompt-lookup (n-gram copying from the prompt, no model); every method but ar, "
+                                 "lookup and hf_prompt_lookup needs one")
     temperatures: tuple[float, ...] = option(
         (0.0,), "sampling temperature; repeat or give a comma list to run several in one process (0 = greedy)",
         flag="--temperature", repeat=True, parse=temperature_list, metavar="T")
@@ -63,7 +63,8 @@ class EvalConfig:
         "distinct", "how a tree's sibling drafts are drawn at T > 0: distinct (without replacement, verified by "
         "recursive rejection sampling; STree's, default) or iid (with replacement, SpecInfer's multi-step "
         "speculative sampling). Both are exact; distinct siblings are never duplicates")
-    num_prompts: int | None = option(None, "use only the first N prompts (default: all)")
+    num_prompts: int | None = option(None, "use only the first N prompts (default: all; fewer when the bench has "
+                                     "fewer, as the log's prompt count says)")
     repeats: int = option(1, "timed passes over all prompts, methods rotated; the report gives min/median/max "
                           "tok/s (the command's default is 3, a measurement; from Python 1, a quick call)")
     warmup: int = option(D["warmup"], "prompts run untimed per method and temperature before timing")
@@ -139,7 +140,8 @@ class EvalConfig:
         "near-tie or a defect (one float32 and two plain forwards over its prefix, and AR's tokens checked by one "
         "teacher-forced forward per prompt: at 8k tokens of context as much work as the timed passes); identity = "
         "count identical outputs only, differences left unclassified (fp32 still fails on any)", flag="--self-check")
-    strict_selfcheck: bool = option(True, "report, instead of failing on, fp32 greedy outputs that differ from AR",
+    strict_selfcheck: bool = option(True, "report, instead of failing on, what the self-check flags: any greedy "
+                                    "output that differs from AR in fp32, a defect in any dtype",
                                     flag="--no-strict-selfcheck")
     command: str | None = option(None, "recorded in the manifest (default: sys.argv)", cli=False)
     quiet: bool = option(False, "no progress lines on stderr", cli=False)

@@ -234,7 +234,8 @@ def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=Non
     compared only when its context (the conversation with the method's own earlier answers) is AR's; where an
     earlier turn parted from AR it is not, and the turn counts under `context_differs`, neither identical nor a
     defect (the earlier turn's own verdict says why). With `check_ar_tokens` (and a target), AR's own tokens are
-    checked against the model's plain forward too (`check_ar`); its defects count among `defects`."""
+    checked against the model's plain forward too (`check_ar`), every repeat's; its defects count among `defects`.
+    Methods are compared with AR's first repeat."""
     ar_by_key = {}
     for r in ar_records:
         ar_by_key.setdefault(_key(r), r)
@@ -268,11 +269,15 @@ def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=Non
         identical[key] = identical.get(key, True) and same
     ar_divergences = []
     if check_ar_tokens and target is not None:
-        for key in identical:  # AR's own output against the plain forward, once per compared prompt
-            ar = ar_by_key[key]
+        checked = set()
+        for ar in ar_records:  # AR's own output against the plain forward: every repeat's, each distinct one once
+            key = _key(ar)
+            if key not in identical or (key, tuple(ar.tokens)) in checked:
+                continue
+            checked.add((key, tuple(ar.tokens)))
             found = check_ar(target, prompt_ids[key[0]] if ar.context is None else ar.context, ar.tokens)
             if found is not None:
-                ar_divergences.append({"prompt_id": key[0], "turn": key[1], **found})
+                ar_divergences.append({"prompt_id": key[0], "turn": key[1], "repeat": ar.repeat, **found})
     verdicts = [d["verdict"] for d in divergences]
     ar_verdicts = [d["verdict"] for d in ar_divergences]
     return {"identical": sum(identical.values()), "total": len(identical),

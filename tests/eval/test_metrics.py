@@ -192,6 +192,19 @@ def test_self_check_counts_prompts_identical_in_every_repeat():
     assert by_prompt["c"]["gap"] == pytest.approx(5.0) and by_prompt["c"]["top2_margin"] == pytest.approx(3.0)
 
 
+def test_every_repeat_of_ar_is_checked_against_the_models_own_forward():
+    """Only AR's first repeat was checked: a later repeat whose output is not the model's greedy one (here token 7
+    where the forward's argmax is 6 by a wide margin) passed, as long as every method agreed with repeat 0."""
+    logits = torch.zeros(10)
+    logits[6] = 5.0
+    ar = [rec("ar", DecodeStats(), 0, "a", [6, 6]), rec("ar", DecodeStats(), 1, "a", [6, 7])]
+    method = [rec("chain", DecodeStats(), r, "a", [6, 6]) for r in (0, 1)]
+    sc = selfcheck.self_check(method, ar, {"a": [0]}, FixedLogitsTarget(logits))
+    assert (sc["identical"], sc["total"]) == (1, 1)
+    assert (sc["ar_defects"], sc["defects"]) == (1, 1)
+    assert [(d["repeat"], d["position"]) for d in sc["ar_divergences"]] == [(1, 1)]
+
+
 def test_near_tie_is_judged_against_the_noise_of_the_models_own_forward():
     """A bf16 model (one rounding step at 2.0 is 2 * 2**-7 * 2 = 0.03, the ceiling 8 steps at max |r| = 2 is 0.25):
     a gap of 0.1 is a near-tie when the model's own one-shot and cached-step logits differ by 0.1, a defect when
