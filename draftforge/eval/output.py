@@ -27,10 +27,10 @@ def check_out(out_dir: str) -> None:
         if not ours:
             raise DataError(f"--out {out_dir}: its report.json was not written by draftforge eval; choose another "
                             "--out (draftforge never overwrites files it did not write)")
-    else:  # no report of ours: any file a report writes is someone else's
+    else:  # no report of ours: any file a report writes is someone else's (a directory of that name included)
         from draftforge.eval.plots import PLOT_FILES
 
-        theirs = [n for n in ("report.md", *PLOT_FILES) if (Path(out_dir).expanduser() / n).exists()]
+        theirs = [n for n in ("report.json", "report.md", *PLOT_FILES) if (Path(out_dir).expanduser() / n).exists()]
         if theirs:
             raise DataError(f"--out {out_dir}: it holds {', '.join(theirs)} that draftforge eval did not write (no "
                             "report.json of its own beside them); choose another --out")

@@ -19,6 +19,7 @@ from tests.eval.test_runner import FakeAPI, bench, cfg_for  # noqa: F401  (bench
     (lambda out: (out.mkdir(), (out / "report.json").write_text('{"my": "data"}')), "not written by draftforge"),
     (lambda out: (out.mkdir(), (out / "report.md").write_text("# my notes")), "report.md that draftforge"),
     (lambda out: (out.mkdir(), (out / "speedup.png").write_text("my own plot")), "speedup.png that draftforge"),
+    (lambda out: (out.mkdir(), (out / "report.json").mkdir()), "report.json that draftforge"),  # failed after the run
 ])
 def test_an_out_that_cannot_take_the_report_is_refused_before_any_model_loads(bench, tmp_path, monkeypatch,
                                                                               setup, message):
@@ -26,11 +27,14 @@ def test_an_out_that_cannot_take_the_report_is_refused_before_any_model_loads(be
     monkeypatch.setattr(runner, "decode_api", api)
     out = tmp_path / "out"
     setup(out)
-    before = {p.name: p.read_bytes() for p in ([out] if out.is_file() else out.iterdir())}
+    def there():
+        return {p.name: p.read_bytes() if p.is_file() else "dir" for p in ([out] if out.is_file() else out.iterdir())}
+
+    before = there()
     with pytest.raises(DataError, match=message):
         run_eval(cfg_for(bench, tmp_path, plots=False))
     assert api.loaded == []  # nothing was loaded, let alone measured
-    assert {p.name: p.read_bytes() for p in ([out] if out.is_file() else out.iterdir())} == before
+    assert there() == before
 
 
 def test_a_previous_draftforge_report_is_replaced(bench, tmp_path, monkeypatch):
