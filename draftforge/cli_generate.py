@@ -43,7 +43,8 @@ class GenerateJob:
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.description = (
-        "Answer prompts with the target (chat template when it has one) or, for a base target, continue random "
+        "Answer prompts with the target ({messages} rows through its chat template when it has one, {prompt} rows "
+        "as plain text) or, for a base target, continue random "
         "start tokens (greedy for 3-5 tokens, then sampled: EESD §3.2). Rows {input_ids, prompt_len, prompt_id, "
         "temperature} are appended to --out; rerunning the same command resumes a killed run. A resume must "
         "keep --max-new-tokens, --seed, --batch-size and --dtype (recorded in FILE.meta.json; other values are "
