@@ -40,8 +40,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     what.add_argument("--resume", action="store_true", help="continue from the latest intact checkpoint of output_dir")
     what.add_argument("--overwrite", action="store_true",
                       help="replace the draftforge run in output_dir (a directory marked .draftforge-run, kept until "
-                           "the new run's first checkpoint); a folder of other files, the current directory, its "
-                           "parents, home and / are never replaced")
+                           "the new run's first checkpoint); a folder of other files, a run holding files it did not "
+                           "write (your notes beside it), the current directory, its parents, home and / are never "
+                           "replaced")
     p.add_argument("--help-recipe", metavar="TASK", nargs="?", const="pretrain",
                    help="print every recipe field of TASK (default pretrain) with its default and doc, and the "
                         "registered tasks, then exit")

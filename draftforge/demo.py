@@ -90,9 +90,9 @@ def _train(values: dict, label: str, say, quick: bool, resume: bool = False) -> 
         try:
             result = run_training(recipe, resume=True)
         except CheckpointError as e:
-            raise CheckpointError(f"the demo in {Path(recipe.output_dir).parent} cannot be resumed with these flags "
-                                  f"({e}); give the flags it was started with (--quick, --testbed), or run the demo "
-                                  "without --resume to start it again") from None
+            raise CheckpointError(f"the demo in {Path(recipe.output_dir).parent} cannot be resumed ({e}); where the "
+                                  "flags differ from the ones it was started with (--quick, --testbed), give those, "
+                                  "or run the demo without --resume to start it again") from None
     else:
         result = run_training(recipe, overwrite=True)
     return {"final_loss": result.final_loss, "eval_loss": result.eval_loss, "tokens_per_s": result.tokens_per_s,

@@ -7,9 +7,10 @@ its first checkpoint (`settle`), and put back if the new run fails before that (
 killed before its first checkpoint resumes from step 0 with --resume.
 
 --overwrite only ever replaces a run draftforge wrote: a directory is a run when it holds RUN_MARKER
-(written at `claim`) or, for runs from before that marker, the checkpoint marker. Anything else is
-refused with or without --overwrite, and the current directory, its parents, the home directory and
-/ are refused outright.
+(written at `claim`) or, for runs from before that marker, the checkpoint marker, and it is replaced
+only when it holds nothing but what a run writes (RUN_ENTRIES). Anything else is refused with or
+without --overwrite (and --resume takes over no directory without the marker), and the current
+directory, its parents, the home directory and / are refused outright.
 
 One run writes an output_dir at a time: `run_lock` holds `.NAME.lock` beside it for the whole run (a second
 `draftforge train` on the same directory, with or without --resume/--overwrite, is refused in one line).
@@ -32,6 +33,19 @@ NEW, REPLACE, RESUME, RESTART = "new", "replace", "resume", "restart"
 EXTENSIBLE_KEYS = {"train.max_steps"}  # may change on --resume: recorded in history.jsonl, the schedule recomputed
 MARKER = ".has-checkpoints"  # written beside recipe.yaml at the first checkpoint
 RUN_MARKER = ".draftforge-run"  # written at claim: this directory is a run draftforge made
+
+
+# Every top-level entry a run writes in its output_dir (cli_train's EPILOG lists them for users; best.py, lm.py and
+# c2t.py name theirs): --overwrite replaces a run only when it holds nothing else, so a user's notes.txt or analysis/
+# beside the run is never deleted with it
+RUN_ENTRIES = frozenset({RUN_MARKER, MARKER, "recipe.yaml", "inputs.json", "metrics.jsonl", "history.jsonl",
+                         "checkpoints", "export", "best", ".best-at-checkpoint", "logs", "draft_vocab.json",
+                         "c2t_harvest.json"})
+
+
+def foreign_entries(path: Path) -> list[str]:
+    """The entries of a run directory that no run writes (the user's own), sorted."""
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir() if p.name not in RUN_ENTRIES)
 
 
 def is_run_dir(path: Path) -> bool:
@@ -150,6 +164,9 @@ class RunDir:
         if resume:
             if not saved.is_file():
                 raise CheckpointError(f"--resume: {self.path} holds no run (no recipe.yaml); start without --resume")
+            if not is_run_dir(self.path):  # a user's folder that happens to hold a recipe.yaml: never taken over
+                raise CheckpointError(f"--resume: {self.path} holds a recipe.yaml but is not a run draftforge wrote "
+                                      f"(no {RUN_MARKER}); draftforge never writes into it: choose another output_dir")
             saved_values = as_read_now(yaml.safe_load(saved.read_text()))
             diff = ckpt.recipe_differences(saved_values, self.recipe.to_dict())
             extended = [k for k in diff if k in EXTENSIBLE_KEYS]
@@ -189,6 +206,11 @@ class RunDir:
             if why:
                 raise DraftforgeError(f"--overwrite would replace {self.path}, {why}; draftforge never does: "
                                       "choose another output_dir")
+            theirs = foreign_entries(self.path)
+            if theirs:
+                raise DraftforgeError(f"--overwrite would delete {', '.join(theirs[:5])}"
+                                      f"{', ...' if len(theirs) > 5 else ''} in {self.path}, which the run there did "
+                                      "not write; move them out first, or choose another output_dir")
             aside = _aside(self.path)
             if aside.exists() and not is_run_dir(aside):
                 raise DraftforgeError(f"{aside} is in the way of --overwrite (it is not a run draftforge set "

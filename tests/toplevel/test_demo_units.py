@@ -96,9 +96,9 @@ def test_resume_continues_the_demos_runs_and_says_how_to_start_again(tmp_path, m
         raise CheckpointError("--resume: the recipe differs from the run in X in train.block_size")
 
     monkeypatch.setattr(draftforge.train, "run", refused)
-    with pytest.raises(CheckpointError, match=r"the demo in .*out cannot be resumed with these flags \(--resume: the "
-                                              r"recipe differs.*\(--quick, --testbed\), or run the demo without "
-                                              r"--resume to start it again"):
+    with pytest.raises(CheckpointError, match=r"the demo in .*out cannot be resumed \(--resume: the recipe differs.*"
+                                              r"\(--quick, --testbed\), give those, or run the demo without --resume "
+                                              r"to start it again"):
         demo._train(values, "pre-training", lambda *_: None, quick=False, resume=True)
 
 

@@ -10,8 +10,17 @@ import pytest
 from draftforge.errors import DraftforgeError
 from draftforge.recipe import recipe_from_dict
 from draftforge.train import run
-from draftforge.train.rundir import RUN_MARKER, is_run_dir
+from draftforge.train.rundir import RUN_ENTRIES, RUN_MARKER, foreign_entries, is_run_dir
 from tests.train.test_loop import tiny_recipe
+
+
+def test_run_entries_name_what_each_module_writes():
+    from draftforge.train.best import AT_CHECKPOINT_DIR, BEST_DIR
+    from draftforge.train.c2t import HARVEST_FILE
+    from draftforge.train.lm import DRAFT_VOCAB_FILE
+    from draftforge.train.rundir import INPUTS_FILE, MARKER
+
+    assert {AT_CHECKPOINT_DIR, BEST_DIR, HARVEST_FILE, DRAFT_VOCAB_FILE, INPUTS_FILE, MARKER, RUN_MARKER} <= RUN_ENTRIES
 
 
 def _users_folder(path: Path) -> dict[str, str]:
@@ -38,10 +47,33 @@ def test_a_folder_of_the_users_files_is_refused_and_kept(tmp_path, tiny_corpus_d
 
 
 def test_a_run_is_marked_and_replaced_with_overwrite(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
-    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=1)
+    """Every entry a run writes (export, best/, tensorboard logs, ...) is one RUN_ENTRIES names, so --overwrite
+    replaces it; a file of the user's beside them stops --overwrite (it was deleted with the run) and is kept."""
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=2, eval_every=1, export=True,
+                         keep_best="loss", trackers=["tensorboard"])
     first = run(recipe_from_dict(values))
     assert (first.run_dir / RUN_MARKER).is_file() and is_run_dir(first.run_dir)
-    assert run(recipe_from_dict(values), overwrite=True).step == 1
+    written = {p.name for p in first.run_dir.iterdir()}
+    assert {"export", "best", "logs", "checkpoints"} <= written and foreign_entries(first.run_dir) == []
+    assert run(recipe_from_dict(values), overwrite=True).step == 2
+    (first.run_dir / "analysis.md").write_text("my notes\n")
+    (first.run_dir / "plots").mkdir()
+    with pytest.raises(DraftforgeError, match=r"--overwrite would delete analysis.md, plots/ in .*, which the run "
+                                              r"there did not write"):
+        run(recipe_from_dict(values), overwrite=True)
+    assert (first.run_dir / "analysis.md").read_text() == "my notes\n" and (first.run_dir / "plots").is_dir()
+
+
+def test_resume_never_takes_over_a_users_folder_that_holds_a_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    """A folder with the user's own recipe.yaml (and notes): --resume overwrote the recipe and marked the folder a
+    run, which a later --overwrite then deleted."""
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=1)
+    files = _users_folder(Path(values["output_dir"]))
+    files["recipe.yaml"] = "# my annotated recipe\ntask: pretrain\n"
+    (Path(values["output_dir"]) / "recipe.yaml").write_text(files["recipe.yaml"])
+    with pytest.raises(DraftforgeError, match=r"holds a recipe.yaml but is not a run draftforge wrote"):
+        run(recipe_from_dict(values), resume=True)
+    assert _unchanged(Path(values["output_dir"]), files)
 
 
 @pytest.mark.parametrize("where", ["cwd", "parent", "home"])
