@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -116,7 +117,9 @@ class OptimConfig:
                                    "on CPU or CUDA; the same update rule, fewer kernel launches)")
 
     def check(self, at: str) -> None:
-        require(self.lr > 0, f"{at}.lr", "must be > 0")
+        require(0 < self.lr < math.inf, f"{at}.lr", "must be > 0 and finite")
+        require(0 < self.eps < math.inf, f"{at}.eps", f"must be > 0 and finite (AdamW divides by it), got {self.eps}")
+        require(self.weight_decay >= 0, f"{at}.weight_decay", f"must be >= 0, got {self.weight_decay}")
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{at}.betas", "two values in [0, 1)")
         require(self.warmup_steps >= 0, f"{at}.warmup_steps", "must be >= 0")
         require(self.schedule in ("cosine", "linear", "constant"), f"{at}.schedule",
@@ -157,6 +160,7 @@ class TrainConfig:
             require(getattr(self, key) > 0, f"{at}.{key}", f"must be > 0, got {getattr(self, key)}")
         for key in ("eval_every", "save_every"):
             require(getattr(self, key) >= 0, f"{at}.{key}", "must be >= 0")
+        require(0 <= self.seed < 2**32, f"{at}.seed", f"must be in [0, 2**32), got {self.seed}")
         require(self.global_batch_size % self.micro_batch_size == 0, f"{at}.global_batch_size",
                  f"{self.global_batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}")
 
@@ -185,6 +189,10 @@ class Recipe:
         self.train.check("train")
         if hasattr(self.task_options, "check"):
             self.task_options.check(self.task)
+        own_split = getattr(self.task_options, "eval_fraction", None) is not None  # c2t holds out its own trees
+        require(not self.train.keep_best or own_split or self.data.eval_fraction > 0 or bool(self.data.eval_sources),
+                "train.keep_best", "needs held-out data to pick the best eval (data.eval_fraction > 0 or "
+                "data.eval_sources); without it the last step's weights were exported silently")
         if self.model.lora.enabled:
             require(self.model.init_from is not None, "model.lora.enabled",
                      "LoRA adapts a pretrained model: set model.init_from")

@@ -262,6 +262,10 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, tiny_corpus_dir
     ("train.block_size", "big", "train.block_size"),
     ("data.format", "chat", None),  # valid for pretrain as data format; sft requires it
     ("task", "sft", "model.init_from"),  # at load time: `--overwrite` must not delete a run first
+    # these crashed in torch / numpy with a traceback, ran to a NaN loss, or were ignored
+    ("optim.eps", -1, "optim.eps"), ("optim.eps", 0, "optim.eps"), ("optim.lr", ".inf", "optim.lr"),
+    ("optim.weight_decay", -5, "optim.weight_decay"), ("train.seed", -1, "train.seed"),
+    ("data.eval_fraction", 0, None),  # fine alone ...
 ])
 def test_recipe_validation_names_the_key(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, key, value, match):
     from draftforge.recipe import apply_overrides
@@ -271,6 +275,14 @@ def test_recipe_validation_names_the_key(tmp_path, tiny_corpus_dir, tiny_tokeniz
         recipe_from_dict(values)
         return
     with pytest.raises(RecipeError, match=match):
+        recipe_from_dict(values)
+
+
+def test_keep_best_without_held_out_data_is_refused(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    """... but with keep_best the last step's weights were exported silently, as if none had been better."""
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, keep_best="loss")
+    values["data"]["eval_fraction"] = 0
+    with pytest.raises(RecipeError, match="train.keep_best.*needs held-out data"):
         recipe_from_dict(values)
 
 
