@@ -37,9 +37,21 @@ def load_tokenizer(recipe):
         key, source = "model.init_from", resolve_checkpoint(m.init_from)
     check_local(source, key)
     try:
-        return AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as e:
         raise RecipeError(f"recipe key '{key}': cannot load a tokenizer from {source!r} ({e})") from None
+    if m.tokenizer and m.target and Path(m.target).is_dir():  # a drafter of another tokenizer trained to the end
+        from draftforge.export import tokenizer_fingerprint
+
+        try:
+            theirs = AutoTokenizer.from_pretrained(m.target)
+        except (OSError, ValueError, TypeError):
+            theirs = None  # a bare checkpoint without tokenizer files: token ids alone, nothing to compare
+        if theirs is not None and tokenizer_fingerprint(theirs) != tokenizer_fingerprint(tokenizer):
+            raise RecipeError(f"recipe key 'model.tokenizer': {m.tokenizer!r} ({len(tokenizer)} tokens) is not the "
+                              f"tokenizer of model.target {m.target!r} ({len(theirs)} tokens); a drafter must "
+                              "tokenize as its target does: drop model.tokenizer to use the target's")
+    return tokenizer
 
 
 def local_tokenizer(recipe):

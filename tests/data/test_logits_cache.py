@@ -451,9 +451,13 @@ def test_a_cache_from_another_target_or_tokenizer_is_refused(tmp_path, tiny_toke
     _refused(values, CompatibilityError, "harvested from target .* not from model.target")
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     tok.eos_token = "<|bos|>"  # same ids, other special tokens: another tokenizer fingerprint
-    tok.save_pretrained(tmp_path / "other-tok")
-    values = cached_recipe(tmp_path, target_dir, rows_file, cache_dir)
-    values["model"]["tokenizer"] = str(tmp_path / "other-tok")
+    import shutil
+
+    retok = tmp_path / "retok"  # the same weights, its tokenizer files replaced since the harvest
+    shutil.copytree(target_dir, retok)
+    tok.save_pretrained(retok)
+    values = cached_recipe(tmp_path, retok, rows_file, cache_dir)
+    values["model"]["tokenizer"] = str(retok)
     _refused(values, CompatibilityError, "was harvested with .* but this run uses")
 
 

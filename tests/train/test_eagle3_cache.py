@@ -195,9 +195,10 @@ def test_a_cache_of_another_target_tokenizer_or_layer_set_or_a_truncated_shard_i
              rf"\w+\), not from model.target {re.escape(str(other))} \(weights fingerprint \w+\)")
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     tok.eos_token = "<|bos|>"  # same ids, other special tokens: another tokenizer fingerprint
-    tok.save_pretrained(tmp_path / "other-tok")
-    values = recipe(tmp_path, "run", target_dir, rows_file, cache_dir)
-    values["model"]["tokenizer"] = str(tmp_path / "other-tok")
+    retok = tmp_path / "retok"  # the same weights, its tokenizer files replaced since the harvest
+    shutil.copytree(target_dir, retok)
+    tok.save_pretrained(retok)
+    values = recipe(tmp_path, "run", retok, rows_file, cache_dir)
     _refused(values, CompatibilityError, "hidden-state cache .* was harvested with .*tokenizer fingerprint \\w+.* "
                                          "but this run uses .*tokenizer fingerprint \\w+")
     _refused(recipe(tmp_path, "run", target_dir, rows_file, cache_dir, aux_layers=[0, 2, 3]), CompatibilityError,

@@ -536,3 +536,25 @@ def test_train_help_lists_everything_a_run_writes(tmp_path, tiny_corpus_dir, tin
     written = {p.name for p in result.run_dir.iterdir() if not p.name.startswith(".")}
     assert written == listed, (written, listed)
     assert not [p.name for p in tmp_path.iterdir() if p.name not in ("run",)]  # the lock beside it is gone
+
+
+def test_a_tokenizer_that_is_not_the_targets_is_refused_before_training(tmp_path, tiny_corpus_dir,
+                                                                        tiny_tokenizer_dir):
+    """model.tokenizer and model.target naming different tokenizers: only the sizes were compared, so a drafter
+    that tokenizes differently trained to the end and failed only when paired with its target."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    from draftforge.train.parts import load_tokenizer
+
+    target = tmp_path / "target"
+    other = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    other.add_tokens(["<tool>"])
+    other.save_pretrained(target)
+    LlamaConfig(vocab_size=len(other), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=2).save_pretrained(target)
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir)
+    values["model"]["target"] = str(target)
+    with pytest.raises(RecipeError, match=r"model.tokenizer.* is not the tokenizer of model.target"):
+        load_tokenizer(recipe_from_dict(values))
+    values["model"]["tokenizer"] = str(target)  # the target's own: fine
+    assert len(load_tokenizer(recipe_from_dict(values))) == len(other)
