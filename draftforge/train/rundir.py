@@ -208,9 +208,9 @@ class RunDir:
                                       "choose another output_dir")
             theirs = foreign_entries(self.path)
             if theirs:
-                raise DraftforgeError(f"--overwrite would delete {', '.join(theirs[:5])}"
-                                      f"{', ...' if len(theirs) > 5 else ''} in {self.path}, which the run there did "
-                                      "not write; move them out first, or choose another output_dir")
+                raise DraftforgeError(f"replacing the run in {self.path} would delete {', '.join(theirs[:5])}"
+                                      f"{', ...' if len(theirs) > 5 else ''}, which it did not write; move them out "
+                                      "first, or choose another output_dir")
             aside = _aside(self.path)
             if aside.exists() and not is_run_dir(aside):
                 raise DraftforgeError(f"{aside} is in the way of --overwrite (it is not a run draftforge set "

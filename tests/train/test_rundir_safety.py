@@ -58,8 +58,8 @@ def test_a_run_is_marked_and_replaced_with_overwrite(tmp_path, tiny_corpus_dir, 
     assert run(recipe_from_dict(values), overwrite=True).step == 2
     (first.run_dir / "analysis.md").write_text("my notes\n")
     (first.run_dir / "plots").mkdir()
-    with pytest.raises(DraftforgeError, match=r"--overwrite would delete analysis.md, plots/ in .*, which the run "
-                                              r"there did not write"):
+    with pytest.raises(DraftforgeError, match=r"replacing the run in .* would delete analysis.md, plots/, which it "
+                                              r"did not write"):
         run(recipe_from_dict(values), overwrite=True)
     assert (first.run_dir / "analysis.md").read_text() == "my notes\n" and (first.run_dir / "plots").is_dir()
 
