@@ -69,6 +69,9 @@ def parse_lengths(text: str) -> tuple[int, ...]:
             raise DataError(f"--lengths expects token counts like 1k,2k,4k,8k, got {part!r}") from None
     if not out or min(out) < 256:
         raise DataError(f"--lengths needs counts of at least 256 tokens, got {text!r}")
+    twice = sorted({n for n in out if out.count(n) > 1})
+    if twice:  # the same bucket twice wrote each of its questions twice, under one id
+        raise DataError(f"--lengths names {', '.join(bucket_name(n) for n in twice)} twice, got {text!r}")
     return tuple(out)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
@@ -198,6 +199,17 @@ def shard_path(out_dir: Path, index: int) -> Path:
     return out_dir / f"prompt-{index:06d}.parquet"
 
 
+_SHARD = re.compile(r"prompt-\d{6,}\.parquet")
+
+
+def harvest_shards(out_dir: Path, half_written: bool = False) -> list[Path]:
+    """The shards a harvest writes in `out_dir` (or its killed writes' half shards), by their exact names: a user's
+    my_analysis.parquet or prompt-notes.parquet beside them is neither read nor deleted."""
+    if half_written:
+        return sorted(p for p in out_dir.glob(".prompt-*.parquet.tmp") if _SHARD.fullmatch(p.name[1:-len(".tmp")]))
+    return sorted(p for p in out_dir.glob("prompt-*.parquet") if _SHARD.fullmatch(p.name))
+
+
 def harvest_meta(target, drafter, settings: HarvestSettings, source: str) -> dict:
     from draftforge.data.provenance import tokenizer_identity
 
@@ -259,7 +271,7 @@ def load_harvest(sources, target_fingerprint: str | None = None, tokenizer=None)
     check_tokenizer(sources, tokenizer)
     parts = []
     for k, src in enumerate(map(Path, sources)):
-        found = sorted(src.glob("*.parquet")) if src.is_dir() else [src] if src.is_file() else []
+        found = harvest_shards(src) if src.is_dir() else [src] if src.is_file() else []
         if not found:
             raise DataError(f"harvest source {src} holds no parquet shards; run `draftforge harvest trees` first")
         # a prompt that grew no tree left an empty shard (untyped before the shards were typed): nothing to read
@@ -365,7 +377,7 @@ def _harvest_trees(job: TreeHarvestJob) -> dict:
     announce(dtype, "target and drafter")
     target = load_target(job.target, device=job.device, dtype=dtype.torch_dtype)
     drafter = load_drafter(job.drafter, target, device=job.device, dtype=dtype.torch_dtype)
-    check_eagle2(job.top_k, job.depth, 2, target, drafter)
+    check_eagle2(job.top_k, job.depth, 2, target, drafter, top_k_flag="--top-k")
     settings = HarvestSettings(job.top_k, job.depth, job.top_m, job.max_new_tokens)
     prompts = load_prompts(job.bench, target.tokenizer, num_prompts=job.num_prompts, chat=job.chat_template,
                            context_length=target.max_context, max_new_tokens=job.max_new_tokens)
@@ -376,14 +388,14 @@ def _harvest_trees(job: TreeHarvestJob) -> dict:
             "prompts_sha256": prompts_sha.hexdigest(), "ignore_eos": bool(job.ignore_eos),
             "devices": [device_name(job.device)]}
     if job.overwrite and (out / META_FILE).is_file():  # only now: a load or prompt error above leaves it whole
-        replaced = sorted(out.glob("prompt-*.parquet"))
+        replaced = harvest_shards(out)
         for shard in replaced:
             shard.unlink()
         (out / META_FILE).unlink()
         print(f"harvest trees: --overwrite: removed the harvest in {out} ({len(replaced)} shard(s) and {META_FILE})",
               file=sys.stderr)
     open_harvest(out, meta)
-    for tmp in out.glob(".prompt-*.parquet.tmp"):  # a killed write's half shard (the lock keeps out live ones)
+    for tmp in harvest_shards(out, half_written=True):  # a killed write's half shard (the lock keeps out live ones)
         tmp.unlink()
     unreadable = [i for i in range(len(prompts)) if shard_path(out, i).is_file() and not _readable(shard_path(out, i))]
     for i in unreadable:  # a shard is written whole and renamed: one that cannot be read was damaged since

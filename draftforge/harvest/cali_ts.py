@@ -220,6 +220,14 @@ def _harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, ma
     choice = resolve_dtype(dtype, device)
     announce(choice, "target and drafter")
     target, drafter = _load_models(target_path, drafter_path, device, allow_vocab_mismatch, choice.torch_dtype)
+    ctx = target.max_context
+    if ctx is not None and max_len > ctx:  # positions past the context are undefined for the target: wrong labels
+        if generate >= ctx:
+            raise DraftforgeError(f"--generate {generate} leaves no prompt within the target's context of {ctx} "
+                                  "tokens; give a smaller --generate")
+        print(f"[draftforge] harvest θ: --max-len {max_len} is past the target's context of {ctx} tokens: "
+              f"sequences are cut at {ctx}", file=sys.stderr)
+        max_len = ctx
     settings = {"kind": KIND, "dtype": choice.name, "target": str(target_path), "drafter": str(drafter_path),
                 "sources": [str(s) for s in sources],
                 "target_fingerprint": model_fingerprint(target.model), "target_dim": hidden_size(target.model),

@@ -72,6 +72,8 @@ def test_bad_lengths_and_lengths_beyond_the_context_are_refused():
         with pytest.raises(DataError, match="--lengths"):
             longctx.parse_lengths(text)
     assert longctx.parse_lengths("1k, 2k,8192") == (1024, 2048, 8192)
+    with pytest.raises(DataError, match=r"--lengths names 1k twice"):  # wrote each 1k question twice, under one id
+        longctx.parse_lengths("1k,2k,1024")
 
 
 def test_the_training_split_holds_training_documents_only_and_shares_no_module_with_the_held_out_one(rows):

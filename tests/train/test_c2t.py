@@ -160,6 +160,11 @@ def test_overwrite_replaces_the_harvest_and_nothing_else(harvested, tmp_path, ca
     shutil.copytree(out, copy)
     (copy / "NOTES.md").write_text("mine")
     before = {p.name: p.read_bytes() for p in copy.glob("*.parquet")}
+    # the user's own parquet files: --overwrite deleted one that matched prompt-*.parquet, and reading the harvest
+    # (its summary, training) took both for shards and crashed on their columns
+    mine = {"prompt-notes.parquet": b"my notes", "my_analysis.parquet": b"my table"}
+    for name, data in mine.items():
+        (copy / name).write_bytes(data)
     (copy / "prompt-000099.parquet").write_bytes(b"a shard of a longer harvest")  # not the new harvest's: removed
     assert harvest_cli(t_dir, d_dir, bench, copy, "--resume", "--overwrite") == 2
     assert "pass one of them" in capsys.readouterr().err
@@ -168,8 +173,9 @@ def test_overwrite_replaces_the_harvest_and_nothing_else(harvested, tmp_path, ca
     capsys.readouterr()
     assert harvest_cli(t_dir, d_dir, bench, copy, "--overwrite") == 0
     assert "--overwrite: removed the harvest in" in capsys.readouterr().err
-    assert {p.name: p.read_bytes() for p in copy.glob("*.parquet")} == before  # the same settings: the same shards
+    assert {p.name: p.read_bytes() for p in copy.glob("*.parquet") if p.name not in mine} == before  # the same shards
     assert (copy / "NOTES.md").read_text() == "mine"
+    assert all((copy / name).read_bytes() == data for name, data in mine.items())
     other = tmp_path / "other"  # another command's harvest under harvest.json is not replaced
     other.mkdir()
     (other / "harvest.json").write_text(json.dumps({"kind": "theta-harvest"}))
@@ -191,8 +197,8 @@ def test_harvest_bad_input(harvested, tmp_path, capsys):
     mixed = tmp_path / "mixed"
     mixed.mkdir()
     data = datasets.Dataset.from_parquet(str(shard))
-    data.to_parquet(str(mixed / "a.parquet"))
-    data.map(lambda r: {"target": "0" * 16}).to_parquet(str(mixed / "b.parquet"))
+    data.to_parquet(str(mixed / "prompt-000000.parquet"))
+    data.map(lambda r: {"target": "0" * 16}).to_parquet(str(mixed / "prompt-000001.parquet"))
     with pytest.raises(CompatibilityError, match="several targets"):
         hv.load_harvest([mixed])
     with pytest.raises(CompatibilityError, match="not from this recipe's target"):
@@ -367,3 +373,11 @@ def test_a_resume_removes_the_half_shard_a_killed_write_left(harvested, tmp_path
     assert harvest_cli(t_dir, d_dir, bench, copy, "--resume") == 0
     assert not half.exists() and (copy / "prompt-000003.parquet").read_bytes() == (out / "prompt-000003.parquet"
                                                                                    ).read_bytes()
+
+
+def test_a_top_k_past_the_vocabulary_names_this_commands_flag(harvested, tmp_path, capsys):
+    """harvest trees reuses EAGLE-2's check, which named --eagle-top-k, a flag this command does not have."""
+    t_dir, d_dir, bench, _ = harvested
+    assert harvest_cli(t_dir, d_dir, bench, tmp_path / "h", "--top-k", "100000") == 2
+    err = capsys.readouterr().err
+    assert "--top-k 100000 is larger than the drafter's vocabulary" in err and "--eagle-top-k" not in err

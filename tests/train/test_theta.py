@@ -4,6 +4,7 @@ harvested rows against a direct forward, resume, training through the one loop, 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -333,3 +334,17 @@ def test_a_harvest_whose_out_another_harvest_is_writing_is_refused(pair, tmp_pat
             call(out)
         assert not out.exists() and lock.exists(), name
         lock.unlink()
+
+
+def test_sequences_past_the_targets_context_are_cut_at_it(pair, tmp_path, capsys):
+    """--max-len (default 512) was never compared with the target's context: rows past it were labelled from
+    positions the target does not define. They are cut at the context now, the same rows as --max-len equal to it."""
+    short = tmp_path / "short"
+    shutil.copytree(pair, short, ignore=shutil.ignore_patterns("target"))
+    tiny_llama(vocab=VOCAB, ctx=24).save_pretrained(short / "target")
+    manifest = harvest(short, tmp_path / "cut")
+    assert "--max-len 512 is past the target's context of 24 tokens: sequences are cut at 24" in capsys.readouterr().err
+    assert manifest["max_len"] == 24
+    assert manifest["rows"] == harvest(short, tmp_path / "explicit", max_len=24)["rows"] < 5 * 21
+    with pytest.raises(DraftforgeError, match="--generate 30 leaves no prompt within the target's context of 24"):
+        harvest(short, tmp_path / "gen", generate=30)

@@ -71,11 +71,12 @@ class Eagle2Builder(TreeBuilder):
         return DynamicTree(self, self.layers)
 
 
-def check_eagle2(top_k: int, depth: int, total_tokens: int, target, drafter) -> None:
-    """Refuse settings this target/drafter cannot run: k beyond the (draft) vocabulary, a budget beyond the context."""
+def check_eagle2(top_k: int, depth: int, total_tokens: int, target, drafter, top_k_flag: str = "--eagle-top-k") -> None:
+    """Refuse settings this target/drafter cannot run: k beyond the (draft) vocabulary, a budget beyond the context.
+    `top_k_flag`: the flag that set k, named in the error (`harvest trees` calls it --top-k)."""
     vocab = draft_vocab_size(drafter, target)
     if top_k > vocab:
-        raise RecipeError(f"--eagle-top-k {top_k} is larger than the drafter's vocabulary ({vocab} tokens); "
+        raise RecipeError(f"{top_k_flag} {top_k} is larger than the drafter's vocabulary ({vocab} tokens); "
                           f"use at most {vocab}")
     if total_tokens < 2:
         raise RecipeError(f"--total-tokens must be >= 2 (the root plus at least one draft), got {total_tokens}")
