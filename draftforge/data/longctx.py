@@ -2,7 +2,8 @@
 
 A document is one held-out stdlib module's documentation (its docstring, then each documented public function's
 and class's signature and docstring; read with `ast`, never imported). Held-out means the instruction prompts'
-split (`instructions.is_heldout`), so no document is ever text a drafter trained on. A question of length L asks
+split (`instructions.is_heldout`), so no document comes from a module a drafter trained on (a few short docstrings
+are shared word for word between stdlib modules, e.g. posixpath's and ntpath's basename). A question of length L asks
 about one function of one document ("single-doc") or compares two functions of two documents ("multi-doc", in
 the spirit of LongBench's two groups); its context is the asked document(s) among other held-out documents,
 seeded, filled until the prompt holds as many target tokens as fit under L (counted by the caller's `count`,
