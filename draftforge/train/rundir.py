@@ -43,9 +43,15 @@ RUN_ENTRIES = frozenset({RUN_MARKER, MARKER, "recipe.yaml", "inputs.json", "metr
                          "c2t_harvest.json"})
 
 
+def _written_by_a_run(name: str) -> bool:
+    """One of RUN_ENTRIES, or what a killed write left beside one (fsutil's temp names: .export.tmp-XXXX,
+    .best.old-XXXX, .recipe.yaml.XXXX.tmp)."""
+    return name in RUN_ENTRIES or (name.startswith(".") and any(name[1:].startswith(f"{e}.") for e in RUN_ENTRIES))
+
+
 def foreign_entries(path: Path) -> list[str]:
     """The entries of a run directory that no run writes (the user's own), sorted."""
-    return sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir() if p.name not in RUN_ENTRIES)
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir() if not _written_by_a_run(p.name))
 
 
 def is_run_dir(path: Path) -> bool:

@@ -55,6 +55,8 @@ def test_a_run_is_marked_and_replaced_with_overwrite(tmp_path, tiny_corpus_dir, 
     assert (first.run_dir / RUN_MARKER).is_file() and is_run_dir(first.run_dir)
     written = {p.name for p in first.run_dir.iterdir()}
     assert {"export", "best", "logs", "checkpoints"} <= written and foreign_entries(first.run_dir) == []
+    (first.run_dir / ".export.tmp-k1ll3d").mkdir()  # a killed export's temp dir is the run's own, replaced with it
+    (first.run_dir / ".metrics.jsonl.x7.tmp").write_text("")
     assert run(recipe_from_dict(values), overwrite=True).step == 2
     (first.run_dir / "analysis.md").write_text("my notes\n")
     (first.run_dir / "plots").mkdir()
