@@ -163,6 +163,11 @@ class TrainConfig:
         require(0 <= self.seed < 2**32, f"{at}.seed", f"must be in [0, 2**32), got {self.seed}")
         require(self.global_batch_size % self.micro_batch_size == 0, f"{at}.global_batch_size",
                  f"{self.global_batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}")
+        from accelerate.utils import LoggerType
+
+        known = ["auto", *(x.value for x in LoggerType)]
+        unknown = [x for x in self.trackers if x not in known]
+        require(not unknown, f"{at}.trackers", f"unknown tracker(s) {unknown}; known: {', '.join(known)}")
 
 
 @dataclass

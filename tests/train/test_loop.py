@@ -266,6 +266,8 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, tiny_corpus_dir
     ("optim.eps", -1, "optim.eps"), ("optim.eps", 0, "optim.eps"), ("optim.lr", ".inf", "optim.lr"),
     ("optim.weight_decay", -5, "optim.weight_decay"), ("train.seed", -1, "train.seed"),
     ("data.eval_fraction", 0, None),  # fine alone ...
+    ("train.trackers", "[tensorbord]", "train.trackers.*tensorbord"),  # was a traceback from Accelerate
+    ("train.trackers", "tensorboard", "train.trackers"), ("train.trackers", "[auto, tensorboard]", None),
 ])
 def test_recipe_validation_names_the_key(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, key, value, match):
     from draftforge.recipe import apply_overrides
