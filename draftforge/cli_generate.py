@@ -54,8 +54,18 @@ def configure(p: argparse.ArgumentParser) -> None:
     add_flags(p, GenerateJob)
 
 
-def _context(model) -> int:
-    return int(getattr(model.config, "max_position_embeddings", None) or 1 << 30)
+def _context(config) -> int:
+    return int(getattr(config, "max_position_embeddings", None) or 1 << 30)
+
+
+def _config_or_none(target: str):
+    """The target's config, read without its weights; None where it cannot be (the model load then says why)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(target)
+    except (OSError, ValueError):
+        return None
 
 
 def _without_tokenizer(target: str) -> bool:
@@ -92,11 +102,19 @@ def run(args) -> int:
     problem = rows_problem(Path(args.out), settings, Path(args.prompts) if args.prompts else None)
     if problem:  # before the model loads: a user's file at --out, or a resume with other settings
         raise DataError(problem)
+    tokenizer = None if _without_tokenizer(args.target) else AutoTokenizer.from_pretrained(args.target)
+    config = _config_or_none(args.target) if args.prompts else None
+    jobs = None
+    if config is not None:  # a bad prompt file is refused before the weights load, not a minute later
+        jobs = chat_jobs(args.prompts, tokenizer, _context(config), args.max_new_tokens, args.num_prompts)
     announce(dtype, "target")
     model = load_causal_lm(args.target, what="target", dtype=dtype.torch_dtype).to(device).eval()
-    tokenizer = None if _without_tokenizer(args.target) else AutoTokenizer.from_pretrained(args.target)
     if args.prompts:
-        jobs = chat_jobs(args.prompts, tokenizer, _context(model), args.max_new_tokens, args.num_prompts)
+        if jobs is None:
+            jobs = chat_jobs(args.prompts, tokenizer, _context(model.config), args.max_new_tokens, args.num_prompts)
+        if args.num_prompts and len(jobs) < args.num_prompts:
+            print(f"generate: -n {args.num_prompts} asked for more prompts than {args.prompts} holds; "
+                  f"answering all {len(jobs)}")
     else:
         specials = set(tokenizer.all_special_ids) if tokenizer is not None else set()
         # the ids the tokenizer has: an embedding table padded past them (Qwen2.5: 151,936 rows, 151,665 ids)

@@ -207,6 +207,31 @@ def test_random_starts_from_the_command_with_and_without_a_tokenizer(target, cha
     capsys.readouterr()
 
 
+def test_a_bad_prompt_file_is_refused_before_the_weights_load_and_a_short_file_is_said(target, chat_tok, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """The prompt file was read after the model loaded (a minute for a real target) and `-n` beyond the file's
+    length answered fewer prompts without a word."""
+    import draftforge.loading
+    from draftforge.cli import main
+
+    path = tmp_path / "target"
+    target.save_pretrained(path)
+    chat_tok.save_pretrained(path)
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"prompt_id": "a", "prompt": "x"}\n{"prompt_id": "a", "prompt": "y"}\n')
+    argv = ["generate", "--target", str(path), "--max-new-tokens", "3", "--temperature", "0", "--dtype", "float32"]
+    real_load, loads = draftforge.loading.load_causal_lm, []
+    monkeypatch.setattr(draftforge.loading, "load_causal_lm", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    assert main(argv + ["--prompts", str(dup), "--out", str(tmp_path / "dup-rows.jsonl")]) != 0
+    assert "appears twice" in capsys.readouterr().err and loads == []
+    two = tmp_path / "two.jsonl"
+    two.write_text('{"prompt_id": "a", "prompt": "x"}\n{"prompt_id": "b", "prompt": "y"}\n')
+    capsys.readouterr()
+    assert main(argv + ["--prompts", str(two), "-n", "5", "--out", str(tmp_path / "rows.jsonl")]) == 0
+    assert len(loads) == 1 and len(_rows(tmp_path / "rows.jsonl")) == 2
+    assert "-n 5 asked for more prompts" in capsys.readouterr().out
+
+
 def test_token_rows_load_for_sft(target, chat_tok, prompt_file, tmp_path):
     from draftforge.data.sources import normalize_tokens
 
