@@ -84,16 +84,39 @@ def check_not_foreign(out_dir: Path) -> dict | None:
                               "choose another --out or remove that directory yourself") from None
 
 
+def _same_place(recipe):
+    """A recipe with its output_dir as an absolute path: `runs/x`, `./runs/x/` and `/abs/runs/x` are one run."""
+    if isinstance(recipe, dict) and isinstance(recipe.get("output_dir"), str):
+        return {**recipe, "output_dir": str(Path(recipe["output_dir"]).expanduser().resolve())}
+    return recipe
+
+
+def _differing_keys(old, new, at: str = "") -> list[str]:
+    """The dotted keys whose values differ between two nested dicts (a recipe: a line, not two whole dicts)."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [] if old == new else [at or "(value)"]
+    return [key for k in sorted(set(old) | set(new), key=str)
+            for key in _differing_keys(old.get(k), new.get(k), f"{at}.{k}" if at else str(k))]
+
+
 def _check_destination(out_dir: Path, identity: dict, overwrite: bool) -> None:
     """Refuse to replace a different export (unless overwrite) or anything that is not an export (ever)."""
     existing = check_not_foreign(out_dir)
     if existing is None:
         return
+    existing = {**existing, "recipe": _same_place(existing.get("recipe"))}
+    identity = {**identity, "recipe": _same_place(identity.get("recipe"))}
     differ = [k for k in _IDENTITY_KEYS if existing.get(k) != identity.get(k)]
     if not overwrite and differ:
-        said = "; ".join(f"its {k} {existing.get(k)!r}, this one's {identity.get(k)!r}" for k in differ)
-        raise CheckpointError(f"{out_dir} already holds a different export ({said}); choose another --out or pass "
-                              "--overwrite")
+        said = []
+        for k in differ:
+            if k == "recipe" and isinstance(existing.get(k), dict) and isinstance(identity.get(k), dict):
+                keys = _differing_keys(existing[k], identity[k])
+                said.append(f"its recipe differs in {', '.join(keys[:5])}" + (" ..." if len(keys) > 5 else ""))
+            else:
+                said.append(f"its {k} {existing.get(k)!r}, this one's {identity.get(k)!r}")
+        raise CheckpointError(f"{out_dir} already holds a different export ({'; '.join(said)}); choose another "
+                              "--out or pass --overwrite")
 
 
 GENERATE_PY = '''"""Written by `draftforge export`: transformers' generate() runs speculative decoding with this drafter.

@@ -95,6 +95,20 @@ def test_failure_mid_export_leaves_nothing_and_keeps_earlier_export(tokenizer, t
     assert _files(out) == before
 
 
+def test_a_re_export_of_the_same_run_spelled_another_way_replaces_it(tokenizer, tmp_path, monkeypatch):
+    """`export runs/x` after training wrote runs/x/export (its recipe's output_dir as the recipe spelled it) was
+    refused as a different export, the message printing both whole recipes; a real difference is named by key."""
+    monkeypatch.chdir(tmp_path)
+    model = _model(tokenizer)
+    recipe = {"optim": {"lr": 1e-3}, "output_dir": "runs/x"}
+    out = export_model(model, tokenizer, tmp_path / "export", metadata={**META, "recipe": recipe})
+    for spelled in ("./runs/x/", str(tmp_path / "runs" / "x")):
+        export_model(model, tokenizer, out, metadata={**META, "recipe": {**recipe, "output_dir": spelled}})
+    other = {"optim": {"lr": 2e-3}, "output_dir": "runs/y"}
+    with pytest.raises(CheckpointError, match=r"its recipe differs in optim.lr, output_dir\); choose"):
+        export_model(model, tokenizer, out, metadata={**META, "recipe": other})
+
+
 def test_overwrite_protection(tokenizer, tmp_path):
     model = _model(tokenizer)
     out = export_model(model, tokenizer, tmp_path / "export", metadata=META)
