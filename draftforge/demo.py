@@ -230,17 +230,25 @@ def speedup_spread(report: dict) -> str:
     return line + (f" (warning: {report['pace_warning']})" if report.get("pace_warning") else "")
 
 
-def _eval(testbed: Path, paths, drafter: str, out: Path, quick: bool, num_prompts: int, max_new_tokens: int):
+def eval_size(quick: bool, num_prompts: int | None, max_new_tokens: int | None) -> tuple[int, int]:
+    """The eval's prompts and tokens per prompt: what the user gave, else the quick or the full default."""
+    return (num_prompts or (3 if quick else 20)), (max_new_tokens or (16 if quick else 64))
+
+
+def _eval(testbed: Path, paths, drafter: str, out: Path, quick: bool, num_prompts: int | None,
+          max_new_tokens: int | None):
     from draftforge.eval.runner import EvalConfig, run_eval
 
+    num_prompts, max_new_tokens = eval_size(quick, num_prompts, max_new_tokens)
     return run_eval(EvalConfig(target=str(testbed / "target"), drafter=drafter, bench=str(paths.prompts),
-                               num_prompts=3 if quick else num_prompts, max_new_tokens=16 if quick else max_new_tokens,
+                               num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                                methods=("ar", "chain", "tree"), temperatures=(0.0,), repeats=EVAL_REPEATS,
                                baselines=("ar",),  # the same table whatever transformers can run as an assistant
                                out_dir=str(out / "eval"), plots=True))  # the PNGs the README lists, quick too
 
 
-def run_demo(testbed: Path, out: Path, *, quick: bool = False, num_prompts: int = 20, max_new_tokens: int = 64,
+def run_demo(testbed: Path, out: Path, *, quick: bool = False, num_prompts: int | None = None,
+             max_new_tokens: int | None = None,
              threads: int | None = None, resume: bool = False, say=print) -> dict:
     import torch
 
@@ -251,8 +259,8 @@ def run_demo(testbed: Path, out: Path, *, quick: bool = False, num_prompts: int 
         torch.set_num_threads(before)  # an in-process caller (a test) keeps its own setting
 
 
-def _run_demo(testbed: Path, out: Path, quick: bool, num_prompts: int, max_new_tokens: int, threads_note: str,
-              say, resume: bool = False) -> dict:
+def _run_demo(testbed: Path, out: Path, quick: bool, num_prompts: int | None, max_new_tokens: int | None,
+              threads_note: str, say, resume: bool = False) -> dict:
     from draftforge.eval.report import markdown_table
     from draftforge.testbed import ensure_testbed
 
@@ -305,8 +313,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "drafter run continues from its last checkpoint (a finished one is kept), the distillation rows "
                    "are kept when the target and settings match, and the eval runs again; without it a demo "
                    "replaces the one in --out")
-    p.add_argument("--num-prompts", type=int, default=20, help="held-out prompts in the eval (default %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default %(default)s)")
+    p.add_argument("--num-prompts", type=int, help="held-out prompts in the eval (default 20; with --quick 3)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens generated per prompt (default 64; with --quick 16)")
     p.add_argument("--threads", type=int, help="torch threads for every phase (default: 1, or OMP_NUM_THREADS "
                                                "when set; more rarely helps models this small)")
 

@@ -134,3 +134,14 @@ def test_resume_keeps_distillation_rows_only_of_the_same_target_and_settings(tmp
     tiny_llama(vocab=len(tok), seed=1).save_pretrained(tb / "target")  # another target: its rows are not the old ones
     demo.write_distill_data(tb, out, 2, 4, said.append, resume=True)
     assert "--resume keeps" not in said[-1]
+
+
+def test_quick_keeps_the_eval_size_the_user_asked_for(monkeypatch, tmp_path):
+    """--quick replaced --num-prompts / --max-new-tokens with its own 3 and 16 silently; now only their defaults."""
+    seen = []
+    monkeypatch.setattr("draftforge.eval.runner.run_eval", lambda config: seen.append(config))
+    paths = SimpleNamespace(prompts="p.jsonl")
+    for quick, asked, expect in ((True, (None, None), (3, 16)), (True, (5, 9), (5, 9)), (False, (None, None), (20, 64)),
+                                 (False, (7, None), (7, 64))):
+        demo._eval(tmp_path, paths, "drafter", tmp_path / "out", quick, *asked)
+        assert (seen[-1].num_prompts, seen[-1].max_new_tokens) == expect
