@@ -20,6 +20,10 @@ class DecodeStats:
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    # the first round's drafting, where a drafter with a cache or state encodes the prompt (once per decode), and
+    # its depth: the cost model tells that fixed cost from the per-step one (0: not recorded)
+    first_draft_time_s: float = 0.0
+    first_draft_depth: int = 0
     total_time_s: float = 0.0  # wall time of the whole generate() call, prefill included
     chosen_configs: list[str] = field(default_factory=list)  # controller's choice per round (e.g. UCB arm)
     # context state held when the decode ended (decode/memory.py; None: the object does not say)

@@ -153,6 +153,8 @@ class SpeculativeDecoder(Decoder):
             emitted = emitted[: hit + 1]
         accepted = min(len(verdict.path), len(emitted))  # drafts after an EOS are not counted as accepted
         stats.draft_time_s += t1 - t0
+        if stats.target_forwards == 0:
+            stats.first_draft_time_s, stats.first_draft_depth = t1 - t0, tree.depth
         stats.verify_time_s += t2 - t1
         stats.add_round(accepted, len(tree), tree.depth, plan.name if plan is not None else "ar")
         self.controller.feedback(Round(plan, tree, verdict.path, len(verdict.path) + 1, t1 - t0, t2 - t1))

@@ -8,7 +8,7 @@ puts the predicted speedup next to the measured one:
     predicted = τ · t(1) / (mean over rounds of t(N_r) + draft seconds per round)
 
 τ, N_r (1 + the drafts verified in round r) and the draft seconds come from the method's own rounds; t
-from the curve (linear between measured points; a row count the grid missed is timed after the runs).
+from the curve (linear between measured points; a row count past the grid's largest is timed after the runs).
 AR predicts 1 by construction. What the model leaves out is why measured can fall short of predicted: the
 prefill and the harness's bookkeeping (the report's "other" share), and inside each round's verify time the
 verdict, the sampling and the commit (a hybrid's state replay, a KV gather), which t(N), timing the forward alone,
@@ -23,9 +23,10 @@ prompt, and every record is priced with its own bucket's curve.
 A chain's rounds also say what a shorter chain would have done: a draft at depth d is accepted or not by the
 same test whatever follows it (greedy match, or speculative sampling's min(1, p/q), arXiv:2211.17192 §2.3),
 so cutting round r at γ' keeps min(a_r, γ') accepted drafts and one bonus/correction token, verifies
-min(d_r, γ') + 1 rows and drafts min(d_r, γ') steps. `shorter_chains` predicts every γ' up to the chain's
-length from those rounds; with a weak drafter a short chain often wins, because drafting and the rising part of
-t(N) cost more than the drafts that are rarely reached bring.
+min(d_r, γ') + 1 rows and drafts min(d_r, γ') steps; a decode then needs more rounds for its tokens, while a
+drafter's once-per-decode work (its prompt encoding, inside its first draft) does not shrink with γ'.
+`shorter_chains` predicts every γ' up to the chain's length from those rounds; with a weak drafter a short chain
+often wins, because drafting and the rising part of t(N) cost more than the drafts that are rarely reached bring.
 """
 
 from __future__ import annotations
@@ -182,11 +183,11 @@ def predict(summary: dict, records, curve: dict[int, float],
     predicted = tau * t1 / (verify_s + draft_s)
     measured = summary.get("speedup")
     decode = summary.get("decode_speedup")
-    shorter = shorter_chains(records, curve, draft_step_s(records), by_length)
+    shorter = shorter_chains(records, curve, by_length)
     out = {
         "tau": tau, "rows_per_round": statistics.fmean(d + 1 for _, _, d in rounds_cad), "verify_s_per_round": verify_s,
         "verify_over_t1": verify_s / t1, "draft_steps_per_round": steps, "draft_s_per_round": draft_s,
-        "draft_step_s": draft_s / steps if steps else None, "predicted_speedup": predicted,
+        "draft_step_s": draft_step_s(records) if steps else None, "predicted_speedup": predicted,
         "measured_speedup": measured,
         "measured_over_predicted": measured / predicted if measured and predicted else None,
         "measured_decode_speedup": decode,
@@ -210,23 +211,43 @@ def predict(summary: dict, records, curve: dict[int, float],
     return out
 
 
-def draft_step_s(records) -> float:
-    """Seconds of one drafter step: the records' drafting time over the draft positions they proposed (0: none)."""
+def draft_costs(records) -> tuple[float, float]:
+    """(seconds of one drafter step, seconds per decode that no step accounts for). A drafter with a cache or a
+    state encodes the prompt inside its first draft, once per decode whatever the chain length: the step is the
+    later rounds' drafting time over their steps, and what the first round took beyond its steps at that rate is
+    the decode's fixed cost. Without a recorded first round (transformers' assisted generation), or with no later
+    steps, all drafting is per step (0, 0: nothing drafted)."""
     steps = sum(sum(r.stats.proposed_by_position) for r in records)
-    return sum(r.stats.draft_time_s for r in records) / steps if steps else 0.0
+    total = sum(r.stats.draft_time_s for r in records)
+    split = [r for r in records if r.stats.first_draft_time_s > 0]
+    later_steps = steps - sum(r.stats.first_draft_depth for r in split)
+    if not split or later_steps <= 0:
+        return (total / steps if steps else 0.0), 0.0
+    step = (total - sum(r.stats.first_draft_time_s for r in split)) / later_steps
+    fixed = sum(max(r.stats.first_draft_time_s - step * r.stats.first_draft_depth, 0.0) for r in split)
+    return step, fixed / len(records)
 
 
-def shorter_chains(records, curve: dict[int, float], draft_step_s: float,
-                   by_length: dict[int, dict[int, float]] | None = None) -> dict[int, float]:
+def draft_step_s(records) -> float:
+    """Seconds of one drafter step (draft_costs)."""
+    return draft_costs(records)[0]
+
+
+def shorter_chains(records, curve: dict[int, float], by_length: dict[int, dict[int, float]] | None = None
+                   ) -> dict[int, float]:
     """γ' -> predicted speedup of the same rounds cut at γ' (module docstring), for every γ' up to the longest
     chain drafted; {} unless every round drafted a chain (as many drafts as depths) and some drafted 2 or more.
-    With `by_length` every round is priced at its own bucket's curve, as in `predict`."""
+    With `by_length` every round is priced at its own bucket's curve, as in `predict`. A cut chain emits fewer
+    tokens a round, so a decode takes more rounds: each round's cost is paid per τ(γ') tokens, and the drafter's
+    cost per decode (its prompt encoding: draft_costs) per decode's tokens, whatever γ'."""
     rounds = _rounds(records, curve, by_length)
     proposed = sum(sum(r.stats.proposed_by_position) for r in records)
     longest = max((d for _, _, d in rounds), default=0)
     if longest < 2 or proposed != sum(d for _, _, d in rounds) or 1 not in curve:
         return {}
     t1 = _t1(records, curve, by_length)
+    step_s, fixed_s = draft_costs(records)
+    fixed_per_token = fixed_s * len(records) / max(sum(r.stats.new_tokens for r in records), 1)
     emitted = []  # per round, what it emitted: a + 1, or less in a decode's last round (an EOS draft, the budget)
     for r in records:
         n = len(r.stats.drafted_per_round or [0] * r.stats.target_forwards)
@@ -237,8 +258,8 @@ def shorter_chains(records, curve: dict[int, float], draft_step_s: float,
         # cut at g: a round that accepted more keeps g drafts + the target's token (no more than it emitted); one
         # that accepted g or fewer is unchanged, its EOS or budget cut included
         tau = statistics.fmean(e if a <= g else min(g + 1, e) for (_, a, _), e in zip(rounds, emitted))
-        cost_s = statistics.fmean(t_of(c, min(d, g) + 1) + draft_step_s * min(d, g) for c, _, d in rounds)
-        out[g] = tau * t1 / cost_s
+        cost_s = statistics.fmean(t_of(c, min(d, g) + 1) + step_s * min(d, g) for c, _, d in rounds)
+        out[g] = t1 / (cost_s / tau + fixed_per_token)
     return out
 
 

@@ -178,7 +178,7 @@ def _tune_chain_length(cfg, decoders, target, drafter, options, prompts, curve, 
                    for i, p in enumerate(prompts[:probe])
                    for res in [_run_one(dec, p.input_ids, cfg, params, i, eos)]]
         draft_step_s = cost.draft_step_s(records)
-        predicted = cost.shorter_chains(records, curve, draft_step_s, by_length)
+        predicted = cost.shorter_chains(records, curve, by_length)
         best = max(predicted, key=lambda g: (round(predicted[g], 6), -g)) if predicted else length
         tuning[temp] = {"probed_length": length, "prompts": [p.prompt_id for p in prompts[:probe]],
                         "rounds": sum(r.stats.target_forwards for r in records), "draft_step_s": draft_step_s,

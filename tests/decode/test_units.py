@@ -89,6 +89,8 @@ def test_ucb_learns_from_the_rounds_the_engine_plays_by_hand(target):
                         lambda_gamma=0.5)
     res = dec.generate(prompt, max_new_tokens=13)
     assert res.stats.drafted_per_round == [5, 2, 3] and res.tokens == greedy_reference(target, prompt, 13)
+    # the first round's drafting (the drafter encodes the prompt there) is kept apart for the cost model
+    assert res.stats.first_draft_depth == 5 and 0 < res.stats.first_draft_time_s < res.stats.draft_time_s
     ucb = dec.controller
     assert ucb.counts == [1, 1] and ucb.reward_sums == pytest.approx([-3.5 / 6, -2.0 / 3])
     res = dec.generate([3, 5, 7], max_new_tokens=7)

@@ -71,6 +71,28 @@ def test_shorter_chains_by_hand():
     assert any(line.startswith("- chain T=0: 1: ") and f"**{got['best_chain_length']}: " in line for line in lines)
 
 
+def test_a_drafters_prompt_encoding_is_paid_once_per_decode_whatever_the_cut():
+    """The cut chains priced every draft second per step, so a drafter's once-per-decode prompt encoding (inside
+    its first draft) shrank with γ' and short chains looked cheaper than they are. Two decodes of ten chain-5
+    rounds, every draft accepted, a flat t(N) of 50 ms, 5 ms a drafter step and 5 s of prompt encoding each."""
+    curve = {n: 0.050 for n in range(1, 9)}
+    recs = []
+    for i in range(2):
+        stats = DecodeStats(new_tokens=60, target_forwards=10, accepted_per_round=[5] * 10, drafted_per_round=[5] * 10,
+                            proposed_by_position=[10] * 5, draft_time_s=5.0 + 50 * 0.005,
+                            first_draft_time_s=5.0 + 5 * 0.005, first_draft_depth=5)
+        recs.append(RunRecord("chain", 0.0, 0, f"p{i}", 4, [0] * 60, stats))
+    assert cost.draft_costs(recs) == pytest.approx((0.005, 5.0))
+    summary = {"tau": 6.0, "time": {"draft_s": 10.5}, "speedup": 0.5}
+    got = cost.predict(summary, recs, curve)
+    cut = got["shorter_chains"]
+    # cut at γ': γ'+1 tokens a round, 120 / (γ'+1) rounds of 50 ms + 5γ' ms, and 10 s of encoding over 120 tokens
+    for g in range(1, 6):
+        assert cut[g] == pytest.approx(120 * 0.050 / (120 / (g + 1) * (0.050 + 0.005 * g) + 10.0))
+    assert cut[5] == pytest.approx(got["predicted_speedup"]) and got["best_chain_length"] == 5
+    assert cut[1] == pytest.approx(0.4511, abs=1e-4)  # the old pricing said 0.645, ahead of γ' = 5's 0.522
+
+
 def test_a_tree_gets_no_shorter_chains():
     tree = record([12], [3], 0.002)
     tree.stats.proposed_by_position = [1, 1, 1, 1]  # 12 drafts over 4 depths: not a chain
