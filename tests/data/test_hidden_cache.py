@@ -18,7 +18,9 @@ from draftforge.data.logits_cache import LogitsCache, open_cache, read_token_row
 from draftforge.errors import CompatibilityError, DataError
 from draftforge.harvest.hidden import harvest_hidden
 from draftforge.harvest.logits import harvest_logits
-from tests.data.test_logits_cache import _shard_bytes, write_rows
+from tests.data.test_logits_cache import (_shard_bytes, assert_split_is_the_single_process_harvest,
+                                          estimate_comes_first, harvest_as_two_processes, launch_two_processes,
+                                          record_writes, write_rows)
 from tests.train.test_eesd import LAYERS, save_target
 
 MAX_LEN = 64  # = the block size the online comparison packs the rows into (each row of 40-60 ids: one per block)
@@ -123,15 +125,20 @@ def test_padding_to_the_longest_row_changes_at_most_the_last_bits(tmp_path, targ
 
 
 def test_a_killed_harvest_resumes_to_the_same_bytes_and_redoes_a_truncated_shard(tmp_path, target_dir, rows_file,
-                                                                                 cache_dir):
-    out = tmp_path / "killed"
+                                                                                 cache_dir, monkeypatch):
+    out, want = tmp_path / "killed", _shard_bytes(cache_dir)
     with pytest.raises(KeyboardInterrupt):
         harvest(target_dir, rows_file, out, stop_after=1)
+    # killed mid-harvest: one whole shard written, the uninterrupted one's bytes, and nothing else
+    assert _shard_bytes(out) == {"shard-00000.safetensors": want["shard-00000.safetensors"]}
     with pytest.raises(DataError, match="hidden-state cache in .* is incomplete .0 of 3 shards.: rerun `draftforge "
                                         "harvest hidden` with the same arguments and --resume"):
         open_cache(out, HiddenCache)
+    writes = record_writes(monkeypatch)
     harvest(target_dir, rows_file, out, resume=True)
-    assert _shard_bytes(out) == _shard_bytes(cache_dir)
+    assert [e[2] for e in writes if e[0] == "shard"] == [1, 2]  # the finished shard is kept, not harvested again
+    assert _shard_bytes(out) == want
+    writes.clear()
     shard = out / "shard-00001.safetensors"
     size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[:-100])
@@ -139,7 +146,7 @@ def test_a_killed_harvest_resumes_to_the_same_bytes_and_redoes_a_truncated_shard
                                         "rerun `draftforge harvest hidden`"):
         open_cache(out, HiddenCache)
     harvest(target_dir, rows_file, out, resume=True)
-    assert _shard_bytes(out) == _shard_bytes(cache_dir)
+    assert [e[2] for e in writes if e[0] == "shard"] == [1] and _shard_bytes(out) == want
 
 
 def test_bad_layers_and_a_resume_with_other_layers_are_refused_with_nothing_written(tmp_path, target_dir, rows_file,
@@ -158,15 +165,20 @@ def test_bad_layers_and_a_resume_with_other_layers_are_refused_with_nothing_writ
     assert (_shard_bytes(cache_dir), (cache_dir / "harvest.json").read_bytes()) == before
 
 
-def test_cli_prints_the_storage_first_and_one_error_line(tmp_path, target_dir, rows_file, capsys):
+def test_cli_prints_the_storage_first_and_one_error_line(tmp_path, target_dir, rows_file, capsys, monkeypatch):
     out = tmp_path / "cli"
     argv = ["harvest", "hidden", "--target", str(target_dir), "--data", str(rows_file), "--out", str(out),
             "--max-len", str(MAX_LEN), "--top-k", "4", "--layers", "0,3", "--dtype", "float32"]
+    events = record_writes(monkeypatch, capsys=capsys)
     assert cli_main(argv) == 0
-    err = capsys.readouterr().err
-    assert "harvest hidden: will write about" in err and "tokens x 256 B (64 float32 values)" in err, err
+    said = estimate_comes_first(events, "harvest hidden")  # in what stderr got before harvest.json or any shard
+    err = "".join(e[1] for e in events if e[0] == "said")
+    assert "tokens x 256 B (64 float32 values)" in err, err
+    assert [e[2] for e in events if e[0] == "shard"] == [0]  # 12 rows: one shard of the command's 32 rows
     manifest = json.loads((out / "harvest.json").read_text())
     assert manifest["layers"] == [0, 3] and manifest["complete"] and manifest["storage"]["per_token"] == 256
+    assert abs(said - manifest["storage"]["bytes"]) <= 0.001 * manifest["storage"]["bytes"]
+    monkeypatch.undo()
     assert cli_main([*argv[:-4], "--layers", "1,9", "--out", str(tmp_path / "x")]) == 2
     errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "ids [9] outside 0..3 for a target of 4 layers" in errors[0]
@@ -179,17 +191,17 @@ def test_cli_prints_the_storage_first_and_one_error_line(tmp_path, target_dir, r
 
 @pytest.mark.slow  # an accelerate launch of two CPU processes
 def test_two_processes_write_the_same_cache_as_one(tmp_path, target_dir, rows_file, cache_dir):
-    import subprocess
-    import sys
-
-    from tests import REPO
-    from tests.train.test_distributed import _env, _free_port
-
     out = tmp_path / "two"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "launch" / "multi_cpu.yaml"),
-           "--num_processes", "2", "--main_process_port", str(_free_port()), "-m", "draftforge", "harvest", "hidden",
-           "--target", str(target_dir), "--data", str(rows_file), "--out", str(out), "--top-k", "8", "--max-len",
-           str(MAX_LEN), "--batch-size", "2", "--shard-rows", "5", "--dtype", "float32"]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert _shard_bytes(out) == _shard_bytes(cache_dir) and open_cache(out, HiddenCache).manifest["complete"]
+    events = launch_two_processes(tmp_path, "hidden", "--target", str(target_dir), "--data", str(rows_file), "--out",
+                                  str(out), "--top-k", "8", "--max-len", str(MAX_LEN), "--batch-size", "2",
+                                  "--shard-rows", "5", "--dtype", "float32")
+    assert_split_is_the_single_process_harvest(events, out, cache_dir)
+    assert open_cache(out, HiddenCache).manifest["complete"]
+
+
+def test_two_processes_split_the_rows_once_and_write_the_single_process_cache(tmp_path, target_dir, rows_file,
+                                                                              cache_dir, monkeypatch):
+    """In-process (threads for the processes): which process wrote which shard is seen, not only the result."""
+    out = tmp_path / "two"
+    events = harvest_as_two_processes(monkeypatch, lambda: harvest(target_dir, rows_file, out))
+    assert_split_is_the_single_process_harvest(events, out, cache_dir)

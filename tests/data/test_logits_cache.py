@@ -265,6 +265,142 @@ def _shard_bytes(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(path.glob("shard-*.safetensors"))}
 
 
+class Events(list):
+    """record_writes' events; flush() adds what stderr got since the last one."""
+
+    flush = staticmethod(lambda: None)
+
+
+def record_writes(monkeypatch, rank=lambda: 0, capsys=None) -> Events:
+    """Every file a harvest writes from now on, in order: ("shard", rank, index, (a, b)) for the shard of rows
+    a..b-1, ("file", rank, name) for harvest.json, a shard's record or draft_vocab.json; with capsys, before each
+    write, ("said", text): what stderr got since the event before."""
+    import draftforge.harvest.logits as hl
+
+    events, real_shard, real_text = Events(), hl.write_shard, hl.atomic_write_text
+
+    def said():
+        text = capsys.readouterr().err if capsys is not None else ""
+        if text:
+            events.append(("said", text))
+
+    def write_shard(path, tensors, meta):
+        said()
+        events.append(("shard", rank(), meta["shard"], tuple(int(x) for x in meta["rows"].split(":"))))
+        return real_shard(path, tensors, meta)
+
+    def atomic_write_text(path, text):
+        said()
+        events.append(("file", rank(), Path(path).name))
+        return real_text(path, text)
+
+    monkeypatch.setattr(hl, "write_shard", write_shard)
+    monkeypatch.setattr(hl, "atomic_write_text", atomic_write_text)
+    events.flush = said
+    return events
+
+
+def harvest_as_two_processes(monkeypatch, harvest) -> list[tuple]:
+    """Run `harvest()` as processes 0 and 1 of a launch of two, as `accelerate launch --num_processes 2` does: two
+    threads, each seeing its rank and world size 2, the gloo barriers and the lock's broadcast replaced by a
+    threading.Barrier; returns record_writes' events, each with the rank that wrote it."""
+    import threading
+
+    import draftforge.harvest.logits as hl
+
+    local, barrier, loading = threading.local(), threading.Barrier(2, timeout=120), threading.Lock()
+    shared = {}
+
+    def share(problem):  # process 0's verdict on the lock, to both
+        if local.rank == 0:
+            shared["problem"] = problem
+        barrier.wait()
+        return shared["problem"]
+
+    real_load = hl._load_target
+
+    def load(target, plan):  # from_pretrained flips process-wide defaults while it builds a model: one at a time
+        with loading:
+            return real_load(target, plan)
+
+    monkeypatch.setattr(hl, "_process_group", lambda: (local.rank, 2, 0))
+    monkeypatch.setattr(hl, "_barrier", lambda world: barrier.wait())
+    monkeypatch.setattr(hl, "_share", share)
+    monkeypatch.setattr(hl, "_load_target", load)
+    events, errors = record_writes(monkeypatch, rank=lambda: local.rank), {}
+
+    def process(rank):
+        local.rank = rank
+        try:
+            harvest()
+        except BaseException as e:  # the other process stops at its next barrier, as a launch stops
+            errors[rank] = e
+            barrier.abort()
+
+    threads = [threading.Thread(target=process, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    return events
+
+
+LAUNCHED = """\
+import json, os, sys
+from pathlib import Path
+
+import draftforge.harvest.logits as hl
+
+def logged(real, event):
+    def write(path, *args):
+        with open(LOG, "a") as f:
+            f.write(json.dumps([*event(path, *args)]) + "\\n")
+        return real(path, *args)
+    return write
+
+LOG, RANK = os.environ["HARVEST_WRITES"], int(os.environ["RANK"])
+hl.write_shard = logged(hl.write_shard, lambda path, tensors, meta: ("shard", RANK, meta["shard"],
+                                                                     [int(x) for x in meta["rows"].split(":")]))
+hl.atomic_write_text = logged(hl.atomic_write_text, lambda path, text: ("file", RANK, Path(path).name))
+from draftforge.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def launch_two_processes(tmp_path: Path, what: str, *flags: str) -> list[tuple]:
+    """`draftforge harvest WHAT FLAGS` under `accelerate launch --num_processes 2` (two CPU processes, a gloo group),
+    through a script that logs each file a process writes; record_writes' events, from both processes."""
+    from tests import REPO
+    from tests.train.test_distributed import _env, _free_port
+
+    script, log = tmp_path / "launched.py", tmp_path / "writes.jsonl"
+    script.write_text(LAUNCHED)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "launch" / "multi_cpu.yaml"),
+           "--num_processes", "2", "--main_process_port", str(_free_port()), str(script), "harvest", what, *flags]
+    proc = subprocess.run(cmd, cwd=REPO, env={**_env(), "HARVEST_WRITES": str(log)}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    return [(*e[:3], tuple(e[3])) if e[0] == "shard" else tuple(e) for e in logged]
+
+
+def assert_split_is_the_single_process_harvest(events: list[tuple], out: Path, single: Path) -> None:
+    """Each process harvested shards of its own (none twice, none by both), their rows together are every row once,
+    only process 0 wrote harvest.json, and the shards and index equal one process's harvest (`single`), bitwise."""
+    one, got = (json.loads((path / "harvest.json").read_text()) for path in (single, out))
+    shards = [e for e in events if e[0] == "shard"]
+    by_rank = {r: [e[2] for e in shards if e[1] == r] for r in (0, 1)}
+    assert all(by_rank.values()), f"a process harvested nothing: {by_rank}"
+    written = [i for r in (0, 1) for i in by_rank[r]]
+    assert sorted(written) == list(range(one["num_shards"])), f"a shard skipped or harvested twice: {by_rank}"
+    rows = sorted(row for e in shards for row in range(*e[3]))
+    assert rows == list(range(one["rows"]["count"])), f"rows not covered exactly once: {[e[3] for e in shards]}"
+    assert {e[1] for e in events if e[0] == "file" and e[2] == "harvest.json"} == {0}
+    assert got["complete"] and _shard_bytes(out) == _shard_bytes(single)
+    assert [(e["rows"], e["sha256"]) for e in got["shards"]] == [(e["rows"], e["sha256"]) for e in one["shards"]]
+
+
 def test_harvest_resumes_after_a_kill_to_the_same_bytes_and_redoes_a_truncated_shard(tmp_path, target_dir,
                                                                                      rows_file, cache_dir, capsys):
     shards = open_cache(cache_dir).manifest["num_shards"]
@@ -526,17 +662,12 @@ def test_cli_help_and_one_error_line(tmp_path, target_dir, rows_file):
 
 @pytest.mark.slow  # an accelerate launch of two CPU processes
 def test_two_processes_write_the_same_cache_as_one(tmp_path, target_dir, rows_file, cache_dir):
-    from tests import REPO
-    from tests.train.test_distributed import _env, _free_port
-
     out = tmp_path / "two"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "launch" / "multi_cpu.yaml"),
-           "--num_processes", "2", "--main_process_port", str(_free_port()), "-m", "draftforge", "harvest", "logits",
-           "--target", str(target_dir), "--data", str(rows_file), "--out", str(out), "--top-k", "8", "--max-len", "64",
-           "--batch-size", "2", "--shard-rows", "5", "--dtype", "float32"]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert _shard_bytes(out) == _shard_bytes(cache_dir) and open_cache(out).manifest["complete"]
+    events = launch_two_processes(tmp_path, "logits", "--target", str(target_dir), "--data", str(rows_file), "--out",
+                                  str(out), "--top-k", "8", "--max-len", "64", "--batch-size", "2", "--shard-rows", "5",
+                                  "--dtype", "float32")
+    assert_split_is_the_single_process_harvest(events, out, cache_dir)
+    assert open_cache(out).manifest["complete"]
 
 
 def test_an_out_holding_someone_elses_files_is_never_written_into(tmp_path, target_dir, rows_file):
@@ -653,3 +784,97 @@ def test_a_resume_removes_the_half_shard_a_killed_write_left(tmp_path, target_di
     half.write_bytes(b"x" * 100)
     _harvest(target_dir, rows_file, out, resume=True)
     assert not half.exists() and _shard_bytes(out) == _shard_bytes(cache_dir)
+
+
+# ---------------------------------------------------------------- the storage estimate, the process split, Ctrl-C
+
+def estimate_comes_first(events: Events, what: str) -> int:
+    """The bytes the estimate line names, checked to be in what stderr got before the harvest's first write."""
+    import re
+
+    events.flush()
+    first = next(i for i, e in enumerate(events) if e[0] != "said")
+    before = "".join(e[1] for e in events[:first] if e[0] == "said")
+    after = "".join(e[1] for e in events[first:] if e[0] == "said")
+    assert f"{what}: will write about" in before, f"not said before the first write {events[first]}: {before!r}"
+    assert "will write about" not in after
+    number, unit = re.search(r"will write about ([\d,.]+) (B|KiB|MiB) ", before).groups()
+    return int(float(number.replace(",", "")) * {"B": 1, "KiB": 2**10, "MiB": 2**20}[unit])
+
+
+def test_the_cli_says_the_storage_before_it_writes_anything_and_the_shards_take_it(tmp_path, target_dir, rows_file,
+                                                                                  monkeypatch, capsys):
+    from draftforge.cli import main as cli_main
+
+    out = tmp_path / "cli"
+    events = record_writes(monkeypatch, capsys=capsys)
+    assert cli_main(["harvest", "logits", "--target", str(target_dir), "--data", str(rows_file), "--out", str(out),
+                     "--top-k", "8", "--max-len", "64", "--batch-size", "2", "--shard-rows", "5", "--dtype",
+                     "float32", "--draft-vocab", "64"]) == 0
+    said = estimate_comes_first(events, "harvest logits")
+    assert [e[2] for e in events if e[0] == "shard"] == [0, 1, 2]
+    m = open_cache(out).manifest
+    assert abs(said - m["storage"]["bytes"]) <= 0.001 * m["storage"]["bytes"]  # the line names the manifest's
+    # the data exactly, each shard's header as 1 KiB (these hold a few hundred bytes)
+    assert 0.95 < sum(e["bytes"] for e in m["shards"]) / m["storage"]["bytes"] <= 1
+
+
+def test_a_disk_without_the_room_is_refused_after_the_estimate_with_nothing_written(tmp_path, target_dir, rows_file,
+                                                                                    monkeypatch, capsys):
+    import collections
+    import shutil
+
+    events = record_writes(monkeypatch, capsys=capsys)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: collections.namedtuple("Usage", "total used free")(
+        10**9, 10**9 - 1000, 1000))
+    out = tmp_path / "full-disk"
+    with pytest.raises(DataError, match=r"the harvest needs about [\d.,]+ KiB more, but .* has 1,000 B free"):
+        _harvest(target_dir, rows_file, out)
+    events.flush()
+    assert [e[0] for e in events] == ["said"] and "harvest logits: will write about" in events[0][1]
+    assert not out.exists()
+
+
+def test_two_processes_split_the_rows_once_and_write_the_single_process_cache(tmp_path, target_dir, rows_file,
+                                                                              cache_dir, monkeypatch):
+    """In-process (threads for the processes): which process wrote which shard is seen, not only the result."""
+    out = tmp_path / "two"
+    events = harvest_as_two_processes(monkeypatch, lambda: _harvest(target_dir, rows_file, out))
+    assert_split_is_the_single_process_harvest(events, out, cache_dir)
+
+
+def test_a_ctrl_c_inside_a_shard_write_leaves_only_whole_shards_and_resumes_to_the_uninterrupted_bytes(
+        tmp_path, target_dir, rows_file, cache_dir, monkeypatch, capsys):
+    """Ctrl-C while safetensors writes shard 1 (half of its bytes on disk): no shard-NNNNN file is half-written, the
+    cache is refused as incomplete, and --resume keeps shard 0, harvests 1 and 2, and ends with the uninterrupted
+    harvest's bytes (`stop_after` stops only between shards, so it cannot tell an atomic write from a plain one)."""
+    import safetensors.torch
+
+    real, saves = safetensors.torch.save_file, []
+
+    def killed_in_the_second(tensors, filename, metadata=None):
+        saves.append(filename)
+        real(tensors, filename, metadata=metadata)
+        if len(saves) == 2:
+            path = Path(filename)
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", killed_in_the_second)
+    out, want = tmp_path / "killed", _shard_bytes(cache_dir)
+    with pytest.raises(KeyboardInterrupt):
+        _harvest(target_dir, rows_file, out)
+    assert len(saves) == 2  # interrupted inside the second shard's write, the first one finished
+    assert _shard_bytes(out) == {"shard-00000.safetensors": want["shard-00000.safetensors"]}
+    assert sorted(p.name for p in out.glob("shard-*.json")) == ["shard-00000.json"]
+    with pytest.raises(DataError, match=r"incomplete \(0 of 3 shards\)"):
+        open_cache(out)
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    events = record_writes(monkeypatch)
+    capsys.readouterr()
+    manifest = _harvest(target_dir, rows_file, out, resume=True)
+    assert "kept 1 of 3 shards an earlier run wrote" in capsys.readouterr().err
+    assert [e[2] for e in events if e[0] == "shard"] == [1, 2]
+    assert manifest["complete"] and _shard_bytes(out) == want
+    assert [e["sha256"] for e in manifest["shards"]] == [e["sha256"] for e in open_cache(cache_dir).manifest["shards"]]
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
