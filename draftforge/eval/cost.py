@@ -54,9 +54,10 @@ SAMPLE_S = 0.005  # a timed sample of t(N) spans at least this long (tiny models
 
 @torch.inference_mode()
 def verify_curve(target, prompt_ids: list[int], rows: list[int], repeats: int = 5) -> dict[int, float]:
-    """Median seconds of one verification of N rows, for each N in `rows`. The first pass is untimed and sets how
-    many verifications each sample averages (enough to span SAMPLE_S: a sub-millisecond forward timed once is
-    mostly clock and scheduler noise); row counts are rotated across passes.
+    """Median seconds of one verification of N rows, for each N in `rows`. The first pass is untimed: per row
+    count a cold call, then one that sets how many verifications each sample averages (enough to span SAMPLE_S: a
+    sub-millisecond forward timed once is mostly clock and scheduler noise; a cold first call would set that to
+    one); row counts are rotated across passes.
 
     Each verification keeps one row (the root), so the context grows by a token per call; the prompt is encoded
     again once it has grown by more than 1/64 of its length (or 1 token), not before every call: at 8k tokens a
@@ -82,7 +83,8 @@ def verify_curve(target, prompt_ids: list[int], rows: list[int], repeats: int = 
     for rep in range(repeats + 1):
         order = rows[rep % len(rows):] + rows[: rep % len(rows)]  # no row count always first
         for n in order:
-            if not rep:
+            if not rep:  # a first call of a shape pays one-time costs (allocation, kernel choice, CUDA setup)
+                once(n)
                 calls[n] = max(1, min(50, math.ceil(SAMPLE_S / max(once(n), 1e-6))))
                 continue
             times[n].append(sum(once(n) for _ in range(calls[n])) / calls[n])

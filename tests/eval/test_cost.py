@@ -1,6 +1,9 @@
 """The eval's cost model by hand: t(N) read off a known curve, and the speedup it predicts from τ, rows and
 draft time per round."""
 
+from collections import Counter
+from fractions import Fraction
+
 import pytest
 
 from draftforge.decode.base import DecodeStats
@@ -196,6 +199,69 @@ def test_the_curve_encodes_a_long_prompt_once_per_sixtyfourth_of_its_length():
     short = CountingTarget()
     cost.verify_curve(short, list(range(10)), [1, 2], repeats=2)
     assert short.prefills == len(short.contexts) and set(short.contexts) == {9}
+
+
+def steady_t(n: int) -> Fraction:
+    """t(N) = 1 + 0.1 (N - 1) ms, exact (a Fraction: the fake clock's seconds add up without rounding, so the
+    number of verifications a sample averages, ceil(SAMPLE_S / t), is not at the mercy of a last bit)."""
+    return Fraction(10 + (n - 1), 10_000)
+
+
+class ClockedTarget:
+    """A target on a fake clock: a verification of N rows advances it by steady_t(N), except its first `slow`
+    verifications of one row, which take 100 ms each (a cold start). A prefill advances it by 50 ms, which no
+    sample may hold. Counts its verifications per row count."""
+
+    device = "cpu"
+
+    def __init__(self, slow: int = 0):
+        self.now, self.slow, self.verified = Fraction(0), slow, Counter()
+
+    def prefill(self, seq):
+        self.now += Fraction(1, 20)
+
+    def verify(self, last, tree):
+        n = 1 + len(tree)
+        self.verified[n] += 1
+        self.now += Fraction(1, 10) if n == 1 and self.verified[1] <= self.slow else steady_t(n)
+
+    def commit(self, path):
+        pass
+
+
+def test_the_curve_is_the_median_of_steady_samples_each_averaging_sample_s_of_verifications(monkeypatch):
+    """t(N) = 1, 1.1, 1.3, 1.7 ms for N = 1, 2, 4, 8 on a fake clock. Each sample averages enough verifications
+    to span SAMPLE_S = 5 ms: ceil(5 / t) = 5, 5 (4.5), 4 (3.8) and 3 (2.9), after two untimed warm-up calls each;
+    the curve is those steady values exactly (the prefills' 50 ms each in no sample)."""
+    assert cost.SAMPLE_S == 0.005
+    target = ClockedTarget()
+    monkeypatch.setattr(cost, "_clock", lambda device: target.now)
+    got = cost.verify_curve(target, list(range(10)), [8, 2, 1, 4, 2], repeats=5)
+    assert got == pytest.approx({1: 0.0010, 2: 0.0011, 4: 0.0013, 8: 0.0017}, rel=1e-12, abs=0)
+    assert dict(target.verified) == {1: 2 + 5 * 5, 2: 2 + 5 * 5, 4: 2 + 5 * 4, 8: 2 + 5 * 3}
+
+
+def test_a_slow_start_stays_out_of_the_curve(monkeypatch):
+    """The target's first two verifications of one row take 100 ms: the untimed warm-up call and t(1)'s first timed
+    sample. The median of t(1)'s five samples (100, 1, 1, 1, 1 ms) is the steady 1 ms; a max or a mean would put
+    the cold start into t(1), the denominator of every predicted speedup. The other row counts, timed after the
+    slow start, still average SAMPLE_S of verifications per sample."""
+    target = ClockedTarget(slow=2)
+    monkeypatch.setattr(cost, "_clock", lambda device: target.now)
+    got = cost.verify_curve(target, list(range(10)), [1, 2, 4, 8], repeats=5)
+    assert got == pytest.approx({1: 0.0010, 2: 0.0011, 4: 0.0013, 8: 0.0017}, rel=1e-12, abs=0)
+    assert [target.verified[n] for n in (2, 4, 8)] == [2 + 5 * 5, 2 + 5 * 4, 2 + 5 * 3]
+
+
+def test_a_cold_first_call_does_not_set_how_many_verifications_a_sample_averages(monkeypatch):
+    """The first verification of all (100 ms, a cold start) set t(1)'s averaging to one call, so every t(1) sample
+    was a single sub-millisecond forward: the clock noise SAMPLE_S is there to average out. It is untimed now, and
+    the next call sets the count: five calls a sample, as without the cold start."""
+    target = ClockedTarget(slow=1)
+    monkeypatch.setattr(cost, "_clock", lambda device: target.now)
+    got = cost.verify_curve(target, list(range(10)), [1, 2, 4, 8], repeats=5)
+    assert got == pytest.approx({1: 0.0010, 2: 0.0011, 4: 0.0013, 8: 0.0017}, rel=1e-12, abs=0)
+    assert target.verified[1] == 2 + 5 * 5
 
 
 def test_a_round_ended_by_an_eos_draft_counts_what_it_emitted():

@@ -553,3 +553,62 @@ def test_a_bench_of_several_lengths_gets_a_curve_per_length_bucket(tmp_path, mon
     assert chain["verify_s_per_round"] == pytest.approx((2 * 0.02 * 1.3 + 4 * 0.02 * 2.5) / 6)
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| ≤1024 | 700 | 20.0 |" in md and "| chain | 0 | ≤1024 | 3.00 | 2.50 |" in md
+
+
+class LongChainDecoder(FakeDecoder):
+    """A dynamic chain that drafts past every planned row count: 2 rounds of 20 drafts (21 rows), 5 accepted each,
+    12 tokens, 0.024 s drafting."""
+
+    def generate(self, input_ids, *, max_new_tokens, **kw):
+        self.calls += 1
+        assert max_new_tokens == 12
+        return DecodeResult(reference_tokens(input_ids, 12), DecodeStats(
+            new_tokens=12, target_forwards=2, accepted_per_round=[5, 5], drafted_per_round=[20, 20],
+            accept_by_position=[2] * 5 + [0] * 15, proposed_by_position=[2] * 20, draft_time_s=0.024,
+            verify_time_s=0.02, total_time_s=0.06))
+
+
+class LongChainAPI(FakeAPI):
+    def build_decoder(self, method, target, drafter=None, **opts):
+        dec = super().build_decoder(method, target, drafter, **opts)
+        if method == "chain":
+            dec = self.decoders[method] = LongChainDecoder(method)
+        return dec
+
+
+def test_rows_past_the_grid_are_timed_after_the_runs_and_scaled_to_each_buckets_pace(tmp_path, monkeypatch):
+    """Prompts of 3, 700 and 900 tokens (buckets ≤512 and ≤1024); the chain verifies 21 rows a round, past the
+    grid's 16. Before the runs t(N) = 20 ms (1 + 0.05 (N - 1)) at ≤512 and 30 ms (1 + 0.1 (N - 1)) at ≤1024; after
+    them the machine is 1.5x slower, so t(1) and t(21) are timed again on each bucket's first prompt and t(21) is
+    scaled by t(1) before / t(1) after: 40 ms at ≤512 and 90 ms at ≤1024, the pace of the curves it joins (unscaled
+    60 and 135 ms; not timed at all, t(16)'s 35 and 75 ms)."""
+    from draftforge.eval import cost
+
+    f = tmp_path / "long.jsonl"
+    f.write_text("".join(json.dumps({"input_ids": [1 + i % 7] * n}) + "\n" for i, n in enumerate((3, 700, 900))))
+    api, timed = LongChainAPI(), []
+
+    def curve(target, ids, rows, repeats):
+        after = api.decoders["ar"].calls > 0  # the runs have started: the machine is 1.5x slower
+        timed.append((len(ids), list(rows), after))
+        t1, slope = (0.020, 0.05) if len(ids) < 512 else (0.030, 0.1)
+        return {n: (1.5 if after else 1.0) * t1 * (1 + slope * (n - 1)) for n in rows}
+
+    monkeypatch.setattr(runner, "decode_api", api)
+    monkeypatch.setattr(cost, "verify_curve", curve)
+    rep = run_eval(cfg_for(str(f), tmp_path, methods=("chain",), baselines=("ar",), max_new_tokens=12, plots=False,
+                           cost_repeats=3))
+    assert [(n, after) for n, _, after in timed] == [(3, False), (700, False), (3, True), (700, True)]
+    assert 21 not in timed[0][1] and 16 in timed[0][1] and [rows for _, rows, _ in timed[2:]] == [[1, 21], [1, 21]]
+    c = rep["cost_model"]
+    assert c["curves_by_length_s"][512][21] == pytest.approx(0.040) and c["curve_s"][21] == pytest.approx(0.040)
+    assert c["curves_by_length_s"][1024][21] == pytest.approx(0.090)
+    assert c["after_runs"]["t1_s"] == pytest.approx(0.030) and c["after_runs"]["t1_before_s"] == pytest.approx(0.020)
+    chain = next(r for r in rep["results"] if r["method"] == "chain")["cost_model"]
+    # per bucket: τ 12 / 2, every round 21 rows, 0.024 s of drafting over 2 rounds a prompt
+    assert chain["by_length"][512]["predicted_speedup"] == pytest.approx(6 * 0.020 / (0.040 + 0.012))
+    assert chain["by_length"][1024]["predicted_speedup"] == pytest.approx(6 * 0.030 / (0.090 + 0.012))
+    # overall: 2 rounds at ≤512 and 4 at ≤1024; AR's t(1) is the 12 + 24 tokens' average of 20 and 30 ms
+    verify, t1 = (2 * 0.040 + 4 * 0.090) / 6, (12 * 0.020 + 24 * 0.030) / 36
+    assert chain["verify_s_per_round"] == pytest.approx(verify)
+    assert chain["predicted_speedup"] == pytest.approx(6 * t1 / (verify + 0.072 / 6)) == pytest.approx(1.875)
