@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import datasets
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -52,6 +53,12 @@ def _seen(plan: BatchPlan, step: int) -> list[int]:
     return [int(x) for mb in plan.micro_batches(step, "cpu") for x in mb["input_ids"][:, 0]]
 
 
+def _documented_row(pos: int, n: int, seed: int) -> int:
+    """Map-style data: the row at global position `pos` walks a fresh seeded permutation of the n rows each epoch."""
+    epoch, i = divmod(pos, n)
+    return int(np.random.default_rng([seed, epoch]).permutation(n)[i])
+
+
 @pytest.mark.parametrize("streaming", [False, True], ids=["map", "stream"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_split_each_global_batch_without_overlap_or_gap(streaming, world):
@@ -68,8 +75,12 @@ def test_ranks_split_each_global_batch_without_overlap_or_gap(streaming, world):
             positions = [q for mb in p.rows_for_step(step) for q in mb]
             if streaming:
                 assert _seen(p, step) == positions  # stream order: global position = row id
-            else:
-                assert _seen(p, step) == [one._global_index(q) for q in positions]
+            else:  # position q: row perm_e[q mod n] of epoch e = q // n, perm_e drawn from the seed as documented
+                assert _seen(p, step) == [_documented_row(q, n, seed=3) for q in positions]
+    if not streaming:  # every row once per epoch: the first epoch whole, the next one's 32 rows all different
+        every = [x for s in range(steps) for x in _seen(one, s)]
+        assert sorted(every[:n]) == list(range(n)) and len(set(every[n:])) == steps * G - n
+        assert every != [q % n for q in range(steps * G)]  # shuffled, not read in order
     if streaming:  # no row is read twice, none skipped: the first steps*G rows of the stream, once each
         every = [x for p in ranks for s in range(steps) for x in _seen(p, s)]
         assert sorted(every) == list(range(steps * G))
