@@ -111,7 +111,8 @@ class OptimConfig:
     eps: float = doc(1e-8, "AdamW epsilon")
     warmup_steps: int = doc(100, "linear warm-up steps")
     schedule: str = doc("cosine", "'cosine', 'linear' or 'constant' after warm-up")
-    min_lr_ratio: float = doc(0.1, "final LR as a fraction of the peak (cosine/linear)")
+    min_lr_ratio: float = doc(0.1, "where the decay ends, as a fraction of the peak LR (cosine/linear): reached "
+                                   "after the last step, which runs one step of decay above it")
     grad_clip: float = doc(1.0, "clip the global grad norm to this (0 disables)")
     fused: bool | None = doc(None, "fused AdamW kernel (None: when every trainable parameter is a float tensor "
                                    "on CPU or CUDA; the same update rule, fewer kernel launches)")

@@ -130,6 +130,7 @@ class Trainer:
         if acc.is_main_process and acc.log_with:
             acc.init_trackers("draftforge", config=_tracker_config(recipe), init_kwargs=self._tracker_kwargs(run_dir))
         self.train_time, self.timed_units = 0.0, 0
+        self.first_step = (0.0, 0)  # the run's first step, untimed (warm-up costs): the pace of a one-step run
 
     def _tracker_kwargs(self, run_dir) -> dict:
         """TensorBoard drops the events a killed run logged after the step it continues from, as metrics.jsonl
@@ -214,6 +215,8 @@ class Trainer:
         self.units_seen += units
         if step > self.start + 1 or step == self.t.max_steps:  # the first step pays warm-up costs
             self.train_time, self.timed_units = self.train_time + dt, self.timed_units + units
+        else:
+            self.first_step = (dt, units)
         self.losses.append(self.last_loss)
         rate = self.timed_units / self.train_time if self.train_time else units / dt
         bar.set_postfix({"loss": f"{self.last_loss:.4f}", "lr": f"{lr:.2e}", f"{self.spec.unit[:3]}/s": f"{rate:,.0f}"})
@@ -390,7 +393,10 @@ class Trainer:
         return self.build_task(self.recipe, Quiet(), with_data=False).model
 
     def _summary(self, step: int, export_dir: Path | None) -> TrainResult:
-        rate = self.timed_units / self.train_time if self.train_time else 0.0
+        # a run that stopped after its first step (a stream holding one global batch, a stop) has only that one
+        first_s, first_units = self.first_step
+        rate = (self.timed_units / self.train_time if self.train_time else
+                first_units / first_s if first_s else 0.0)
         ev = f", eval loss {self.eval_loss:.4f}" if self.eval_loss is not None else ""
         pace = f"{rate:,.0f} {self.spec.unit}/s" if self.losses else "no step left to run"
         self.say(f"[draftforge] done: step {step}/{self.t.max_steps}, loss {self.last_loss:.4f}{ev}, {pace}; "
@@ -436,8 +442,9 @@ def evaluate(model, spec: TaskSpec, acc: Accelerator, t, metrics_out: dict | Non
 
 @torch.no_grad()
 def evaluate_pass(model, spec: TaskSpec, acc: Accelerator, t, *, alone: bool = False) -> EvalResult | None:
-    """One pass over the held-out rows: the first eval_batches x micro_batch_size x processes of them (None
-    without eval data), spec.loss on each micro-batch, its loss, count and metrics summed and divided by the count.
+    """One pass over the held-out rows: the first eval_batches x micro_batch_size of them, however many processes
+    share them (None without eval data), spec.loss on each micro-batch, its loss, count and metrics summed and
+    divided by the count.
     No autograd graph is built: the sums would otherwise hold every micro-batch's graph until the pass ends (an
     EAGLE-3 eval of 16 micro-batches of 8 x 256 tokens in fp32 grew past 24 GiB and was killed).
 

@@ -135,3 +135,11 @@ def test_learning_rate_of_every_step_follows_the_documented_warm_up_and_decay(tm
     assert all(b - a == pytest.approx(ramp[0]) for a, b in zip(ramp, ramp[1:])) and ramp[-1] == pytest.approx(PEAK)
     logged = [r["lr"] for r in read_metrics(result.run_dir) if "lr" in r]
     assert logged == pytest.approx(want, rel=1e-6)
+
+
+def test_a_run_that_ends_after_its_first_step_reports_that_steps_pace(tmp_path, capsys):
+    """The first step of a run is left out of the pace (warm-up costs) unless it is the last: a run that stopped
+    after it (a stream of one global batch, a stop) reported 0 rows/s. Its own step is the only pace there is."""
+    result = loop.train(recipe_from_dict(counted_recipe(tmp_path, max_steps=6)), counted_task.build, stop_after=1)
+    assert result.step == 1 and result.tokens_per_s > 0
+    assert " 0 rows/s" not in capsys.readouterr().out
