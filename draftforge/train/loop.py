@@ -22,7 +22,7 @@ import itertools
 import math
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -187,6 +187,8 @@ class Trainer:
         step, ended = self.start, None
         if t.eval_at_start and self.start == 0:
             self._eval_at_start()
+        else:
+            self._check_best_metric()
         for step in range(self.start + 1, t.max_steps + 1):
             micro, ended = _next_batches(self.plan, step, self.acc)
             if ended is not None:
@@ -241,6 +243,18 @@ class Trainer:
         """One record into metrics.jsonl and the trackers (at its step)."""
         self.metrics_log.write(record)
         self.acc.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def _check_best_metric(self) -> None:
+        """A train.keep_best metric the eval does not log was refused only at the first eval, eval_every steps (minutes
+        or hours) in: one held-out micro-batch names the eval's metrics before the first step. Every process runs it
+        (the eval reduces across them) with the RNG forked, so the run's steps are what they would have been."""
+        if self.best.metric in (None, "loss") or self.spec.eval_data is None:
+            return
+        devices = [self.acc.device] if torch.device(self.acc.device).type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            probe = evaluate_pass(self.model, self.spec, self.acc, replace(self.t, eval_batches=1))
+        if probe is not None and probe.loss is not None:
+            self.best.value(probe.loss, probe.metrics)  # DraftforgeError naming the metrics it does log
 
     def _eval_at_start(self) -> None:
         """train.eval_at_start: the starting weights' held-out metrics, logged as step 0 (not on a resume)."""

@@ -215,3 +215,36 @@ def test_a_task_name_registers_once():
     with pytest.raises(ValueError, match="task 'sft' is registered already"):
         register_task(name, builder="my.module:build", doc="another sft")
     register_task(name, builder=builder, config=config, check=check, doc=doc)  # the same registration again
+
+
+def test_a_keep_best_metric_the_eval_does_not_log_is_refused_before_the_first_step(tmp_path, monkeypatch):
+    """It was refused at the first eval, eval_every steps in (20 here; minutes or hours for a real run). The check
+    runs one held-out micro-batch with the RNG forked: a metric the eval logs leaves the run's steps as they were."""
+    from draftforge.errors import DraftforgeError
+    from draftforge.train import loop
+    from tests.train import plugin_task
+
+    seen, real = [], loop.Trainer.train_step
+
+    def train_step(self, micro, step):
+        seen.append((step, torch.get_rng_state()))
+        return real(self, micro, step)
+
+    monkeypatch.setattr(loop.Trainer, "train_step", train_step)
+    real_build = plugin_task.build
+
+    def build(recipe, accelerator, with_data=True):  # an eval that draws from torch's RNG (a sampled metric)
+        import dataclasses
+
+        spec = real_build(recipe, accelerator, with_data)
+        return dataclasses.replace(spec, loss=lambda model, batch: (torch.rand(1), spec.loss(model, batch))[1])
+
+    with pytest.raises(DraftforgeError, match="the eval logs no metric 'acuracy'; it logs: loss, accuracy"):
+        loop.train(recipe_from_dict(probe_recipe(tmp_path / "typo", keep_best="acuracy")), build)
+    assert seen == []
+    plain = loop.train(recipe_from_dict(probe_recipe(tmp_path / "plain", max_steps=2, eval_every=1)), build)
+    first_plain = seen[0][1]
+    seen.clear()
+    kept = loop.train(recipe_from_dict(probe_recipe(tmp_path / "kept", max_steps=2, eval_every=1,
+                                                    keep_best="accuracy")), build)
+    assert torch.equal(seen[0][1], first_plain) and kept.losses == plain.losses
