@@ -657,3 +657,19 @@ def test_fsdp_with_a_frozen_teacher_matches_one_process(task, tmp_path, tiny_cor
         inputs = Trunk(split_target(target_model), 2)(torch.randint(0, 300, (2, 16)))
         logits = [load_exit_head(d / "export", target_model)[0].eval()(*inputs)[0] for d in (runs.one, runs.two)]
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_two_processes_normalise_by_the_global_batchs_count_when_micro_batches_count_unequally(tmp_path):
+    """Every micro-batch of the tiny corpus counts the same tokens, so a process dividing by its own count (or a mean
+    of micro-batch means) gave the same curve on 1 and 2 processes. The counted task's rows count 1-4 units: the
+    launch of two matches one process only when each step divides the global batch's summed loss by its count."""
+    from tests.train.test_training_math import counted_recipe
+
+    values = counted_recipe(tmp_path, max_steps=6, micro_batch_size=1, save_every=0)
+    recipe = tmp_path / "counted.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    one, two = _train(None, recipe, tmp_path / "one"), _train("multi_cpu.yaml", recipe, tmp_path / "two")
+    assert _losses(two) == pytest.approx(_losses(one), rel=1e-6)
+    _assert_same_weights(ckpt.latest_valid(one) / "model.safetensors", ckpt.latest_valid(two) / "model.safetensors",
+                         1e-6)
