@@ -61,11 +61,16 @@ def verify_curve(target, prompt_ids: list[int], rows: list[int], repeats: int = 
 
     Each verification keeps one row (the root), so the context grows by a token per call; the prompt is encoded
     again once it has grown by more than 1/64 of its length (or 1 token), not before every call: at 8k tokens a
-    prefill costs ~600 verifications."""
+    prefill costs ~600 verifications.
+
+    A target that shares work with its drafter (`stage_drafted`: EESD's split target, whose drafting already ran
+    layers 1..N over the round's rows) is given what drafting leaves before each timed verification, untimed: its
+    curve is then the verification's own cost, not the whole target's."""
     rows = sorted(set(rows))
     times: dict[int, list[float]] = {n: [] for n in rows}
     calls = {n: 1 for n in rows}
     device = target.device
+    stage = getattr(target, "stage_drafted", None)
     grown = [None]  # tokens kept since the last prefill (None: no prefill yet)
     regrow = max(1, len(prompt_ids) // 64)
 
@@ -73,8 +78,11 @@ def verify_curve(target, prompt_ids: list[int], rows: list[int], repeats: int = 
         if grown[0] is None or grown[0] >= regrow:
             target.prefill(prompt_ids)
             grown[0] = 0
+        drafts = [prompt_ids[-1]] * (n - 1)
+        if stage is not None:
+            stage(prompt_ids[-1], drafts)
         t0 = _clock(device)
-        target.verify(prompt_ids[-1], chain_tree([prompt_ids[-1]] * (n - 1)))
+        target.verify(prompt_ids[-1], chain_tree(drafts))
         dt = _clock(device) - t0
         target.commit([])
         grown[0] += 1
@@ -145,12 +153,13 @@ def missing_rows(curve: dict[int, float], records) -> list[int]:
     return sorted({n for n in rows_per_round(records) if n > max(curve)})
 
 
-def _rounds(records, curve, by_length) -> list[tuple[dict, int, int]]:
-    """(curve, accepted, drafted) for every round of every record; the curve is the record's length bucket's when
-    `by_length` has several, else `curve`."""
+def _rounds(records, curve, by_length, verify=None) -> list[tuple[dict, int, int]]:
+    """(curve, accepted, drafted) for every round of every record; the curve is `verify` when given (a method whose
+    target shares work with its drafter), else the record's length bucket's when `by_length` has several, else
+    `curve`."""
     out = []
     for r in records:
-        c = curve_for(by_length, r.prompt_len) if by_length and len(by_length) > 1 else curve
+        c = verify or (curve_for(by_length, r.prompt_len) if by_length and len(by_length) > 1 else curve)
         drafted = r.stats.drafted_per_round or [0] * r.stats.target_forwards
         accepted = list(r.stats.accepted_per_round)[:len(drafted)]
         out += [(c, a, d) for a, d in zip(accepted + [0] * (len(drafted) - len(accepted)), drafted)]
@@ -169,11 +178,14 @@ def _t1(records, curve, by_length) -> float:
 
 
 def predict(summary: dict, records, curve: dict[int, float],
-            by_length: dict[int, dict[int, float]] | None = None) -> dict:
+            by_length: dict[int, dict[int, float]] | None = None, verify: dict[int, float] | None = None) -> dict:
     """Predicted vs measured speedup of one method at one temperature (records: its rounds). With `by_length`
     (bucket -> curve, several buckets) each round is priced at its prompt's bucket, and `by_length` in the
-    result gives the prediction and the best chain length per bucket."""
-    rounds_cad = _rounds(records, curve, by_length)
+    result gives the prediction and the best chain length per bucket. `verify`: the method's own verification
+    curve (EESD's layers N+1..L after drafting), pricing its rounds; t(1), AR's cost a token, stays `curve`'s."""
+    if verify and by_length and len(by_length) > 1:
+        verify = None  # timed at the first prompt's length only: the buckets' plain curves price it
+    rounds_cad = _rounds(records, curve, by_length, verify)
     rounds = len(rounds_cad)
     if not rounds or 1 not in curve:
         return {}
@@ -185,7 +197,7 @@ def predict(summary: dict, records, curve: dict[int, float],
     predicted = tau * t1 / (verify_s + draft_s)
     measured = summary.get("speedup")
     decode = summary.get("decode_speedup")
-    shorter = shorter_chains(records, curve, by_length)
+    shorter = shorter_chains(records, curve, by_length, verify)
     out = {
         "tau": tau, "rows_per_round": statistics.fmean(d + 1 for _, _, d in rounds_cad), "verify_s_per_round": verify_s,
         "verify_over_t1": verify_s / t1, "draft_steps_per_round": steps, "draft_s_per_round": draft_s,
@@ -196,6 +208,7 @@ def predict(summary: dict, records, curve: dict[int, float],
         "decode_over_predicted": decode / predicted if decode and predicted else None,
         "shorter_chains": shorter,
         "best_chain_length": max(shorter, key=shorter.get) if shorter else None,
+        "verify_curve": "own" if verify else "target",
     }
     if by_length and len(by_length) > 1:
         out["by_length"] = {}
@@ -235,14 +248,14 @@ def draft_step_s(records) -> float:
     return draft_costs(records)[0]
 
 
-def shorter_chains(records, curve: dict[int, float], by_length: dict[int, dict[int, float]] | None = None
-                   ) -> dict[int, float]:
+def shorter_chains(records, curve: dict[int, float], by_length: dict[int, dict[int, float]] | None = None,
+                   verify: dict[int, float] | None = None) -> dict[int, float]:
     """γ' -> predicted speedup of the same rounds cut at γ' (module docstring), for every γ' up to the longest
     chain drafted; {} unless every round drafted a chain (as many drafts as depths) and some drafted 2 or more.
     With `by_length` every round is priced at its own bucket's curve, as in `predict`. A cut chain emits fewer
     tokens a round, so a decode takes more rounds: each round's cost is paid per τ(γ') tokens, and the drafter's
     cost per decode (its prompt encoding: draft_costs) per decode's tokens, whatever γ'."""
-    rounds = _rounds(records, curve, by_length)
+    rounds = _rounds(records, curve, by_length, verify)
     proposed = sum(sum(r.stats.proposed_by_position) for r in records)
     longest = max((d for _, _, d in rounds), default=0)
     if longest < 2 or proposed != sum(d for _, _, d in rounds) or 1 not in curve:
@@ -313,7 +326,8 @@ def prediction_markdown(results: list[dict]) -> list[str]:
         step = f"{c['draft_step_s'] * 1e3:.2f}" if c.get("draft_step_s") else "–"
         meas = pair(c.get("measured_speedup"), c.get("measured_decode_speedup"), "×")
         ratio = pair(c.get("measured_over_predicted"), c.get("decode_over_predicted"))
-        lines.append(f"| {r['method']} | {r['temperature']:g} | {c['tau']:.2f} | {c['rows_per_round']:.1f} | "
+        name = r["method"] + (" (own t(N))" if c.get("verify_curve") == "own" else "")  # EESD's split target
+        lines.append(f"| {name} | {r['temperature']:g} | {c['tau']:.2f} | {c['rows_per_round']:.1f} | "
                      f"{c['verify_over_t1']:.2f} | {c['draft_steps_per_round']:.1f} | {step} | "
                      f"{c['predicted_speedup']:.2f}× | {meas} | {ratio} |")
     cut = [r for r in rows if r["cost_model"].get("shorter_chains")]

@@ -191,7 +191,28 @@ def _tune_chain_length(cfg, decoders, target, drafter, options, prompts, curve, 
     return swaps, tuning
 
 
-def _summaries(cfg, records, memory, prompts, target, curve, by_length=None) -> list[dict]:
+def _own_curves(cfg, decoders, prompts, curve, pace: float = 1.0) -> dict[str, dict[int, float]]:
+    """method -> the verification curve of a target that shares work with its drafter (EESD's split target:
+    drafting ran layers 1..N, the verification runs N+1..L), timed on the first prompt at the plain curve's row
+    counts after the runs and scaled by `pace` (the plain t(1) before the runs over the one timed beside it); the
+    plain curve would count layers 1..N twice. Only for a bench of one length bucket."""
+    timed, out = {}, {}
+    for name, dec in decoders.items():
+        target = getattr(dec, "target", None)
+        if getattr(target, "stage_drafted", None) is None:
+            continue
+        if id(target) not in timed:
+            own = cost.verify_curve(target, list(prompts[0].input_ids), list(curve), cfg.cost_repeats)
+            timed[id(target)] = {n: t * pace for n, t in own.items()}
+            t1 = timed[id(target)][1]
+            _log(cfg, f"{name}'s own verification: t(N)/t(1) of the whole target: "
+                      + ", ".join(f"{n}: {t / curve[1]:.2f}" for n, t in timed[id(target)].items())
+                      + f" (t(1) {t1 * 1e3:.1f} ms)")
+        out[name] = timed[id(target)]
+    return out
+
+
+def _summaries(cfg, records, memory, prompts, target, curve, by_length=None, own_curves=None) -> list[dict]:
     ids_map = {p.prompt_id: list(p.input_ids) for p in prompts}
     categories = report_categories(prompts)  # None: no prompt has a category
     results = []
@@ -204,7 +225,8 @@ def _summaries(cfg, records, memory, prompts, target, curve, by_length=None) -> 
             row["by_category"] = metrics.by_category(mine, ar, categories) if categories else None
             row["memory"] = memory.get(f"{method}@{temp:g}")
             row["verify_cost"] = _verify_cost(row, target)
-            row["cost_model"] = cost.predict(row, mine, curve, by_length) if curve else None
+            row["cost_model"] = (cost.predict(row, mine, curve, by_length, (own_curves or {}).get(method))
+                                 if curve else None)
             row["self_check"] = None
             if temp == 0 and method != "ar":
                 row["self_check"] = selfcheck.self_check(mine, ar, ids_map,
@@ -437,7 +459,9 @@ def run_eval(cfg: EvalConfig) -> dict:
                 if by_length and by_length[bucket] is not curve and extra_rows:  # the same rows at each length
                     more = cost.verify_curve(target, list(prompts[i].input_ids), [1] + extra_rows, cfg.cost_repeats)
                     by_length[bucket].update({n: more[n] * by_length[bucket][1] / more[1] for n in extra_rows})
-        results = _summaries(cfg, records, memory, prompts, target, curve, by_length)
+        own_curves = (_own_curves(cfg, decoders, prompts, curve, curve[1] / after["t1_s"])
+                      if after is not None and not by_length else {})
+        results = _summaries(cfg, records, memory, prompts, target, curve, by_length, own_curves)
         if after is not None:  # AR's own forward in its timed passes, against the t(1) it is priced at
             after["ar_forward_s"] = {f"{r['temperature']:g}": r["time"]["verify_s"] / r["target_forwards"]
                                      for r in results if r["method"] == "ar" and r["target_forwards"]}
@@ -459,7 +483,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         "cost_model": {"curve_s": curve, "what": f"{type(target).__name__}, prompt of "
                                                 f"{len(prompts[0].input_ids) if prompts else 0} tokens, a chain of "
                                                 f"N-1 drafts, median of {cfg.cost_repeats}", "chain_tuning": tuning,
-                       "after_runs": after, "curves_by_length_s": by_length,
+                       "after_runs": after, "curves_by_length_s": by_length, "own_curves_s": own_curves or None,
                        "bucket_prompt_tokens": {b: len(prompts[i].input_ids) for b, i in firsts.items()}
                        if by_length else None},
         "prompts": [{"prompt_id": p.prompt_id, "category": p.category, "num_tokens": len(p.input_ids),

@@ -178,6 +178,43 @@ def test_layers_1_to_n_run_once_per_token_on_the_targets_own_cache(target, plan)
     assert [layer.get_seq_length() for layer in paired.lm.cache.layers] == [committed] * LAYERS
 
 
+def test_the_cost_model_times_the_split_verification_alone(target, monkeypatch):
+    """The eval priced an EESD round's verification as the whole target over its rows, counting layers 1..N again
+    for rows drafting already ran through them. Timed on the split target, each verification of N rows runs
+    layers N+1..L over N rows and layers 1..N over the last draft only (drafting never fed it), while what drafting
+    leaves (layers 1..N over y_t and the other drafts) runs outside the clock."""
+    from draftforge.eval import cost
+
+    n, prompt = 2, PROMPTS[2]
+    paired = drafter_for(target, n).paired_target(target)
+    log, windows = [], []
+    monkeypatch.setattr(cost, "_clock", lambda device: windows.append(len(log)) or float(len(windows)))
+    hooks = count_rows(target.model.model.layers, log)
+    try:
+        curve = cost.verify_curve(paired, prompt, [1, 3, 6], repeats=2)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert sorted(curve) == [1, 3, 6]
+    timed = [log[a:b] for a, b in zip(windows[::2], windows[1::2])]  # what ran between each pair of clock reads
+    assert len(timed) == 3 * (2 + 2)  # per row count 2 warm-up calls + 2 samples (one call each: 1 fake s a call)
+    for rows in timed:
+        deep = {q for i, q, _ in rows if i >= n}
+        assert len(deep) == 1 and [q for i, q, _ in rows if i < n] == [1] * n  # one row through layers 1..N
+        assert [i for i, _, _ in rows] == list(range(LAYERS))  # every layer once: nothing recomputed
+    assert sorted({q for rows in timed for i, q, _ in rows if i >= n}) == [1, 3, 6]
+    # and the plain target's curve still times the whole forward over its rows
+    log.clear(), windows.clear()
+    hooks = count_rows(target.model.model.layers, log)
+    try:
+        cost.verify_curve(target, prompt, [3], repeats=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    timed = [log[a:b] for a, b in zip(windows[::2], windows[1::2])]
+    assert all([q for _, q, _ in rows] == [3] * LAYERS for rows in timed)
+
+
 def test_shared_cache_tensors_are_the_targets(target):
     drafter = drafter_for(target, 2)
     paired = drafter.paired_target(target)

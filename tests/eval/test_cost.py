@@ -96,6 +96,25 @@ def test_a_drafters_prompt_encoding_is_paid_once_per_decode_whatever_the_cut():
     assert cut[1] == pytest.approx(0.4511, abs=1e-4)  # the old pricing said 0.645, ahead of γ' = 5's 0.522
 
 
+def test_a_method_with_its_own_verification_curve_is_priced_on_it_against_the_targets_t1():
+    """EESD's verification runs layers N+1..L only: its rounds are priced on that curve, AR's t(1) stays the whole
+    target's. Rounds as in test_prediction_by_hand (rows 4, 4, 8; 7 ms drafting over 3 rounds)."""
+    recs = [record([3, 3], [3, 1], 0.004), record([7], [2], 0.003)]
+    summary = {"tau": 3.0, "time": {"draft_s": 0.007}, "speedup": 2.1}
+    own = {1: 0.012, 4: 0.014, 8: 0.020}
+    got = cost.predict(summary, recs, CURVE, verify=own)
+    verify = (0.014 + 0.014 + 0.020) / 3
+    assert got["verify_s_per_round"] == pytest.approx(verify) and got["verify_curve"] == "own"
+    assert got["predicted_speedup"] == pytest.approx(3.0 * 0.030 / (verify + 0.007 / 3))
+    assert got["shorter_chains"][7] == pytest.approx(got["predicted_speedup"])
+    # γ' = 1: τ 2, 2 rows on the own curve (linear between 1 and 4: 12 + 2/3 ms), one step of 7/13 ms
+    assert got["shorter_chains"][1] == pytest.approx(0.030 / ((0.012 + 0.002 / 3 + 0.007 / 13) / 2))
+    assert cost.predict(summary, recs, CURVE)["verify_curve"] == "target"
+    # several length buckets: the own curve was timed at one length only, so the buckets' curves price it
+    by_length = {512: CURVE, 1024: CURVE}
+    assert cost.predict(summary, recs, CURVE, by_length, verify=own)["verify_curve"] == "target"
+
+
 def test_a_tree_gets_no_shorter_chains():
     tree = record([12], [3], 0.002)
     tree.stats.proposed_by_position = [1, 1, 1, 1]  # 12 drafts over 4 depths: not a chain

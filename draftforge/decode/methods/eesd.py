@@ -114,6 +114,11 @@ class EarlyExitTarget(KVCacheTarget):
             self.hidden_N = list(prompt_N.unbind(0))
         self.lm.length = len(seq) - 1
 
+    def stage_drafted(self, last_token: int, drafts: list[int]) -> None:
+        """What drafting `drafts` leaves for their verification (the eval's cost model times the verification
+        alone): layers 1..N run over y_t and every draft but the last, which drafting never feeds."""
+        self.staged_N = list(self.run_shallow([last_token] + drafts[:-1]).unbind(0)) if drafts else []
+
     def verify(self, last_token: int, tree: DraftTree) -> torch.Tensor:
         if len(tree) and not tree.is_chain:
             raise DraftforgeError("the early-exit target verifies chains only (EESD drafts one top-1 token per step)")
