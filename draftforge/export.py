@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -123,17 +124,19 @@ GENERATE_PY = '''"""Written by `draftforge export`: transformers' generate() run
 
     out = target.generate(**inputs, custom_generate="{export}", trust_remote_code=True, max_new_tokens=128)
 
-Needs draftforge installed where it runs; drafter= overrides the drafter directory below (if the export moved),
-method= / method_options= choose the draftforge method (default chain). See docs/use-your-drafter.md in draftforge.
+Needs draftforge installed where it runs; drafter= overrides the drafter directory below (after the export was
+moved or copied: a directory that holds another export by now is refused), method= / method_options= choose the
+draftforge method (default chain). See docs/use-your-drafter.md in draftforge.
 """
 
 from draftforge.decode.hf_generate import generate_from_export
 
 DRAFTER_DIR = {export!r}
+EXPORT_ID = {export_id!r}  # this export's draftforge.json says the same
 
 
 def generate(*args, model, **kwargs):
-    return generate_from_export(model, DRAFTER_DIR, *args, **kwargs)
+    return generate_from_export(model, DRAFTER_DIR, *args, export_id=EXPORT_ID, **kwargs)
 '''
 
 
@@ -145,8 +148,10 @@ def export_model(model: torch.nn.Module, tokenizer, out_dir, *, metadata: dict, 
         raise CheckpointError("export metadata needs a 'task' (pretrain, sft, eesd, ...)")
     identity = {k: metadata.get(k) for k in _IDENTITY_KEYS}
     _check_destination(out_dir, identity, overwrite)
+    export_id = uuid.uuid4().hex  # names this export: a generate.py copied elsewhere knows when its directory changed
     record = {
         **metadata,
+        "export_id": export_id,
         "format_version": FORMAT_VERSION,
         "task": metadata["task"],
         "target": metadata.get("target"),
@@ -159,7 +164,7 @@ def export_model(model: torch.nn.Module, tokenizer, out_dir, *, metadata: dict, 
     return write_model_dir(_mergeable_model(model), tokenizer, out_dir,
                            {METADATA_FILE: json.dumps(record, indent=2, sort_keys=True) + "\n",
                             # transformers' generate(custom_generate=THIS_DIR, trust_remote_code=True) runs it
-                            "custom_generate/generate.py": GENERATE_PY.format(export=str(out_dir))})
+                            "custom_generate/generate.py": GENERATE_PY.format(export=str(out_dir), export_id=export_id)})
 
 
 def write_model_dir(model, tokenizer, out_dir: Path, extra_files: dict[str, str] | None = None) -> Path:

@@ -27,6 +27,7 @@ Calls on one model from several threads take turns (they share its harness and c
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import warnings
@@ -344,6 +345,21 @@ def _pads(input_ids, gc) -> bool:
         gc.eos_token_id))
 
 
+def _check_export_id(drafter_dir: str, export_id: str) -> None:
+    from draftforge.errors import CompatibilityError
+
+    meta = Path(drafter_dir) / "draftforge.json"
+    try:
+        there = json.loads(meta.read_text()).get("export_id")
+    except (OSError, ValueError):
+        there = None
+    if there != export_id:
+        now = "no draftforge export" if there is None and not meta.is_file() else "another export"
+        raise CompatibilityError(
+            f"this custom_generate/generate.py was written for the export at {drafter_dir} (export_id {export_id}), "
+            f"which holds {now} by now; pass drafter= the directory of the export to decode with (this copy's)")
+
+
 def is_the_export(model, export_dir: str) -> bool:
     """`model` was loaded from `export_dir` (or from a copy of it: the same draftforge.json)."""
     here = Path(str(getattr(model, "name_or_path", "") or ""))
@@ -355,11 +371,17 @@ def is_the_export(model, export_dir: str) -> bool:
     return mine.is_file() and theirs.is_file() and mine.read_bytes() == theirs.read_bytes()
 
 
-def generate_from_export(model, drafter_dir: str, *args, **kwargs):
+def generate_from_export(model, drafter_dir: str, *args, export_id: str | None = None, **kwargs):
     """The entry of an export's custom_generate/generate.py: generate()'s own arguments, this export as the drafter
     unless drafter= names another. Loading the export itself with trust_remote_code=True makes transformers put
     this function in place of the export's own generate(): that model is the drafter, not a target, so it gets
-    plain generate() (with its positional input_ids, which the function used to refuse)."""
+    plain generate() (with its positional input_ids, which the function used to refuse).
+
+    transformers runs a cached copy of generate.py, so the file cannot find its own directory: it names the one it
+    was written into, with `export_id`. A copy of the export whose original directory holds another export by now
+    (or none) would decode with that one: refused, naming drafter= as the way out."""
+    if export_id is not None and "drafter" not in kwargs:
+        _check_export_id(drafter_dir, export_id)
     if is_the_export(model, drafter_dir):
         from transformers.generation.utils import GenerationMixin
 

@@ -172,6 +172,28 @@ def test_an_exports_own_custom_generate_directory(target, tok, tmp_path):
     assert torch.equal(stopped, plain(target, ids, max_new_tokens=20, stop_strings=[stop], tokenizer=tok))
 
 
+def test_a_copied_export_never_decodes_with_what_its_first_directory_holds_by_now(target, tok, tmp_path):
+    """generate.py names the directory it was written into (transformers runs a cached copy of it, which cannot find
+    its own). A copy of export A whose A was re-exported with another drafter decoded with that one, silently: now
+    refused in one line naming drafter=, which decodes with the copy; A itself still runs."""
+    import shutil
+
+    from draftforge.export import export_model
+
+    first = export_model(tiny_mamba2(vocab=VOCAB), tok, tmp_path / "a", metadata={"task": "sft", "target": "t"})
+    copy = Path(shutil.copytree(first, tmp_path / "c"))
+    x, want = torch.tensor([PROMPTS[0]]), plain(target, PROMPTS[0], max_new_tokens=8)
+    assert torch.equal(target.generate(x, custom_generate=str(copy), trust_remote_code=True, max_new_tokens=8), want)
+    export_model(noisy_copy(tiny_mamba2(vocab=VOCAB), noise=0.5), tok, first,
+                 metadata={"task": "sft", "target": "t"}, overwrite=True)
+    with pytest.raises(CompatibilityError, match=r"written for the export at .*/a .*holds another export by now; "
+                                                 r"pass drafter="):
+        target.generate(x, custom_generate=str(copy), trust_remote_code=True, max_new_tokens=8)
+    got = target.generate(x, custom_generate=str(copy), trust_remote_code=True, max_new_tokens=8, drafter=str(copy))
+    assert torch.equal(got, want)
+    assert torch.equal(target.generate(x, custom_generate=str(first), trust_remote_code=True, max_new_tokens=8), want)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"num_beams": 2}, "beam search"),
     ({"repetition_penalty": 1.3}, "repetition_penalty=1.3 is not supported"),
