@@ -103,6 +103,8 @@ def writes_maps(config) -> bool:
 def head_tensors(head: Eagle3Head) -> dict[str, torch.Tensor]:
     """The state dict as written: trained weights, plus d2t / t2d for a reduced draft vocabulary."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    if head.config.draft_vocab is not None:  # every id in another order: no map would tell an engine so
+        offsets_of(head.config.draft_vocab)
     if writes_maps(head.config):
         tensors["d2t"] = offsets_of(head.config.draft_vocab)
         tensors["t2d"] = t2d_mask(head.config.draft_vocab, head.config.vocab_size)

@@ -396,3 +396,10 @@ def test_a_draft_vocabulary_of_every_id_exports_no_maps(tmp_path):
     loaded, _ = load_head(out, target.config)
     for name, value in head.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value), name
+    # every id in another order wrote no map either, so an engine paired lm_head row i with token i, not perm[i]
+    from draftforge.errors import CompatibilityError
+
+    shuffled = random_head(target, draft_vocab=[1, 0, *range(2, vocab)]).float()
+    with pytest.raises(CompatibilityError, match="ascending"):
+        save_head(shuffled, target.config, None, tmp_path / "shuffled", {"target": "tiny"}, steps=3)
+    assert not (tmp_path / "shuffled").exists()
