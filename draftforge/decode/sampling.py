@@ -15,6 +15,9 @@ from draftforge.errors import DraftforgeError
 
 
 TREE_DRAWS = ("distinct", "iid")  # how a tree's sibling drafts are drawn at T > 0
+# Below this temperature logits / T can overflow float32 (inf - inf in the softmax: NaN rows, drawn as token 0);
+# softmax(logits / T) is then its T -> 0 limit to the last bit: an even share of the top logits
+TINY_TEMPERATURE = 1e-20
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,12 @@ def probs_from_logits(logits_NV: torch.Tensor, params: SamplingParams) -> torch.
     if params.greedy:
         raise ValueError("probs_from_logits is for temperature > 0")
     dtype = torch.float64 if logits_NV.dtype == torch.float64 else torch.float32
-    logits_NV = logits_NV.to(dtype) / params.temperature
+    logits_NV = logits_NV.to(dtype)
+    if params.temperature < TINY_TEMPERATURE:
+        top_NV = logits_NV == logits_NV.amax(-1, keepdim=True)
+        logits_NV = torch.zeros_like(logits_NV).masked_fill(~top_NV, float("-inf"))
+    else:
+        logits_NV = logits_NV / params.temperature
     if params.top_k > 0 and params.top_k < logits_NV.shape[-1]:
         kth_N1 = torch.topk(logits_NV, params.top_k, dim=-1).values[..., -1:]
         logits_NV = logits_NV.masked_fill(logits_NV < kth_N1, float("-inf"))

@@ -250,6 +250,28 @@ def test_top_p_keeps_the_tokens_transformers_keeps_ties_included():
         assert torch.equal(ours, theirs(bf16, top_p, temperature))
 
 
+def test_a_temperature_too_small_to_divide_by_is_its_limit_not_token_0():
+    """At T = 1e-39, logits / T overflowed float32, the softmax gave NaN rows and every draw was token 0: chain
+    decoded [0, 0, 0, 5, ...] where generate() gives its greedy text. softmax(logits / T) as T -> 0 is an even
+    share of the top logits (a point mass without a tie); top_p = 0 keeps the last of a tie, as at any T."""
+    logits = torch.tensor([[1.0, 3.0, -2.0, 0.5], [2.0, 2.0, 1.0, -1.0]])
+    for t in (1e-39, 1e-45, 1e-21):
+        assert torch.equal(probs_from_logits(logits, SamplingParams(temperature=t)),
+                           torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]))
+        assert torch.equal(probs_from_logits(logits, SamplingParams(temperature=t, top_p=0.0))[1],
+                           torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    # just above the threshold the division stands and the softmax is already that limit
+    assert torch.equal(probs_from_logits(logits, SamplingParams(temperature=1e-19)),
+                       probs_from_logits(logits, SamplingParams(temperature=1e-39)))
+    target = load_target(tiny_llama(vocab=VOCAB, layers=2, hidden=32, seed=3))
+    drafter = load_drafter(noisy_copy(target.model, noise=0.3), target)
+    prompt = [5, 1, 2, 7]
+    greedy = build_decoder("ar", target).generate(prompt, max_new_tokens=12).tokens
+    for method, d in (("ar", None), ("chain", drafter), ("tree", drafter)):
+        dec = build_decoder(method, target, d)
+        assert dec.generate(prompt, max_new_tokens=12, temperature=1e-39, seed=1).tokens == greedy, method
+
+
 def test_the_accept_ratio_and_residual_normalise_p_and_q():
     """By hand, first emitted token of a one-draft chain: sum over drafts y of q(y) [a(y) 1{x=y} + (1 - a(y))
     r_y(x)] must be p exactly, with q and p the normalised rows. Rows come as float32 weights whose sums miss 1
