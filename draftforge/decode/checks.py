@@ -61,3 +61,12 @@ def draft_vocab_size(drafter, target) -> int:
     """Tokens the drafter can propose: its reduced draft vocabulary, else the target's vocabulary."""
     d2t = drafter.d2t
     return int(d2t.numel()) if d2t is not None else int(target.vocab_size)
+
+
+def check_dynamic_drafter(drafter, method: str) -> None:
+    """A method that grows its tree from the drafter's next-token probabilities (EAGLE-2, C2T) needs a drafter
+    that follows dynamic trees: refused when the decoder is built, not at the first round of a decode."""
+    if drafter is not None and not drafter.follows_dynamic_trees:
+        raise RecipeError(f"method {method} ranks the drafter's next-token probabilities to grow its tree, and the "
+                          f"{drafter.kind} drafter has none to follow it with (begin / feed / accept_nodes); use "
+                          "chain, tree or ucb with it")

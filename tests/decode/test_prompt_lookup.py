@@ -283,9 +283,12 @@ def test_specs_give_the_options_and_bad_specs_say_what_to_write(target):
 
 
 def test_dynamic_trees_are_refused_with_a_reason(target):
-    dec = build_decoder("eagle2", target, load_drafter("prompt-lookup", target))
-    with pytest.raises(DraftforgeError, match="dynamic tree"):
-        dec.generate([1, 2, 1], max_new_tokens=3)
+    """Refused when the decoder is built (it was at the first round, and not at all with max_new_tokens <= 1)."""
+    with pytest.raises(DraftforgeError, match="method eagle2 ranks .* the lookup drafter has none .* use chain, tree "
+                                              "or ucb"):
+        build_decoder("eagle2", target, load_drafter("prompt-lookup", target))
+    with pytest.raises(DraftforgeError, match="method c2t ranks .* the lookup drafter has none"):
+        build_decoder("c2t", target, load_drafter("prompt-lookup", target), c2t="no-head-needed-to-refuse")
 
 
 # ---------------------------------------------------------------- the `lookup` method: lookup in any run

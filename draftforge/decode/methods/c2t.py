@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from draftforge.decode.checks import check_context, draft_vocab_size, non_negative_int, positive_int
+from draftforge.decode.checks import (check_context, check_dynamic_drafter, draft_vocab_size, non_negative_int,
+                                      positive_int)
 from draftforge.decode.control import BuilderController
 from draftforge.decode.engine import SpeculativeDecoder
 from draftforge.decode.methods import Method, MethodOptions, option, register_method
@@ -92,6 +93,7 @@ class C2TOptions(MethodOptions):
 def make_c2t(target, drafter, o: C2TOptions):
     if o.c2t is None:
         raise RecipeError("method c2t needs a trained classifier: --c2t PATH (an export of task c2t)")
+    check_dynamic_drafter(drafter, "c2t")
     classifier, meta = load_head(o.c2t)
     vocab = draft_vocab_size(drafter, target)
     if o.c2t_top_k > vocab:

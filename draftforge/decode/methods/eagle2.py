@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftforge.decode.checks import check_context, draft_vocab_size, positive_int
+from draftforge.decode.checks import check_context, check_dynamic_drafter, draft_vocab_size, positive_int
 from draftforge.decode.control import BuilderController
 from draftforge.decode.engine import SpeculativeDecoder
 from draftforge.decode.methods import Method, MethodOptions, option, register_method
@@ -74,6 +74,7 @@ class Eagle2Builder(TreeBuilder):
 def check_eagle2(top_k: int, depth: int, total_tokens: int, target, drafter, top_k_flag: str = "--eagle-top-k") -> None:
     """Refuse settings this target/drafter cannot run: k beyond the (draft) vocabulary, a budget beyond the context.
     `top_k_flag`: the flag that set k, named in the error (`harvest trees` calls it --top-k)."""
+    check_dynamic_drafter(drafter, "eagle2")
     vocab = draft_vocab_size(drafter, target)
     if top_k > vocab:
         raise RecipeError(f"{top_k_flag} {top_k} is larger than the drafter's vocabulary ({vocab} tokens); "
