@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 from dataclasses import MISSING, dataclass
@@ -170,13 +171,27 @@ def _check_out(out: Path, resume: bool, overwrite: bool) -> dict | None:
     return old
 
 
+OWN_SHARD = re.compile(r"shard-\d{5}")
+OWN_LEFTOVER = re.compile(r"\.shard-\d{5}\.tmp-.+")  # what a save killed before its rename leaves (temp_dir_beside)
+
+
+def _remove_own_shards(shards: Path, everything: bool) -> None:
+    """Delete what the harvest wrote under OUT/shards (every shard-NNNNN with `everything`, and always a killed
+    save's leftovers), never another file someone put there."""
+    if not shards.is_dir():
+        return
+    for path in shards.iterdir():
+        if path.is_dir() and (OWN_LEFTOVER.fullmatch(path.name) or everything and OWN_SHARD.fullmatch(path.name)):
+            shutil.rmtree(path)
+
+
 def _check_resume(manifest_path: Path, settings: dict, resume: bool, overwrite: bool) -> dict:
     """The manifest to continue from (fresh if none); refuses to mix settings or clobber a harvest silently."""
     old = _check_out(manifest_path.parent, resume, overwrite)
     if old is None:
         return {**settings, "shards": {}}
     if overwrite:
-        shutil.rmtree(manifest_path.parent / "shards", ignore_errors=True)
+        _remove_own_shards(manifest_path.parent / "shards", everything=True)
         return {**settings, "shards": {}}
     def same(k):
         if k == "sources":  # the same files, however they are spelled
@@ -239,6 +254,10 @@ def _harvest_theta(target_path, drafter_path, sources: list[str], out_dir, *, ma
     if not seqs:
         raise DataError(f"no usable sequences in {', '.join(map(str, sources))} (each needs at least 2 tokens)")
     manifest = _check_resume(out_dir / MANIFEST, settings, resume, overwrite)
+    _remove_own_shards(out_dir / "shards", everything=False)
+    # written before the first shard: a run killed while saving it is a θ harvest --resume continues, not a
+    # folder of someone else's files
+    atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     broken = [k for k in manifest["shards"] if manifest["shards"][k]["rows"] and not _readable(out_dir, int(k))]
     for k in broken:  # a shard is saved whole and renamed: one that cannot be read was damaged since
         del manifest["shards"][k]

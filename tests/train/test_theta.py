@@ -4,6 +4,7 @@ harvested rows against a direct forward, resume, training through the one loop, 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import shutil
 
 import pytest
@@ -169,6 +170,48 @@ def test_harvest_resumes_and_refuses_to_mix(pair, tmp_path, capsys):
         os.chdir(cwd)
     assert "1 kept shard(s) could not be read (shard-00002): harvested again" in capsys.readouterr().err
     assert again["rows"] == full["rows"] and load_harvest(out)[0].num_rows == full["rows"]
+
+
+def _tree(path):
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_deletes_only_the_harvests_own_shards(pair, tmp_path):
+    """--overwrite removed OUT/shards whole, with files a user had put there."""
+    out = tmp_path / "h"
+    harvest(pair, out)
+    (out / "shards" / "my_notes.txt").write_text("mine")
+    (out / "shards" / "analysis").mkdir()
+    (out / "shards" / "analysis" / "plot.txt").write_text("mine too")
+    again = harvest(pair, out, overwrite=True, max_sequences=2)  # 1 shard now: shards 1 and 2 must go
+    assert sorted(p.name for p in (out / "shards").iterdir()) == ["analysis", "my_notes.txt", "shard-00000"]
+    assert (out / "shards" / "my_notes.txt").read_text() == "mine" and len(again["shards"]) == 1
+
+
+def test_a_harvest_killed_while_saving_its_first_shard_resumes_to_the_uninterrupted_bytes(pair, tmp_path,
+                                                                                          monkeypatch):
+    """The manifest was first written after shard 0: a run killed while saving it left shards/ and no harvest.json,
+    and every later run refused the folder as someone else's. Killed inside datasets' save of shard 0 (half of its
+    files written), --resume now harvests everything, removes the killed save's leftovers, and ends with the bytes
+    of an uninterrupted harvest."""
+    import datasets
+
+    want = _tree(harvest(pair, tmp_path / "whole") and tmp_path / "whole" / "shards")
+    real = datasets.Dataset.save_to_disk
+
+    def killed(self, path, *args, **kwargs):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "data-00000-of-00001.arrow").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", killed)
+    out = tmp_path / "killed"
+    with pytest.raises(KeyboardInterrupt):
+        harvest(pair, out)
+    assert json.loads((out / "harvest.json").read_text())["shards"] == {}
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", real)
+    harvest(pair, out, resume=True)
+    assert _tree(out / "shards") == want
 
 
 def test_each_shard_records_its_device_and_a_resume_on_another_says_so(pair, tmp_path, monkeypatch, capsys):
