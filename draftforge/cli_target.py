@@ -31,7 +31,7 @@ class LongctxJob:
                                  "much room (eval's --max-new-tokens)", check=positive_int)
     split: Literal["heldout", "train"] = option("heldout", "heldout: documents no drafter trains on (for eval); train: the training "
                         "modules' documents, for rows a drafter trains on at long context (`draftforge generate` "
-                        "answers them); the two never share a module")
+                        "answers them); the two never share a module, nor a docstring two modules copy")
 
     def __post_init__(self):
         check_fields(self)
@@ -115,10 +115,18 @@ def run_longctx(job: LongctxJob) -> int:
         raise DataError(f"--out {job.out}: {problem}")
     if Path(job.out).exists():
         raise DataError(f"--out {job.out} exists; this command writes a new file and never replaces one")
-    tokenizer = AutoTokenizer.from_pretrained(job.target)
+    from draftforge.loading import check_local
+
+    check_local(job.target, "--target")  # a missing directory in one line, not minutes of Hub retries
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(job.target)
+        config = AutoConfig.from_pretrained(job.target)
+    except (OSError, ValueError) as e:  # no tokenizer files, no config.json
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise DataError(f"--target {job.target}: cannot read its tokenizer and config ({first})") from None
     from draftforge.decode.targets import max_context
 
-    context = max_context(AutoConfig.from_pretrained(job.target))  # as eval reads it (n_positions, seq_length, ...)
+    context = max_context(config)  # as eval reads it (n_positions, seq_length, ...)
     from draftforge.data.prompts import chat_prompt_length
 
     rows = build_longctx(lambda text: chat_prompt_length(tokenizer, text), lengths, job.per_bucket, seed=job.seed,

@@ -11,8 +11,9 @@ the target's tokenizer). Category "single-doc@2k": the eval report gives its fig
 
 `split="train"` builds the same kind of questions over the *training* modules instead (none held out), for
 drafters trained at the context they serve: the target answers them (`draftforge generate`) and a drafter trains
-on the rows. The two splits never share a module, and each file is checked for the other split's documents before
-it is written.
+on the rows. The two splits never share a module, the training split drops any part whose docstring a held-out
+document holds too (the copies above), and each file is checked for the other split's documents before it is
+written.
 """
 
 from __future__ import annotations
@@ -99,14 +100,32 @@ def _document(module: str, path: Path) -> Document | None:
     return Document(module, tuple(parts)) if len(parts) >= 3 else None
 
 
+def _doc_text(name: str, part: str) -> str:
+    """A part's docstring alone, without its module-qualified heading: the text two modules can share word for
+    word (posixpath's and ntpath's basename)."""
+    return part.split("\n", 2)[2].strip() if name else part.split("\n\n", 1)[-1].strip()
+
+
+def _without_heldout_text(doc: Document, heldout: set[str]) -> Document | None:
+    """A training document without the parts whose docstring a held-out document holds too (the module's own
+    docstring then keeps its heading only); None when fewer than two functions are left to ask about."""
+    parts = [(n, p) for n, p in doc.parts if not n or _doc_text(n, p) not in heldout]
+    if _doc_text(*parts[0]) in heldout:
+        parts[0] = ("", f"## Module {doc.module}\n\n\n")
+    return Document(doc.module, tuple(parts)) if len(parts) >= 3 else None
+
+
 @functools.lru_cache(maxsize=4)
 def _documents(root: str, split: str = "heldout") -> tuple[Document, ...]:
+    if split == "train":  # no text a held-out question asks about, even where a training module repeats it
+        heldout = {_doc_text(n, p) for d in _documents(root, "heldout") for n, p in d.parts} - {""}
+        return tuple(d for d in (_without_heldout_text(d, heldout) for d in _documents(root, "train-all")) if d)
     base, found = Path(root), []
     for dirpath, dirnames, filenames in os.walk(base):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP and not d.startswith(("_", ".")))
         for name in sorted(f for f in filenames if f.endswith(".py")):
             module = _module_name(base, Path(dirpath) / name)
-            wanted = module and is_heldout(module) == (split == "heldout")
+            wanted = module and is_heldout(module) == (split == "heldout")  # "train-all": unfiltered train
             doc = _document(module, Path(dirpath) / name) if wanted else None
             if doc is not None:
                 found.append(doc)
@@ -172,7 +191,12 @@ def _row(count, docs: list[Document], limit: int, bucket: int, group: str, index
         return count(text) - empty
 
     cut = {d.module: d.cut(cost, limit // 3) for d in docs}
-    asked = rng.sample([d for d in docs if cut[d.module][1]], 1 if group == "single-doc" else 2)
+    askable, need = [d for d in docs if cut[d.module][1]], 1 if group == "single-doc" else 2
+    if len(askable) < need:
+        raise DataError(f"cannot fit the asked documents and the question under {limit} tokens: at a third of it, "
+                        f"{len(askable)} document(s) keep a function to ask about ({group} needs {need}); ask for "
+                        "longer lengths")
+    asked = rng.sample(askable, need)
     question = _question(group, [f"{d.module}.{rng.choice(cut[d.module][1])}" for d in asked])
     others = [d for d in docs if d not in asked]
     rng.shuffle(others)
@@ -215,10 +239,9 @@ def check_heldout(rows: list[dict]) -> None:
 
 
 def write_longctx(path, rows: list[dict]) -> Path:
+    from draftforge.fsutil import atomic_write_text
+
     check_heldout(rows)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    tmp.replace(path)
+    path = Path(path)  # a unique temp name beside it: a user's OUT.tmp is never touched
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return path

@@ -93,6 +93,22 @@ def test_the_training_split_holds_training_documents_only_and_shares_no_module_w
         longctx.build_longctx(count, (1024,), per_bucket=1, split="test")
 
 
+def test_the_training_split_holds_no_docstring_a_held_out_document_holds():
+    """The split was by module only, and a few stdlib docstrings are copied between modules: ntpath (training)
+    repeats posixpath's (held out) basename, dirname, lexists and commonpath, and two held-out questions asked
+    about posixpath.lexists and commonpath. Training documents now drop such parts."""
+    import sysconfig
+
+    held = {longctx._doc_text(n, p) for d in longctx.stdlib_documents() for n, p in d.parts} - {""}
+    train = longctx.stdlib_documents(split="train")
+    assert train and not [(d.module, n) for d in train for n, p in d.parts if longctx._doc_text(n, p) in held]
+    unfiltered = longctx._documents(sysconfig.get_paths()["stdlib"], "train-all")
+    shared = [(d.module, n) for d in unfiltered for n, p in d.parts if n and longctx._doc_text(n, p) in held]
+    assert ("ntpath", "basename") in shared  # this stdlib has the case the filter is for
+    ntpath = next(d for d in train if d.module == "ntpath")
+    assert "basename" not in [n for n, _ in ntpath.parts] and len(ntpath.parts) >= 3
+
+
 def test_the_smollm2_corpus_holds_no_held_out_document(tmp_path):
     """The pipelines' pre-training corpus was the testbed's train split, which splits by file, while held-out
     instruction and long-context prompts split by module: a drafter pre-trained on it had read 25 of the 27
