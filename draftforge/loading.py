@@ -68,7 +68,10 @@ def load_config(path: str, key: str):
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise RecipeError(f"{_named(key)}: cannot read a model config from {path!r} ({e})") from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        where = (f"{path!r}" if Path(str(path)).expanduser().exists() else
+                 f"{path!r} (no such local directory; tried it as a Hugging Face Hub id)")
+        raise RecipeError(f"{_named(key)}: cannot read a model config from {where}: {first}") from None
 
 
 def local_model_dir(source, what: str = "model") -> Path | None:

@@ -158,7 +158,7 @@ def test_one_line_in_our_words_once_per_process(monkeypatch, capsys):
     assert err.count("[draftforge] CPU: Mamba layers run transformers' PyTorch path") == 1, err
 
 
-def test_a_missing_path_is_named_by_where_it_came_from(tmp_path):
+def test_a_missing_path_is_named_by_where_it_came_from(tmp_path, monkeypatch):
     from draftforge.errors import RecipeError
 
     with pytest.raises(RecipeError, match=r"^recipe key 'model.target': directory .*nope does not exist"):
@@ -167,8 +167,15 @@ def test_a_missing_path_is_named_by_where_it_came_from(tmp_path):
         loading.load_config(str(tmp_path / "nope"), "--target")
     assert "recipe key" not in str(e.value)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(RecipeError, match=r"^--target: cannot read a model config"):
+    with pytest.raises(RecipeError, match=r"^--target: cannot read a model config") as e:
         loading.load_config(str(tmp_path / "empty"), "--target")
+    assert "\n" not in str(e.value) and "Hub id" not in str(e.value)  # one line; a directory, not a Hub id
+    # a bare name is tried as a Hub id: said so, in one line, not transformers' paragraph about the network
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError, match=r"^--target: cannot read a model config from 'nope' \(no such local "
+                                          r"directory; tried it as a Hugging Face Hub id\): [^\n]*$"):
+        loading.load_config("nope", "--target")
 
 
 def test_models_load_without_hub_kernels(dirs, tmp_path, monkeypatch):
