@@ -425,10 +425,24 @@ def _harvest_trees(job: TreeHarvestJob) -> dict:
     return {"prompts": len(prompts), **summarize(load_harvest([out]))}
 
 
+TREES_EPILOG = f"""writes:
+  OUT/harvest.json              the settings, the target's and drafter's fingerprints, the columns
+  OUT/prompt-NNNNNN.parquet     one per prompt, a row per node: {", ".join(COLUMNS)}
+                                (P joint probability, H entropy of the parent's top-M, d draft layer from 0,
+                                label 1 on the accepted path; a tree's nodes share tree_id)
+each prompt's file is written whole: a killed harvest continues with --resume
+examples:
+  draftforge harvest trees --target TARGET --drafter DRAFTER --bench TRAIN_PROMPTS --out runs/c2t-harvest
+then train the classifier: draftforge train recipes/c2t.yaml (data.sources: [runs/c2t-harvest]), and decode with
+  draftforge eval ... --methods eagle2,c2t --c2t runs/c2t/export
+"""
+
+
 def configure(p) -> None:
     p.description = ("Grow the whole EAGLE-2 pool T1 at every step of each prompt's greedy continuation and label "
                      "each node (1 = on the path the target accepts). Labels are exact under greedy decoding: they "
                      "come from the target's own greedy continuation, with no tree verification.")
+    p.epilog = TREES_EPILOG
     add_flags(p, TreeHarvestJob)
 
 
