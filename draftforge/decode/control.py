@@ -82,8 +82,12 @@ class FixedChain(FixedTree):
 class UCBTree(Controller):
     """UCB1 bandit over tree configurations (Mamba Drafters §4.2).
 
-    lambda_gamma=None measures λ_γ ≈ T_draft/T_target online: mean time of one drafter step
-    (draft time / γ) over mean time of one target forward, over all rounds so far.
+    lambda_gamma=None measures λ_γ ≈ T_draft/T_target online: mean time of one drafter step (draft time / γ)
+    over mean time of one target forward, over the rounds so far. Each prompt's first drafting round is left
+    out of the drafter's side: there the drafter also encodes the prompt, a cost paid once per decode whatever
+    the arm, which counted as steps made λ_γ several times too large (and penalised whichever arm came first).
+    An arm's mean reward is kept as its two parts, mean 1/N and mean γ/N, and valued with the current λ_γ, so
+    the pulls made while λ_γ was still being measured are not frozen at an early estimate.
     """
 
     def __init__(self, candidates=DEFAULT_UCB_TREES, ucb_lambda: float = 0.1, lambda_gamma: float | None = None):
@@ -96,10 +100,15 @@ class UCBTree(Controller):
 
     def reset(self) -> None:
         self.counts = [0] * len(self.arms)
-        self.reward_sums = [0.0] * len(self.arms)
+        self.inverse_sums = [0.0] * len(self.arms)  # Σ 1/N over an arm's pulls
+        self.depth_sums = [0.0] * len(self.arms)  # Σ γ/N
         self.t = 0
         self.draft_step_time = self.target_time = 0.0
         self.draft_steps = self.target_rounds = 0
+        self.encoding_pending = False  # the prompt's first drafting round is still to come
+
+    def start_prompt(self) -> None:
+        self.encoding_pending = True
 
     @property
     def lambda_gamma(self) -> float:
@@ -109,9 +118,16 @@ class UCBTree(Controller):
             return 0.0
         return (self.draft_step_time / self.draft_steps) / (self.target_time / self.target_rounds)
 
+    @property
+    def reward_sums(self) -> list[float]:
+        """Σ r over each arm's pulls, r = -(1/N + λ_γ·γ/N), at the current λ_γ."""
+        lam = self.lambda_gamma
+        return [-(inv + lam * dep) for inv, dep in zip(self.inverse_sums, self.depth_sums)]
+
     def scores(self) -> list[float]:
+        sums = self.reward_sums
         return [
-            self.reward_sums[k] / self.counts[k] + self.ucb_lambda * math.sqrt(2 * math.log(self.t) / self.counts[k])
+            sums[k] / self.counts[k] + self.ucb_lambda * math.sqrt(2 * math.log(self.t) / self.counts[k])
             for k in range(len(self.arms))
         ]
 
@@ -129,18 +145,23 @@ class UCBTree(Controller):
         self.record(rnd.shape, rnd.n_emitted, rnd.draft_time_s, rnd.verify_time_s)
 
     def record(self, shape: TreeShape | None, n_emitted, draft_time_s=0.0, verify_time_s=0.0) -> None:
-        """Learn from a round of the last arm: its timing (for λ_γ) always, its reward only where it drafted the
+        """Learn from a round of the last arm: its timing (for λ_γ) always, but for the drafter's time in a
+        prompt's first drafting round (it includes encoding the prompt); its reward only where it drafted the
         arm's whole tree. At the token budget's end the engine cuts the tree to the tokens left (or drafts nothing,
         shape None), which caps N_accept whatever the arm is worth, and deep arms would be cut most."""
-        self.draft_step_time += draft_time_s
-        self.draft_steps += _depth(shape)
+        if self.encoding_pending and _depth(shape):
+            self.encoding_pending = False
+        else:
+            self.draft_step_time += draft_time_s
+            self.draft_steps += _depth(shape)
         self.target_time += verify_time_s
         self.target_rounds += 1
         arm = self.last_arm
         if shape != self.arms[arm]:
             return
         self.counts[arm] += 1
-        self.reward_sums[arm] += self.reward(shape, n_emitted)
+        self.inverse_sums[arm] += 1.0 / n_emitted
+        self.depth_sums[arm] += _depth(shape) / n_emitted
 
     def arm_name(self) -> str:
         return self.arms[self.last_arm].name

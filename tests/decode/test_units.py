@@ -100,6 +100,50 @@ def test_ucb_learns_from_the_rounds_the_engine_plays_by_hand(target):
     assert ucb.counts == [0, 0] and ucb.reward_sums == [0.0, 0.0]
 
 
+def test_ucb_measures_lambda_gamma_without_the_prompt_encoding(target, monkeypatch):
+    """λ_γ measured online is one drafter step over one target forward. On a fake clock each drafter step takes
+    1 s, each verification 4 s, and the drafter's first draft of a prompt also encodes the prompt (40 s, paid once
+    per decode): λ_γ must be 1/4, and two identical arms must score alike. Counting the encoding as steps gave
+    λ_γ = (40 + 3·R)/(3·R)/4 after R rounds and sank whichever arm was played first for the rest of the run."""
+    from draftforge.decode import engine
+    from tests.fixtures.decode import noisy_copy
+
+    now = [0.0]
+    monkeypatch.setattr(engine, "clock", lambda device: now[0])
+    drafter = load_drafter(noisy_copy(target.model, noise=0.0), target)
+    encoded = [False]
+    reset, draft, verify = drafter.reset, drafter.draft, target.verify
+
+    def fake_reset():
+        encoded[0] = False
+        reset()
+
+    def fake_draft(seq, plan, params, generator):
+        now[0] += 0.0 if encoded[0] else 40.0
+        encoded[0] = True
+        tree = draft(seq, plan, params, generator)
+        now[0] += 1.0 * tree.depth
+        return tree
+
+    def fake_verify(last, tree):
+        now[0] += 4.0
+        return verify(last, tree)
+
+    monkeypatch.setattr(drafter, "reset", fake_reset)
+    monkeypatch.setattr(drafter, "draft", fake_draft)
+    monkeypatch.setattr(target, "verify", fake_verify)
+    dec = build_decoder("ucb", target, drafter, ucb_trees=[(1, 1, 1), (1, 1, 1)], ucb_lambda=0.1)
+    ucb = dec.controller
+    for prompt in ([(7 * i + 3) % VOCAB for i in range(23)], [3, 5, 7, 11]):
+        res = dec.generate(prompt, max_new_tokens=17)  # every draft accepted: 4 rounds of 4 tokens, then 1 of 1
+        assert res.tokens == greedy_reference(target, prompt, 17)
+        assert res.stats.drafted_per_round == [3, 3, 3, 3, 0]
+    assert ucb.lambda_gamma == 0.25
+    # 8 whole rounds, each N = 4, γ = 3: r = -(1 + 0.25·3)/4 for both arms, which UCB then takes in turn
+    assert ucb.counts == [4, 4]
+    assert [s / n for s, n in zip(ucb.reward_sums, ucb.counts)] == pytest.approx([-1.75 / 4] * 2)
+
+
 def test_bad_input_errors(target):
     mamba = load_drafter(tiny_mamba(vocab=VOCAB), target)
     with pytest.raises(DraftforgeError, match="positive integer"):

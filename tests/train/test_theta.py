@@ -4,6 +4,7 @@ harvested rows against a direct forward, resume, training through the one loop, 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 import shutil
 
@@ -273,6 +274,11 @@ def test_task_trains_exports_and_the_harness_loads_only_for_its_pair(pair, tmp_p
     drafter = load_drafter(str(pair / "drafter"), target)
     pred = load_predictor(result.export_dir, target.model, drafter)
     assert pred.mean_label == meta["mean_label"]
+    # the recipe balances the classes (w1 / w0 = (1 - m) / m), which moves the optimal logit by log((1 - m) / m):
+    # the task must record that shift for the decoder to take back out
+    m = meta["mean_label"]
+    assert 0 < m < 1 and meta["logit_shift"] == pytest.approx(math.log((1 - m) / m), rel=1e-12)
+    assert pred.logit_shift == meta["logit_shift"]
     dec = build_decoder("cali_ts", target, drafter, theta_predictor=str(result.export_dir))
     assert dec.generate([1, 2, 3], max_new_tokens=8).stats.new_tokens == 8
     other = load_drafter(str(pair / "other"), target)
@@ -309,8 +315,6 @@ def test_a_balanced_predictor_gives_calibrated_theta_at_decode_time():
     # class weights w1, w0 move the optimum logit by log(w1 / w0); θ_M is read as a probability (Cali-TS's blend,
     # SpecDec++'s product), so the shift must come back out. Oracle: acceptance with a known mean (≈ 0.22, from
     # one feature); the mean θ_M over the rows must sit near that mean, balanced or not (it was 0.46 balanced)
-    import math
-
     from draftforge.train.cali_ts import make_loss
 
     torch.manual_seed(0)
