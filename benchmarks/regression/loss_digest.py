@@ -108,11 +108,16 @@ def short_rows(corpus: Path, tok_dir: Path, out: Path, n: int = 48) -> Path:
 
 
 def export_digest(export: Path, work: Path) -> dict:
-    """{file: sha256} of an export, and its JSON files with the temporary path and creation time taken out."""
+    """{file: sha256} of an export, and its JSON files with the temporary path, the creation time and the export's
+    random export_id (in draftforge.json and custom_generate/generate.py) taken out."""
     hashes, docs = {}, {}
+    meta = export / "draftforge.json"
+    export_id = json.loads(meta.read_text()).get("export_id") if meta.is_file() else None
     for f in sorted(p for p in export.rglob("*") if p.is_file()):
         name = str(f.relative_to(export))
         text = f.read_bytes().replace(str(work).encode(), b"<work>").replace(str(work.resolve()).encode(), b"<work>")
+        if export_id:
+            text = text.replace(export_id.encode(), b"<export_id>")
         if f.suffix == ".json" and f.name.startswith(("draftforge", "config")):
             record = json.loads(text)
             record.pop("created", None)

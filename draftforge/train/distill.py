@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from draftforge.errors import CompatibilityError, RecipeError
 from draftforge.models.draft_vocab import d2t_of
 from draftforge.recipe import Recipe, doc, require
-from draftforge.train.divergences import TopK, chain_sums, derive_acceptance, full_terms, kl_full, topk_terms
+from draftforge.train.divergences import TopK, chain_sums, derive_acceptance, full_terms, topk_terms
 
 LOSSES = ("kl", "tvd", "mix", "ce")
 
@@ -104,11 +104,6 @@ def check_cache_sources(data, caches: list[str], key: str, what: str) -> None:
             f"(one per cache, in order; {len(caches)} cache{'s' if len(caches) > 1 else ''}, "
             f"{len(data.sources)} source{'s' if len(data.sources) != 1 else ''})")
     require(not data.streaming, "data.streaming", "a harvested cache is read row by row: set data.streaming: false")
-
-
-def kl_loss(student_logits_BTV, teacher_logits_BTV, keep_BT, temperature: float):
-    """Summed τ²·KL(softmax(t/τ) ‖ softmax(s/τ)) over the kept positions (fp32)."""
-    return kl_full(student_logits_BTV[keep_BT], teacher_logits_BTV[keep_BT], temperature).sum()
 
 
 def next_tokens(batch) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 KL (forward, at a temperature), TVD = 1 − Σ min(p, q) (one minus the acceptance α of speculative sampling at T=1,
 arXiv:2211.17192 §3.2) and CE on the target's top-1; on a cached top-K each is taken over the K cached ids plus one
-tail bucket, which makes every cached value a lower bound of the exact one (TVD within m̃, the tail mass; KL has no
-bound in m̃ alone). The notation, the K+1-outcome forms and the derivation of the bounds: docs/methods/distill.md.
+tail bucket, which makes the cached KL and TVD lower bounds of the exact ones (TVD within m̃, the tail mass; KL
+has no bound in m̃ alone), the cached α an upper bound, and CE on the top-1 exact. The notation, the K+1-outcome forms and the derivation of the bounds: docs/methods/distill.md.
 
 Legend: P kept positions, S student vocabulary (V, or N for a reduced head), K cached top-k, B batch, T block,
 A chain anchors, G draft depth γ.
@@ -25,7 +25,14 @@ def kl_full(student_PS, teacher_PS, temperature: float = 1.0):
     """Per-position τ²·KL(softmax(t/τ) ‖ softmax(s/τ)) (fp32)."""
     t_logp_PS = (teacher_PS.float() / temperature).log_softmax(-1)
     s_logq_PS = (student_PS.float() / temperature).log_softmax(-1)
-    return (t_logp_PS.exp() * (t_logp_PS - s_logq_PS)).sum(-1) * temperature**2
+    return _kl_terms(t_logp_PS, s_logq_PS).sum(-1) * temperature**2
+
+
+def _kl_terms(lp_PS, lq_PS):
+    """p·(log p − log q) per entry, 0 where p = 0: a teacher logit of −inf (a masked or padded id) has no mass, and
+    0·(−inf − log q) would otherwise be NaN."""
+    p_PS = lp_PS.exp()
+    return torch.where(p_PS > 0, p_PS * (lp_PS - lq_PS), 0.0)
 
 
 CHUNK_BYTES = 1 << 24  # fp32 [rows, S] temporaries per chunk of full_terms: 16 MiB
@@ -70,7 +77,7 @@ def in_chunks(terms, student_PS, *rows_of):
 def _full_terms(student_PS, teacher_PS, temperature: float, teacher_lZ_P) -> dict[str, torch.Tensor]:
     s_PS, t_PS = student_PS.float(), teacher_PS.float()
     lp_PS, lq_PS = t_PS.log_softmax(-1), s_PS.log_softmax(-1)
-    kl_P = (lp_PS.exp() * (lp_PS - lq_PS)).sum(-1) if temperature == 1.0 else kl_full(s_PS, t_PS, temperature)
+    kl_P = _kl_terms(lp_PS, lq_PS).sum(-1) if temperature == 1.0 else kl_full(s_PS, t_PS, temperature)
     tvd_P = 1.0 - torch.minimum(lp_PS, lq_PS).exp().sum(-1)  # min of logs = log of min: one [P, S] temporary
     ce_target_P = -lq_PS.gather(-1, t_PS.argmax(-1, keepdim=True))[:, 0]
     if teacher_lZ_P is None:

@@ -66,11 +66,55 @@ def test_distill_lowers_kl_keeps_teacher_bitwise_and_exports_a_drafter(tmp_path,
     assert meta["task"] == "distill" and meta["distilled_from"] == str(teacher_dir)
 
 
-def test_kl_loss_is_zero_for_equal_logits_and_positive_otherwise():
-    t = torch.randn(2, 5, 11)
-    keep = torch.ones(2, 5, dtype=torch.bool)
-    assert distill.kl_loss(t, t, keep, 2.0).abs() < 1e-5
-    assert distill.kl_loss(torch.randn(2, 5, 11), t, keep, 1.0) > 0
+class _Fixed(torch.nn.Module):
+    """A model whose logits are given: the loss path around it is what is tested."""
+
+    def __init__(self, logits_BTV):
+        super().__init__()
+        self.logits_BTV = logits_BTV
+
+    def forward(self, input_ids):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.logits_BTV)
+
+
+def test_the_distill_loss_at_a_temperature_against_a_float64_hand_computation():
+    """make_loss, the path training runs, with loss mix at τ = 2: per kept position 0.3·τ²·KL(softmax(t/τ) ‖
+    softmax(s/τ)) + 1.7·(1 − Σ min(p, q)) at T = 1, plus 0.2·CE of the data's next token, summed; the positions
+    whose next label is -100 carry nothing. A teacher logit of −inf (an id it never emits) has no mass: the KL
+    must stay finite (0·(−inf) made it NaN)."""
+    torch.manual_seed(0)
+    B, T, V, tau = 2, 5, 7, 2.0
+    t_BTV, s_BTV = torch.randn(B, T, V) * 2, torch.randn(B, T, V) * 2
+    t_BTV[0, 1, 3] = float("-inf")
+    s_BTV.requires_grad_(True)
+    ids_BT = torch.randint(0, V, (B, T))
+    labels_BT = ids_BT.clone()
+    labels_BT[0, :2] = -100  # a prompt: position 0 has no next label to learn (and the last never has one)
+    options = distill.DistillConfig(loss="mix", temperature=tau, kl_weight=0.3, tvd_weight=1.7, ce_weight=0.2)
+    student = _Fixed(s_BTV).train()
+    total, count, metrics = distill.make_loss(_Fixed(t_BTV), options)(student, {"input_ids": ids_BT,
+                                                                                "labels": labels_BT})
+    want, kept = 0.0, 0
+    t64, s64 = t_BTV.double(), s_BTV.detach().double()
+    for b in range(B):
+        for i in range(T - 1):
+            nxt = int(labels_BT[b, i + 1])
+            if nxt == -100:
+                continue
+            kept += 1
+            p_t, q_t = (t64[b, i] / tau).softmax(-1), (s64[b, i] / tau).softmax(-1)
+            kl = sum(float(p_t[v] * (p_t[v].log() - q_t[v].log())) for v in range(V) if p_t[v] > 0)
+            p, q = t64[b, i].softmax(-1), s64[b, i].softmax(-1)
+            tvd = 1.0 - float(torch.minimum(p, q).sum())
+            ce = -float(q[nxt].log())
+            want += 0.3 * tau**2 * kl + 1.7 * tvd + 0.2 * ce
+    assert int(count) == kept == 2 * (T - 1) - 1
+    assert float(total) == pytest.approx(want, rel=1e-5)
+    assert torch.isfinite(metrics["kl"])
+    total.backward()
+    assert torch.isfinite(s_BTV.grad).all()
 
 
 def test_distill_needs_a_target(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, teacher_dir):
