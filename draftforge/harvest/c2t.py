@@ -103,7 +103,9 @@ def harvest_prompt(target, drafter, prompt: list[int], prompt_id: str, settings:
         layers = min(settings.depth + 1, len(continuation) - pos - 1)
         builder = HarvestBuilder(settings.top_k, settings.depth, settings.top_m)
         tree = drafter.draft(seq, DynamicTree(builder, layers), params, None)
-        node_ids = list(drafter.node_map)
+        # a drafter that reads the target's states drafts nothing before the target has read a token past the
+        # prompt's first (a one-token prompt): no rows, and the round goes on as the decoder's AR round does
+        node_ids = list(drafter.node_map) if len(tree) else []
         path = accepted_path(tree, continuation[pos:])
         on_path = set(path)
         for i, node in enumerate(node_ids):

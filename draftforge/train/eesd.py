@@ -40,7 +40,8 @@ class EesdConfig:
                                  "(the paper's 'w/o EE layer' ablation)")
     layer_init: str = doc("last", "exit layer init: 'last' (copy of the target's last layer, EESD §3.1), "
                                   "'next' (copy of layer N+1) or 'random'")
-    head_init: str = doc("target", "norm + LM head init: 'target' (copies of the final norm and head) or 'random'")
+    head_init: str = doc("target", "LM head init: 'target' (a copy of the target's head) or 'random'; the norm is "
+                                   "a copy of the target's final norm either way")
     open_sources: list[str] = doc([], "open data mixed with data.sources (the self-distilled rows); read like "
                                       "data.sources with format eesd.open_format")
     open_format: str = doc("text", "format of open_sources: text, chat or tokens")

@@ -51,6 +51,11 @@ def test_c2t_rule_on_a_hand_built_layer():
     assert C2TBuilder(clf, beta=above, top_k=3, second_top_k=0).expand(3, logits_BV, joint_B)[0] == [0, 1]
     # second top-K: the best 3 survivors of the whole layer by C (ties keep the earlier row)
     assert C2TBuilder(clf, beta=0.1, top_k=3, second_top_k=3).expand(3, logits_BV, joint_B) == [[0, 1], [0]]
+    # a real tie: two frontier rows with the same distribution and joint, so each child's C equals its cousin's;
+    # the top 3 by C are row 0's first, row 1's first, then row 0's second (the earlier row wins the tie)
+    same_BV = probs[:1].expand(2, 4)
+    tied = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    assert C2TBuilder(clf, beta=0.01, top_k=3, second_top_k=3).expand(3, same_BV.log(), tied) == [[0, 1], [0]]
     # chain mode: K = 1, one child per node
     assert C2TBuilder(clf, beta=0.3, top_k=1).expand(1, logits_BV, joint_B) == [[0], []]
 

@@ -67,14 +67,15 @@ class Recording(Eagle2Builder):
         return super().finish(parents, joint)
 
 
-def brute_force(drafter, k, depth, n_total):
-    """EAGLE-2 on paths: (pool in code order with joints, frontier path sets per layer, reranked paths in order)."""
+def brute_force(drafter, k, depth, n_total, softmax_dtype=torch.float64):
+    """EAGLE-2 on paths: (pool in code order with joints, frontier path sets per layer, reranked paths in order).
+    Equal P keeps code order (Python's sort is stable): parents before children, earlier siblings first."""
     pool, frontier, frontiers = [], [()], []
     joint = {(): 1.0}
     for _ in range(depth + 1):
         new = []
         for path in frontier:
-            probs = drafter.logits(path).softmax(-1)
+            probs = drafter.logits(path).to(softmax_dtype).softmax(-1).double()
             for tok in probs.topk(k).indices.tolist():
                 joint[path + (tok,)] = joint[path] * float(probs[tok])
                 new.append(path + (tok,))
@@ -113,6 +114,21 @@ def test_eagle2_tree_equals_brute_force(k, depth, n_total):
     assert tree_paths(tree) == reranked  # top N-1 by P, in code order
     assert len(tree) == min(n_total - 1, len(pool))
     assert all(p < i for i, p in enumerate(tree.parents))  # a valid subtree, parents first
+
+
+def test_equal_joint_probabilities_keep_parents_before_children():
+    """A confident drafter (logits 60× a normal draw) gives its top child p = 1.0 exactly in float32, the driver's
+    softmax: a child's P then equals its parent's, and only the documented tie rule (creation order) keeps every
+    kept node's parent in the tree. The tree must equal the brute force with float32 probabilities."""
+    drafter = PathDrafter(scale=60.0)
+    seq = [1, 2, 3]
+    drafter.seq = seq
+    for n_total in (2, 3, 4, 6):  # budgets that cut between a node and its equally likely child, and that do not
+        pool, joint, _, reranked = brute_force(drafter, 3, 3, n_total, softmax_dtype=torch.float32)
+        assert sum(joint[q] == joint[q[:-1]] for q in pool if len(q) > 1) >= 2  # ties between a node and its parent
+        tree = drafter.draft(seq, Eagle2Builder(3, 3, n_total).plan(), SamplingParams(), None)
+        assert tree_paths(tree) == reranked, n_total
+        assert all(p < i for i, p in enumerate(tree.parents))
 
 
 def test_masks_and_positions_of_an_uneven_eagle2_tree():

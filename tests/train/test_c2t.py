@@ -30,19 +30,22 @@ SETTINGS = hv.HarvestSettings(top_k=3, depth=3, top_m=1000, max_new_tokens=15)
 Recorder = PlanController
 
 
-@pytest.mark.parametrize("kind", ["mamba", "transformer", "eagle3"])
-def test_harvest_labels_equal_the_accepted_paths_of_a_real_decode(kind):
+@pytest.mark.parametrize("kind,prompt_len", [("mamba", 9), ("transformer", 9), ("eagle3", 9), ("eagle3", 1)])
+def test_harvest_labels_equal_the_accepted_paths_of_a_real_decode(kind, prompt_len):
+    """A one-token prompt gives a drafter that reads the target's states nothing to draft from in its first round
+    (the decoder runs that round as AR): the harvest writes no rows for it (it crashed) and goes on."""
     target = load_target(tiny_llama(vocab=VOCAB, dtype=torch.float64))
     model = {"mamba": lambda: tiny_mamba(vocab=VOCAB, dtype=torch.float64),
              "transformer": lambda: noisy_copy(target.model, 0.05),
              "eagle3": lambda: eagle3_head(target.model, 0.05)}[kind]()  # reads the target: it follows the decode
     drafter = load_drafter(model, target)
-    prompt = [(5 * i + 2) % VOCAB for i in range(9)]
+    prompt = [(5 * i + 2) % VOCAB for i in range(prompt_len)]
     rows = hv.harvest_prompt(target, drafter, prompt, "p0", SETTINGS, ("t", "d"), eos=[])
     ctrl = Recorder(Eagle2Builder(3, 3, rerank=False).plan())
     SpeculativeDecoder("x", target, drafter, ctrl).generate(prompt, max_new_tokens=SETTINGS.max_new_tokens,
                                                             eos_token_id=[])
-    trees = [r for r in ctrl.rounds if r.plan is not None]
+    trees = [r for r in ctrl.rounds if r.plan is not None and len(r.tree)]
+    assert (len(ctrl.rounds[0].tree) == 0) == (prompt_len == 1)
     ids = list(dict.fromkeys(rows["tree_id"]))
     assert len(ids) == len(trees) > 1
     accepted = 0
@@ -56,6 +59,44 @@ def test_harvest_labels_equal_the_accepted_paths_of_a_real_decode(kind):
     first = [i for i, t in enumerate(rows["tree_id"]) if t == ids[0]]
     assert len(first) == 3 + 3 * 9  # a full pool: k + depth·k² nodes
     assert all(0 < rows["P"][i] <= 1 and 0 < rows["H"][i] <= torch.log(torch.tensor(VOCAB)) + 1e-6 for i in first)
+
+
+def test_harvested_features_equal_a_per_path_run_of_the_drafter():
+    """The rows C2T trains on must hold the features its decoder computes (docs/methods/c2t.md): for every node of
+    the first tree, P = the product of the drafter's probabilities along its root path, H = −Σ p·log p over the
+    top-M of its parent's distribution (not renormalised; M = 5 of 12 ids here), d = its draft layer − 1, each
+    from a plain forward of the drafter over the prompt and the node's ancestors."""
+    target = load_target(tiny_llama(vocab=VOCAB, dtype=torch.float64))
+    model = noisy_copy(target.model, 0.3)
+    drafter = load_drafter(model, target)
+    prompt = [(5 * i + 2) % VOCAB for i in range(9)]
+    settings = hv.HarvestSettings(top_k=3, depth=2, top_m=5, max_new_tokens=6)
+    rows = hv.harvest_prompt(target, drafter, prompt, "p0", settings, ("t", "d"), eos=[])
+    first = [i for i, t in enumerate(rows["tree_id"]) if t == rows["tree_id"][0]]
+    assert len(first) == 3 + 2 * 9
+    tokens = {}  # node -> its token, found from the parent's distribution below
+    with torch.no_grad():
+        def probs(ids):
+            return model(torch.tensor([ids])).logits[0, -1].double().softmax(-1)
+
+        for i in first:  # parents come before their children
+            node, parent = rows["node"][i], rows["parent"][i]
+            ancestors = []
+            up = parent
+            while up != -1:
+                ancestors.insert(0, up)
+                up = rows["parent"][first[0] + up]
+            p_parent = probs(prompt + [tokens[a] for a in ancestors])
+            top = p_parent.topk(5).values
+            assert rows["H"][i] == pytest.approx(float(-(top * top.log()).sum()), rel=1e-5)
+            assert rows["d"][i] == len(ancestors)
+            # the node's token: the one whose joint probability the harvest recorded, among its parent's top-3
+            joint_parent = rows["P"][first[0] + parent] if parent != -1 else 1.0
+            siblings = [tokens[n] for n in tokens if rows["parent"][first[0] + n] == parent]
+            cand = [int(t) for t in p_parent.topk(3).indices if int(t) not in siblings]
+            tok = cand[0]
+            tokens[node] = tok
+            assert rows["P"][i] == pytest.approx(joint_parent * float(p_parent[tok]), rel=1e-5)
 
 
 def save_models(tmp_path) -> tuple[Path, Path]:
