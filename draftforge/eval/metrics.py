@@ -271,10 +271,10 @@ def _against_ar(records: list[RunRecord], ar_records: list[RunRecord], draft_s: 
     """Speedup (ratio of medians, plus the per-repeat spread) and EESD's α = T_d / T_t (Eq. 14)."""
     out = {}
     tps, ar_tps = tokens_per_s_by_repeat(records), tokens_per_s_by_repeat(ar_records)
-    if ar_tps and tps:
+    if ar_tps and tps and statistics.median(ar_tps) > 0:
         out["speedup"] = statistics.median(tps) / statistics.median(ar_tps)
     dtps, ar_dtps = decode_tokens_per_s_by_repeat(records), decode_tokens_per_s_by_repeat(ar_records)
-    if dtps and ar_dtps:
+    if dtps and ar_dtps and statistics.median(ar_dtps) > 0:
         out["decode_speedup"] = statistics.median(dtps) / statistics.median(ar_dtps)
     per_rep = speedup_by_repeat(records, ar_records)
     out["speedup_by_repeat"], out["speedup_spread"] = per_rep, spread(per_rep)

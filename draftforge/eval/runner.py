@@ -230,7 +230,9 @@ def _summaries(cfg, records, memory, prompts, target, curve, by_length=None, own
             row["self_check"] = None
             if temp == 0 and method != "ar":
                 row["self_check"] = selfcheck.self_check(mine, ar, ids_map,
-                                                         target if cfg.self_check == "classify" else None)
+                                                         target if cfg.self_check == "classify" else None,
+                                                         eos_token_id=_eos_id(cfg, target),
+                                                         max_new_tokens=cfg.max_new_tokens)
             results.append(row)
     return results
 

@@ -197,8 +197,27 @@ def check_ar(target, context: list[int], tokens: list[int]) -> dict | None:
             i = next((k for k, (t, p) in enumerate(zip(tokens, picks)) if t != p), None)
             if i is not None:
                 found = {"position": i, **classify(target, context, tokens[:i], tokens[i], picks[i], [1])}
+                if found["verdict"] == "near_tie":  # the teacher-forced picks hold on past it: check the rest too
+                    found["later"] = [{"position": j, **classify(target, context, tokens[:j], tokens[j], picks[j], [1])}
+                                      for j in range(i + 1, len(tokens)) if tokens[j] != picks[j]]
+                    if any(d["verdict"] == "defect" for d in found["later"]):
+                        found["verdict"] = "defect"  # a near-tie, then a token the plain forward does not explain
         done[key] = found
     return done[key]
+
+
+def stopped_early(tokens: list[int], eos: set[int], budget: int | None) -> bool:
+    """An output that ends neither at an EOS nor at its token budget (None: the budget is not known)."""
+    return budget is not None and len(tokens) < budget and not (tokens and tokens[-1] in eos)
+
+
+def token_budget(target, context: list[int], max_new_tokens: int | None) -> int | None:
+    """The tokens a decode of `context` may emit: max_new_tokens, cut where the target's context ends (as the
+    engine cuts it)."""
+    if max_new_tokens is None:
+        return None
+    limit = getattr(target, "max_context", None)
+    return max_new_tokens if limit is None else min(max_new_tokens, limit - len(context))
 
 
 def later_mismatches(target, context: list[int], tokens: list[int], start: int, rows: list[int]) -> list[dict]:
@@ -215,6 +234,12 @@ def later_mismatches(target, context: list[int], tokens: list[int], start: int, 
             for k, j in enumerate(range(start, len(tokens))) if tokens[j] != picks[k]]
 
 
+def _eos_ids(eos_token_id, target) -> set[int]:
+    from draftforge.decode.engine import eos_set
+
+    return eos_set(eos_token_id, target)
+
+
 def _key(record) -> tuple[str, int]:
     return record.prompt_id, record.turn
 
@@ -224,7 +249,8 @@ def _label(key: tuple[str, int]) -> str:
     return key[0] if key[1] == 0 else f"{key[0]}#turn{key[1] + 1}"
 
 
-def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=None, check_ar_tokens: bool = True) -> dict:
+def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=None, check_ar_tokens: bool = True,
+               eos_token_id=None, max_new_tokens: int | None = None) -> dict:
     """Prompts (each turn of a multi-turn one counted alone) identical to AR in every repeat, and each differing
     output classified (needs `target`).
 
@@ -235,6 +261,10 @@ def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=Non
     earlier turn parted from AR it is not, and the turn counts under `context_differs`, neither identical nor a
     defect (the earlier turn's own verdict says why). With `check_ar_tokens` (and a target), AR's own tokens are
     checked against the model's plain forward too (`check_ar`), every repeat's; its defects count among `defects`.
+    An output after a near-tie must also end as a decode ends: at an EOS (`eos_token_id` as the run passed it;
+    None: the target's generation_config EOS) or at its token budget (`max_new_tokens`, cut at the target's
+    context; not given: AR's length where AR did not stop at an EOS); one that stops short is a defect, and so is
+    an AR output that does (where the budget is given).
     Methods are compared with AR's first repeat."""
     ar_by_key = {}
     for r in ar_records:
@@ -243,6 +273,12 @@ def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=Non
     other_context: set[tuple[str, int]] = set()
     divergences, examined = [], set()
     rows = rows_to_probe(records)
+    eos = set() if target is None else _eos_ids(eos_token_id, target)
+
+    def budget(context, ar_tokens):
+        known = token_budget(target, context, max_new_tokens)
+        return known if known is not None or (ar_tokens and ar_tokens[-1] in eos) else len(ar_tokens)
+
     for r in records:
         key, ar = _key(r), ar_by_key.get(_key(r))
         if ar is None:
@@ -263,6 +299,8 @@ def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=Non
                     found["later"] = later_mismatches(target, context, r.tokens, i + 1, rows)
                     if any(d["verdict"] == "defect" for d in found["later"]):
                         found["verdict"] = "defect"  # a near-tie, then a token its own context cannot explain
+                    if stopped_early(r.tokens, eos, budget(context, ref)):
+                        found["verdict"], found["stopped_early"] = "defect", True  # no tie explains a missing end
             else:
                 found["verdict"] = "unchecked" if target is None else "defect"
             divergences.append(found)
@@ -275,7 +313,10 @@ def self_check(records, ar_records, prompt_ids: dict[str, list[int]], target=Non
             if key not in identical or (key, tuple(ar.tokens)) in checked:
                 continue
             checked.add((key, tuple(ar.tokens)))
-            found = check_ar(target, prompt_ids[key[0]] if ar.context is None else ar.context, ar.tokens)
+            context = prompt_ids[key[0]] if ar.context is None else ar.context
+            found = check_ar(target, context, ar.tokens)
+            if found is None and stopped_early(ar.tokens, eos, token_budget(target, context, max_new_tokens)):
+                found = {"position": len(ar.tokens), "verdict": "defect", "stopped_early": True}
             if found is not None:
                 ar_divergences.append({"prompt_id": key[0], "turn": key[1], "repeat": ar.repeat, **found})
     verdicts = [d["verdict"] for d in divergences]

@@ -258,6 +258,50 @@ def test_a_missing_token_is_a_defect_and_no_target_means_unchecked():
     assert unchecked["divergences"][0]["verdict"] == "unchecked" and not unchecked["near_tie_checked"]
 
 
+def test_ar_is_checked_past_its_first_near_tie():
+    """Tokens 4 and 9 tie exactly at every position, 7 is 2.0 below them. AR (and a method agreeing with it) emits
+    9 then 7: the first is a tie flip, the second no rounding explains. check_ar stopped at the first difference,
+    so a harness that computed both wrongly passed as identical with 0 defects."""
+    logits = torch.zeros(10)
+    logits[4] = logits[9] = 2.0
+    ar = [rec("ar", DecodeStats(), pid="a", tokens=[9, 7])]
+    same = [rec("chain", DecodeStats(drafted_per_round=[3]), pid="a", tokens=[9, 7])]
+    sc = selfcheck.self_check(same, ar, {"a": [0, 1, 2]}, FixedLogitsTarget(logits, dtype=torch.bfloat16))
+    assert (sc["identical"], sc["ar_defects"], sc["defects"]) == (1, 1, 1)
+    d = sc["ar_divergences"][0]
+    assert d["position"] == 0 and [(x["position"], x["verdict"]) for x in d["later"]] == [(1, "defect")]
+    selfcheck._AR_CHECKED.clear()
+    tie_only = [rec("ar", DecodeStats(), pid="a", tokens=[9, 4])]  # a flip, then the forward's own pick: fine
+    sc = selfcheck.self_check([rec("chain", DecodeStats(), pid="a", tokens=[9, 4])], tie_only, {"a": [0, 1, 2]},
+                              FixedLogitsTarget(logits, dtype=torch.bfloat16))
+    assert (sc["ar_near_ties"], sc["defects"]) == (1, 0)
+
+
+def test_an_output_that_stops_short_after_a_near_tie_is_a_defect():
+    """After a tie flip only the method's own tokens were checked, so an output cut short (no EOS, fewer tokens than
+    its budget) passed as a near-tie. It must end at an EOS or at its budget: max_new_tokens where given, else
+    AR's length where AR did not stop at an EOS."""
+    logits = torch.zeros(10)
+    logits[4] = logits[9] = 2.0
+    ar = [rec("ar", DecodeStats(), pid="a", tokens=[4] * 6)]
+    ids = {"a": [0, 1, 2]}
+
+    def verdict(tokens, **kw):
+        method = [rec("chain", DecodeStats(drafted_per_round=[3]), pid="a", tokens=tokens)]
+        sc = selfcheck.self_check(method, ar, ids, FixedLogitsTarget(logits, dtype=torch.bfloat16),
+                                  check_ar_tokens=False, **kw)
+        return sc["divergences"][0]["verdict"]
+
+    assert verdict([9]) == "defect"  # 1 token where AR's 6 (no EOS) say the budget is 6
+    assert verdict([9] + [4] * 5) == "near_tie"  # the flip, then the whole budget
+    assert verdict([9, 4], eos_token_id=[4]) == "near_tie"  # ends at an EOS: a decode may stop there
+    assert verdict([9] + [4] * 5, max_new_tokens=8) == "defect"  # the run's budget was 8 (AR's 6 is not it)
+    # AR itself stopping short of a given budget is a defect too
+    sc = selfcheck.self_check([rec("chain", DecodeStats(), pid="a", tokens=[4] * 6)], ar, ids,
+                              FixedLogitsTarget(logits, dtype=torch.bfloat16), max_new_tokens=8)
+    assert sc["ar_defects"] == 1 and sc["ar_divergences"][0]["stopped_early"]
+
+
 @pytest.mark.parametrize("sampler", [False, True])  # kernel high-water mark, and the sampling fallback
 def test_pass_memory_on_cpu_is_rss_at_start_and_the_pass_peak_above_it(sampler):
     import psutil
