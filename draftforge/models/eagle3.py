@@ -253,6 +253,15 @@ class Eagle3Head(FeatureHead):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self._register_vocab(c.draft_vocab)
 
+    def _apply(self, fn, recurse=True):
+        """`.to(bfloat16)` (a head loaded for a bf16 target) would round the rotation frequencies too, an angle
+        error growing with position (0.37 rad at 2,048); they stay float32, as training and vLLM keep them."""
+        inv_freq = self.inv_freq
+        out = super()._apply(fn, recurse)
+        if self.inv_freq.dtype in (torch.bfloat16, torch.float16):
+            self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return out
+
     # ---- the pieces
 
     def rope(self, positions: torch.Tensor):

@@ -50,7 +50,8 @@ class Eagle3TaskConfig:
     steps: int = doc(5, "training-time test: drafting steps unrolled per anchor (each feeds the head its own "
                         "previous output state); SpecForge's default is 7, each costs one head forward")
     step_decay: float = doc(0.8, "step k's loss weighs step_decay^k (SpecForge's 0.8)")
-    loss: str = doc("kl", "'kl' (forward KL to the target at `temperature`), 'tvd' (1 − α at T=1) or 'mix'")
+    loss: str = doc("kl", "'kl' (forward KL to the target at `temperature`), 'tvd' (1 − α at T=1; for a reduced head, "
+                                "against the target renormalised to its draft ids) or 'mix'")
     temperature: float = doc(1.0, "softmax temperature of target and head in the KL (scaled by τ²)")
     kl_weight: float = doc(1.0, "weight of the KL with loss kl or mix")
     tvd_weight: float = doc(1.0, "weight of the TVD with loss tvd or mix")
@@ -92,6 +93,9 @@ def check_eagle3(recipe: Recipe) -> None:
 
     require(bool(recipe.model.target), "model.target", "eagle3 trains a head on a frozen target: set model.target")
     cfg = recipe.task_options or Eagle3TaskConfig()
+    require(cfg.steps < recipe.train.block_size, "eagle3.steps",
+            f"{cfg.steps} unrolled steps need blocks of more tokens (step k is scored k + 1 tokens past its anchor): "
+            f"train.block_size is {recipe.train.block_size}; lower eagle3.steps or raise train.block_size")
     if Path(recipe.model.target).expanduser().is_dir() and cfg.aux_layers is not None:
         config = load_config(recipe.model.target, "model.target")
         check_aux_layers(cfg.aux_layers, config.num_hidden_layers)

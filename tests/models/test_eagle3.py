@@ -53,6 +53,21 @@ def test_fusion_is_one_linear_map_of_the_stacked_states():
     torch.testing.assert_close(head.fuse(torch.cat(states, -1)), by_hand, rtol=0, atol=1e-12)
 
 
+def test_a_head_cast_to_bf16_keeps_float32_rotation_frequencies():
+    """A head loaded for a bf16 target is cast with .to(bfloat16); its inv_freq became bf16 too (relative error up to
+    3.7e-3, an angle error of 0.37 rad at position 2,048), which training (fp32 under autocast) and vLLM never see.
+    The angles at position 2,048 must be the float32 head's."""
+    head = Eagle3Head(Eagle3Config.from_target(tiny_target().config))
+    exact = head.inv_freq.clone()
+    assert exact.dtype == torch.float32
+    low = Eagle3Head(Eagle3Config.from_target(tiny_target().config)).to(torch.bfloat16)
+    assert low.inv_freq.dtype == torch.float32 and torch.equal(low.inv_freq, exact)
+    cos, sin = low.rope(torch.tensor([2048]))
+    cos32, sin32 = head.rope(torch.tensor([2048]))
+    assert torch.equal(cos, cos32.to(torch.bfloat16)) and torch.equal(sin, sin32.to(torch.bfloat16))
+    assert Eagle3Head(Eagle3Config.from_target(tiny_target().config)).double().inv_freq.dtype == torch.float64
+
+
 @pytest.mark.parametrize("steps", [1, 3])
 def test_training_time_test_equals_drafting_the_chain_step_by_step(steps):
     """ttt_forward's output at anchor t, step k == the head run as the drafter runs it: the anchors 0..t fed with
@@ -403,3 +418,36 @@ def test_a_draft_vocabulary_of_every_id_exports_no_maps(tmp_path):
     with pytest.raises(CompatibilityError, match="ascending"):
         save_head(shuffled, target.config, None, tmp_path / "shuffled", {"target": "tiny"}, steps=3)
     assert not (tmp_path / "shuffled").exists()
+
+
+def test_tree_nodes_see_the_anchors_and_their_own_ancestors_at_their_positions():
+    """Lossless decoding hides what a drafter proposes, so node logits are checked directly: a tree with two children
+    of the root and a grandchild under the second, against a chain drafted through Eagle3Head.step (the anchors,
+    then root -> 8 -> 13 at positions n, n + 1). A node position off by one (0.48 off) or a node that misses its
+    ancestors or sees its parent's sibling (0.29 off) both passed every other test."""
+    from draftforge.decode import load_drafter, load_target
+
+    target_model = tiny_target(layers=4)
+    head = random_head(target_model)
+    with torch.no_grad():
+        head.layers[0].self_attn.q_proj.weight.mul_(0.2)  # attention weights that are not one-hot
+        head.layers[0].self_attn.k_proj.weight.mul_(0.2)
+    target = load_target(target_model)
+    drafter = load_drafter(head, target)
+    seq = [5, 17, 3, 9, 22, 7, 11]
+    target.prefill(seq)
+    drafter.reset()
+    drafter.begin(seq)
+    level1 = drafter.feed([-1, -1], [4, 8], [0, 1])
+    level2 = drafter.feed([1], [13], [2])
+    n = len(seq)
+    with torch.no_grad():
+        states = target_model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+        aux = torch.cat([states[i][0] for i in head.config.aux_layers], -1)[: n - 1]
+        cache = head.new_cache()
+        last = head.step(torch.tensor(seq[1:]), head.fuse(aux), torch.arange(1, n), cache, None)[-1]
+        out1 = head.step(torch.tensor([8]), last[None], torch.tensor([n]), cache, None)
+        out2 = head.step(torch.tensor([13]), out1, torch.tensor([n + 1]), cache, None)
+    # the drafter hands out float32 logits: 1e-5 covers their rounding, far below either break
+    torch.testing.assert_close(level1[1:2].double(), head.logits(out1).double(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(level2.double(), head.logits(out2).double(), rtol=0, atol=1e-5)

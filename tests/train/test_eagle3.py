@@ -121,6 +121,12 @@ def test_bad_recipes_are_refused(tmp_path, target_dir):
         recipe_from_dict(recipe(tmp_path, target_dir, rows, steps=0))
     with pytest.raises(RecipeError, match="eagle3.body"):
         recipe_from_dict(recipe(tmp_path, target_dir, rows, body="rwkv"))
+    short = recipe(tmp_path, target_dir, rows, steps=12)  # more steps than an 8-token block has anchors for
+    short["train"]["block_size"] = 8
+    with pytest.raises(RecipeError, match="eagle3.steps.*train.block_size is 8"):  # eval crashed mid-run
+        recipe_from_dict(short)
+    short["eagle3"]["steps"] = 7
+    recipe_from_dict(short)
     with pytest.raises(RecipeError, match="eagle3.loss"):
         recipe_from_dict(recipe(tmp_path, target_dir, rows, loss="ce"))
     values = recipe(tmp_path, target_dir, rows)
