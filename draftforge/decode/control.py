@@ -138,9 +138,6 @@ class UCBTree(Controller):
         self.last_arm = untried[0] if untried else max(range(len(self.arms)), key=scores.__getitem__)
         return self.plans[self.last_arm]
 
-    def reward(self, shape: TreeShape | None, n_emitted: int) -> float:
-        return -(1.0 / n_emitted + self.lambda_gamma * _depth(shape) / n_emitted)
-
     def feedback(self, rnd: Round) -> None:
         self.record(rnd.shape, rnd.n_emitted, rnd.draft_time_s, rnd.verify_time_s)
 
