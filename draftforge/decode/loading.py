@@ -71,7 +71,7 @@ def load_hf_causal_lm(model_or_path, device, dtype, what: str, pack_weights: str
             tokenizer = AutoTokenizer.from_pretrained(str(model_or_path))
         except (OSError, ValueError, TypeError):
             tokenizer = None  # a bare checkpoint without tokenizer files is still usable with token ids
-    if dtype is not None:
+    if dtype is not None and model.dtype != dtype:  # loaded in it already: a cast would round RoPE's inv_freq too
         model = model.to(dtype)
     model = model.to(device).eval()
     if pack_weights == "on" or (pack_weights == "auto" and not given):

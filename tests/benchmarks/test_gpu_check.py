@@ -179,6 +179,10 @@ def test_dry_run_end_to_end_on_cpu(tmp_path):
     feature = steps["feature_eval"]["result"]["table"]["rows"]  # drafter, method, ..., self-check vs AR
     assert {(r[0], r[1]) for r in feature} == {(d, m) for d in ("eagle3", "feature_mamba2")
                                                for m in ("chain", "tree", "eagle2")}
-    assert all(r[-1] == "2/2" for r in feature), feature  # the dry run's 2 prompts, each identical to AR
+    # the dry run's 2 prompts, each identical to AR or parting from it only at a near-tie (a tiny random bf16
+    # target has top-2 logit margins below the multi-row noise: 0.0018 against 0.0031 measured on 2026-12-03)
+    checks = [r["self_check"] for r in steps["feature_eval"]["result"]["rows"]]
+    assert all(c["defects"] == 0 and c["identical"] + c["near_ties"] == c["total"] == 2 for c in checks), feature
+    assert all(abs(d["gap"]) < 0.02 for c in checks for d in c["divergences"]), feature  # a few bf16 ulps at most
     assert "| step | what | status | seconds | result |" in (out / "check.md").read_text()
     assert done.returncode == 0 and "5 ok, 0 failed, 1 skipped in" in done.stdout.strip().splitlines()[-1]

@@ -105,6 +105,24 @@ def test_a_tie_by_construction_is_a_near_tie_and_a_far_token_a_defect(tiny):
     assert (sc["near_ties"], sc["defects"]) == (0, 1) and sc["divergences"][0]["gap"] > 2 * sc["divergences"][0]["noise"]
 
 
+def test_a_bf16_target_is_the_model_transformers_loads_in_bf16(tiny):
+    """load_target(dtype=bf16) loaded the checkpoint in bf16 and then cast it again with .to(bf16), which also rounded
+    RoPE's inv_freq buffer (transformers keeps it float32): an angle error growing with position, so draftforge's
+    bf16 target was not the model a user's from_pretrained(dtype=bfloat16) gives, nor vLLM's. At positions past 200
+    the last logits must equal transformers' own bf16 model's bitwise."""
+    from transformers import AutoModelForCausalLM
+
+    path, prompt, _ = tiny
+    target = load_target(path, dtype=torch.bfloat16, pack_weights="off")
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    assert target.model.model.rotary_emb.inv_freq.dtype == torch.float32
+    ids = torch.tensor([(prompt * 40)[:230]])
+    with torch.no_grad():
+        mine_V = target.model(input_ids=ids).logits[0, -1]
+        want_V = theirs(input_ids=ids).logits[0, -1]
+    assert torch.equal(mine_V, want_V)
+
+
 def test_multi_row_logits_differ_from_one_row_only_by_rounding(tiny):
     """The noise the classifier allows for stays small: a verification of 4 rows gives the 1-row logits to within
     1e-4 in fp32 and 0.25 in bf16 (whether bf16 rows differ at all depends on the kernels: on this tiny model they
