@@ -241,6 +241,21 @@ def _read_meta(meta_file: Path) -> dict:
         raise DataError(f"{meta_file}: not readable JSON ({e}); harvest again into a new --out") from None
 
 
+def check_depth_origin(sources) -> None:
+    """Each harvest's recorded depth origin (its harvest.json) must be the one the classifier and its builder use:
+    its d column would otherwise train a head that reads every layer one off. Harvests from before it was
+    recorded counted from DEPTH_ORIGIN too (it never changed)."""
+    from draftforge.models.c2t import DEPTH_ORIGIN
+
+    for src in map(Path, sources):
+        meta_file = (src if src.is_dir() else src.parent) / META_FILE
+        meta = _read_meta(meta_file) if meta_file.is_file() else {}
+        if meta.get("depth_origin", DEPTH_ORIGIN) != DEPTH_ORIGIN:
+            raise CompatibilityError(f"harvest {src} counts draft depth d from {meta['depth_origin']!r} "
+                                     f"({meta_file}), but this code's C2T classifier gives the first draft layer "
+                                     f"d={DEPTH_ORIGIN}; harvest again with this version (draftforge harvest trees)")
+
+
 def check_tokenizer(sources, tokenizer) -> None:
     """Each harvest's recorded tokenizer (its harvest.json) must be `tokenizer`; one notice for those that
     record none (harvested before fingerprints, by a target without tokenizer files, or loose shards)."""
@@ -270,6 +285,7 @@ def load_harvest(sources, target_fingerprint: str | None = None, tokenizer=None)
 
     from draftforge.data.sources import no_datasets_bars
 
+    check_depth_origin(sources)
     check_tokenizer(sources, tokenizer)
     parts = []
     for k, src in enumerate(map(Path, sources)):

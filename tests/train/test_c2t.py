@@ -8,6 +8,7 @@ compares the accepted path of every round with the harvest's label-1 nodes of th
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import datasets
@@ -246,6 +247,12 @@ def test_harvest_bad_input(harvested, tmp_path, capsys):
         hv.load_harvest([out], target_fingerprint="f" * 16)
     with pytest.raises(DataError, match="no parquet shards"):
         hv.load_harvest([tmp_path / "nothing"])
+    shifted = tmp_path / "shifted"  # a harvest counting d from 1 would train a head reading every layer one off
+    shutil.copytree(out, shifted)
+    meta = json.loads((shifted / hv.META_FILE).read_text())
+    (shifted / hv.META_FILE).write_text(json.dumps({**meta, "depth_origin": 1}))
+    with pytest.raises(CompatibilityError, match=r"counts draft depth d from 1 .* first draft layer d=0"):
+        hv.load_harvest([out, shifted])
 
 
 def c2t_recipe(tmp_path, t_dir, out, **task) -> dict:
