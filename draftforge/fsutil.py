@@ -243,24 +243,47 @@ def shared_lock(out, what: str, main: bool = True, share=None):
     """Hold `OutputLock(out, what)` for the block across the processes of one launch: the main process takes it
     (a lock whose process died is taken over) and `share(problem)` hands its verdict to every process (returns the
     main process's value; None for one process), so all of them stop with the same line when another command holds
-    it. Without a parent directory yet there is nothing to lock beside and nothing to collide with."""
+    it. A parent directory that does not exist yet is made for the lock (two commands starting into the same new
+    `runs/x` collide as surely as into an existing one); those of the directories it made that are still empty at
+    the end are removed again, so a refused command leaves nothing behind."""
     from draftforge.errors import DraftforgeError
 
-    lock, problem = None, None
+    lock, problem, made = None, None, []
     if main:
         out = Path(out).expanduser().resolve()
-        if out.name and out.parent.is_dir():
+        if out.name:
+            made = _make_parents(out.parent)
             lock = OutputLock(out, what)
             try:
                 lock.__enter__()
             except DraftforgeError as e:
                 lock, problem = None, str(e)
-    if share is not None:
-        problem = share(problem)
-    if problem:
-        raise DraftforgeError(problem)
     try:
+        if share is not None:
+            problem = share(problem)
+        if problem:
+            raise DraftforgeError(problem)
         yield
     finally:
         if lock is not None:
             lock.__exit__(None, None, None)
+        for directory in made:  # deepest first; one that now holds anything stays
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+
+
+def _make_parents(directory: Path) -> list[Path]:
+    """mkdir -p `directory`; the directories it made, deepest first ([] where it existed or cannot be made: the
+    lock's own error then says why)."""
+    missing = []
+    while not directory.exists() and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+    except OSError:
+        return [d for d in missing if d.is_dir()]
+    return missing

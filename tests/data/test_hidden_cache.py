@@ -205,3 +205,37 @@ def test_two_processes_split_the_rows_once_and_write_the_single_process_cache(tm
     out = tmp_path / "two"
     events = harvest_as_two_processes(monkeypatch, lambda: harvest(target_dir, rows_file, out))
     assert_split_is_the_single_process_harvest(events, out, cache_dir)
+
+
+def test_a_second_harvest_into_the_same_new_out_is_refused_while_the_first_runs(tmp_path, target_dir, rows_file,
+                                                                               monkeypatch):
+    """Two harvests started into one --out whose parent did not exist yet took no lock: the second, run to the end
+    while the first loaded its target, left shards the first then kept as its own and marked complete under its
+    own settings (another target's states served as this one's). Now the first holds the lock from the start."""
+    import draftforge.harvest.logits as logits_harvest
+    from draftforge.errors import DraftforgeError
+
+    out, real, refusals = tmp_path / "runs" / "new" / "cache", logits_harvest._load_target, []
+
+    def load_while_another_starts(target, plan):
+        try:
+            harvest(target_dir, rows_file, out, top_k=4)
+        except DraftforgeError as e:
+            refusals.append(str(e))
+        return real(target, plan)
+
+    monkeypatch.setattr(logits_harvest, "_load_target", load_while_another_starts)
+    manifest = harvest(target_dir, rows_file, out)
+    assert len(refusals) == 1 and f"{out} is being written by another draftforge harvest" in refusals[0]
+    assert manifest["complete"] and manifest["top_k"] == SETTINGS["top_k"]
+
+
+def test_the_lock_makes_a_missing_parent_and_removes_it_when_nothing_was_written(tmp_path):
+    from draftforge.fsutil import shared_lock
+
+    with shared_lock(tmp_path / "a" / "b" / "out", "draftforge harvest"):
+        assert (tmp_path / "a" / "b" / ".out.lock").is_file()
+    assert list(tmp_path.iterdir()) == []  # a refused or empty command leaves nothing behind
+    with shared_lock(tmp_path / "a" / "b" / "out", "draftforge harvest"):
+        (tmp_path / "a" / "b" / "out").mkdir()
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["a", "a/b", "a/b/out"]
