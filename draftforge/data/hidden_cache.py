@@ -23,6 +23,7 @@ from draftforge.data.logits_cache import HIDDEN_KIND, LogitsCache, check_rows_ma
 from draftforge.errors import CompatibilityError, DataError
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STORED = {"float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2"), "float16": np.dtype("<f2")}  # as _memmaps reads them
 
 
 class HiddenCache(LogitsCache):
@@ -48,6 +49,11 @@ class HiddenCache(LogitsCache):
             if not ok or mm["states"].shape[1:] != (m["state_width"],):
                 raise DataError(f"{self.WHAT} shard {cache_dir / entry['file']} does not hold the states of rows "
                                 f"{a}..{b}, {m['state_width']} values per token, as its manifest says; {self.fix}")
+            want = STORED.get(m["store"]["states"])
+            if want is not None and mm["states"].dtype != want:
+                raise DataError(f"{self.WHAT} shard {cache_dir / entry['file']} stores its states as "
+                                f"{mm['states'].dtype.str[1:]}, but its manifest says {m['store']['states']} "
+                                f"({want.str[1:]}): the shard is not this harvest's; {self.fix}")
 
     def block_columns(self, row: int, n_tokens: int) -> dict[str, list[int]]:
         """The logits cache's `cache` column, and `state`: the global index of each token's states (-100: none)."""

@@ -239,3 +239,18 @@ def test_the_lock_makes_a_missing_parent_and_removes_it_when_nothing_was_written
     with shared_lock(tmp_path / "a" / "b" / "out", "draftforge harvest"):
         (tmp_path / "a" / "b" / "out").mkdir()
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["a", "a/b", "a/b/out"]
+
+
+def test_shards_stored_in_another_dtype_than_the_manifest_says_are_refused(tmp_path, cache_dir):
+    # what the unlocked race above produced: a bfloat16 manifest over float32 shards; training then died on a
+    # shape mismatch deep in the collate (each fp32 row read as two bf16 rows' bits)
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(cache_dir, copy)
+    manifest = json.loads((copy / "harvest.json").read_text())
+    manifest["store"]["states"] = "bfloat16"
+    (copy / "harvest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"shard-00000.safetensors stores its states as f4, but its manifest says "
+                                        r"bfloat16 \(u2\): the shard is not this harvest's; rerun"):
+        open_cache(copy, HiddenCache)
