@@ -370,9 +370,15 @@ def _start(out: Path, plan: Plan, overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for path in _ours(out, "safetensors.tmp"):  # a killed write's half shard (the lock keeps out live ones)
         path.unlink(missing_ok=True)
-    if overwrite:
-        for path in [*_ours(out, "safetensors"), *_ours(out, "json"), out / DRAFT_VOCAB_FILE]:
-            path.unlink(missing_ok=True)
+    if overwrite and (out / MANIFEST).is_file():  # the replaced harvest's own files: its shards, and its vocabulary
+        old = read_manifest(out, plan.manifest["kind"])
+        n = old.get("num_shards") if isinstance(old.get("num_shards"), int) else 0
+        for path in [p for p in _ours(out, "safetensors") if _index(p) < n]:
+            path.unlink()
+        for path in [p for p in _ours(out, "json") if _index(p) < n and _read_record(p) is not None]:
+            path.unlink()
+        if old.get("draft_vocab"):
+            (out / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
     if plan.draft_ids is not None:
         atomic_write_text(out / DRAFT_VOCAB_FILE, json.dumps(plan.draft_ids) + "\n")
     old = read_manifest(out, plan.manifest["kind"]) if (out / MANIFEST).is_file() and not overwrite else {}
@@ -397,12 +403,29 @@ def _records(out: Path, kind: str) -> dict[int, dict]:
     if (out / MANIFEST).is_file():
         found.update({e["index"]: e for e in read_manifest(out, kind).get("shards", [])})
     for path in _ours(out, "json"):
-        try:
-            entry = json.loads(path.read_text())
-        except ValueError:
-            continue  # an unreadable record: its shard is harvested again
-        found[entry["index"]] = entry
+        entry = _read_record(path)
+        if entry is not None:  # else unreadable, or not a record of this shard: the shard is harvested again
+            found[entry["index"]] = entry
     return found
+
+
+def _index(path: Path) -> int:
+    """The shard index in a name _ours matched (shard-00012.json: 12)."""
+    return int(path.name.split(".")[0].removeprefix("shard-"))
+
+
+def _read_record(path: Path) -> dict | None:
+    """The shard record a harvest wrote at `path`, or None for anything else there (unreadable, or not the record
+    of that shard: a file the harvest did not write is neither trusted nor deleted)."""
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    index = _index(path)
+    ok = (isinstance(entry, dict) and entry.get("index") == index and entry.get("file") == shard_name(index)
+          and isinstance(entry.get("rows"), list) and isinstance(entry.get("bytes"), int)
+          and isinstance(entry.get("sha256"), str))
+    return entry if ok else None
 
 
 def _harvest_shards(model, plan: Plan, out: Path, mine: list[int], done: dict, progress: bool) -> None:
@@ -453,8 +476,10 @@ def _merge(out: Path, manifest: dict) -> None:
         if problem:
             raise DataError(f"harvest in {out}: {problem}; rerun with --resume")
     atomic_write_text(out / MANIFEST, json.dumps({**manifest, "shards": shards, "complete": True}, indent=2) + "\n")
-    for index in range(manifest["num_shards"]):
-        _record_path(out, index).unlink(missing_ok=True)  # the manifest holds them now
+    for index in range(manifest["num_shards"]):  # the manifest holds them now
+        path = _record_path(out, index)
+        if path.is_file() and _read_record(path) is not None:
+            path.unlink()
 
 
 @torch.inference_mode()

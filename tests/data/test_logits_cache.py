@@ -687,17 +687,24 @@ def test_an_out_holding_someone_elses_files_is_never_written_into(tmp_path, targ
 
 def test_a_users_own_file_inside_a_harvest_is_neither_read_nor_deleted(tmp_path, target_dir, rows_file, cache_dir):
     """shard-notes.json beside the shards: --overwrite deleted it (it matched shard-*.json), and --resume read it as a
-    shard record; only the harvest's own names (shard-NNNNN.*) are its files."""
+    shard record; only the harvest's own names (shard-NNNNN.*) are its files. A file under a record's name that is
+    not a record crashed --resume (KeyError 'index'); --overwrite deleted a draft_vocab.json the replaced harvest
+    never had and shards past its count."""
     import shutil
 
     out = tmp_path / "cache"
     shutil.copytree(cache_dir, out)
-    notes = out / "shard-notes.json"
-    notes.write_text('{"note": "mine"}\n')
+    mine = {"shard-notes.json": '{"note": "mine"}\n', "shard-00001.json": '{"mine": 2}\n', "shard-00002.json": "[1, 2]\n",
+            "draft_vocab.json": "[1, 2, 3]\n", "shard-00099.safetensors": "not a shard\n"}
+    for name, text in mine.items():
+        (out / name).write_text(text)
     _harvest(target_dir, rows_file, out, resume=True)
-    _harvest(target_dir, rows_file, out, overwrite=True)
-    assert notes.read_text() == '{"note": "mine"}\n'
-    assert _shard_bytes(out) == _shard_bytes(cache_dir) and open_cache(out).manifest["complete"]
+    assert {name: (out / name).read_text() for name in mine} == mine
+    _harvest(target_dir, rows_file, out, overwrite=True)  # it writes its records under its own names, shard-00001.json
+    kept = {name: text for name, text in mine.items() if name not in ("shard-00001.json", "shard-00002.json")}
+    assert {name: (out / name).read_text() for name in kept} == kept
+    theirs = {name: data for name, data in _shard_bytes(out).items() if name not in mine}
+    assert theirs == _shard_bytes(cache_dir) and open_cache(out).manifest["complete"]
 
 
 def test_a_config_edit_a_row_only_labelled_at_its_first_token_and_an_equivalent_draft_map(tmp_path, target_dir,
