@@ -391,9 +391,10 @@ class LogitsCache:
         config = self.manifest.get("target_config")  # caches from before it was recorded: weights only
         if config is not None and config_fingerprint(target) not in (None, config):
             raise CompatibilityError(f"{self.WHAT} {self.dir} was harvested from target {self.manifest.get('target')} "
-                                     f"with another config.json than model.target {target} has now (e.g. RoPE "
-                                     "scaling or a norm epsilon edited since): its logits and states are another "
-                                     "model's; harvest again with this config, or restore the old one")
+                                     f"with another config.json than model.target {target} has now (another "
+                                     "model, or its config edited since, e.g. RoPE scaling): its logits and states "
+                                     "are another model's; harvest again with this target, or restore the old "
+                                     "config")
         recorded = self.manifest.get("target_files")
         if recorded is not None and stored_weights_fingerprint(target) == recorded:
             return "its stored weight files match"

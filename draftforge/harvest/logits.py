@@ -339,7 +339,10 @@ def _existing(out: Path, manifest: dict, resume: bool, overwrite: bool) -> dict 
 
     changed = [f"{k} {old.get(k)} -> {manifest.get(k)}" for k in SETTING_KEYS if not same(k)]
     if "target_config" in old and old["target_config"] != manifest.get("target_config"):  # older: not recorded
-        changed.append("the target's config.json (edited since the harvest started)")
+        same_path = str(old.get("target")) == str(manifest.get("target"))
+        changed.append(f"the target's config.json ({old.get('target')}'s, edited since the harvest started)"
+                       if same_path else f"the target's config.json ({old.get('target')} -> {manifest.get('target')}: "
+                                         "another model)")
     if old["rows"].get("sha256") != manifest["rows"]["sha256"]:
         changed.append(f"rows file sha256 {str(old['rows'].get('sha256'))[:12]} -> {manifest['rows']['sha256'][:12]}")
     if changed:

@@ -6,6 +6,7 @@ and a drafter distilled from the cache without the teacher ever loading."""
 from __future__ import annotations
 
 import json
+import re
 import math
 import random
 import subprocess
@@ -720,8 +721,8 @@ def test_a_config_edit_a_row_only_labelled_at_its_first_token_and_an_equivalent_
     out = tmp_path / "killed"
     with pytest.raises(KeyboardInterrupt):
         _harvest(target_dir, rows_file, out, stop_after=1)
-    with pytest.raises(CompatibilityError, match="config.json"):
-        _harvest(edited, rows_file, out, resume=True)
+    with pytest.raises(CompatibilityError, match=re.escape(f"config.json ({target_dir} -> {edited}: another model)")):
+        _harvest(edited, rows_file, out, resume=True)  # both named (it said only "edited since the harvest started")
     _refused(cached_recipe(tmp_path, edited, rows_file, cache_dir), CompatibilityError, "another config.json")
     drafted = tmp_path / "drafted"
     with pytest.raises(KeyboardInterrupt):
