@@ -32,8 +32,8 @@ def harvest_hidden(target, rows, out, *, layers=None, pad_to_longest=False, **se
 
 
 def layer_ids(text: str) -> tuple[int, ...]:
-    """--layers 2,15,27 -> (2, 15, 27); ValueError for anything but integers."""
-    return tuple(int(part) for part in text.split(",") if part.strip())
+    """--layers 2,15,27 -> (2, 15, 27); ValueError for anything but integers (an empty item, as in 1,,2, too)."""
+    return tuple(int(part) for part in text.split(","))
 
 
 # ---------------------------------------------------------------- command line
