@@ -28,6 +28,7 @@ Legend: E entries (positions) of a shard, K top-k, R rows, B blocks, S block siz
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -283,8 +284,9 @@ class LogitsCache:
                 problem = shard_problem(cache_dir, entry, quick=True)
                 if problem:
                     raise DataError(f"{self.WHAT} shard {problem}; {self.fix}")
-            maps = [_memmaps(cache_dir / e["file"]) for e in m["shards"]]
-            self._check_layout(cache_dir, m, maps)
+            with self._blaming_damage([cache_dir]):
+                maps = [_memmaps(cache_dir / e["file"]) for e in m["shards"]]
+                self._check_layout(cache_dir, m, maps)
             self.maps += maps
             row_starts += [offset + e["rows"][0] for e in m["shards"]]
             offset += m["rows"]["count"]
@@ -351,7 +353,23 @@ class LogitsCache:
 
     def check_rows(self, rows: list[dict], block_size: int) -> None:
         """The rows files' rows are the cache's (DataError naming the first that is not)."""
-        check_rows_match(self, rows, block_size)
+        with self._blaming_damage(self.dirs):
+            check_rows_match(self, rows, block_size)
+
+    @contextlib.contextmanager
+    def _blaming_damage(self, dirs):
+        """A DataError in the block becomes "shard ... is corrupt" where a shard of `dirs` no longer hashes as written:
+        the start's quick check trusts a shard with its recorded size and mtime, which damage under a restored mtime
+        (a copy with cp -p, then bit rot) keeps, and the layout or rows check that trips on it would blame the rows."""
+        try:
+            yield
+        except DataError:
+            for cache_dir, m in zip(self.dirs, self.manifests):
+                for entry in m["shards"] if cache_dir in dirs else []:
+                    problem = shard_problem(cache_dir, entry)
+                    if problem:
+                        raise DataError(f"{self.WHAT} shard {problem}; {self.fix}") from None
+            raise
 
     def gather(self, index_E: np.ndarray) -> dict[str, np.ndarray]:
         """The TENSORS entries at global indices index_E (any order)."""
@@ -483,8 +501,11 @@ def check_rows_match(cache: LogitsCache, rows: list[dict], block_size: int) -> N
         have, _ = cache.row_positions(i)
         want = loss_positions(row["labels"], cache.max_len)
         if len(have) != len(want) or not np.array_equal(have, want):
+            j = None if len(have) != len(want) else int(np.flatnonzero(np.asarray(have) != np.asarray(want))[0])
+            how = (f"{len(want)} positions vs {len(have)}" if j is None else
+                   f"{len(want)} each; entry {j} is position {want[j]} here, {int(have[j])} in the cache")
             raise DataError(f"{row['where']}: its loss positions are not those {cache.WHAT} {cache.name} holds for "
-                            f"row {i} ({len(want)} vs {len(have)}); the rows changed since the harvest: harvest again")
+                            f"row {i} ({how}); the rows changed since the harvest: harvest again")
         if block_size > cache.max_len and len(loss_positions(row["labels"], block_size)) > len(want):
             raise DataError(f"{cache.WHAT} {cache.name} was harvested with --max-len {cache.max_len}, but "
                             f"train.block_size is {block_size} and {row['where']} has loss positions past "

@@ -784,6 +784,33 @@ def test_a_training_start_hashes_only_the_shards_whose_size_or_time_moved(tmp_pa
     assert hashed == ["shard-00001.safetensors"]
 
 
+def test_damage_under_a_kept_mtime_is_named_as_a_corrupt_shard(tmp_path, target_dir, rows_file, cache_dir,
+                                                                tiny_tokenizer_dir):
+    """The quick check takes a shard with its recorded size and mtime as written; damaged in place with the mtime
+    restored, a zeroed header said "not a readable safetensors file" with no fix, and zeroed loss positions blamed
+    the rows ("the rows changed since the harvest ... (36 vs 36)"). Both now name the shard as corrupt."""
+    import os
+    import shutil
+    import struct
+
+    for damage in ("header", "positions"):
+        copy = tmp_path / damage
+        shutil.copytree(cache_dir, copy)
+        shard = copy / "shard-00001.safetensors"
+        data, st = bytearray(shard.read_bytes()), shard.stat()
+        (length,) = struct.unpack("<Q", data[:8])
+        if damage == "header":
+            data[8:16] = bytes(8)
+        else:
+            begin, end = json.loads(data[8 : 8 + length])["position"]["data_offsets"]
+            data[8 + length + begin : 8 + length + end] = bytes(end - begin)
+        shard.write_bytes(bytes(data))
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+        with pytest.raises(DataError, match=r"shard-00001.safetensors is corrupt .*; rerun `draftforge harvest "
+                                            r"logits` with the same arguments and --resume"):
+            _blocks(LogitsCache(copy), rows_file, tiny_tokenizer_dir)
+
+
 def test_a_resume_removes_the_half_shard_a_killed_write_left(tmp_path, target_dir, rows_file, cache_dir):
     out = tmp_path / "killed"
     with pytest.raises(KeyboardInterrupt):
