@@ -40,7 +40,23 @@ def recipe_differences(saved: dict, current: dict) -> list[str]:
     """Dotted keys whose values differ in a way that would change the training result."""
     a, b = flatten(saved), flatten(current)
     keys = sorted(set(a) | set(b))
-    return [k for k in keys if k not in RESUMABLE_KEYS and a.get(k) != b.get(k)]
+    return [k for k in keys if k not in RESUMABLE_KEYS and a.get(k) != b.get(k) and not same_files(a.get(k), b.get(k))]
+
+
+def same_files(a, b) -> bool:
+    """Two spellings of the same existing files (a path or a list of them): runs/demo/testbed/x through a link, or
+    relative where the run recorded it absolute. Contents are the inputs check's business (rundir)."""
+    def paths(v):
+        return [v] if isinstance(v, str) else v if isinstance(v, list) and all(isinstance(x, str) for x in v) else None
+
+    pa, pb = paths(a), paths(b)
+    if not pa or pb is None or len(pa) != len(pb):
+        return False
+    try:
+        return all(Path(x).expanduser().exists() and Path(x).expanduser().resolve() == Path(y).expanduser().resolve()
+                   for x, y in zip(pa, pb))
+    except (OSError, RuntimeError, ValueError):
+        return False
 
 
 def write_manifest(ckpt_dir: Path) -> None:

@@ -107,6 +107,19 @@ def quick_fingerprint(path: Path) -> dict:
     return {"size": size, "sha256_ends": h.hexdigest()}
 
 
+def _by_file(inputs: dict) -> dict:
+    """recipe_inputs' entries keyed "KEY PATH" with PATH resolved (runs/demo/testbed/x and the cache it links to are
+    one input), so a resume that spells a path another way is checked against what the run recorded."""
+    def key(k: str) -> str:
+        name, _, path = k.partition(" ")
+        try:
+            return f"{name} {Path(path).expanduser().resolve()}" if path else k
+        except (OSError, RuntimeError, ValueError):
+            return k
+
+    return {key(k): v for k, v in inputs.items()}
+
+
 # recipe keys naming files or folders a run reads, besides model.target, model.init_from and data.sources
 INPUT_KEYS = ("data.eval_sources", "model.draft_vocab_from", "distill.logits_cache", "eagle3.hidden_cache",
               "eesd.open_sources")
@@ -241,7 +254,7 @@ class RunDir:
         except (ValueError, UnicodeDecodeError) as e:
             raise CheckpointError(f"--resume: {saved} is not readable JSON ({e}); it records what the run trained on: "
                                   "start a new output_dir, or remove it to resume unchecked") from None
-        now = recipe_inputs(self.recipe)
+        old, now = _by_file(old), _by_file(recipe_inputs(self.recipe))  # a path spelt another way is the same input
         # an input the run did not record (it started before draftforge recorded that kind) is not checked
         changed = sorted(k for k in old if old[k] != now.get(k))
         if changed:

@@ -192,6 +192,27 @@ def test_resume_refuses_other_inputs_at_the_same_paths(tmp_path, tiny_corpus_dir
     assert recipe_inputs(recipe_from_dict(values))["model.target"] != before
 
 
+def test_resume_takes_a_path_spelt_another_way_as_the_same_input(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir,
+                                                                   monkeypatch):
+    """The demo records its testbed's absolute paths; recipes/tiny names them through the runs/demo/testbed link.
+    `train recipes/tiny/pretrain.yaml --resume` was refused on data.sources and model.target, compared as text;
+    the same files through a link, or relative, resume now, and other content behind the new spelling does not."""
+    corpus = tmp_path / "corpus"
+    shutil.copytree(tiny_corpus_dir, corpus)
+    values = tiny_recipe(tmp_path, corpus, tiny_tokenizer_dir)
+    run(recipe_from_dict(values), stop_after=2)
+    (tmp_path / "link").symlink_to(corpus, target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    values["data"]["sources"] = ["link"]
+    first = sorted(p for p in corpus.rglob("*") if p.is_file())[0]
+    text = first.read_text()
+    first.write_text("other text entirely\n" + text)
+    with pytest.raises(CheckpointError, match=r"--resume: data.sources .*corpus changed since"):
+        run(recipe_from_dict(values), resume=True)
+    first.write_text(text)
+    assert run(recipe_from_dict(values), resume=True).step == values["train"]["max_steps"]
+
+
 def test_resume_refuses_another_init_checkpoint_or_cache_at_the_same_path(tmp_path, tiny_corpus_dir,
                                                                          tiny_tokenizer_dir):
     """model.init_from's weights and a task's cache are inputs too: other weights exported at the init path (or a
