@@ -243,7 +243,12 @@ def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_
 
     head_window: an EAGLE-3 head attends to the last that many committed tokens only (its cache holds that many
     rows; a long prompt is encoded as its last rows); refused for any other drafter.
+
+    target may also be a loaded transformers model: it is wrapped as load_target(model) does, where it is (the
+    drafter for a `generate(custom_generate=speculative_generate, drafter=...)` call on that model).
     """
+    if isinstance(target, PreTrainedModel):
+        target = load_target(target, device=target.device)
     options = None
     if lookup_first is not None:
         options = lookup_options(lookup_first, LOOKUP_FIRST_KEYS)

@@ -194,5 +194,6 @@ def verifying_target(drafter, target):
         return drafter.attach(target)
     if bound is not target and bound.model is not target.model:
         raise DraftforgeError(f"this {drafter.kind} drafter was loaded for another target model; load it with "
-                              "load_drafter(path, target) for the target you decode with")
+                              "load_drafter(path, target) for the target you decode with (for generate(): "
+                              "load_drafter(path, model), the model whose generate() you call)")
     return bound
