@@ -572,7 +572,7 @@ EPILOG = """examples:
   draftforge harvest logits ... --draft-vocab 8192                    # a reduced head of 8192 ids
   accelerate launch -m draftforge harvest logits --device cuda ...    # one shard subset per GPU
 then: draftforge train RECIPE (task: distill, distill.logits_cache: runs/logits, data.sources: [rows.jsonl],
-data.format: tokens)
+data.format: tokens, distill.temperature: 1: the cache holds the T=1 distribution)
 """
 
 
