@@ -238,7 +238,11 @@ def _check_room(out: Path, plan: Plan, old: dict | None, say: bool) -> None:
     import shutil
 
     need = plan.manifest["storage"]["bytes"]
-    kept = sum(p.stat().st_size for p in _ours(out, "safetensors")) if old is not None else 0
+    kept = 0  # the shards a resume will keep: recorded, at their recorded size (a damaged one is hashed later)
+    for entry in _records(out, plan.manifest["kind"]).values() if old is not None else []:
+        path = out / entry["file"]
+        if path.is_file() and path.stat().st_size == entry["bytes"]:
+            kept += entry["bytes"]
     where = next(p for p in (out, *out.parents) if p.exists())
     free = shutil.disk_usage(where).free
     s, m = plan.manifest["storage"], plan.manifest

@@ -428,6 +428,10 @@ def test_harvest_resumes_after_a_kill_to_the_same_bytes_and_redoes_a_truncated_s
     err = capsys.readouterr().err
     assert "shard-00001.safetensors is truncated" in err and f"kept {shards - 1} of {shards} shards" in err
     assert _shard_bytes(out) == _shard_bytes(cache_dir)
+    # the storage line counted the truncated shard as written ("still to write" its last 100 bytes, give or take)
+    number, unit = re.search(r"; ([\d.,]+) (B|KiB|MiB) still to write", err).groups()
+    still = float(number.replace(",", "")) * {"B": 1, "KiB": 1024, "MiB": 1024**2}[unit]
+    assert still > 0.9 * shard.stat().st_size, err
 
 
 def test_each_shard_records_its_device_and_a_resume_on_another_says_so(tmp_path, target_dir, rows_file,
