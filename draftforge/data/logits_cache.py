@@ -278,8 +278,11 @@ class LogitsCache:
         self.maps, row_starts, offset = [], [], 0
         for cache_dir, m in zip(dirs, self.manifests):
             if not m.get("complete"):
-                raise DataError(f"the {self.WHAT} in {cache_dir} is incomplete ({len(m.get('shards', []))} of "
-                                f"{m.get('num_shards', '?')} shards): {self.fix}")
+                done = {e.get("index") for e in m.get("shards", []) if isinstance(e, dict)}
+                done |= {int(p.name[6:-5]) for p in cache_dir.glob("shard-*.json")
+                         if p.name[6:-5].isdigit()}  # written since, by a run that did not finish
+                raise DataError(f"the {self.WHAT} in {cache_dir} is incomplete ({len(done)} of "
+                                f"{m.get('num_shards', '?')} shards written): {self.fix}")
             for entry in m["shards"]:  # sizes and hashes: a damaged shard is named before training starts
                 problem = shard_problem(cache_dir, entry, quick=True)
                 if problem:

@@ -131,7 +131,7 @@ def test_a_killed_harvest_resumes_to_the_same_bytes_and_redoes_a_truncated_shard
         harvest(target_dir, rows_file, out, stop_after=1)
     # killed mid-harvest: one whole shard written, the uninterrupted one's bytes, and nothing else
     assert _shard_bytes(out) == {"shard-00000.safetensors": want["shard-00000.safetensors"]}
-    with pytest.raises(DataError, match="hidden-state cache in .* is incomplete .0 of 3 shards.: rerun `draftforge "
+    with pytest.raises(DataError, match="hidden-state cache in .* is incomplete .1 of 3 shards written.: rerun `draftforge "
                                         "harvest hidden` with the same arguments and --resume"):
         open_cache(out, HiddenCache)
     writes = record_writes(monkeypatch)
