@@ -83,9 +83,11 @@ class HiddenCache(LogitsCache):
             return torch.from_numpy(got.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(got)
 
-    def check_layers(self, layers: list[int], where: str) -> None:
-        """CompatibilityError unless the cache holds the states of exactly `layers` (what the head fuses)."""
+    def check_layers(self, layers: list[int], where: str, settable: bool = True) -> None:
+        """CompatibilityError unless the cache holds the states of exactly `layers` (what the head fuses); `where`
+        names them, and `settable` says whether the recipe may choose others (a fine-tuned head's are its own)."""
         if list(layers) != self.layers:
+            fix = f"set {where}: {self.layers}, or harvest again" if settable else "harvest again"
             raise CompatibilityError(f"{self.WHAT} {self.name} holds the states entering target layers {self.layers}, "
-                                     f"but {where} is {list(layers)}; set {where}: {self.layers}, or harvest again "
-                                     f"with --layers {','.join(map(str, layers))}")
+                                     f"but {where} is {list(layers)}; {fix} with --layers "
+                                     f"{','.join(map(str, layers))}")

@@ -321,6 +321,11 @@ class LogitsCache:
         for cache_dir, m in zip(self.dirs[1:], self.manifests[1:]):
             differ = [key for key in self.CHAIN_KEYS if _chained(m, key) != _chained(first, key)]
             if differ:
+                def value(manifest, key):
+                    v = _chained(manifest, key)
+                    return str(v)[:12] if key.endswith(("fingerprint", "config")) else v
+
+                differ = [f"{key} ({value(first, key)} vs {value(m, key)})" for key in differ]
                 raise CompatibilityError(f"{self.WHAT}s {self.dirs[0]} and {cache_dir} differ in {', '.join(differ)}; "
                                          "the caches of one run must come from one target and tokenizer, with one "
                                          "--top-k, --max-len and --draft-vocab: harvest the odd one again with the "

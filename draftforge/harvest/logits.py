@@ -341,7 +341,13 @@ def _existing(out: Path, manifest: dict, resume: bool, overwrite: bool) -> dict 
             return (a.get("size"), a.get("sha256")) == (b.get("size"), b.get("sha256"))
         return a == b
 
-    changed = [f"{k} {old.get(k)} -> {manifest.get(k)}" for k in SETTING_KEYS if not same(k)]
+    def shown(m: dict, key: str):
+        if key == "tokenizer_fingerprint":  # the tokenizer's name where recorded, and a short fingerprint
+            return f"{m.get('tokenizer') or '?'} ({str(m.get(key))[:12]})"
+        return m.get(key)
+
+    changed = [f"{k.removesuffix('_fingerprint')} {shown(old, k)} -> {shown(manifest, k)}" for k in SETTING_KEYS
+               if not same(k)]
     if "target_config" in old and old["target_config"] != manifest.get("target_config"):  # older: not recorded
         same_path = str(old.get("target")) == str(manifest.get("target"))
         changed.append(f"the target's config.json ({old.get('target')}'s, edited since the harvest started)"

@@ -219,7 +219,7 @@ def build_cached_eagle3_task(recipe: Recipe, accelerator, with_data: bool = True
         cache = open_cache(cache_dirs(cfg), HiddenCache)
         cache.check_tokenizer(tokenizer)
         how = cache.check_target(recipe.model.target)
-        cache.check_layers(layers, "eagle3.aux_layers")
+        cache.check_layers(layers, *(("model.init_from's head", False) if fine_tune else ("eagle3.aux_layers",)))
         with accelerator.main_process_first():
             data = cached_block_data(recipe.data, tokenizer, recipe.train.block_size, recipe.train.seed,
                                      target_config.vocab_size, cache)

@@ -235,3 +235,11 @@ def test_a_cached_fine_tune_starts_from_the_export_as_the_online_one_does(tmp_pa
     cached, _ = run(recipe(tmp_path, "cached-ft", target_dir, rows_file, cache_dir, model=start))
     assert cached.losses[0] == pytest.approx(online.losses[0], rel=2e-5)  # the same head on the same rows
     assert cached.losses[0] < first.losses[0]  # a trained head, not a fresh one
+    # a head fusing other layers than the cache holds: only a new harvest helps (it advised "set eagle3.aux_layers:
+    # [1, 2, 3]", which the fine-tune then refused as not the head's own layers)
+    other, _ = run(recipe(tmp_path, "other", target_dir, rows_file, aux_layers=[0, 2, 3]))
+    with pytest.raises(CompatibilityError) as refused:
+        build_task(recipe_from_dict(recipe(tmp_path, "other-ft", target_dir, rows_file, cache_dir,
+                                           model={"init_from": str(other.export_dir)})), _Quiet())
+    assert str(refused.value).endswith("holds the states entering target layers [1, 2, 3], but model.init_from's "
+                                       "head is [0, 2, 3]; harvest again with --layers 0,2,3")
