@@ -232,17 +232,6 @@ def test_a_second_harvest_into_the_same_new_out_is_refused_while_the_first_runs(
     assert manifest["complete"] and manifest["top_k"] == SETTINGS["top_k"]
 
 
-def test_the_lock_makes_a_missing_parent_and_removes_it_when_nothing_was_written(tmp_path):
-    from draftforge.fsutil import shared_lock
-
-    with shared_lock(tmp_path / "a" / "b" / "out", "draftforge harvest"):
-        assert (tmp_path / "a" / "b" / ".out.lock").is_file()
-    assert list(tmp_path.iterdir()) == []  # a refused or empty command leaves nothing behind
-    with shared_lock(tmp_path / "a" / "b" / "out", "draftforge harvest"):
-        (tmp_path / "a" / "b" / "out").mkdir()
-    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["a", "a/b", "a/b/out"]
-
-
 def test_shards_stored_in_another_dtype_than_the_manifest_says_are_refused(tmp_path, cache_dir):
     # what the unlocked race above produced: a bfloat16 manifest over float32 shards; training then died on a
     # shape mismatch deep in the collate (each fp32 row read as two bf16 rows' bits)

@@ -218,3 +218,14 @@ def test_a_directory_or_a_binary_file_where_a_file_is_expected_is_named_as_such(
     (cache / "harvest.json").write_text("[1, 2]")  # JSON, but no record: named, not an AttributeError
     with pytest.raises(DataError, match="is JSON but no harvest record"):
         check_out(cache, resume=True, overwrite=False)
+
+
+def test_the_lock_makes_a_missing_parent_and_removes_it_when_nothing_was_written(tmp_path):
+    from draftforge.fsutil import shared_lock
+
+    with shared_lock(tmp_path / "a" / "b" / "out", "draftforge harvest"):
+        assert (tmp_path / "a" / "b" / ".out.lock").is_file()
+    assert list(tmp_path.iterdir()) == []  # a refused or empty command leaves nothing behind
+    with shared_lock(tmp_path / "a" / "b" / "out", "draftforge harvest"):
+        (tmp_path / "a" / "b" / "out").mkdir()
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["a", "a/b", "a/b/out"]
