@@ -46,7 +46,7 @@ from draftforge.fsutil import atomic_write_text, writable
 def check_answers_dir(path: str | Path, say=lambda line: None) -> list[Path]:
     """Before any model loads: DIR is, or can become, a writable directory. Returns the .jsonl files already
     in it (and says so): a run replaces those it writes again, like --out's reports, and leaves the others."""
-    d = Path(path)
+    d = Path(path).expanduser()
     if d.exists() and not d.is_dir():
         raise RecipeError(f"--answers {d} is a file; give a directory for the answer files")
     base = next((p for p in (d, *d.parents) if p.exists()), Path.cwd())  # the nearest existing folder
@@ -128,7 +128,7 @@ def write_answers(out_dir, records, prompts: list[Prompt], tokenizer, *, name: s
                   say=lambda line: None) -> dict[str, dict]:
     """One file per (method, temperature) of `records` (metrics.RunRecord); returns, per "method@T", its path,
     model_id, the repeat written and the number of questions. `say` hears about each file it replaces."""
-    out, written = Path(out_dir), {}
+    out, written = Path(out_dir).expanduser(), {}
     for method, temp in dict.fromkeys((r.method, r.temperature) for r in records):
         mine = [r for r in records if r.method == method and r.temperature == temp]
         rep = median_repeat(mine)

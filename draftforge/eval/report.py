@@ -385,7 +385,7 @@ def plots_markdown(plot_paths: dict[str, str]) -> str:
 
 def write_reports(report: dict, out_dir: str | Path, *, plots: bool = True) -> dict[str, str]:
     """Write report.json, the PNG plots and report.md (which links them) into out_dir; return their paths."""
-    out = Path(out_dir)
+    out = Path(out_dir).expanduser()  # as check_out checked it (a shell leaves --out=~/x unexpanded)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": str(out / "report.json"), "markdown": str(out / "report.md")}
     atomic_write_text(out / "report.json", json.dumps(report, indent=1, default=str) + "\n")

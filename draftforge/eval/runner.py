@@ -19,7 +19,7 @@ import draftforge.decode as decode_api
 from draftforge.decode import methods as method_registry
 from draftforge.decode.engine import SpeculativeDecoder
 from draftforge.decode.sampling import SamplingParams
-from draftforge.errors import DraftforgeError
+from draftforge.errors import DataError, DraftforgeError
 from draftforge.eval import answers as answers_mod
 from draftforge.eval import components, cost, metrics, selfcheck
 from draftforge.eval.config import (  # noqa: F401  (EvalConfig, validate: run_eval's inputs, importable from here)
@@ -474,9 +474,13 @@ def run_eval(cfg: EvalConfig) -> dict:
     finally:
         torch.set_num_threads(before)  # an in-process caller (a test) keeps its own setting
     dtype = _model_dtype(target.model)
-    answer_files = None if not cfg.answers else answers_mod.write_answers(
-        cfg.answers, records, prompts, target.tokenizer, name=answers_mod.target_name(cfg.target),
-        dtype=str(dtype).replace("torch.", ""), say=lambda line: _log(cfg, line))
+    answer_files, answers_failed = None, None
+    try:  # a failed answer file must not lose the measurement: the report is written first either way
+        answer_files = None if not cfg.answers else answers_mod.write_answers(
+            cfg.answers, records, prompts, target.tokenizer, name=answers_mod.target_name(cfg.target),
+            dtype=str(dtype).replace("torch.", ""), say=lambda line: _log(cfg, line))
+    except OSError as e:
+        answers_failed = e
     report = {
         "schema": "draftforge.eval/1",
         "config": asdict(given),
@@ -502,5 +506,9 @@ def run_eval(cfg: EvalConfig) -> dict:
     }
     paths = save_or_rescue(report, cfg.out_dir, lambda rep: report_mod.write_reports(rep, cfg.out_dir, plots=cfg.plots))
     report["files"] = paths
+    if answers_failed is not None:
+        e = answers_failed
+        raise DataError(f"could not write the answer files into {cfg.answers} ({e.strerror or e}); the report is "
+                        f"written ({paths['json']}): free the space or shorten the path, and rerun for the answers")
     _enforce_self_check(cfg, results, dtype, paths)
     return report

@@ -246,6 +246,25 @@ def test_answers_pointing_at_a_file_fails_before_any_model_loads(tmp_path, monke
                             out_dir=str(tmp_path / "out")))
 
 
+def test_an_answer_file_that_cannot_be_written_leaves_the_report_written(tmp_path, target_dir, monkeypatch):
+    # write_answers ran before the report was saved and outside its rescue: a full disk (or a name too long)
+    # lost the whole measurement to a traceback
+    import errno
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(answers, "write_answers", full)
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match=r"could not write the answer files into .*answers \(No space left on "
+                                        r"device\); the report is written \(.*report.json\)"):
+        run_eval(EvalConfig(target=str(target_dir), drafter="prompt-lookup", methods=("ar", "chain"),
+                            bench=write_questions(tmp_path / "question.jsonl", QUESTIONS[:1]), max_new_tokens=4,
+                            dtype="float32", cost_repeats=0, plots=False, quiet=True, out_dir=str(out),
+                            answers=str(tmp_path / "answers")))
+    assert len(json.loads((out / "report.json").read_text())["records"]) > 0
+
+
 def test_answers_flag_is_in_the_help():
     text = " ".join(command.configure(argparse.ArgumentParser(prog="draftforge eval")).format_help().split())
     assert "--answers DIR" in text and "Spec-Bench" in text and "speed.py" in text

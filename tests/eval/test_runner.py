@@ -162,6 +162,22 @@ def test_run_eval_reports_all_methods_and_writes_files(bench, tmp_path, monkeypa
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_an_out_under_home_is_checked_and_written_in_one_place(bench, tmp_path, monkeypatch):
+    # --out=~/x (a shell leaves it unexpanded): checked at $HOME/x, written to a literal ./~/x, where it replaced a
+    # user's own report.md
+    monkeypatch.setattr(runner, "decode_api", FakeAPI())
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    (cwd / "~" / "x").mkdir(parents=True)
+    (cwd / "~" / "x" / "report.md").write_text("mine\n")
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    run_eval(cfg_for(bench, tmp_path, out_dir="~/x", methods=("ar", "chain"), plots=False))
+    assert (home / "x" / "report.json").is_file() and (home / "x" / "report.md").is_file()
+    assert [p.name for p in (cwd / "~" / "x").iterdir()] == ["report.md"]
+    assert (cwd / "~" / "x" / "report.md").read_text() == "mine\n"
+
+
 def test_warmup_runs_are_untimed_and_every_method_sees_the_same_prompts(bench, tmp_path, monkeypatch):
     api = FakeAPI(hf_ok=True)
     monkeypatch.setattr(runner, "decode_api", api)
