@@ -96,20 +96,24 @@ def _parse_row(path: Path, line_no: int, row: dict) -> PromptRow:
     where = f"{path}:{line_no}"
     qid = next((row[k] for k in ("question_id", "prompt_id", "task_id", "id") if k in row), line_no)
     pid, category = str(qid), row.get("category", row.get("source"))
+    if category is not None and not isinstance(category, str):  # it groups the report's figures: a dict key
+        raise DataError(f"{where}: 'category' must be a string (the group this prompt is reported under), got "
+                        f"{_json_kind(category)}")
     if "turns" in row:
         turns = _check_turns(where, row["turns"])
         return PromptRow(pid, category, messages=[{"role": "user", "content": turns[0]}], turns=turns,
                          question_id=qid)
     if "messages" in row:
         msgs = row["messages"]
-        ok = isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "content" in m for m in msgs)
+        ok = isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                     and isinstance(m.get("content"), str) for m in msgs)
         if not ok:
             raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
         return PromptRow(pid, category, messages=msgs, question_id=qid)
     for key in ("prompt", "text"):
         if key in row:
-            if not isinstance(row[key], str) or not row[key]:
-                raise DataError(f"{where}: '{key}' must be a non-empty string")
+            if not isinstance(row[key], str) or not row[key].strip():
+                raise DataError(f"{where}: '{key}' must be a non-empty string (not only whitespace)")
             return PromptRow(pid, category, text=row[key], question_id=qid)
     if "input_ids" in row:
         ids = row["input_ids"]

@@ -76,6 +76,20 @@ def test_malformed_line_reports_file_and_line(tmp_path):
         load_prompt_rows(h)
 
 
+@pytest.mark.parametrize("row, match", [
+    # a list category crashed the report after the whole measurement (unhashable type: 'list')
+    ({"prompt": "def f(x):", "category": ["a"]}, "'category' must be a string .*, got a list"),
+    ({"prompt": "def f(x):", "category": 1}, "'category' must be a string .*, got a number"),
+    ({"prompt": "   "}, "'prompt' must be a non-empty string \\(not only whitespace\\)"),  # ran as a 1-token prompt
+    ({"messages": [{"content": "hi"}]}, "'messages' must be a non-empty list of \\{role, content\\}"),
+    ({"messages": [{"role": "user", "content": 3}]}, "'messages' must be a non-empty list of \\{role, content\\}"),
+])
+def test_a_bad_field_names_file_and_line(tmp_path, row, match):
+    f = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "fine"}, row])
+    with pytest.raises(DataError, match=r"rows\.jsonl:2: " + match):
+        load_prompt_rows(f)
+
+
 def test_empty_and_missing_files(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n  \n")
