@@ -24,6 +24,11 @@ def check_eval_settings(temperatures, max_new_tokens: int, repeats: int, warmup:
     twice = repeated(temperatures)
     if twice is not None:  # every prompt ran twice at it, counted as one temperature's repeats
         raise RecipeError(f"--temperature names {twice} twice; give each temperature once")
+    labels = {}
+    for t in temperatures:  # the report keys each temperature's figures by this label (ar@0.5)
+        if labels.setdefault(f"{t:g}", t) != t:
+            raise RecipeError(f"--temperature {labels[f'{t:g}']} and {t} are both reported as T={t:g}; give "
+                              "temperatures that differ within 6 significant digits")
     if max_new_tokens < 1:
         raise RecipeError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if repeats < 1 or warmup < 0:

@@ -159,6 +159,14 @@ def validate(cfg: EvalConfig) -> EvalConfig:
         raise RecipeError("--tune-chain-length picks chain's draft length with the cost model: run the chain method "
                           f"(--methods ...,chain) with --cost-repeats > 0 (methods: {', '.join(cfg.methods)}, "
                           f"--cost-repeats {cfg.cost_repeats})")
+    if not isinstance(cfg.seed, int) or not 0 <= cfg.seed < 2**32:  # prompt i samples with seed + i
+        raise RecipeError(f"--seed must be an integer in [0, 2**32), got {cfg.seed}")
+    if str(cfg.device).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RecipeError(f"--device {cfg.device}: no CUDA device here (torch {torch.__version__}, "
+                              "torch.cuda.is_available() is False); use --device cpu")
     # "on" without CUDA fails here, before minutes of target loading (resolution needs no GPU).
     use_cuda_graphs(cfg.cuda_graphs, cfg.device)
     for m in tuple(cfg.methods) + tuple(cfg.baselines or ()):

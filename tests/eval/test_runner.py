@@ -385,6 +385,12 @@ def test_the_curve_is_timed_again_after_the_runs_and_ar_pace_is_set_beside_it(be
     (dict(threads=0), "--threads must be >= 1"),
     (dict(tree_draws="sorted"), "--tree-draws must be one of distinct, iid"),
     (dict(prefill_chunk=0), "--prefill-chunk must be a whole number of tokens >= 1"),
+    # these ran the whole measurement and then lost it: two rows labelled T=0.5 sharing one set of keys, a
+    # traceback on a seed past 64 bits, and an AssertionError from torch for cuda on a CPU-only build
+    (dict(temperatures=(0.5, 0.5000001)), r"--temperature 0.5 and 0.5000001 are both reported as T=0.5"),
+    (dict(seed=2**64), r"--seed must be an integer in \[0, 2\*\*32\)"),
+    pytest.param(dict(device="cuda:0"), "--device cuda:0: no CUDA device here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
 ])
 def test_bad_config_fails_before_loading(bench, tmp_path, monkeypatch, kw, match):
     api = FakeAPI()
