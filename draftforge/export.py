@@ -120,7 +120,7 @@ def _check_destination(out_dir: Path, identity: dict, overwrite: bool) -> None:
                               "--out or pass --overwrite")
 
 
-GENERATE_PY = '''"""Written by `draftforge export`: transformers' generate() runs speculative decoding with this drafter.
+GENERATE_PY = '''r"""Written by `draftforge export`: transformers' generate() runs speculative decoding with this drafter.
 
     out = target.generate(**inputs, custom_generate="{export}", trust_remote_code=True, max_new_tokens=128)
 

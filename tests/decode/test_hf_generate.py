@@ -161,8 +161,11 @@ def test_an_exports_own_custom_generate_directory(target, tok, tmp_path):
 
     from draftforge.export import export_model
 
-    export = export_model(tiny_mamba2(vocab=VOCAB), tok, tmp_path / "export", metadata={"task": "sft", "target": "t"})
+    # a path with a backslash escape (\\Users, \\x) made the generated file's docstring a SyntaxError
+    export = export_model(tiny_mamba2(vocab=VOCAB), tok, tmp_path / "my\\Users\\xport", metadata={"task": "sft",
+                                                                                                 "target": "t"})
     assert (export / "custom_generate" / "generate.py").is_file()
+    compile((export / "custom_generate" / "generate.py").read_text(), "generate.py", "exec")
     ids = PROMPTS[1]
     x = torch.tensor([ids])
     streamer = TextIteratorStreamer(tok, skip_prompt=True)
