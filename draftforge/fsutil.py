@@ -141,6 +141,20 @@ def read_json(path: Path, redo: str):
         raise CheckpointError(f"{path} is corrupt ({err}); {redo}") from None
 
 
+def read_safetensors(path: Path, redo: str) -> dict:
+    """The tensors of the safetensors file at `path`; CheckpointError naming it when it is truncated, empty or not
+    safetensors at all (`redo`: what to do then), not the library's traceback."""
+    from safetensors.torch import load_file
+
+    from draftforge.errors import CheckpointError
+
+    try:
+        return load_file(str(path))
+    except Exception as err:  # SafetensorError, OSError, ...: a damaged or foreign file
+        first = (str(err).splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"{path} cannot be read ({first}); {redo}") from None
+
+
 def output_problem(path: str | Path, kind: str) -> str | None:
     """Why `path` cannot be written as an output `kind` ("dir" or "file"), else None: checked before any model
     loads, so that a command never measures for minutes and then fails to save. A missing path is fine when its

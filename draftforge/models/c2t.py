@@ -82,20 +82,20 @@ def save_head(model: C2TClassifier, out_dir, extra: dict | None = None, overwrit
 
 def load_head(path) -> tuple[C2TClassifier, dict]:
     """(classifier in eval mode, metadata); refuses heads whose feature definitions this code does not compute."""
-    from safetensors.torch import load_file
+    from draftforge.fsutil import read_json, read_safetensors
 
     path = Path(path)
     meta_file, weights = path / META_FILE, path / WEIGHTS_FILE
     if not meta_file.is_file() or not weights.is_file():
         raise CheckpointError(f"{path} is not an exported C2T classifier (needs {WEIGHTS_FILE} and {META_FILE}; "
                               "train one with `draftforge train` and task: c2t)")
-    meta = json.loads(meta_file.read_text())
-    if meta.get("kind") != KIND:
+    meta = read_json(meta_file, "re-export the c2t run")
+    if not isinstance(meta, dict) or meta.get("kind") != KIND:
         raise CheckpointError(f"{path} holds a {meta.get('kind') or meta.get('task')!r} export, not a C2T classifier")
     check_definitions(meta, str(path))
     model = C2TClassifier(meta["features"], int(meta["hidden"]))
     try:
-        model.load_state_dict(load_file(str(weights)))
+        model.load_state_dict(read_safetensors(weights, "re-export the c2t run"))
     except RuntimeError as e:
         raise CheckpointError(f"{weights} does not match its {META_FILE} (features/hidden): {e}") from None
     return model.eval(), meta

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftforge.errors import CheckpointError, CompatibilityError
-from draftforge.fsutil import read_json
+from draftforge.fsutil import read_json, read_safetensors
 
 MAX_OFFSET = 10
 WEIGHTS_FILE = "theta.safetensors"
@@ -170,11 +170,9 @@ def check_pair(meta: dict, target_model, drafter, where) -> None:
 
 def load_predictor(path, target_model, drafter, device="cpu") -> ThetaPredictor:
     """A θ predictor export, refused unless it was trained for exactly this target and (harness) drafter."""
-    from safetensors.torch import load_file
-
     meta = read_predictor_meta(path)
     check_pair(meta, target_model, drafter, path)
     predictor = ThetaPredictor(meta["target_dim"], meta["draft_dim"], meta["max_offset"], meta["mean_label"],
                                meta.get("logit_shift", 0.0))  # exports from before the key: none was balanced right
-    predictor.load_state_dict(load_file(str(Path(path) / WEIGHTS_FILE)))
+    predictor.load_state_dict(read_safetensors(Path(path) / WEIGHTS_FILE, "re-export the theta run"))
     return predictor.to(device).eval()

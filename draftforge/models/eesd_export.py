@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import draftforge
 from draftforge.errors import CheckpointError, CompatibilityError
@@ -25,7 +25,7 @@ from draftforge.export import (
     read_export_metadata,
     tokenizer_fingerprint,
 )
-from draftforge.fsutil import write_dir_atomically
+from draftforge.fsutil import read_safetensors, write_dir_atomically
 from draftforge.models.draft_vocab import check_map
 from draftforge.models.eesd import (
     ExitHead,
@@ -132,7 +132,7 @@ def load_exit_head(path, target_model):
                                   "re-export the eesd run")
         check_map(d2t, parts.head.out_features)
     head = ExitHead.empty_like(parts, with_layer=bool(meta.get("exit_layer", True)), draft_vocab=d2t)
-    state = load_file(str(weights))
+    state = read_safetensors(weights, "re-export the eesd run")
     try:
         missing, unexpected = head.load_state_dict(state, strict=False)
     except RuntimeError as err:  # a shape mismatch, e.g. a head with more rows than draft_vocab lists

@@ -12,9 +12,9 @@ import dataclasses
 from pathlib import Path
 
 import yaml
-from safetensors.torch import load_file
 
 from draftforge.errors import CheckpointError
+from draftforge.fsutil import read_safetensors
 from draftforge.train import checkpoint as ckpt
 from draftforge.train.best import BestKeeper
 
@@ -45,7 +45,8 @@ def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None
     check_not_foreign(Path(out))  # before the task's model (and a distill or EESD target) loads
     spec = task_builder(recipe.task)(recipe, _NoAccelerator(), with_data=False)  # the task's own model + export
     # An untied lm_head missing from the file is an error, not a silently random output head.
-    load_fitting_state(spec.model, load_file(str(weights)), str(weights))
+    load_fitting_state(spec.model, read_safetensors(weights, f"export another checkpoint of {run_dir} (--checkpoint)"),
+                       str(weights))
     state = ckpt.read_loop_state(src)
     metrics = _final_metrics(run_dir, state["step"])
     # train.keep_best: the kept weights (the record at or before this checkpoint, in RUN_DIR/best or the copy the

@@ -114,6 +114,11 @@ def test_c2t_bad_input(target, drafters, head, tmp_path):
         (bad / "draftforge.json").write_text(json.dumps({**meta, **change}))
         with pytest.raises(CompatibilityError, match=match):
             build_decoder("c2t", target, mamba, c2t=str(bad))
+    for name, cut in (("c2t.safetensors", 16), ("draftforge.json", 8)):  # each a traceback before
+        bad = hand_set_head(tmp_path / f"cut-{name}")
+        (bad / name).write_bytes((bad / name).read_bytes()[:-cut])
+        with pytest.raises(CheckpointError, match=rf"{name} (cannot be read|is corrupt) \(.*\); re-export the c2t run"):
+            build_decoder("c2t", target, mamba, c2t=str(bad))
 
 
 def test_head_round_trips(tmp_path):

@@ -111,6 +111,20 @@ def test_calls_from_several_threads_on_one_model_each_equal_generate(target):
     assert all(torch.equal(got[i], want[i]) for i in range(len(prompts)))
 
 
+def test_a_damaged_exit_head_is_one_error(target, eesd_export, tmp_path):
+    import shutil
+
+    from draftforge.decode import load_drafter, load_target
+    from draftforge.errors import CheckpointError
+
+    copy = tmp_path / "exit"
+    shutil.copytree(eesd_export, copy)
+    weights = copy / "exit_head.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # SafetensorError's traceback before
+    with pytest.raises(CheckpointError, match=r"exit_head.safetensors cannot be read \(.*\); re-export the eesd run"):
+        load_drafter(str(copy), load_target(target))
+
+
 def test_an_eesd_exit_drafts_for_its_own_target(target, eesd_export):
     # as a directory, and as a Drafter loaded for the model generate() runs (the page's "load_drafter(path, model)":
     # given the model itself it failed, "target 'llama' cannot be split after a decoder layer", or an AttributeError)

@@ -4,6 +4,7 @@ restarts, the drafters' hidden states, lossless greedy with every drafter kind, 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from draftforge.decode.methods.length_control import (
 )
 from draftforge.decode.plan import DraftStep
 from draftforge.decode.sampling import SamplingParams
-from draftforge.errors import CompatibilityError, DraftforgeError, RecipeError
+from draftforge.errors import CheckpointError, CompatibilityError, DraftforgeError, RecipeError
 from draftforge.models.cali_ts import (
     ThetaPredictor,
     hidden_size,
@@ -339,6 +340,11 @@ def test_a_theta_predictor_for_another_drafter_is_refused(target, drafters, tmp_
         build_decoder("cali_ts", target, drafters["mamba"], theta_predictor=str(out))
     with pytest.raises(DraftforgeError, match="not a θ predictor export"):
         build_decoder("cali_ts", target, drafters["mamba"], theta_predictor=str(tmp_path))
+    cut = predictor_for(target, drafters["mamba"], tmp_path, seed=1)  # a truncated weights file: a traceback before
+    weights = Path(cut) / "theta.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-16])
+    with pytest.raises(CheckpointError, match=r"theta.safetensors cannot be read \(.*\); re-export the theta run"):
+        build_decoder("cali_ts", target, drafters["mamba"], theta_predictor=cut)
 
 
 def test_cali_ts_with_a_drafter_without_hidden_states_says_so(target, drafters, tmp_path):
