@@ -52,9 +52,9 @@ def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None
     # train.keep_best: the kept weights (the record at or before this checkpoint, in RUN_DIR/best or the copy the
     # checkpoint saw), as the run's own export; read only (main=False: the run dir is left as it is)
     metric = None if checkpoint or last else recipe.train.keep_best
-    kept = BestKeeper(metric, run_dir, state["step"], main=False).load_into(spec.model) if metric else None
+    kept = _kept(run_dir, metric, state["step"], spec.model) if metric else None
     if kept is not None:
-        metrics["kept"] = kept
+        metrics = kept_metrics(run_dir, metrics, kept)
         say(f"exporting the weights of step {kept['step']}, the best {kept['metric']} ({kept['value']:.4g}; "
             f"train.keep_best), not {src.name}'s (--last exports those)")
     meta = {"task": recipe.task, "target": recipe.model.target, "recipe": recipe.to_dict(), "metrics": metrics,
@@ -91,6 +91,32 @@ def _latest_checkpoint(run_dir: Path) -> Path:
         hint = hint if done else "train the run again (draftforge train RECIPE --overwrite)"
         raise CheckpointError(f"every checkpoint in {where} is corrupted, so there is nothing to export; "
                               f"{hint}") from None
+
+
+def _kept(run_dir: Path, metric: str, step: int, model) -> dict | None:
+    """train.keep_best's record at or before `step`, its weights put into `model`; None where there is none. A
+    record that cannot be read is an error: exporting the last weights under a keep_best recipe would pass them off
+    as the best (it did, silently)."""
+    from draftforge.train.best import AT_CHECKPOINT_DIR, BEST_DIR, RECORD, _read
+
+    for where in (run_dir / BEST_DIR, run_dir / AT_CHECKPOINT_DIR):
+        if (where / RECORD).exists() and _read(where) is None:
+            raise CheckpointError(f"train.keep_best: {where / RECORD} cannot be read (or its weights are missing), so "
+                                  f"the best weights are unknown; `draftforge export {run_dir} --last` exports the "
+                                  "last checkpoint's")
+    try:
+        return BestKeeper(metric, run_dir, step, main=False).load_into(model)
+    except Exception as err:  # a damaged best/model.safetensors
+        first = (str(err).splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"train.keep_best: the kept weights in {run_dir / BEST_DIR} cannot be read ({first}); "
+                              f"`draftforge export {run_dir} --last` exports the last checkpoint's") from None
+
+
+def kept_metrics(run_dir: Path, last: dict, kept: dict) -> dict:
+    """An export of train.keep_best's weights: its steps / final_loss / eval_loss are the kept step's (the weights'
+    own; they were the last step's), the last step's in `last_step`, and the record in `kept`."""
+    at = _final_metrics(run_dir, kept["step"])
+    return {**last, **at, "kept": kept, "last_step": {k: last.get(k) for k in ("steps", "final_loss", "eval_loss")}}
 
 
 def _final_metrics(run_dir: Path, step: int) -> dict:

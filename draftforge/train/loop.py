@@ -369,10 +369,12 @@ class Trainer:
         # train.keep_best: the best eval's weights, not the last step's (only the main process exports)
         kept = self.best.load_into(unwrapped) if acc.is_main_process else None
         if kept is not None:
-            metrics = {**metrics, "kept": kept}
+            from draftforge.train.export_run import kept_metrics
+
             self.say(f"[draftforge] exporting the weights of step {kept['step']}, the best {kept['metric']} "
                      f"({kept['value']:.4g})" + ("" if kept["step"] == metrics.get("steps") else
                                                  f", not the last step's ({metrics.get('steps')})"))
+            metrics = kept_metrics(self.run_dir.path, metrics, kept)
         out = None
         if acc.is_main_process:
             metrics = {**metrics, **self._export_report(unwrapped)}

@@ -338,6 +338,9 @@ def test_keep_best_exports_the_best_evals_weights_and_survives_resume(tmp_path, 
     assert best != 6, f"the test needs a run whose last eval is not its best: {evals}"
     meta = json.loads((full.export_dir / "draftforge.json").read_text())
     assert meta["metrics"]["kept"] == {"metric": "loss", "value": evals[best], "step": best}
+    # the figures beside it are the kept weights' (they were the last step's: eval_loss of step 6)
+    assert (meta["metrics"]["steps"], meta["metrics"]["eval_loss"]) == (best, evals[best])
+    assert (meta["metrics"]["last_step"]["steps"], meta["metrics"]["last_step"]["eval_loss"]) == (6, evals[6])
     at_best = next(c for c in ckpt.list_checkpoints(full.run_dir) if ckpt.read_loop_state(c)["step"] == best)
     kept, exported = load_file(str(at_best / "model.safetensors")), load_file(str(full.export_dir / "model.safetensors"))
     shared = set(kept) & set(exported)
@@ -346,7 +349,8 @@ def test_keep_best_exports_the_best_evals_weights_and_survives_resume(tmp_path, 
     from draftforge.train.export_run import export_checkpoint
 
     again = export_checkpoint(full.run_dir, tmp_path / "again", say=lambda *a: None)
-    assert json.loads((again / "draftforge.json").read_text())["metrics"]["kept"]["step"] == best
+    again_metrics = json.loads((again / "draftforge.json").read_text())["metrics"]
+    assert again_metrics["kept"]["step"] == best and again_metrics["eval_loss"] == evals[best]
     assert all(torch.equal(load_file(str(again / "model.safetensors"))[k], exported[k]) for k in exported)
     last = export_checkpoint(full.run_dir, tmp_path / "last", last=True)
     at_last = load_file(str(ckpt.latest_valid(full.run_dir) / "model.safetensors"))
@@ -354,6 +358,13 @@ def test_keep_best_exports_the_best_evals_weights_and_survives_resume(tmp_path, 
     assert "kept" not in json.loads((last / "draftforge.json").read_text())["metrics"]
     assert set(at_last) & set(last_w) and all(torch.equal(at_last[k], last_w[k]) for k in set(at_last) & set(last_w))
     assert not all(torch.equal(last_w[k], exported[k]) for k in exported)
+    # a record that cannot be read: the last step's weights were exported as if they were the best, silently
+    record = full.run_dir / "best" / "best.json"
+    good = record.read_text()
+    record.write_text(good[:10])
+    with pytest.raises(CheckpointError, match=r"best.json cannot be read .*--last. exports the last checkpoint's"):
+        export_checkpoint(full.run_dir, tmp_path / "corrupt", say=lambda *a: None)
+    record.write_text(good)
     # an --out of someone's files is refused before the task's model is built (a distill target would load first)
     import draftforge.train as export_run  # export_checkpoint reads draftforge.train.task_builder when called
 
