@@ -48,6 +48,16 @@ def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None
     load_fitting_state(spec.model, read_safetensors(weights, f"export another checkpoint of {run_dir} (--checkpoint)"),
                        str(weights))
     state = ckpt.read_loop_state(src)
+    if checkpoint:  # another run's checkpoint went out labelled as this run's task, recipe and metrics
+        from draftforge.train.rundir import EXTENSIBLE_KEYS
+
+        theirs = state.get("recipe")
+        differ = [k for k in ckpt.recipe_differences(theirs, recipe.to_dict()) if k not in EXTENSIBLE_KEYS] \
+            if isinstance(theirs, dict) else []
+        if differ:
+            raise CheckpointError(f"--checkpoint {src} was written by another run (its recipe differs from "
+                                  f"{run_dir}'s in {', '.join(differ[:6])}{' ...' if len(differ) > 6 else ''}); "
+                                  f"export it from its own run: draftforge export {src.parent.parent}")
     metrics = _final_metrics(run_dir, state["step"])
     # train.keep_best: the kept weights (the record at or before this checkpoint, in RUN_DIR/best or the copy the
     # checkpoint saw), as the run's own export; read only (main=False: the run dir is left as it is)

@@ -326,6 +326,25 @@ def test_block_size_beyond_model_context_fails_before_training(tmp_path, tiny_co
         run(recipe_from_dict(values))
 
 
+def test_export_refuses_another_runs_checkpoint(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    # `export RUN --checkpoint OTHER_RUN/checkpoints/step-N` wrote the other run's weights under this run's task,
+    # recipe and metrics, with exit 0
+    from draftforge.train.export_run import export_checkpoint
+
+    mine = tiny_recipe(tmp_path / "mine", tiny_corpus_dir, tiny_tokenizer_dir, max_steps=2, save_every=2)
+    other = tiny_recipe(tmp_path / "other", tiny_corpus_dir, tiny_tokenizer_dir, max_steps=2, save_every=2)
+    other["optim"]["lr"] = 1e-2
+    a, b = run(recipe_from_dict(mine)), run(recipe_from_dict(other))
+    theirs = ckpt.list_checkpoints(b.run_dir)[0]
+    with pytest.raises(CheckpointError, match=rf"--checkpoint {theirs} was written by another run \(its recipe "
+                                              r"differs from .* in optim.lr\); export it from its own run"):
+        export_checkpoint(a.run_dir, tmp_path / "out", checkpoint=str(theirs), say=lambda *x: None)
+    assert not (tmp_path / "out").exists()
+    own = export_checkpoint(a.run_dir, tmp_path / "own", checkpoint=str(ckpt.list_checkpoints(a.run_dir)[0]),
+                            say=lambda *x: None)
+    assert (own / "model.safetensors").is_file()
+
+
 def test_keep_best_exports_the_best_evals_weights_and_survives_resume(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
     from safetensors.torch import load_file
 
