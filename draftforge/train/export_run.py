@@ -32,6 +32,7 @@ def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None
     # the run is where it is now: a moved or copied run's recipe still names where it trained, and the builder
     # reads the run's own files (its draft_vocab.json) from output_dir, which may hold another run's by now
     recipe = dataclasses.replace(recipe, output_dir=str(run_dir))
+    _check_inputs_unchanged(run_dir, recipe)
     src = Path(checkpoint) if checkpoint else _latest_checkpoint(run_dir)
     problem = ckpt.verify(src)
     if problem:
@@ -101,6 +102,23 @@ def _latest_checkpoint(run_dir: Path) -> Path:
         hint = hint if done else "train the run again (draftforge train RECIPE --overwrite)"
         raise CheckpointError(f"every checkpoint in {where} is corrupted, so there is nothing to export; "
                               f"{hint}") from None
+
+
+def _check_inputs_unchanged(run_dir: Path, recipe) -> None:
+    """An export describes the inputs it was trained against: the target (an exit head's frozen-trunk fingerprint,
+    an EAGLE-3 head's target config) and, for a θ predictor, the harvest (its target / drafter pairing and θ̂₀).
+    Rebuilt from files that changed since, that metadata would name the wrong pair; such an export is refused."""
+    from draftforge.train.rundir import INPUTS_FILE, changed_inputs
+
+    read = ("model.target", *(("data.sources",) if recipe.task == "theta" else ()))
+    changed = [k for k in changed_inputs(run_dir, recipe, "export") if k.split(" ")[0] in read]
+    if changed:
+        own = Path(run_dir) / "export"
+        raise CheckpointError(f"{'; '.join(changed)} changed since {run_dir} trained ({INPUTS_FILE} records what it "
+                              "read), and the export would describe what is there now; "
+                              + (f"the run's own export in {own} was written with what it trained on"
+                                 if (own / "draftforge.json").is_file() or (own / "theta.safetensors").is_file()
+                                 else "put back what it trained on, or train again"))
 
 
 def _kept(run_dir: Path, metric: str, step: int, model) -> dict | None:

@@ -107,6 +107,25 @@ def quick_fingerprint(path: Path) -> dict:
     return {"size": size, "sha256_ends": h.hexdigest()}
 
 
+def changed_inputs(run_dir: Path, recipe, who: str) -> list[str]:
+    """The inputs (recipe_inputs' keys) whose files differ from what the run in `run_dir` recorded when it started
+    (its INPUTS_FILE); [] for a run that recorded none. `who` names the command in the error for an unreadable
+    record."""
+    import json
+
+    saved = Path(run_dir) / INPUTS_FILE
+    if not saved.is_file():
+        return []
+    try:
+        old = json.loads(saved.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{who}: {saved} is not readable JSON ({e}); it records what the run trained on: "
+                              "start a new output_dir, or remove it to go on unchecked") from None
+    old, now = _by_file(old), _by_file(recipe_inputs(recipe))  # a path spelt another way is the same input
+    # an input the run did not record (it started before draftforge recorded that kind) is not checked
+    return sorted(k for k in old if old[k] != now.get(k))
+
+
 def _by_file(inputs: dict) -> dict:
     """recipe_inputs' entries keyed "KEY PATH" with PATH resolved (runs/demo/testbed/x and the cache it links to are
     one input), so a resume that spells a path another way is checked against what the run recorded."""
@@ -244,19 +263,7 @@ class RunDir:
     def _check_inputs(self) -> None:
         """A resumed run reads what it started on: the same recipe paths can hold another target's weights or other
         rows (a run made before inputs.json was written is not checked)."""
-        import json
-
-        saved = self.path / INPUTS_FILE
-        if not saved.is_file():
-            return
-        try:
-            old = json.loads(saved.read_text())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"--resume: {saved} is not readable JSON ({e}); it records what the run trained on: "
-                                  "start a new output_dir, or remove it to resume unchecked") from None
-        old, now = _by_file(old), _by_file(recipe_inputs(self.recipe))  # a path spelt another way is the same input
-        # an input the run did not record (it started before draftforge recorded that kind) is not checked
-        changed = sorted(k for k in old if old[k] != now.get(k))
+        changed = changed_inputs(self.path, self.recipe, "--resume")
         if changed:
             raise CheckpointError(f"--resume: {'; '.join(changed)} changed since the run in {self.path} started "
                                   f"(another file, or other content, at the same path: {INPUTS_FILE} records them); "
