@@ -58,11 +58,14 @@ def usual_permissions(root: Path) -> None:
 
 
 def _files_under(root: Path) -> set[str]:
-    return {p.relative_to(root).as_posix() for p in root.rglob("*") if not p.is_dir()}
+    """Every file, link (to a folder too) and empty folder under `root` (relative paths; a folder ends in /)."""
+    return {p.relative_to(root).as_posix() + ("/" if p.is_dir() and not p.is_symlink() else "")
+            for p in root.rglob("*") if p.is_symlink() or not p.is_dir() or not any(p.iterdir())}
 
 
 def files_only_in(old: Path, new: Path) -> list[str]:
-    """Files under `old` that `new` does not hold (relative paths): what replacing `old` by `new` would delete."""
+    """Files, links and empty folders under `old` that `new` does not hold (relative paths): what replacing `old`
+    by `new` would delete."""
     return sorted(_files_under(old) - _files_under(new)) if Path(old).is_dir() else []
 
 

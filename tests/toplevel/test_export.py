@@ -142,6 +142,14 @@ def test_overwrite_protection(tokenizer, tmp_path):
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
     assert (out / "README.md").read_text() == "my notes" and read_export_metadata(out)["task"] == "sft"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "notes"]  # no temp dir left beside it
+    # a link to a folder, and an empty folder, were not counted as files: a re-export removed them silently
+    for name in ("README.md", "eval/report.json", "eval"):
+        (out / name).unlink() if (out / name).is_file() else (out / name).rmdir()
+    (out / "my_data").symlink_to(other, target_is_directory=True)
+    (out / "plots").mkdir()
+    with pytest.raises(CheckpointError, match=r"holds files the new copy would not hold \(my_data, plots/\)"):
+        export_model(model, tokenizer, out, metadata={**META, "task": "sft"})
+    assert (out / "my_data").is_symlink() and (out / "plots").is_dir()
 
 
 def test_refusals_on_load(tokenizer, tmp_path):
