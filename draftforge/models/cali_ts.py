@@ -163,9 +163,13 @@ def check_pair(meta: dict, target_model, drafter, where) -> None:
     elif meta.get("drafter_fingerprint") and have["drafter_fingerprint"] != meta["drafter_fingerprint"]:
         problems.append("drafter weights differ (fingerprint)")
     if problems:
+        theirs = f"target {meta.get('target') or '?'}, drafter {meta.get('drafter') or '?'}"
+        ours = (f"target {getattr(getattr(target_model, 'config', None), '_name_or_path', '') or '?'}, "
+                f"a {have['drafter_kind']} drafter")
         raise CompatibilityError(
-            f"θ predictor {where} was trained for another target/drafter pair ({'; '.join(problems)}); "
-            "harvest and train a θ predictor for this pair (draftforge harvest theta, then task: theta)")
+            f"θ predictor {where} was trained for another target/drafter pair ({'; '.join(problems)}; it was "
+            f"trained for {theirs}, this is {ours}); harvest and train a θ predictor for this pair (draftforge "
+            "harvest theta, then task: theta)")
 
 
 def load_predictor(path, target_model, drafter, device="cpu") -> ThetaPredictor:
