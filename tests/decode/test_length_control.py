@@ -331,7 +331,7 @@ def test_bad_options_are_one_clear_error(target, drafters, method, options, matc
 def test_a_theta_predictor_for_another_drafter_is_refused(target, drafters, tmp_path):
     for_mamba = predictor_for(target, drafters["mamba"], tmp_path)
     with pytest.raises(CompatibilityError, match="another target/drafter pair.*drafter weights differ.*; it was trained "
-                                                 "for target .*, drafter .*, this is target .*, a mamba2 drafter"):
+                                                 "for target .*, drafter .*, this is target .*, a mamba drafter"):
         build_decoder("cali_ts", target, drafters["mamba2"], theta_predictor=for_mamba)  # same width, other weights
     with pytest.raises(CompatibilityError, match="drafter hidden size 32 != 64"):
         wide = ThetaPredictor(32, 64)
