@@ -6,6 +6,8 @@ The interfaces live in targets.py and drafter_base.py (Drafter re-exported here)
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel
 
@@ -279,6 +281,10 @@ def _load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow
         drafter = PromptLookupDrafter(target.vocab_size, **lookup)
         drafter.bind(target)
         return drafter
+    if isinstance(model_or_path, (str, Path)) and (Path(model_or_path).expanduser() / "draftforge.json").is_file():
+        from draftforge.export import read_export_metadata
+
+        read_export_metadata(Path(model_or_path).expanduser())  # a damaged one is named (not config.json's absence)
     if is_eesd_export(model_or_path):  # an EESD exit head: attached to (and checked against) this target
         from draftforge.decode.methods.eesd import load_early_exit
 

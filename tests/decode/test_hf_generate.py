@@ -123,6 +123,10 @@ def test_a_damaged_exit_head_is_one_error(target, eesd_export, tmp_path):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # SafetensorError's traceback before
     with pytest.raises(CheckpointError, match=r"exit_head.safetensors cannot be read \(.*\); re-export the eesd run"):
         load_drafter(str(copy), load_target(target))
+    meta = copy / "draftforge.json"  # cut short: it said the directory "holds no config.json"
+    meta.write_text(meta.read_text()[:40])
+    with pytest.raises(CheckpointError, match=r"draftforge.json is corrupt \(.*\); re-export the run"):
+        load_drafter(str(copy), load_target(target))
 
 
 def test_an_eesd_exit_drafts_for_its_own_target(target, eesd_export):
