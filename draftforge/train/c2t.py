@@ -114,10 +114,12 @@ def build(recipe, accelerator, with_data: bool = True):
             print(f"[c2t] held-out ({report['rows']} nodes, {report['accepted']} accepted): recall "
                   f"{best.get('recall', float('nan')):.3f}, positive rate {best.get('positive_rate', float('nan')):.4f} "
                   f"at β={cfg.threshold:g}")
-        return save_head(trained, out_dir, {**metadata, "heldout": report}, overwrite=overwrite)
+        # `draftforge export RUN_DIR` reads no data: the run's own export's figures come in `metadata` then
+        return save_head(trained, out_dir, {**metadata, **({"heldout": report} if report else {})},
+                         overwrite=overwrite)
 
     return TaskSpec(model=model, loss=loss, train_data=train, eval_data=heldout, export=export,
-                    export_metadata={"harvest": stats, "entropy_top_m": top_m}, unit="nodes",
+                    export_metadata={**({"harvest": stats} if stats else {}), "entropy_top_m": top_m}, unit="nodes",
                     units=lambda b: len(b["label"]), data_stats=stats,
                     run_files={HARVEST_FILE: json.dumps({"entropy_top_m": top_m})})
 

@@ -70,7 +70,33 @@ def export_checkpoint(run_dir: Path, out: Path, *, checkpoint: str | None = None
             f"train.keep_best), not {src.name}'s (--last exports those)")
     meta = {"task": recipe.task, "target": recipe.model.target, "recipe": recipe.to_dict(), "metrics": metrics,
             "checkpoint": src.name}
+    meta = _with_the_runs_own(run_dir, meta, kept["step"] if kept else state["step"])
     return spec.write_export(spec.model, out, meta, overwrite=overwrite)
+
+
+RUN_KEYS = ("data_stats", "distilled_from", "logits_cache", "harvest")  # facts of the run, whatever its weights
+WEIGHT_KEYS = ("heldout",)  # a report on the exported weights (C2T's held-out recall per β)
+
+
+def _with_the_runs_own(run_dir: Path, meta: dict, step: int) -> dict:
+    """`meta` with what the run's own export recorded and a rebuild without the training data cannot: the data's
+    stats and a teacher's name always; reports on the weights (metrics.acceptance, C2T's held-out figures) where
+    it exported the weights of the same step. A builder's own keys still win (write_export lays them over)."""
+    import json
+
+    try:
+        own = json.loads((Path(run_dir) / "export" / "draftforge.json").read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return meta
+    if not isinstance(own, dict) or own.get("task") != meta["task"]:
+        return meta
+    out = {**{k: own[k] for k in RUN_KEYS if k in own}, **meta}
+    theirs = own.get("metrics") if isinstance(own.get("metrics"), dict) else {}
+    own_step = (theirs.get("kept") or {}).get("step", theirs.get("steps"))
+    if own_step == step:
+        out.update({k: own[k] for k in WEIGHT_KEYS if k in own and k not in meta})
+        out["metrics"] = {**{k: v for k, v in theirs.items() if k not in meta["metrics"]}, **meta["metrics"]}
+    return out
 
 
 class _NoAccelerator:

@@ -363,6 +363,28 @@ def test_export_refuses_a_target_replaced_since_the_run(tmp_path, tiny_corpus_di
     assert not (tmp_path / "out").exists()
 
 
+def test_a_re_export_keeps_what_the_runs_own_export_recorded(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
+    # `draftforge export RUN` builds the task without its data: data_stats (and a distill's teacher, C2T's harvest
+    # figures, an eval's acceptance) went missing from a re-export of the very weights the run exported
+    from draftforge.train.export_run import export_checkpoint
+
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=2, save_every=2, export=True)
+    done = run(recipe_from_dict(values))
+    own_file = done.export_dir / "draftforge.json"
+    own = json.loads(own_file.read_text())
+    assert own["data_stats"]
+    own["metrics"]["acceptance"] = {"tau": 2.5}  # a report on these weights, as distill's and eagle3's exports hold
+    own_file.write_text(json.dumps(own))
+    again = json.loads((export_checkpoint(done.run_dir, tmp_path / "again", say=lambda *x: None)
+                        / "draftforge.json").read_text())
+    assert again["data_stats"] == own["data_stats"] and again["metrics"]["acceptance"] == {"tau": 2.5}
+    own["metrics"]["steps"] = 1  # the run's own export holds other weights: its report is not these weights'
+    own_file.write_text(json.dumps(own))
+    other = json.loads((export_checkpoint(done.run_dir, tmp_path / "other", say=lambda *x: None)
+                        / "draftforge.json").read_text())
+    assert other["data_stats"] == own["data_stats"] and "acceptance" not in other["metrics"]
+
+
 def test_keep_best_exports_the_best_evals_weights_and_survives_resume(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
     from safetensors.torch import load_file
 
