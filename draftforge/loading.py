@@ -152,6 +152,24 @@ def load_causal_lm(source, *, what: str = "model", allow_pickle: bool | None = N
     return model
 
 
+def read_tokenizer(path, what: str):
+    """The tokenizer saved in `path`, None where it holds no tokenizer files (ids are then used unchecked);
+    CheckpointError for tokenizer files that cannot be read (taken for none, a drafter's vocabulary would go
+    unchecked against its target's)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError) as err:
+        where = Path(str(path)).expanduser()
+        damaged = [n for n in ("tokenizer.json", "tokenizer_config.json") if (where / n).is_file()]
+        if not damaged:
+            return None
+        first = (str(err).splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"the {what}'s tokenizer in {where} cannot be read ({first}); re-export it, or remove "
+                              f"its {' and '.join(damaged)} to use token ids unchecked") from None
+
+
 def reduced_head_kwargs(path) -> dict:
     """Extra from_pretrained arguments for a reduced-vocabulary checkpoint (its head does not fit the
     config's vocab_size; restore_reduced_head puts it back afterwards)."""

@@ -23,6 +23,7 @@ from draftforge.decode.lean_forward import lean_forward
 from draftforge.decode.packing import PackReport, pack_linears
 from draftforge.decode.targets import SSM_MODEL_TYPES, KVCacheTarget, Target, is_recurrent_model
 from draftforge.errors import CompatibilityError, RecipeError
+from draftforge.loading import read_tokenizer
 
 LOOKUP_NAMES = ("prompt-lookup", "prompt_lookup")  # drafter specs that name the model-free n-gram drafter
 LOOKUP_KEYS = {"ngram": "max_ngram", "min_ngram": "min_ngram", "tokens": "max_tokens"}  # spec key -> keyword
@@ -69,10 +70,13 @@ def load_hf_causal_lm(model_or_path, device, dtype, what: str, pack_weights: str
         from draftforge.loading import load_causal_lm
 
         model = load_causal_lm(model_or_path, what=what, dtype=dtype)  # safetensors only; missing dir named
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(model_or_path))
-        except (OSError, ValueError, TypeError):
-            tokenizer = None  # a bare checkpoint without tokenizer files is still usable with token ids
+        if what == "drafter":  # a bare checkpoint without tokenizer files is still usable with token ids
+            tokenizer = read_tokenizer(model_or_path, what)
+        else:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(model_or_path))
+            except (OSError, ValueError, TypeError):
+                tokenizer = None
     if dtype is not None and model.dtype != dtype:  # loaded in it already: a cast would round RoPE's inv_freq too
         model = model.to(dtype)
     model = model.to(device).eval()
@@ -221,10 +225,7 @@ def load_eagle3(model_or_path, target: Target, device, dtype, pack_weights: str 
 
 
 def _export_tokenizer(path):
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError, TypeError):
-        return None
+    return read_tokenizer(path, "drafter")
 
 
 def load_drafter(model_or_path, target: Target, device="cpu", dtype=None, allow_vocab_mismatch=False, tokenizer=None,

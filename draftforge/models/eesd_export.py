@@ -141,9 +141,6 @@ def load_exit_head(path, target_model):
     if missing or unexpected:
         raise CheckpointError(f"{weights} does not match an exit head (missing {missing[:3]}, unexpected "
                               f"{unexpected[:3]}); re-export the eesd run")
-    tokenizer = None
-    if (path / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
+    from draftforge.loading import read_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return head, meta, tokenizer
+    return head, meta, read_tokenizer(path, "exit head")

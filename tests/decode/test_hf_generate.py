@@ -111,7 +111,7 @@ def test_calls_from_several_threads_on_one_model_each_equal_generate(target):
     assert all(torch.equal(got[i], want[i]) for i in range(len(prompts)))
 
 
-def test_a_damaged_exit_head_is_one_error(target, eesd_export, tmp_path):
+def test_a_damaged_exit_head_is_one_error(target, eesd_export, export_dir, tmp_path):
     import shutil
 
     from draftforge.decode import load_drafter, load_target
@@ -127,6 +127,12 @@ def test_a_damaged_exit_head_is_one_error(target, eesd_export, tmp_path):
     meta.write_text(meta.read_text()[:40])
     with pytest.raises(CheckpointError, match=r"draftforge.json is corrupt \(.*\); re-export the run"):
         load_drafter(str(copy), load_target(target))
+    for kind, drafter in (("exit head", eesd_export), ("drafter", export_dir)):  # json's traceback; or no word,
+        cut = tmp_path / f"cut-{kind}"  # the drafter then loaded with no tokenizer and its vocabulary unchecked
+        shutil.copytree(drafter, cut)
+        (cut / "tokenizer.json").write_text((cut / "tokenizer.json").read_text()[:100])
+        with pytest.raises(CheckpointError, match=rf"the {kind}'s tokenizer in .* cannot be read \(.*\); re-export"):
+            load_drafter(str(cut), load_target(target))
 
 
 def test_an_eesd_exit_drafts_for_its_own_target(target, eesd_export):
