@@ -130,12 +130,18 @@ def _latest_checkpoint(run_dir: Path) -> Path:
                               f"{hint}") from None
 
 
+TARGET_BOUND = ("eesd", "eagle3", "theta")  # tasks whose export describes its target (and θ's its harvest)
+
+
 def _check_inputs_unchanged(run_dir: Path, recipe) -> None:
-    """An export describes the inputs it was trained against: the target (an exit head's frozen-trunk fingerprint,
-    an EAGLE-3 head's target config) and, for a θ predictor, the harvest (its target / drafter pairing and θ̂₀).
-    Rebuilt from files that changed since, that metadata would name the wrong pair; such an export is refused."""
+    """Some exports describe the inputs they were trained against: the target (an exit head's frozen-trunk
+    fingerprint, an EAGLE-3 head's target config) and, for a θ predictor, the harvest (its target / drafter pairing
+    and θ̂₀). Rebuilt from files that changed since, that metadata would name the wrong pair; such an export is
+    refused. (An LM drafter's export names its target only: it is checked against a target by its tokenizer.)"""
     from draftforge.train.rundir import INPUTS_FILE, changed_inputs
 
+    if recipe.task not in TARGET_BOUND:
+        return
     read = ("model.target", *(("data.sources",) if recipe.task == "theta" else ()))
     changed = [k for k in changed_inputs(run_dir, recipe, "export") if k.split(" ")[0] in read]
     if changed:

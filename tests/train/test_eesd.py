@@ -146,6 +146,26 @@ def test_only_the_exit_head_trains_and_the_export_attaches_to_its_target(tmp_pat
         load_drafter(str(export), load_target(str(moved)))
 
 
+def test_export_refuses_a_target_replaced_since_the_run(tmp_path, target_dir):
+    # `draftforge export RUN` rebuilt the head's frozen-trunk fingerprint from the model saved at the target path
+    # since: the export then loaded on that model and was refused on the one it was trained on
+    import shutil
+
+    from draftforge.train.export_run import export_checkpoint
+
+    target = tmp_path / "target"
+    shutil.copytree(target_dir, target)
+    values = recipe(tmp_path, target, token_rows(tmp_path / "rows.jsonl", target, n=8))
+    values["train"].update(max_steps=2, eval_every=2, save_every=2)
+    done = train(recipe_from_dict(values), build_eesd_task)
+    save_target(target, target_dir, seed=1)
+    with pytest.raises(CheckpointError, match=r"model.target changed since .* trained \(inputs.json records what it "
+                                              r"read\), and the export would describe what is there now; the run's "
+                                              r"own export in .* was written with what it trained on"):
+        export_checkpoint(done.run_dir, tmp_path / "out", say=lambda *x: None)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_reduced_draft_vocabulary_trains_exports_and_drafts_inside_it(tmp_path, target_dir, tiny_corpus_dir):
     rows = token_rows(tmp_path / "rows.jsonl", target_dir, n=12)
     values = recipe(tmp_path, target_dir, rows, tiny_corpus_dir)
