@@ -357,15 +357,33 @@ def _field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, but a key given twice in one mapping is an error: PyYAML keeps the last silently, so a second
+    `optim:` block at the end of a recipe replaced the first one whole (a stray lr: 1000 trained, exit 0)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     path = Path(path)
     if not path.is_file():
         what = "is a directory; give the YAML file" if path.is_dir() else "does not exist"
         raise RecipeError(f"recipe file {path} {what}")
     try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        values = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
-        raise RecipeError(f"recipe file {path} is not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise RecipeError(f"recipe file {where} is not valid YAML ({what})") from None
     except UnicodeDecodeError:
         raise RecipeError(f"recipe file {path} is not a text file (not UTF-8: a checkpoint or other binary?); give "
                           "the recipe's YAML file") from None

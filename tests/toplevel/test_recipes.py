@@ -56,3 +56,24 @@ def test_overrides_and_paths(tmp_path, monkeypatch):
     assert r.optim.lr == 1e-4 and r.train.max_steps == 7
     assert r.model.target == "runs/demo/testbed/target"  # the demo's link to the testbed it used
     assert load_recipe(RECIPES / "tiny" / "pretrain.yaml", ["model.target=~/t"]).model.target == f"{tmp_path}/t"
+
+
+def test_a_key_given_twice_or_broken_yaml_is_one_line_naming_the_line(tmp_path):
+    # PyYAML keeps the last of two equal keys: a second `optim:` block replaced the first whole (lr 1000 trained, exit
+    # 0); broken YAML printed PyYAML's several-line report with its caret block
+    from draftforge.errors import RecipeError
+    from draftforge.recipe import load_recipe
+
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("task: pretrain\noptim:\n  lr: 0.001\ndata:\n  sources: [x]\noptim:\n  lr: 1000\n")
+    with pytest.raises(RecipeError, match=r"twice.yaml:6 is not valid YAML \(the key 'optim' is given twice"):
+        load_recipe(twice)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("task: pretrain\noptim:\n  lr: 0.001\n  lr: 0.1\n")
+    with pytest.raises(RecipeError, match=r"nested.yaml:4 is not valid YAML \(the key 'lr' is given twice"):
+        load_recipe(nested)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("task: pretrain\n  bad: [\n")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(broken)
+    assert "\n" not in str(err.value) and "broken.yaml:2 is not valid YAML" in str(err.value)
