@@ -30,7 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from draftforge.errors import DataError, DraftforgeError
+from draftforge.errors import DataError, DraftforgeError, RecipeError
 from draftforge.recipe import Recipe
 from draftforge.runtime import resolve_precision
 from draftforge.train import checkpoint as ckpt
@@ -58,10 +58,25 @@ class TrainResult:
     losses: list[float]
 
 
+def check_trackers_installed(trackers: list[str]) -> None:
+    """A tracker the recipe names must be installed where the run starts: Accelerate drops one that is not, with a
+    log line, and the run logs nothing to it (a recipe naming wandb trained with no wandb run at all). Checked at
+    the start of training, not when a recipe is read (an export on another machine reads the run's recipe too)."""
+    from accelerate.tracking import get_available_trackers
+
+    here = {str(getattr(x, "value", x)) for x in get_available_trackers()}
+    missing = [x for x in trackers if x != "all" and x not in here]
+    if missing:
+        them = "it" if len(missing) == 1 else "them"
+        raise RecipeError(f"recipe key 'train.trackers': {', '.join(missing)} not installed here (the run would log "
+                          f"nothing to {them}): pip install {' '.join(missing)}, or drop {them}")
+
+
 def make_accelerator(recipe: Recipe) -> Accelerator:
     t = recipe.train
     precision = resolve_precision(t.precision)
     trackers = [x for x in t.trackers if x != "auto"]
+    check_trackers_installed(trackers)
     if "auto" in t.trackers:
         try:
             import tensorboard  # noqa: F401

@@ -326,6 +326,24 @@ def test_block_size_beyond_model_context_fails_before_training(tmp_path, tiny_co
         run(recipe_from_dict(values))
 
 
+def test_a_tracker_that_is_not_installed_is_refused_before_anything_is_written(tmp_path, tiny_corpus_dir,
+                                                                              tiny_tokenizer_dir, monkeypatch):
+    # Accelerate drops a tracker it cannot import with a log line: a recipe naming wandb trained, exit 0, and
+    # logged nothing anywhere but metrics.jsonl
+    import accelerate.tracking
+
+    monkeypatch.setattr(accelerate.tracking, "get_available_trackers", lambda: [])
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=2)
+    values["train"]["trackers"] = ["wandb"]
+    with pytest.raises(RecipeError, match=r"'train.trackers': wandb not installed here \(the run would log nothing "
+                                          r"to it\): pip install wandb, or drop it"):
+        run(recipe_from_dict(values))
+    assert not (tmp_path / "run").exists()
+    monkeypatch.undo()
+    values["train"]["trackers"] = ["auto"]  # tensorboard where installed: nothing to refuse
+    assert run(recipe_from_dict(values)).step == 2
+
+
 def test_export_refuses_another_runs_checkpoint(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
     # `export RUN --checkpoint OTHER_RUN/checkpoints/step-N` wrote the other run's weights under this run's task,
     # recipe and metrics, with exit 0
