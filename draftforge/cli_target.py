@@ -105,7 +105,7 @@ def run_longctx(job: LongctxJob) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     from draftforge.data.longctx import build_longctx, parse_lengths, write_longctx
-    from draftforge.errors import DataError
+    from draftforge.errors import DataError, first_line
     from draftforge.fsutil import output_problem
     from pathlib import Path
 
@@ -122,8 +122,7 @@ def run_longctx(job: LongctxJob) -> int:
         tokenizer = AutoTokenizer.from_pretrained(job.target)
         config = AutoConfig.from_pretrained(job.target)
     except (OSError, ValueError) as e:  # no tokenizer files, no config.json
-        first = (str(e).splitlines() or [type(e).__name__])[0]
-        raise DataError(f"--target {job.target}: cannot read its tokenizer and config ({first})") from None
+        raise DataError(f"--target {job.target}: cannot read its tokenizer and config ({first_line(e)})") from None
     from draftforge.decode.targets import max_context
 
     context = max_context(config)  # as eval reads it (n_positions, seq_length, ...)

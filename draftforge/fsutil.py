@@ -149,13 +149,12 @@ def read_safetensors(path: Path, redo: str) -> dict:
     safetensors at all (`redo`: what to do then), not the library's traceback."""
     from safetensors.torch import load_file
 
-    from draftforge.errors import CheckpointError
+    from draftforge.errors import CheckpointError, first_line
 
     try:
         return load_file(str(path))
     except Exception as err:  # SafetensorError, OSError, ...: a damaged or foreign file
-        first = (str(err).splitlines() or [type(err).__name__])[0]
-        raise CheckpointError(f"{path} cannot be read ({first}); {redo}") from None
+        raise CheckpointError(f"{path} cannot be read ({first_line(err)}); {redo}") from None
 
 
 def output_problem(path: str | Path, kind: str) -> str | None:

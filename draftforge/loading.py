@@ -19,7 +19,7 @@ import struct
 import sys
 from pathlib import Path
 
-from draftforge.errors import CheckpointError, RecipeError
+from draftforge.errors import CheckpointError, RecipeError, first_line
 from draftforge.hfcompat import NO_HUB_KERNELS
 
 ALLOW_PICKLE_ENV = "DRAFTFORGE_ALLOW_PICKLE"
@@ -68,7 +68,7 @@ def load_config(path: str, key: str):
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e)
         where = (f"{path!r}" if Path(str(path)).expanduser().exists() else
                  f"{path!r} (no such local directory; tried it as a Hugging Face Hub id)")
         raise RecipeError(f"{_named(key)}: cannot read a model config from {where}: {first}") from None
@@ -146,8 +146,7 @@ def load_causal_lm(source, *, what: str = "model", allow_pickle: bool | None = N
     except (OSError, ValueError, SafetensorError) as err:
         where = (f"{local}" if local is not None else
                  f"{str(source)!r} (no such local directory; tried it as a Hugging Face Hub id)")
-        first_line = (str(err).splitlines() or [type(err).__name__])[0]
-        raise CheckpointError(f"cannot load the {what} from {where}: {first_line}") from None
+        raise CheckpointError(f"cannot load the {what} from {where}: {first_line(err)}") from None
     note_cpu_kernels(model)
     return model
 
@@ -165,9 +164,8 @@ def read_tokenizer(path, what: str):
         damaged = [n for n in ("tokenizer.json", "tokenizer_config.json") if (where / n).is_file()]
         if not damaged:
             return None
-        first = (str(err).splitlines() or [type(err).__name__])[0]
-        raise CheckpointError(f"the {what}'s tokenizer in {where} cannot be read ({first}); re-export it, or remove "
-                              f"its {' and '.join(damaged)} to use token ids unchecked") from None
+        raise CheckpointError(f"the {what}'s tokenizer in {where} cannot be read ({first_line(err)}); re-export it, "
+                              f"or remove its {' and '.join(damaged)} to use token ids unchecked") from None
 
 
 def reduced_head_kwargs(path) -> dict:

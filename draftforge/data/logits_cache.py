@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -52,6 +53,15 @@ KINDS = {KIND: ("a logits cache", "draftforge harvest logits"),
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
+
+
+SHARD_FILE = re.compile(r"shard-(\d{5,})\.(safetensors|json)")  # a shard, or the record a harvest writes beside it
+
+
+def shard_index(path: Path) -> int | None:
+    """The index in a shard's or shard record's name (shard-00012.json: 12); None for any other name."""
+    found = SHARD_FILE.fullmatch(Path(path).name)
+    return int(found.group(1)) if found else None
 
 
 # ---------------------------------------------------------------- rows
@@ -279,8 +289,8 @@ class LogitsCache:
         for cache_dir, m in zip(dirs, self.manifests):
             if not m.get("complete"):
                 done = {e.get("index") for e in m.get("shards", []) if isinstance(e, dict)}
-                done |= {int(p.name[6:-5]) for p in cache_dir.glob("shard-*.json")
-                         if p.name[6:-5].isdigit()}  # written since, by a run that did not finish
+                # records written since, by a run that did not finish
+                done |= {shard_index(p) for p in cache_dir.glob("shard-*.json") if shard_index(p) is not None}
                 raise DataError(f"the {self.WHAT} in {cache_dir} is incomplete ({len(done)} of "
                                 f"{m.get('num_shards', '?')} shards written): {self.fix}")
             for entry in m["shards"]:  # sizes and hashes: a damaged shard is named before training starts

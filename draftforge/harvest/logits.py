@@ -35,7 +35,7 @@ import torch
 
 from draftforge.data.logits_cache import (DRAFT_VOCAB_FILE, FORMAT_VERSION, HIDDEN_KIND, KIND, KINDS, MANIFEST,
                                           check_ids_below, config_fingerprint, loss_positions, read_manifest,
-                                          read_token_rows, rows_identity, shard_name, shard_problem,
+                                          read_token_rows, rows_identity, shard_index, shard_name, shard_problem,
                                           stored_weights_fingerprint, write_shard)
 from draftforge.errors import CompatibilityError, DataError, RecipeError
 from draftforge.fsutil import atomic_write_text, foreign_dir_problem, shared_lock
@@ -386,9 +386,9 @@ def _start(out: Path, plan: Plan, overwrite: bool) -> None:
     if overwrite and (out / MANIFEST).is_file():  # the replaced harvest's own files: its shards, and its vocabulary
         old = read_manifest(out, plan.manifest["kind"])
         n = old.get("num_shards") if isinstance(old.get("num_shards"), int) else 0
-        for path in [p for p in _ours(out, "safetensors") if _index(p) < n]:
+        for path in [p for p in _ours(out, "safetensors") if shard_index(p) < n]:
             path.unlink()
-        for path in [p for p in _ours(out, "json") if _index(p) < n and _read_record(p) is not None]:
+        for path in [p for p in _ours(out, "json") if shard_index(p) < n and _read_record(p) is not None]:
             path.unlink()
         if old.get("draft_vocab"):
             (out / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
@@ -422,11 +422,6 @@ def _records(out: Path, kind: str) -> dict[int, dict]:
     return found
 
 
-def _index(path: Path) -> int:
-    """The shard index in a name _ours matched (shard-00012.json: 12)."""
-    return int(path.name.split(".")[0].removeprefix("shard-"))
-
-
 def _read_record(path: Path) -> dict | None:
     """The shard record a harvest wrote at `path`, or None for anything else there (unreadable, or not the record
     of that shard: a file the harvest did not write is neither trusted nor deleted)."""
@@ -434,7 +429,7 @@ def _read_record(path: Path) -> dict | None:
         entry = json.loads(path.read_text())
     except (OSError, ValueError, UnicodeDecodeError):
         return None
-    index = _index(path)
+    index = shard_index(path)
     ok = (isinstance(entry, dict) and entry.get("index") == index and entry.get("file") == shard_name(index)
           and isinstance(entry.get("rows"), list) and isinstance(entry.get("bytes"), int)
           and isinstance(entry.get("sha256"), str))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from draftforge.errors import CheckpointError
+from draftforge.errors import CheckpointError, first_line
 from draftforge.fsutil import read_safetensors
 from draftforge.train import checkpoint as ckpt
 from draftforge.train.best import BestKeeper
@@ -167,8 +167,8 @@ def _kept(run_dir: Path, metric: str, step: int, model) -> dict | None:
     try:
         return BestKeeper(metric, run_dir, step, main=False).load_into(model)
     except Exception as err:  # a damaged best/model.safetensors
-        first = (str(err).splitlines() or [type(err).__name__])[0]
-        raise CheckpointError(f"train.keep_best: the kept weights in {run_dir / BEST_DIR} cannot be read ({first}); "
+        raise CheckpointError(f"train.keep_best: the kept weights in {run_dir / BEST_DIR} cannot be read "
+                              f"({first_line(err)}); "
                               f"`draftforge export {run_dir} --last` exports the last checkpoint's") from None
 
 
