@@ -68,6 +68,7 @@ class LoraConfig:
 
     def check(self, at: str) -> None:
         require(self.r > 0, f"{at}.r", "must be > 0")
+        require(0 < self.alpha < math.inf, f"{at}.alpha", f"must be > 0 (the adapters' scale is alpha / r), got {self.alpha}")
         require(0.0 <= self.dropout < 1.0, f"{at}.dropout", "must be in [0, 1)")
 
 
@@ -126,7 +127,8 @@ class OptimConfig:
         require(self.schedule in ("cosine", "linear", "constant"), f"{at}.schedule",
                  f"must be cosine, linear or constant, got {self.schedule!r}")
         require(0.0 <= self.min_lr_ratio <= 1.0, f"{at}.min_lr_ratio", "must be in [0, 1]")
-        require(self.grad_clip >= 0, f"{at}.grad_clip", "must be >= 0")
+        require(0 <= self.grad_clip < math.inf, f"{at}.grad_clip",
+                 f"must be >= 0 and finite (0 disables clipping), got {self.grad_clip}")
 
 
 @dataclass
@@ -300,6 +302,8 @@ def apply_overrides(values: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise RecipeError(f"override {item!r} must look like key.path=value")
         path, raw = item.split("=", 1)
+        if not path.strip() or any(not part.strip() for part in path.split(".")):
+            raise RecipeError(f"override {item!r} must look like key.path=value (the key path has an empty part)")
         node = values
         parts = path.strip().split(".")
         for part in parts[:-1]:

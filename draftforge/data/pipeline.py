@@ -92,16 +92,23 @@ def _eval_source_docs(cfg, tokenizer, vocab_size: int) -> datasets.Dataset:
     return _usable_rows(docs, eval_cfg)[0]
 
 
+MOSTLY_PADDING = 0.5  # describe() warns above this padding fraction
+
+
 def describe(bd: BlockData) -> str:
     """One line for logs: blocks, tokens, loss tokens, padding, documents, skipped rows, eval."""
     s = bd.stats
     if s.get("streaming"):
         return f"data: streaming {s['format']} blocks of {bd.block_size} tokens (eval: held-out {s['eval_fraction']:.1%})"
-    return (f"data: {s['blocks']:,} blocks x {bd.block_size} = {s['tokens']:,} tokens "
+    line = (f"data: {s['blocks']:,} blocks x {bd.block_size} = {s['tokens']:,} tokens "
             f"({s['loss_tokens']:,} with loss, padding {s['padding_fraction']:.2%}) from {s['documents']:,} "
             f"{'token rows' if s['format'] == 'tokens' else s['format'] + ' documents'}; "
             f"{s['rows_skipped']:,}/{s['rows_read']:,} rows skipped; "
             f"eval: {s['eval_blocks']:,} blocks from {s['eval_documents']:,} documents")
+    if s["padding_fraction"] > MOSTLY_PADDING:  # a block size far above the data's: compute spent on padding
+        line += (f"\nwarning: {s['padding_fraction']:.0%} of every training block is padding ({s['tokens']:,} tokens "
+                 f"in {s['blocks']:,} blocks of {bd.block_size}); lower train.block_size or add data")
+    return line
 
 
 def split_documents(docs: datasets.Dataset, eval_fraction: float, seed: int):

@@ -162,6 +162,11 @@ class Trainer:
                  f"{t.micro_batch_size} x {acc.gradient_accumulation_steps} accumulation = global batch "
                  f"{t.global_batch_size} {rows}; precision {precision}, device {acc.device}, "
                  f"backend {dist.backend(acc)}")
+        o = self.recipe.optim
+        if o.warmup_steps >= t.max_steps:  # legal (a short smoke run), but the LR never reaches optim.lr
+            self.say(f"[draftforge] warning: optim.warmup_steps ({o.warmup_steps}) >= train.max_steps ({t.max_steps}): "
+                     f"the learning rate rises to {t.max_steps / (o.warmup_steps + 1):.2g} x optim.lr at the last "
+                     f"step and never decays")
 
     def _resume_point(self) -> tuple[int, int]:
         if self.run_dir.mode == RESTART:

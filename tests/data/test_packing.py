@@ -83,3 +83,14 @@ def test_tokenization_workers_give_the_same_blocks(tmp_path, tok):
     two = build_block_data(data_cfg([src], eval_fraction=0.2, num_proc=2), tok, 16, seed=5)
     assert one.train["input_ids"] == two.train["input_ids"] and one.eval["labels"] == two.eval["labels"]
     assert one.stats == two.stats
+
+
+def test_describe_warns_when_most_of_every_block_is_padding(tmp_path, tok):
+    # a folder of a few tiny files, or a block size far above the data, trained on ~99% padding with nothing said
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": "x = 1\n"}])
+    n = len(token_stream(tok, ["x = 1\n"]))
+    line = describe(build_block_data(data_cfg([src]), tok, 64, seed=0))
+    assert f"warning: {1 - n / 64:.0%} of every training block is padding ({n} tokens in 1 blocks of 64)" in line
+    assert "lower train.block_size or add data" in line
+    full = write_jsonl(tmp_path / "full.jsonl", [{"text": d} for d in DOCS])
+    assert "warning" not in describe(build_block_data(data_cfg([full]), tok, 32, seed=0))

@@ -77,3 +77,20 @@ def test_a_key_given_twice_or_broken_yaml_is_one_line_naming_the_line(tmp_path):
     with pytest.raises(RecipeError) as err:
         load_recipe(broken)
     assert "\n" not in str(err.value) and "broken.yaml:2 is not valid YAML" in str(err.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    # each passed validation: an infinite clip is no clip under another name, a negative alpha flips the adapters'
+    # sign, and an empty key was reported as "unknown recipe key ''"
+    ("optim.grad_clip=.inf", "recipe key 'optim.grad_clip': must be >= 0 and finite (0 disables clipping), got inf"),
+    ("model.lora.alpha=-3", "recipe key 'model.lora.alpha': must be > 0"),
+    ("model.lora.alpha=0", "recipe key 'model.lora.alpha': must be > 0"),
+    ("=3", "override '=3' must look like key.path=value (the key path has an empty part)"),
+    ("train..max_steps=3", "override 'train..max_steps=3' must look like key.path=value"),
+])
+def test_values_that_cannot_mean_what_they_say_are_refused(override, message):
+    from draftforge.errors import RecipeError
+
+    with pytest.raises(RecipeError) as err:
+        load_recipe(RECIPES / "tiny" / "pretrain.yaml", [override])
+    assert message in str(err.value)

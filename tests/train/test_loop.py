@@ -651,3 +651,20 @@ def test_a_tokenizer_that_is_not_the_targets_is_refused_before_training(tmp_path
         load_tokenizer(recipe_from_dict(values))
     values["model"]["tokenizer"] = str(target)  # the target's own: fine
     assert len(load_tokenizer(recipe_from_dict(values))) == len(other)
+
+
+@pytest.mark.parametrize("warmup, warned", [(2, False), (6, True), (9, True)])
+def test_a_warmup_as_long_as_the_run_is_named_at_the_start(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, capsys,
+                                                             warmup, warned):
+    # warmup_steps >= max_steps trained at a fraction of optim.lr with nothing said (the default warm-up of 100
+    # under a `--set train.max_steps=20` smoke run): legal, so said, not refused
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=6, save_every=0, eval_every=0)
+    values["optim"]["warmup_steps"] = warmup
+    result = run(recipe_from_dict(values))
+    out = capsys.readouterr().out
+    last_lr = read_metrics(result.run_dir)[-1]["lr"]  # the rate the last step used, as logged
+    if warned:  # hand computation: the 6th step (index 5) of a linear warm-up runs at (5 + 1) / (warmup + 1) x 3e-3
+        assert last_lr == pytest.approx(3e-3 * 6 / (warmup + 1))
+    line = (f"warning: optim.warmup_steps ({warmup}) >= train.max_steps (6): the learning rate rises to "
+            f"{last_lr / 3e-3:.2g} x optim.lr at the last step and never decays")
+    assert (line in out) == warned
