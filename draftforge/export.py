@@ -189,10 +189,17 @@ def read_export_metadata(path) -> dict:
     meta = read_json(meta_path, "re-export the run")
     if not isinstance(meta, dict) or "task" not in meta:
         raise CheckpointError(f"{meta_path} has no 'task' field; re-export the run")
-    if meta.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{meta_path} has format_version {meta['format_version']}, newer than this "
-                              f"draftforge ({FORMAT_VERSION}) reads; upgrade draftforge")
+    check_format_version(meta, meta_path)
     return meta
+
+
+def check_format_version(meta: dict, where) -> None:
+    """An export written by a newer draftforge (a higher format_version) is refused; one without the field
+    predates it (θ predictors and C2T classifiers wrote none before 2026-12-03) and is read as version 1."""
+    version = meta.get("format_version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION:
+        raise CheckpointError(f"{where} has format_version {version!r}, newer than this draftforge "
+                              f"({FORMAT_VERSION}) reads; upgrade draftforge")
 
 
 def load_exported(path, *, expected_task: str | None = None, device="cpu", dtype=None):

@@ -53,7 +53,9 @@ def feature_matrix(columns: dict[str, torch.Tensor], features) -> torch.Tensor:
 
 
 def head_metadata(model: C2TClassifier, extra: dict | None = None) -> dict:
-    return {"kind": KIND, "features": list(model.features), "hidden": model.hidden,
+    from draftforge.export import FORMAT_VERSION
+
+    return {"kind": KIND, "format_version": FORMAT_VERSION, "features": list(model.features), "hidden": model.hidden,
             "feature_defs": {f: FEATURE_DEFS[f] for f in model.features}, "depth_origin": DEPTH_ORIGIN,
             "entropy_top_m": ENTROPY_TOP_M, **(extra or {})}
 
@@ -68,7 +70,10 @@ def save_head(model: C2TClassifier, out_dir, extra: dict | None = None, overwrit
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         meta_file = out_dir / META_FILE
-        is_head = meta_file.is_file() and json.loads(meta_file.read_text()).get("kind") == KIND
+        try:  # a damaged draftforge.json cannot show the folder is a head: it is refused as someone's files
+            is_head = meta_file.is_file() and json.loads(meta_file.read_text()).get("kind") == KIND
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            is_head = False
         if not is_head:
             raise CheckpointError(f"{out_dir} holds files that are not a C2T classifier; choose another --out")
         if not overwrite:
@@ -83,6 +88,7 @@ def save_head(model: C2TClassifier, out_dir, extra: dict | None = None, overwrit
 def load_head(path) -> tuple[C2TClassifier, dict]:
     """(classifier in eval mode, metadata); refuses heads whose feature definitions this code does not compute."""
     from draftforge.fsutil import read_json, read_safetensors
+    from draftforge.export import check_format_version
 
     path = Path(path)
     meta_file, weights = path / META_FILE, path / WEIGHTS_FILE
@@ -92,6 +98,7 @@ def load_head(path) -> tuple[C2TClassifier, dict]:
     meta = read_json(meta_file, "re-export the c2t run")
     if not isinstance(meta, dict) or meta.get("kind") != KIND:
         raise CheckpointError(f"{path} holds a {meta.get('kind') or meta.get('task')!r} export, not a C2T classifier")
+    check_format_version(meta, meta_file)
     check_definitions(meta, str(path))
     model = C2TClassifier(meta["features"], int(meta["hidden"]))
     try:

@@ -110,7 +110,9 @@ def save_predictor(predictor: ThetaPredictor, out_dir: Path, metadata: dict) -> 
 
     state = {k: v.detach().contiguous().cpu() for k, v in predictor.state_dict().items()}
     save_file(state, str(Path(out_dir) / WEIGHTS_FILE))
-    meta = {**metadata, "task": "theta", "target_dim": predictor.target_dim, "draft_dim": predictor.draft_dim,
+    from draftforge.export import FORMAT_VERSION
+
+    meta = {**metadata, "task": "theta", "format_version": FORMAT_VERSION, "target_dim": predictor.target_dim, "draft_dim": predictor.draft_dim,
             "max_offset": predictor.max_offset, "mean_label": predictor.mean_label,
             "logit_shift": predictor.logit_shift}
     (Path(out_dir) / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
@@ -125,7 +127,11 @@ def read_predictor_meta(path) -> dict:
     meta = read_json(meta_path, "re-export the θ predictor")
     if meta.get("task") != "theta":
         raise CheckpointError(f"{path} is a {meta.get('task')!r} export, but a 'theta' predictor is needed")
+    from draftforge.export import check_format_version
+
+    check_format_version(meta, meta_path)
     return meta
+
 
 
 EARLY_EXIT = "early_exit"  # decode/methods/eesd.py EarlyExitDrafter.kind

@@ -128,6 +128,20 @@ def test_head_round_trips(tmp_path):
     assert meta["features"] == ["P", "d"] and meta["depth_origin"] == 0 and loaded.features == ("P", "d")
     x = torch.rand(5, 2)
     torch.testing.assert_close(loaded.confidence(x), model.confidence(x))
+    # the export says which layout it is, so a later draftforge can change it; a newer one is refused here
+    assert meta["format_version"] == 1
+    meta_file = tmp_path / "h" / "draftforge.json"
+    meta_file.write_text(json.dumps({**meta, "format_version": 2}))
+    with pytest.raises(CheckpointError, match=r"draftforge.json has format_version 2, newer than this draftforge \(1\)"):
+        load_head(tmp_path / "h")
+    del meta["format_version"]  # a head exported before the field existed reads as version 1
+    meta_file.write_text(json.dumps(meta))
+    assert load_head(tmp_path / "h")[1]["features"] == ["P", "d"]
+    for damaged in ("{not json", "[1, 2]"):  # a traceback (JSONDecodeError, AttributeError) before
+        meta_file.write_text(damaged)
+        with pytest.raises(CheckpointError, match="holds files that are not a C2T classifier"):
+            save_head(model, tmp_path / "h")
+        assert meta_file.read_text() == damaged
 
 
 def test_eval_flags_reach_the_methods():

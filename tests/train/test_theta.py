@@ -14,7 +14,7 @@ import torch
 from draftforge.cli import main as cli_main
 from draftforge.harvest.cali_ts import harvest_theta, load_harvest
 from draftforge.decode import build_decoder, load_drafter, load_target
-from draftforge.errors import CompatibilityError, DataError, DraftforgeError
+from draftforge.errors import CheckpointError, CompatibilityError, DataError, DraftforgeError
 from draftforge.models.cali_ts import ThetaPredictor, load_predictor
 from tests.fixtures.decode import tiny_llama, tiny_mamba2
 
@@ -279,6 +279,12 @@ def test_task_trains_exports_and_the_harness_loads_only_for_its_pair(pair, tmp_p
     m = meta["mean_label"]
     assert 0 < m < 1 and meta["logit_shift"] == pytest.approx(math.log((1 - m) / m), rel=1e-12)
     assert pred.logit_shift == meta["logit_shift"]
+    assert meta["format_version"] == 1  # a newer layout is refused (the θ export had no version before)
+    newer = tmp_path / "newer"
+    shutil.copytree(result.export_dir, newer)
+    (newer / "draftforge.json").write_text(json.dumps({**meta, "format_version": 2}))
+    with pytest.raises(CheckpointError, match=r"format_version 2, newer than this draftforge \(1\) reads"):
+        load_predictor(newer, target.model, drafter)
     dec = build_decoder("cali_ts", target, drafter, theta_predictor=str(result.export_dir))
     assert dec.generate([1, 2, 3], max_new_tokens=8).stats.new_tokens == 8
     other = load_drafter(str(pair / "other"), target)
