@@ -19,7 +19,8 @@ from draftforge.errors import CompatibilityError
 
 
 def every_other(n_layers: int, share: float = 0.5) -> list[int]:
-    """Layer indices to replace: `share` of the layers, spread evenly, the first layer kept as attention."""
+    """Layer indices to replace: `share` of the layers, spread evenly. The first layer stays attention while
+    share <= 2/3 (each stretch then ends past layer 0); above that layer 0 is replaced too."""
     n_replace = round(n_layers * share)
     if n_replace <= 0:
         return []
@@ -47,7 +48,7 @@ def bamba_config_for(llama_config, mamba_layers: list[int]):
         mamba_n_heads=heads, mamba_d_head=head_dim, mamba_n_groups=heads, mamba_d_state=head_dim, mamba_d_conv=4,
         mamba_expand=heads * head_dim // c.hidden_size, mamba_chunk_size=256, mamba_conv_bias=True,
         mamba_proj_bias=False, rope_parameters=rope, attention_bias=getattr(c, "attention_bias", False),
-        mlp_bias=getattr(c, "mlp_bias", False),
+        mlp_bias=getattr(c, "mlp_bias", False), head_dim=head_dim,  # Bamba's attention reads it (default D / H)
     )
 
 
@@ -85,8 +86,15 @@ def llama_to_hybrid(llama, mamba_layers: list[int]):
     """A BambaForCausalLM copy of `llama` with `mamba_layers` replaced by attention-initialised Mamba2 mixers."""
     from transformers import BambaForCausalLM
 
-    if llama.config.model_type not in ("llama", "mistral", "qwen2"):
-        raise CompatibilityError(f"hybrid conversion reads Llama-style layers; got {llama.config.model_type!r}")
+    c = llama.config
+    if c.model_type not in ("llama", "mistral"):  # qwen2's q/k/v carry biases its o_proj lacks: Bamba has one switch
+        raise CompatibilityError(f"hybrid conversion reads Llama-style layers (llama, mistral); got {c.model_type!r}")
+    window = getattr(c, "sliding_window", None)
+    if window is not None and window < c.max_position_embeddings:  # Bamba's attention sees the whole context
+        raise CompatibilityError(f"{c.model_type}: sliding_window={window} is below the context of "
+                                 f"{c.max_position_embeddings}, and the hybrid's attention layers see the whole context "
+                                 "(it would part from the model past the window); set config.sliding_window = None first "
+                                 "if full attention is what you convert")
     bad = [i for i in mamba_layers if not 0 <= i < llama.config.num_hidden_layers]
     if bad:
         raise CompatibilityError(f"layers {bad} do not exist (the model has {llama.config.num_hidden_layers})")

@@ -60,3 +60,27 @@ def test_layer_choice_and_bad_input():
     assert len(every_other(30, 0.25)) == 8 and 0 not in every_other(30, 0.25)
     with pytest.raises(CompatibilityError, match="do not exist"):
         llama_to_hybrid(tiny_llama(vocab=40, layers=2), [5])
+
+
+def test_an_explicit_head_dim_converts_and_what_bamba_cannot_express_is_refused():
+    """A Llama whose heads x head_dim is twice its width failed with a size mismatch (head_dim was not passed on);
+    qwen2 (biases on q/k/v, none on o) failed loading its state dict; a Mistral's sliding window was dropped, so the
+    hybrid parted from the model past the window. Oracle: the source model's own logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    base = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128)
+    ids = torch.tensor([[3, 9, 1, 22, 17, 5, 8]])
+    torch.manual_seed(0)
+    wide = LlamaForCausalLM(LlamaConfig(**base, head_dim=16)).eval()
+    with torch.no_grad():
+        assert torch.allclose(llama_to_hybrid(wide, []).eval()(ids).logits, wide(ids).logits, atol=1e-5)
+        assert torch.isfinite(llama_to_hybrid(wide, [1]).eval()(ids).logits).all()
+    with pytest.raises(CompatibilityError, match=r"\(llama, mistral\); got 'qwen2'"):
+        llama_to_hybrid(Qwen2ForCausalLM(Qwen2Config(**base)), [])
+    with pytest.raises(CompatibilityError, match="sliding_window=4 is below the context of 128.*sliding_window = None"):
+        llama_to_hybrid(MistralForCausalLM(MistralConfig(**base, sliding_window=4)), [])
+    mistral = MistralForCausalLM(MistralConfig(**base, sliding_window=None)).eval()
+    with torch.no_grad():
+        assert torch.allclose(llama_to_hybrid(mistral, []).eval()(ids).logits, mistral(ids).logits, atol=1e-5)
+    assert 0 in every_other(4, 0.75)  # above 2/3 the first layer is replaced too, as the docstring now says
