@@ -12,6 +12,7 @@ one `generate` signature, its sampling keywords read into one SamplingParams.
 from __future__ import annotations
 
 import time
+import warnings
 from abc import ABC, abstractmethod
 
 import torch
@@ -105,8 +106,14 @@ class SpeculativeDecoder(Decoder):
 
     def decode(self, input_ids, max_new_tokens, params, seed, eos_token_id, on_tokens=None) -> DecodeResult:
         seq = check_prompt(input_ids, self.target, max_new_tokens)
-        if self.target.max_context is not None:  # positions past the context are undefined for the target
-            max_new_tokens = min(max_new_tokens, self.target.max_context - len(seq))
+        ctx = self.target.max_context
+        if ctx is not None and len(seq) + max_new_tokens > ctx:  # positions past it are undefined for the target
+            warnings.warn(f"stops at the target's context of {ctx} tokens: {ctx - len(seq)} new tokens instead of "
+                          f"{max_new_tokens}", stacklevel=3)
+            max_new_tokens = ctx - len(seq)
+        check_context = getattr(self.drafter, "check_context", None)  # a drafter not built on Drafter may lack it
+        if check_context is not None:
+            check_context(len(seq) + max_new_tokens)
         eos = eos_set(eos_token_id, self.target)
         device = self.target.device
         generator = torch.Generator(device=device).manual_seed(seed)

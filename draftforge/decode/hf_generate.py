@@ -263,6 +263,10 @@ def speculative_generate(model, input_ids, logits_processor=None, stopping_crite
     temperature, top_k, top_p = _sampling(gc, logits_processor)  # first: beams and several sequences widen the batch
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise _refuse(f"one sequence at a time (batch size 1); got input_ids of shape {tuple(input_ids.shape)}")
+    foreign = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _MODEL_KWARGS)
+    if foreign:  # e.g. inputs_embeds: generate() prefills from them; the harness reads input_ids only
+        raise _refuse(f"unsupported generate() argument(s): {', '.join(foreign)} (the harness decodes from "
+                      "input_ids alone)")
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         raise _refuse("padding is not supported (batch size 1, attention_mask all ones)")
@@ -279,6 +283,7 @@ def speculative_generate(model, input_ids, logits_processor=None, stopping_crite
     if ctx is not None and len(prompt) + max_new > ctx:
         warnings.warn(f"speculative_generate: stops at the target's context of {ctx} tokens, {ctx - len(prompt)} new "
                       f"tokens instead of {max_new} (positions past it are undefined for the target)", stacklevel=2)
+        max_new = ctx - len(prompt)  # said once, here (the harness would say it again)
     checks = [c for c in stopping_criteria or () if type(c).__name__ not in _ENFORCED]
     if gc.max_time is not None and not any(type(c).__name__ == "MaxTimeCriteria" for c in checks):
         from transformers.generation.stopping_criteria import MaxTimeCriteria
@@ -332,7 +337,13 @@ def speculative_generate(model, input_ids, logits_processor=None, stopping_crite
 
 
 _PASSED_ON = ("drafter", "method", "method_options", "seed")
-_NOT_READ = ("use_cache", "pad_token_id", "cache", "past_key_values")
+_NOT_READ = ("use_cache", "pad_token_id", "cache", "past_key_values",
+             "output_attentions", "output_hidden_states")  # ignored by generate() too unless it returns a dict:
+# then _sampling refuses them from the generation config, with the reason
+# what generate() hands a custom_generate callable in every call (transformers 5.24); the harness builds its own cache
+# and positions from input_ids, so any other model argument would be dropped while it changes the output
+_MODEL_KWARGS = ("attention_mask", "position_ids", "cache_position", "logits_to_keep", "cache", "past_key_values",
+                 "use_cache", "output_attentions", "output_hidden_states")  # the last two as in _NOT_READ
 _IGNORED_IF_UNSET = ("prefix_allowed_tokens_fn", "assistant_model", "negative_prompt_ids",
                      "negative_prompt_attention_mask", "synced_gpus", "use_model_defaults", "assistant_tokenizer")
 

@@ -56,6 +56,17 @@ class DraftTree:
     # siblings are tried one by one against p with each rejected token removed (verify.py)
     fixed_drafts: bool = False
 
+    def __post_init__(self) -> None:
+        # every target verifies a tree in this order (a parent's row before its child's); a drafter that breaks it
+        # is told here, in the drafter's own node numbers, not by whichever target's packing meets it first
+        if not len(self.tokens) == len(self.parents) == len(self.depths):
+            raise DraftforgeError(f"a draft tree needs one parent and one depth per token: {len(self.tokens)} tokens, "
+                                  f"{len(self.parents)} parents, {len(self.depths)} depths")
+        for j, p in enumerate(self.parents):
+            if not -1 <= p < j:
+                raise DraftforgeError(f"draft tree node {j} has parent {p}: a node's parent must come before it "
+                                      "(-1 for the root's children)")
+
     def __len__(self) -> int:
         return len(self.tokens)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import draftforge
-from draftforge.errors import CompatibilityError
+from draftforge.errors import CompatibilityError, RecipeError
 from tests.fixtures.decode import eagle3_head, feature_mamba_head, late_eos, noisy_copy, tiny_llama, tiny_mamba2
 
 PROMPTS = [[5, 17, 42, 9], [3, 88, 12, 61, 7, 30, 2]]
@@ -558,3 +558,30 @@ def test_a_cache_passed_in_is_not_read_and_none_comes_out(target, export_dir, na
             out = call(max_new_tokens=16, return_dict_in_generate=True, **{name: cache})
             assert torch.equal(out.sequences, want), prefix
             assert getattr(out, "past_key_values", None) is None and getattr(out, "cache", None) is None
+
+
+def test_inputs_embeds_are_refused_and_output_flags_generate_ignores_are_ignored(target, export_dir):
+    """inputs_embeds beside input_ids: generate() prefills from the embeddings, the callable decoded from the ids
+    and dropped them (another answer, nothing said); alone they were called an "empty prompt". The export's
+    directory form refused output_attentions / output_hidden_states, which generate() ignores without
+    return_dict_in_generate. Oracle: the target's own generate()."""
+    ids = PROMPTS[1]
+    embeds = target.get_input_embeddings()(torch.tensor([PROMPTS[0]])).detach()
+    assert not torch.equal(plain(target, ids, max_new_tokens=8, inputs_embeds=embeds)[:, -8:],
+                           plain(target, ids, max_new_tokens=8)[:, -8:])  # the embeddings do decide generate()'s answer
+    for kw in ({"inputs_embeds": embeds},):
+        with pytest.raises(CompatibilityError, match=r"unsupported generate\(\) argument\(s\): inputs_embeds"):
+            spec(target, ids, max_new_tokens=8, drafter="prompt-lookup", **kw)
+    with pytest.raises(CompatibilityError, match="inputs_embeds"):
+        target.generate(inputs_embeds=embeds, max_new_tokens=8, custom_generate=draftforge.speculative_generate,
+                        drafter="prompt-lookup")
+    for flag in ("output_attentions", "output_hidden_states"):
+        want = plain(target, ids, max_new_tokens=8, **{flag: True})
+        assert torch.equal(from_export(target, ids, export_dir, max_new_tokens=8, do_sample=False, **{flag: True}),
+                           want), flag
+        assert torch.equal(spec(target, ids, max_new_tokens=8, drafter="prompt-lookup", **{flag: True}), want), flag
+
+
+def test_c2t_without_a_classifier_names_the_option_generate_takes(target):
+    with pytest.raises(RecipeError, match=r"method_options=\{'c2t': PATH\} in generate\(\)"):
+        spec(target, PROMPTS[0], max_new_tokens=4, drafter=tiny_mamba2(vocab=VOCAB), method="c2t")

@@ -62,6 +62,10 @@ class Drafter(ABC):
     def reset(self) -> None:
         """Forget all state (a new prompt starts)."""
 
+    def check_context(self, positions: int) -> None:
+        """Called before a decode that may reach `positions` tokens of context (prompt + max_new_tokens): raise a
+        DraftforgeError where this drafter cannot run that far. Default: no limit (state-space drafters, lookup)."""
+
     def cache_bytes(self) -> int | None:
         """Bytes of the committed context's cache or state held now (not a round's tree); None where a drafter
         keeps none worth counting (prompt lookup) or does not say."""

@@ -8,12 +8,15 @@ Legend: B nodes at one depth, V vocabulary.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from draftforge.decode.drafters.base import Drafter, chain_stops, draft_map, propose_level, stack_q, wants_hidden
 from draftforge.decode.memory import cache_bytes
 from draftforge.decode.sampling import SamplingParams
-from draftforge.decode.targets import CachedLM, check_full_attention
+from draftforge.decode.targets import CachedLM, check_full_attention, max_context
+from draftforge.errors import DraftforgeError
 from draftforge.decode.tree import DraftTree, ancestor_matrix, packed_tree_mask
 from draftforge.decode.tree_shape import TreeShape
 
@@ -27,7 +30,26 @@ class TransformerDrafter(Drafter):
         self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size
         self.d2t = draft_map(model, vocab_size)
         self.lm = CachedLM(model)
+        self.max_context = max_context(model.config)
+        # rotary positions are computed for any index (acceptance falls past training length); learned ones are a
+        # table that ends at max_context: the forward past it fails with an IndexError deep in torch
+        self.rotary = any("Rotary" in type(m).__name__ for m in model.modules())
+        self._warned_context = False
         self.reset()
+
+    def check_context(self, positions: int) -> None:
+        ctx = self.max_context
+        if ctx is None or positions <= ctx:
+            return
+        if not self.rotary:
+            raise DraftforgeError(f"the drafter has learned position embeddings for {ctx} positions, and this decode "
+                                  f"may reach {positions} (prompt + max_new_tokens); shorten the prompt or "
+                                  "max_new_tokens, or use a drafter with a longer context")
+        if not self._warned_context:
+            self._warned_context = True
+            warnings.warn(f"the drafter's context is {ctx} positions (its max_position_embeddings) and this decode "
+                          f"may reach {positions}: it drafts past them with rotary positions it was not trained on, "
+                          "so acceptance may fall (the output is the target's either way)", stacklevel=3)
 
     def reset(self) -> None:
         self.lm.reset()

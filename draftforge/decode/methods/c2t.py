@@ -92,7 +92,8 @@ class C2TOptions(MethodOptions):
 
 def make_c2t(target, drafter, o: C2TOptions):
     if o.c2t is None:
-        raise RecipeError("method c2t needs a trained classifier: --c2t PATH (an export of task c2t)")
+        raise RecipeError("method c2t needs a trained classifier (an export of task c2t): --c2t PATH, or the option "
+                          "c2t=PATH where methods take options (method_options={'c2t': PATH} in generate())")
     check_dynamic_drafter(drafter, "c2t")
     classifier, meta = load_head(o.c2t)
     vocab = draft_vocab_size(drafter, target)
