@@ -75,6 +75,23 @@ def interrupted_message(command: str | None) -> str:
 _WRITE_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT}
 
 
+def _expand_home(args) -> None:
+    """A shell expands `--out ~/x` but leaves `--out=~/x` as it is: each command then checked one path and wrote
+    another (a literal ./~/x). Every flag value that starts with `~/` (or is `~`) means the home directory."""
+    import os
+
+    def expand(value):
+        if isinstance(value, str) and (value == "~" or value.startswith("~/")):
+            return os.path.expanduser(value)
+        if isinstance(value, list):
+            return [expand(v) for v in value]
+        return value
+
+    for name, value in vars(args).items():
+        if not name.startswith("_"):
+            setattr(args, name, expand(value))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Before any command can import deepspeed: it logs its CPU-accelerator notice while being imported.
@@ -87,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser = build_parser(only)
     args = parser.parse_args(argv)
+    _expand_home(args)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0

@@ -47,10 +47,13 @@ def tiny_recipe(name: str, testbed: str = TESTBED, out: str = OUT) -> dict:
 def link_testbed(out: Path, testbed: Path, say) -> None:
     """OUT/testbed -> the testbed this demo uses, so that the tiny recipes and the README's next commands find
     its target and corpus after a quick demo as after a full one. Only a link the demo made is replaced."""
+    from draftforge.testbed import TESTBED_MARKER
+
     link = out / "testbed"
-    if link.is_symlink():
+    if link.is_symlink() and any((link / name).is_file() for name in (TESTBED_MARKER, "corpus_settings.json")):
+        # a link to a testbed (the marker, or the corpus record of one built before it): the demo's own
         link.unlink()
-    elif link.exists():
+    elif link.is_symlink() or link.exists():
         say(f"note: {link} exists and is not the demo's link; the tiny recipes' paths will not follow this testbed")
         return
     try:
@@ -341,7 +344,7 @@ def check_args(args) -> None:
 def check_out_files(out: Path) -> None:
     """What the demo writes into --out must be the demo's own where it exists already (an earlier demo's is
     replaced): refused here, before minutes of training, not at the step that writes it."""
-    from draftforge.data.provenance import read_sidecar
+    from draftforge.data.provenance import foreign_sidecar, read_sidecar
     from draftforge.errors import DraftforgeError
     from draftforge.eval.output import check_out
     from draftforge.train.rundir import is_run_dir
@@ -350,6 +353,8 @@ def check_out_files(out: Path) -> None:
     rows = out / "sft_distill.jsonl"
     if rows.exists() and (read_sidecar(rows) or {}).get("written_by") != "draftforge demo":
         theirs.append(rows.name)
+    elif not rows.exists() and foreign_sidecar(rows, "draftforge demo") is not None:  # written first, over it
+        theirs.append(foreign_sidecar(rows, "draftforge demo").name)
     summary = out / "summary.json"
     if summary.exists():
         try:
@@ -360,7 +365,9 @@ def check_out_files(out: Path) -> None:
             theirs.append(summary.name)
     for recipe in ("pretrain", "sft"):
         run = Path(tiny_recipe(recipe, out=str(out))["output_dir"])
-        if run.is_dir() and any(run.iterdir()) and not is_run_dir(run):
+        if run.is_symlink():  # a link to a run elsewhere: not one this demo made here, so not one to replace
+            theirs.append(str(run.relative_to(out)) + " (a link)")
+        elif run.is_dir() and any(run.iterdir()) and not is_run_dir(run):
             theirs.append(str(run.relative_to(out)) + "/")
     if theirs:
         raise DraftforgeError(f"--out {out}: {', '.join(theirs)} not written by a draftforge demo; the demo would "

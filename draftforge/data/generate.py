@@ -190,12 +190,16 @@ def rows_problem(out: Path, settings: dict, prompts: Path | None = None) -> str 
     """Why `out` cannot take this run's rows (checked before a model loads), else None: it is the prompts file;
     it holds something that is not generate's rows; or its sidecar records other settings (named, old -> new).
     A sidecar written before settings were recorded cannot be compared: its rows are resumed as they are."""
-    from draftforge.data.provenance import read_sidecar
+    from draftforge.data.provenance import foreign_sidecar, read_sidecar
 
     out = Path(out)
     if prompts is not None and Path(prompts).exists() and out.exists() and out.resolve() == Path(prompts).resolve():
         return f"--out {out} is the --prompts file; the rows go to a file of their own"
     if not out.is_file() or out.stat().st_size == 0:
+        theirs = foreign_sidecar(out, WRITTEN_BY)  # no rows yet: the record generate writes first must be free
+        if theirs is not None:
+            return (f"{theirs} is not a record `draftforge generate` wrote, and the rows' record goes there; "
+                    "move it, or pass another --out")
         return None
     try:
         record = read_sidecar(out)

@@ -61,6 +61,21 @@ def write_sidecar(rows, record: dict) -> None:
     atomic_write_text(sidecar_path(rows), json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
+def foreign_sidecar(rows, written_by: str) -> Path | None:
+    """The sidecar path of rows not written yet, where something other than `written_by`'s own record is there
+    (a user's file, a link, a folder, an unreadable record): writing the rows would replace it. None if free."""
+    path = sidecar_path(rows)
+    if not path.exists() and not path.is_symlink():
+        return None
+    if path.is_symlink() or not path.is_file():
+        return path
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return path
+    return None if isinstance(record, dict) and record.get("written_by") == written_by else path
+
+
 def read_sidecar(rows) -> dict | None:
     """The record next to `rows`, None when there is none; DataError for one that cannot be read."""
     path = sidecar_path(rows)

@@ -193,6 +193,7 @@ class RunDir:
         self.resume_from: Path | None = None  # the newest intact checkpoint a resumed run continues from
         self.mode = self._check(resume, overwrite)
         self.aside: Path | None = None
+        self.real: Path = self.path  # output_dir with links resolved, from claim() on
         self.claimed = False  # claim() wrote the run's first files
         self.created = False  # this run made the directory (so abandoning removes it)
         self.checkpointed = False  # set once the run has a checkpoint: from then on it resumes, never abandons
@@ -273,13 +274,16 @@ class RunDir:
         """Write the run's first files (main process); a replaced run is moved aside, not deleted yet."""
         self.acc.wait_for_everyone()  # every process has checked before the main process writes
         if self.acc.is_main_process:
+            # output_dir may be a link to the run: the run is what moves aside and is made anew, the link stays
+            # (renaming the link put it beside the run, outside output_dir's folder, and rmtree then failed on it)
+            self.real = self.path.resolve()
             if self.mode == REPLACE:
                 self.aside = _aside(self.path)
                 if self.aside.exists():  # a run set aside by one killed before its first checkpoint (checked)
                     shutil.rmtree(self.aside)
-                self.path.rename(self.aside)
-            self.created = not self.path.exists()
-            self.path.mkdir(parents=True, exist_ok=True)
+                self.real.rename(self.aside)
+            self.created = not self.real.exists()
+            self.real.mkdir(parents=True, exist_ok=True)
             (self.path / RUN_MARKER).write_text("a draftforge training run: `draftforge train --overwrite` may "
                                                 "replace this directory\n")
             if self.mode != RESUME:
@@ -333,10 +337,10 @@ class RunDir:
         if not self.claimed or not self.acc.is_main_process or self.mode in (RESUME, RESTART):
             return
         if self.aside is not None:
-            shutil.rmtree(self.path, ignore_errors=True)
-            self.aside.rename(self.path)
+            shutil.rmtree(self.real, ignore_errors=True)
+            self.aside.rename(self.real)
             self.aside = None
         else:
-            shutil.rmtree(self.path, ignore_errors=True)
+            shutil.rmtree(self.real, ignore_errors=True)
             if not self.created:  # it was an empty directory before
-                self.path.mkdir(parents=True, exist_ok=True)
+                self.real.mkdir(parents=True, exist_ok=True)

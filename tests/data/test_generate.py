@@ -330,3 +330,23 @@ def test_one_writer_per_file(target, chat_tok, prompt_file, tmp_path):
     lock.write_text(_json.dumps({"pid": gone.pid, "host": socket.gethostname()}))
     stats = generate_rows(target, chat_tok, jobs, out, temperatures=[0], max_new_tokens=4)
     assert stats.rows == len(jobs) and not lock.exists()
+
+
+def test_a_users_file_where_the_rows_record_goes_is_refused_and_kept(target, chat_tok, prompt_file, tmp_path):
+    """--out new, but ROWS.meta.json already there and not generate's: the record written before the first row
+    replaced it (a user's own metadata). A link there, or an unreadable one, is not generate's either."""
+    jobs = chat_jobs(prompt_file, chat_tok, context=96, max_new_tokens=10)
+    out = tmp_path / "rows.jsonl"
+    meta = tmp_path / "rows.jsonl.meta.json"
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text('{"mine": 1}')
+    for make in (lambda: meta.write_text('{"my": "own metadata"}'), lambda: meta.write_text("{torn"),
+                 lambda: meta.symlink_to(elsewhere)):
+        make()
+        with pytest.raises(DataError, match="rows.jsonl.meta.json is not a record `draftforge generate` wrote"):
+            generate_rows(target, chat_tok, jobs[:1], out, temperatures=[0], max_new_tokens=4)
+        assert not out.exists() and elsewhere.read_text() == '{"mine": 1}'
+        meta.unlink()
+    generate_rows(target, chat_tok, jobs[:1], out, temperatures=[0], max_new_tokens=4)  # generate's own: resumed
+    (tmp_path / "rows.jsonl").unlink()
+    generate_rows(target, chat_tok, jobs[:1], out, temperatures=[0], max_new_tokens=4)

@@ -145,3 +145,40 @@ def test_quick_keeps_the_eval_size_the_user_asked_for(monkeypatch, tmp_path):
                                  (False, (7, None), (7, 64))):
         demo._eval(tmp_path, paths, "drafter", tmp_path / "out", quick, *asked)
         assert (seen[-1].num_prompts, seen[-1].max_new_tokens) == expect
+
+
+def test_what_is_in_out_but_not_the_demos_is_refused_before_any_work_and_its_link_kept(tmp_path):
+    """A user's sft_distill.jsonl.meta.json (with no rows yet) was replaced by the demo's record; a link at
+    OUT/drafter-pretrain to a run elsewhere was replaced through (leaving a stray link beside that run); a user's
+    link at OUT/testbed was deleted for the demo's own."""
+    from draftforge.demo import check_out_files, link_testbed
+    from draftforge.errors import DraftforgeError
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sft_distill.jsonl.meta.json").write_text('{"my": "own metadata"}')
+    with pytest.raises(DraftforgeError, match=r"sft_distill.jsonl.meta.json not written by a draftforge demo"):
+        check_out_files(out)
+    (out / "sft_distill.jsonl.meta.json").unlink()
+    elsewhere = tmp_path / "my-run"
+    elsewhere.mkdir()
+    (out / "drafter-pretrain").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(DraftforgeError, match=r"drafter-pretrain \(a link\) not written by a draftforge demo"):
+        check_out_files(out)
+    (out / "drafter-pretrain").unlink()
+    check_out_files(out)
+    userdata = tmp_path / "userdata"
+    userdata.mkdir()
+    (out / "testbed").symlink_to(userdata, target_is_directory=True)
+    said = []
+    link_testbed(out, tmp_path / "tb", said.append)
+    assert (out / "testbed").resolve() == userdata.resolve() and "is not the demo's link" in said[0]
+    (out / "testbed").unlink()
+    testbed = tmp_path / "tb"
+    testbed.mkdir()
+    (testbed / ".draftforge-testbed").write_text("")
+    link_testbed(out, testbed, said.append)  # the demo's own link: made, then replaced for another testbed
+    other = tmp_path / "tb2"
+    other.mkdir()
+    link_testbed(out, other, said.append)
+    assert (out / "testbed").resolve() == other.resolve() and len(said) == 1

@@ -135,3 +135,31 @@ def test_a_second_run_on_a_directory_being_trained_is_refused(tmp_path, tiny_cor
     lock.write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname()}))
     assert run(recipe_from_dict({**values, "train": {**values["train"], "max_steps": 2}}), resume=True).step == 2
     assert not lock.exists()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_overwrite_through_a_link_replaces_the_run_it_points_at_and_keeps_the_link(
+        tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, monkeypatch, fail):
+    """output_dir a link to a run: --overwrite renamed the link itself to beside the run (outside output_dir's
+    folder, a stray `.run.replaced` link), made a fresh directory where the link was, and the next replace died on
+    rmtree of that link. Now the run moves aside and comes back (a failed start) or goes (the first checkpoint)."""
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, max_steps=1)
+    real = Path(values["output_dir"])
+    run(recipe_from_dict(values))
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    values["output_dir"] = str(link)
+    if fail:
+        from draftforge.train import loop
+
+        def boom(self, *a, **k):
+            raise RuntimeError("killed before the first checkpoint")
+
+        monkeypatch.setattr(loop.Trainer, "save", boom)
+        with pytest.raises(RuntimeError, match="killed"):
+            run(recipe_from_dict(values), overwrite=True)
+    else:
+        for _ in range(2):  # the second replace died on rmtree of the stray link
+            assert run(recipe_from_dict(values), overwrite=True).step == 1
+    assert link.is_symlink() and link.resolve() == real.resolve() and is_run_dir(real)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # nothing left aside
