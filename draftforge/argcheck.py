@@ -57,7 +57,8 @@ def check_token_count(value, name: str, none_means: str | None = None,
                       error: type[Exception] = RecipeError) -> int | None:
     """A count of tokens: a whole number >= 1, or None (which means `none_means`, when it is said)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        alternative = f" (or None: {none_means})" if none_means else ""
+        unset = "leave the flag out" if name.startswith("--") else "None"  # a command line cannot spell None
+        alternative = f" (or {unset}: {none_means})" if none_means else ""
         raise error(f"{name} must be a whole number of tokens >= 1{alternative}, got {value!r}")
     return value
 

@@ -231,4 +231,5 @@ def parse_text(read: Callable[[str], Any], text: str, f: dataclasses.Field):
     try:
         return read(text)
     except ValueError:
-        raise RecipeError(f"{flag_of(f)}: cannot read {text!r} ({help_of(f)})") from None
+        what = help_of(f).split(". ")[0].split(" (")[0]  # the help's first clause: the whole help made a paragraph
+        raise RecipeError(f"{flag_of(f)}: cannot read {text!r} ({what})") from None

@@ -164,7 +164,7 @@ def build_longctx(count: Callable[[str], int], lengths=LENGTHS, per_bucket: int 
             raise DataError(f"a {length}-token question is beyond the target's context of {context} tokens; ask for "
                             f"lengths up to {context} (--lengths)")
         if context is not None and context - new_tokens < length // 2:
-            raise DataError(f"a {bucket_name(length)} question would hold at most {max(context - new_tokens, 0)} "
+            raise DataError(f"a {bucket_name(length)}-token question would hold at most {max(context - new_tokens, 0)} "
                             f"tokens: {new_tokens} of the target's {context} are kept for the answer "
                             "(--max-new-tokens); ask for fewer new tokens or shorter lengths")
         for group in GROUPS:

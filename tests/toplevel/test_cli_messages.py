@@ -229,3 +229,34 @@ def test_the_lock_makes_a_missing_parent_and_removes_it_when_nothing_was_written
     with shared_lock(tmp_path / "a" / "b" / "out", "draftforge harvest"):
         (tmp_path / "a" / "b" / "out").mkdir()
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["a", "a/b", "a/b/out"]
+
+
+@pytest.mark.parametrize("value, message", [
+    # the whole flag help (six lines) was pasted into the error; the range error offered "None", which a command
+    # line cannot spell
+    ("abc", "error: --prefill-chunk: cannot read 'abc' (encode each prompt in forwards of N tokens, each continuing "
+            "the K/V cache)\n"),
+    ("0", "error: --prefill-chunk must be a whole number of tokens >= 1 (or leave the flag out: one forward), "
+          "got 0\n"),
+])
+def test_a_flag_value_that_cannot_be_read_is_named_in_a_short_line(capsys, value, message):
+    assert cli.main(["eval", "--target", "t", "--bench", "humaneval", "--prefill-chunk", value]) == 2
+    assert capsys.readouterr().err.endswith(message)
+
+
+def test_a_home_path_the_shell_left_unexpanded_is_the_home_path(tmp_path, monkeypatch, capsys):
+    """`--out=~/x` reaches the program as the literal text: generate, target prompts and the demo checked ~/x and
+    wrote a literal ./~/x (the demo trained in one and read its data from the other)."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    assert cli.main(["target", "prompts", "--out=~/p.jsonl", "-n", "2"]) == 0
+    assert len((home / "p.jsonl").read_text().splitlines()) == 2 and not (cwd / "~").exists()
+    assert f"to {home / 'p.jsonl'}" in capsys.readouterr().out
+    args = cli.build_parser("eval").parse_args(["eval", "--target", "~", "--bench", "~/b.jsonl", "--out=~/r"])
+    cli._expand_home(args)
+    assert (args.target, args.bench, args.out_dir) == (str(home), str(home / "b.jsonl"), str(home / "r"))
+    args = cli.build_parser("eval").parse_args(["eval", "--target", "t", "--bench", "b", "--drafter", "~user/x"])
+    cli._expand_home(args)
+    assert args.drafter == "~user/x"  # another user's home: as given
