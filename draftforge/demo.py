@@ -108,6 +108,12 @@ def ensure_target(testbed: Path, quick: bool, say) -> dict | None:
     if (target / "draftforge.json").is_file():
         say(f"== target: reusing {target}")
         return None
+    if target.is_symlink() or target.exists():  # not an export of ours (it has no record): not ours to replace
+        from draftforge.errors import DraftforgeError
+
+        raise DraftforgeError(f"{target} is there but holds no draftforge.json, so it is no target the demo "
+                              "exported; move it away (the demo then trains the target again) or give another "
+                              "--testbed")
     stats = _train(tiny_recipe("target", testbed), "target: pre-training a tiny Llama on the stdlib corpus", say,
                    quick)
     tmp = testbed / ".target.tmp"
@@ -338,16 +344,16 @@ def check_args(args) -> None:
         problem = output_problem(value, "dir")
         if problem:
             raise DraftforgeError(f"{flag} {value}: {problem}; give {flag} a writable directory")
-    check_out_files(Path(args.out))
+    check_out_files(Path(args.out), resume=args.resume)
 
 
-def check_out_files(out: Path) -> None:
+def check_out_files(out: Path, resume: bool = False) -> None:
     """What the demo writes into --out must be the demo's own where it exists already (an earlier demo's is
     replaced): refused here, before minutes of training, not at the step that writes it."""
     from draftforge.data.provenance import foreign_sidecar, read_sidecar
     from draftforge.errors import DraftforgeError
     from draftforge.eval.output import check_out
-    from draftforge.train.rundir import is_run_dir
+    from draftforge.train.rundir import foreign_entries, is_run_dir
 
     theirs = []
     rows = out / "sft_distill.jsonl"
@@ -369,6 +375,9 @@ def check_out_files(out: Path) -> None:
             theirs.append(str(run.relative_to(out)) + " (a link)")
         elif run.is_dir() and any(run.iterdir()) and not is_run_dir(run):
             theirs.append(str(run.relative_to(out)) + "/")
+        elif is_run_dir(run) and foreign_entries(run) and not (resume and (run / "recipe.yaml").is_file()):
+            # the demo's run, replaced, with a user's notes in it: --overwrite refused those only at that step
+            theirs += [f"{run.relative_to(out)}/{name}" for name in foreign_entries(run)]
     if theirs:
         raise DraftforgeError(f"--out {out}: {', '.join(theirs)} not written by a draftforge demo; the demo would "
                               "replace them: choose another --out")

@@ -111,8 +111,9 @@ def write_dir_atomically(out_dir: Path, fill) -> Path:
 
 def replace_dir(tmp_dir: Path, out_dir: Path) -> None:
     """Rename the finished `tmp_dir` onto `out_dir`; an existing `out_dir` is moved aside first, put back if
-    the rename fails, and removed after."""
-    if not out_dir.exists():
+    the rename fails, and removed after. A link at `out_dir` is replaced as a link (the directory it points at is
+    left as it is): rmtree refuses links, and a stray `.NAME.old-*` link stayed behind."""
+    if not out_dir.exists() and not out_dir.is_symlink():
         tmp_dir.rename(out_dir)
         return
     old_dir = temp_dir_beside(out_dir, "old")
@@ -123,7 +124,10 @@ def replace_dir(tmp_dir: Path, out_dir: Path) -> None:
     except BaseException:
         old_dir.rename(out_dir)
         raise
-    shutil.rmtree(old_dir, ignore_errors=True)
+    if old_dir.is_symlink():
+        old_dir.unlink()
+    else:
+        shutil.rmtree(old_dir, ignore_errors=True)
 
 
 def sha256_file(path: Path) -> str:

@@ -63,6 +63,20 @@ def _is_cuda(device) -> bool:
     return str(device).startswith("cuda")
 
 
+def check_device(device, flag: str = "--device", error=None) -> None:
+    """A CUDA device asked for where torch has none: one line naming it, before any model loads (torch itself
+    fails with an AssertionError deep in the first .to())."""
+    if device is None or not str(device).startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        from draftforge.errors import RecipeError
+
+        raise (error or RecipeError)(f"{flag} {device}: no CUDA device here (torch {torch.__version__}, "
+                                     "torch.cuda.is_available() is False); use --device cpu")
+
+
 def device_name(device) -> str:
     """What ran a computation, as far as its rounding goes: "cuda: <GPU name>" or "cpu: <CPU model>" (bf16 and
     fp32 kernels differ between GPU models and between CPUs, so the same model's numbers differ at rounding level)."""

@@ -39,7 +39,16 @@ def smollm2_dir(cache_dir: str | Path | None = None) -> Path:
 
 
 def is_ready(path: Path) -> bool:
-    return all((path / name).is_file() for name in (SOURCE_FILE, "config.json", "model.safetensors"))
+    """The converted model's files are there and its record reads (a damaged record is rebuilt, not reported
+    ready and then failed on)."""
+    if not all((path / name).is_file() for name in (SOURCE_FILE, "config.json", "model.safetensors")):
+        return False
+    try:
+        facts = json.loads((path / SOURCE_FILE).read_text())["model"]
+        return isinstance(facts, dict) and all(key in facts for key in (
+            "architecture", "layers", "parameters", "vocab_size", "context", "tied_embeddings"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _pip_command(spec: str, dest: Path) -> list[str]:

@@ -17,7 +17,7 @@ from draftforge.decode.drafters.cuda_graphs import use_cuda_graphs
 from draftforge.errors import RecipeError
 from draftforge.eval.output import check_out
 from draftforge.options import check_fields, option
-from draftforge.runtime import PRECISIONS
+from draftforge.runtime import PRECISIONS, check_device
 
 
 def comma_list(text: str) -> tuple[str, ...]:
@@ -161,12 +161,7 @@ def validate(cfg: EvalConfig) -> EvalConfig:
                           f"--cost-repeats {cfg.cost_repeats})")
     if not isinstance(cfg.seed, int) or not 0 <= cfg.seed < 2**32:  # prompt i samples with seed + i
         raise RecipeError(f"--seed must be an integer in [0, 2**32), got {cfg.seed}")
-    if str(cfg.device).startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RecipeError(f"--device {cfg.device}: no CUDA device here (torch {torch.__version__}, "
-                              "torch.cuda.is_available() is False); use --device cpu")
+    check_device(cfg.device)
     # "on" without CUDA fails here, before minutes of target loading (resolution needs no GPU).
     use_cuda_graphs(cfg.cuda_graphs, cfg.device)
     for m in tuple(cfg.methods) + tuple(cfg.baselines or ()):

