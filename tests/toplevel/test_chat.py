@@ -71,15 +71,20 @@ def test_chat_streams_the_targets_own_answer_and_its_numbers(models):
     assert "chat: 2 answers, 24 tokens" in proc.stderr
 
 
-def chat_in_process(monkeypatch, capsys, root, lines, *extra):
+def run_chat(monkeypatch, capsys, root, stdin, *extra):
+    """(exit status, captured output) of an in-process chat reading `stdin` (a list of lines, or a file object)."""
     import io
 
     from draftforge.cli import main
 
-    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(stdin) + "\n") if isinstance(stdin, list) else stdin)
     rc = main(["chat", "--target", str(root / "target"), "--drafter", str(root / "drafter"), "--dtype", "float32",
                "--no-ar", *extra])
-    out = capsys.readouterr()
+    return rc, capsys.readouterr()
+
+
+def chat_in_process(monkeypatch, capsys, root, lines, *extra):
+    rc, out = run_chat(monkeypatch, capsys, root, lines, *extra)
     assert rc == 0, out.err[-2000:]
     return out
 
@@ -172,23 +177,195 @@ def test_a_message_the_chat_template_refuses_is_refused_in_one_line(models, tmp_
     assert out.out == "" and "chat: 1 answer" not in out.err
 
 
-def test_the_printer_shows_exactly_the_decoded_answer(models):
-    """Tokens handed over one at a time or in rounds, through newlines and multi-byte characters: what is printed
-    is the tokenizer's decode of the whole answer (the printer decodes only the current line)."""
+def printed(tok, ids: list[int], step: int) -> str:
+    """What the chat's Printer shows for `ids` handed over `step` tokens at a time."""
     import io
 
     from draftforge.cli_chat import Printer
 
+    out = io.StringIO()
+    printer = Printer(tok, color=False, out=out)
+    for i in range(0, len(ids), step):
+        printer.add(ids[i:i + step], own_last=True)
+    printer.finish()
+    return out.getvalue()
+
+
+def test_the_printer_shows_exactly_the_decoded_answer(models):
+    """Tokens handed over one at a time or in rounds, through newlines and multi-byte characters: what is printed
+    is the tokenizer's decode of the whole answer (the printer decodes only the current line)."""
     _, _, tok = models
     text = "def f(x):\n    return x * 2  # doubled\n\nprint(f(3))\ncafé ✓ 日本\n"
     ids = tok.encode(text)
     for step in (1, 3):
-        out = io.StringIO()
-        printer = Printer(tok, color=False, out=out)
-        for i in range(0, len(ids), step):
-            printer.add(ids[i:i + step], own_last=True)
-        printer.finish()
-        assert out.getvalue() == tok.decode(ids, skip_special_tokens=True) + "\n"
+        assert printed(tok, ids, step) == tok.decode(ids, skip_special_tokens=True) + "\n"
+
+
+def sentencepiece_tokenizer():
+    """A Llama-2 / Mistral-style tokenizer built offline: spaces as "▁" prepended to the text, a decoder that strips
+    the first token's leading space, byte fallback (Llama's tokenizer.json layout)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["def f(x):\n    if x:\n        return 1\n    return 2\n", "Hello world, a test.\n  café ✓ line\n"] * 50
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def test_the_printer_keeps_the_leading_spaces_a_sentencepiece_decoder_strips():
+    """Each line after a newline token was decoded on its own, and a sentencepiece decoder strips the leading space
+    of the first token it decodes: the screen showed one space less on those lines than the stored answer."""
+    tok = sentencepiece_tokenizer()
+    text = "def f(x):\n    if x:\n        return 1\n    return 2\n  indented line\n two é ✓\n end"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    pieces = tok.convert_ids_to_tokens(ids)
+    assert any(a.endswith("\n") and b.startswith("▁") for a, b in zip(pieces, pieces[1:]))  # the case shown
+    for step in (1, 3):
+        assert printed(tok, ids, step) == tok.decode(ids, skip_special_tokens=True) + "\n"
+
+
+def test_max_new_tokens_the_context_cannot_hold_is_refused_before_the_first_question(models, tmp_path, monkeypatch,
+                                                                                      capsys):
+    """--max-new-tokens at or above the target's context left no room for the conversation: every turn dropped all
+    the turns before it. Refused in one line once the target is loaded, before the drafter and any question."""
+    import draftforge.decode
+    from tests.fixtures.decode import tiny_llama
+
+    root, _, tok = models
+    tiny_llama(vocab=len(tok), layers=2, hidden=32, ctx=64).save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    (tmp_path / "drafter").symlink_to(root / "drafter")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the drafter was loaded")
+
+    monkeypatch.setattr(draftforge.decode, "load_drafter", no_load)
+    rc, out = run_chat(monkeypatch, capsys, tmp_path, ["def add(a, b):", "import os"], "--max-new-tokens", "64")
+    assert rc == 2 and out.out == ""
+    assert out.err.endswith("error: --max-new-tokens 64 leaves no room for the conversation in the target's context "
+                            "of 64 tokens; give fewer, e.g. --max-new-tokens 32\n"), out.err[-2000:]
+
+
+@pytest.mark.parametrize("stdin_errors", ["strict", "surrogateescape"])
+def test_a_line_that_is_not_utf8_is_refused_and_the_session_goes_on(models, monkeypatch, capsys, stdin_errors):
+    """Bytes that are not UTF-8 came back from input() as lone surrogates (a TypeError from the tokenizer), or, where
+    stdin decodes strictly, as a UnicodeDecodeError: a traceback either way."""
+    import io
+
+    root, target, tok = models
+    stdin = io.TextIOWrapper(io.BytesIO(b"abc\xff\xfe\ndef add(a, b):\n"), encoding="utf-8", errors=stdin_errors)
+    rc, out = run_chat(monkeypatch, capsys, root, stdin, "--max-new-tokens", "8")
+    assert rc == 0, out.err[-2000:]
+    assert "[that line is not UTF-8 text: set your terminal or input to UTF-8 and send it again]" in out.err
+    # the refused line took no part in the conversation
+    assert out.out == greedy_answer(target, tok, [{"role": "user", "content": "def add(a, b):"}], 8) + "\n"
+    assert "chat: 1 answer," in out.err
+
+
+class SigintAt:
+    """A stdout that sends this process a real SIGINT (what Ctrl-C does) right after the writes it is told to;
+    `writes` counts those with text (input() writes its empty prompt)."""
+
+    def __init__(self, when):
+        import io
+
+        self.buf, self.when, self.writes = io.StringIO(), when, 0
+
+    def write(self, text):
+        import os
+        import signal
+
+        self.buf.write(text)
+        self.writes += bool(text)
+        if self.when(self):
+            os.kill(os.getpid(), signal.SIGINT)
+        return len(text)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return False
+
+
+def test_ctrl_c_at_the_prompt_ends_the_session_with_its_summary(models, monkeypatch, capsys):
+    """It printed only "interrupted": the answers' summary was lost."""
+    import io
+    import os
+    import signal
+
+    root, target, tok = models
+
+    class Stdin(io.StringIO):
+        def readline(self, *args):
+            line = super().readline(*args)
+            if not line:  # the second prompt: the user presses Ctrl-C instead of typing
+                os.kill(os.getpid(), signal.SIGINT)
+            return line
+
+    handler = signal.getsignal(signal.SIGINT)
+    rc, out = run_chat(monkeypatch, capsys, root, Stdin("def add(a, b):\n"), "--max-new-tokens", "8")
+    assert rc == 130
+    assert out.out == greedy_answer(target, tok, [{"role": "user", "content": "def add(a, b):"}], 8) + "\n"
+    assert "chat: 1 answer, 8 tokens" in out.err and "Traceback" not in out.err
+    assert signal.getsignal(signal.SIGINT) is handler
+
+
+def test_ctrl_c_during_an_answer_stops_it_and_the_session_goes_on(models, monkeypatch, capsys):
+    """Ctrl-C mid-answer ended the session, the answer's line left open. Now the answer stops after its round, its
+    line ends, and the next answer reads it back as the assistant's turn."""
+    import signal
+
+    root, target, tok = models
+    q1, q2 = "def add(a, b):", "print(sys.argv)"
+    stdout = SigintAt(lambda s: s.writes == 1)  # Ctrl-C as the first token shows
+    monkeypatch.setattr("sys.stdout", stdout)
+    handler = signal.getsignal(signal.SIGINT)
+    rc, out = run_chat(monkeypatch, capsys, root, [q1, q2], "--max-new-tokens", "24", "--chain-length", "2")
+    assert rc == 0, out.err[-2000:]
+    assert signal.getsignal(signal.SIGINT) is handler
+    assert out.err.count("[answer stopped by Ctrl-C: what it said so far stays in the conversation; Ctrl-C at the "
+                         "prompt ends the session]") == 1
+    numbers = [ln for ln in out.err.splitlines() if ln.startswith("[") and " tok/s" in ln]
+    assert len(numbers) == 2 and not numbers[0].startswith("[24 tokens") and numbers[1].startswith("[24 tokens")
+    assert "chat: 2 answers" in out.err
+    full = greedy_answer(target, tok, [{"role": "user", "content": q1}], 24)
+    printed = stdout.buf.getvalue()
+    # the stopped answer is a start of the full one, on its own line; the second answer reads it back
+    matches = [k for k in range(1, len(full)) if printed.startswith(full[:k] + "\n")
+               and printed[k + 1:] == greedy_answer(target, tok, [{"role": "user", "content": q1},
+                                                                   {"role": "assistant", "content": full[:k]},
+                                                                   {"role": "user", "content": q2}], 24) + "\n"]
+    assert matches, printed
+
+
+def test_a_second_ctrl_c_during_an_answer_ends_the_session_with_its_summary(models, monkeypatch, capsys):
+    import signal
+
+    root, target, tok = models
+    q1 = "def add(a, b):"
+    first = greedy_answer(target, tok, [{"role": "user", "content": q1}], 8) + "\n"
+
+    def twice_in_the_second_answer(s):  # two Ctrl-C as its first tokens show
+        if len(s.buf.getvalue()) <= len(first):
+            return False
+        s.late = getattr(s, "late", 0) + 1
+        return s.late <= 2
+
+    stdout = SigintAt(twice_in_the_second_answer)
+    monkeypatch.setattr("sys.stdout", stdout)
+    rc, out = run_chat(monkeypatch, capsys, root, [q1, "print(sys.argv)", "import os"], "--max-new-tokens", "8",
+                       "--chain-length", "2")
+    assert rc == 130, out.err[-2000:]
+    printed = stdout.buf.getvalue()
+    assert printed.startswith(first) and printed.endswith("\n") and printed.count("\n") == first.count("\n") + 1
+    assert "chat: 1 answer, 8 tokens" in out.err and "Traceback" not in out.err
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -201,6 +378,11 @@ def test_the_printer_shows_exactly_the_decoded_answer(models):
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
     (["--method", "hf_prompt_lookup"], "--method hf_prompt_lookup is transformers' own generation"),  # crashed
     (["--drafter", "{missing}"], "cannot load the drafter: directory {missing} does not exist (--drafter)"),
+    # a traceback (Torch not compiled with CUDA enabled) after the flags were read
+    (["--device", "cuda"], "--device cuda: no CUDA device here (torch "),
+    # refused only after the models loaded and the first question was asked
+    (["--method", "eagle2", "--temperature", "1"], "--method eagle2 chooses its tree's children deterministically"),
+    (["--method", "c2t", "--temperature", "0.7"], "use it at --temperature 0, or sample with chain, tree or ucb"),
 ])
 def test_what_would_fail_after_the_models_load_is_refused_before(tmp_path, monkeypatch, capsys, flags, message):
     # these were refused only after the target and drafter loaded (seconds here, minutes for a large target)
@@ -211,6 +393,7 @@ def test_what_would_fail_after_the_models_load_is_refused_before(tmp_path, monke
         raise AssertionError("a model was loaded")
 
     monkeypatch.setattr(draftforge.decode, "load_target", no_load)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a CPU-only machine, wherever this runs
     target = tmp_path / "target"
     target.mkdir()
     missing = str(tmp_path / "missing")
