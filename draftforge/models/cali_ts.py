@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftforge.errors import CheckpointError, CompatibilityError
+from draftforge.errors import CheckpointError, CompatibilityError, first_line
 from draftforge.fsutil import read_json, read_safetensors
 
 MAX_OFFSET = 10
@@ -184,5 +185,14 @@ def load_predictor(path, target_model, drafter, device="cpu") -> ThetaPredictor:
     check_pair(meta, target_model, drafter, path)
     predictor = ThetaPredictor(meta["target_dim"], meta["draft_dim"], meta["max_offset"], meta["mean_label"],
                                meta.get("logit_shift", 0.0))  # exports from before the key: none was balanced right
-    predictor.load_state_dict(read_safetensors(Path(path) / WEIGHTS_FILE, "re-export the theta run"))
+    try:
+        predictor.load_state_dict(read_safetensors(Path(path) / WEIGHTS_FILE, "re-export the theta run"))
+    except RuntimeError as e:  # shapes other than its draftforge.json says
+        raise CheckpointError(f"{Path(path) / WEIGHTS_FILE} does not match its {META_FILE} ({first_line(e)}); "
+                              "re-export the theta run") from None
+    finite = all(bool(torch.isfinite(t).all()) for t in predictor.state_dict().values())
+    if not finite or not all(math.isfinite(float(x)) for x in (predictor.mean_label, predictor.logit_shift)):
+        # a NaN θ reads as 0 at decode time: Cali-TS would stop after every draft, slowly and silently
+        raise CheckpointError(f"the θ predictor {path} holds non-finite weights or calibration values; "
+                              "re-export the theta run (or train it again)")
     return predictor.to(device).eval()

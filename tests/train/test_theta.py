@@ -285,6 +285,24 @@ def test_task_trains_exports_and_the_harness_loads_only_for_its_pair(pair, tmp_p
     (newer / "draftforge.json").write_text(json.dumps({**meta, "format_version": 2}))
     with pytest.raises(CheckpointError, match=r"format_version 2, newer than this draftforge \(1\) reads"):
         load_predictor(newer, target.model, drafter)
+    # weights of another shape were a RuntimeError traceback; NaN weights or calibration loaded, and a NaN θ reads
+    # as 0 at decode time (Cali-TS then stops after every draft)
+    from safetensors.torch import load_file, save_file
+
+    damaged = tmp_path / "damaged"
+    def nan_weight(weights, record):
+        name = next(iter(weights))
+        return {**weights, name: weights[name] * float("nan")}, record
+
+    for edit in (nan_weight, lambda w, m: (w, {**m, "logit_shift": float("nan")}),
+                 lambda w, m: (w, {**m, "max_offset": m["max_offset"] + 3})):
+        shutil.rmtree(damaged, ignore_errors=True)
+        shutil.copytree(result.export_dir, damaged)
+        weights, record = edit(load_file(str(damaged / "theta.safetensors")), dict(meta))
+        save_file(weights, str(damaged / "theta.safetensors"))
+        (damaged / "draftforge.json").write_text(json.dumps(record))
+        with pytest.raises(CheckpointError, match="non-finite weights or calibration|does not match its draftforge"):
+            load_predictor(damaged, target.model, drafter)
     dec = build_decoder("cali_ts", target, drafter, theta_predictor=str(result.export_dir))
     assert dec.generate([1, 2, 3], max_new_tokens=8).stats.new_tokens == 8
     other = load_drafter(str(pair / "other"), target)
