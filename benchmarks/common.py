@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -212,13 +213,54 @@ def versus_ar_cell(check: dict) -> str:
 
 def digest_cli(doc: str, make, compare) -> int:
     """The regression digests' command line: `--out FILE` runs make(FILE), `--compare A B` runs compare(A, B)
-    (each returns the exit status: 1 where the digests differ)."""
+    (each returns the exit status: 1 where the digests differ; 2 for a file that cannot be read or written)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", help="write the digest JSON here")
-    p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two digests (exit 1 if they differ)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--out", help="write the digest JSON here (a new file, or a digest written before)")
+    what.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two digests (exit 1 if they differ)")
     args = p.parse_args()
-    if args.compare:
-        return compare(*args.compare)
-    if not args.out:
-        p.error("give --out or --compare")
-    return make(args.out)
+    try:
+        if args.compare:
+            return compare(*args.compare)
+        digest_out_problem(args.out)  # before the minutes of work, not after them
+        return make(args.out)
+    except DigestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+class DigestError(Exception):
+    """A digest file that cannot be read, or an --out that cannot take one."""
+
+
+def read_digest(path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise DigestError(f"{path}: not a readable digest ({getattr(e, 'strerror', None) or e})") from None
+    if not isinstance(data, dict):
+        raise DigestError(f"{path}: not a digest (a digest is a JSON object)")
+    return data
+
+
+def digest_out_problem(out) -> None:
+    """--out must be a new file or an earlier digest (a JSON object): a user's file there is not replaced."""
+    path = Path(out)
+    if path.is_dir():
+        raise DigestError(f"--out {out} is a directory; give the digest's file name")
+    if path.exists() or path.is_symlink():
+        try:
+            read_digest(path)
+        except DigestError:
+            raise DigestError(f"--out {out} exists and is not a digest; it is not replaced: give another --out") \
+                from None
+    parent = next((q for q in path.absolute().parents if q.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise DigestError(f"--out {out}: {parent} is not a writable directory")
+
+
+def write_digest(out, result: dict, indent: int | None = None) -> None:
+    digest_out_problem(out)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=indent))
+    print(f"wrote {out}")

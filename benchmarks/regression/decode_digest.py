@@ -17,11 +17,9 @@ In the old checkout its own `draftforge` decodes; where that checkout has no `be
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
-from benchmarks.common import digest_cli
+from benchmarks.common import digest_cli, read_digest, write_digest
 
 
 def digest() -> dict:
@@ -97,7 +95,7 @@ def ssm_targets() -> dict:
 
 
 def compare(a_path: str, b_path: str) -> int:
-    a, b = (json.loads(Path(x).read_text()) for x in (a_path, b_path))
+    a, b = (read_digest(x) for x in (a_path, b_path))
     both = [k for k in a if k in b]
     tokens = [k for k in both if a[k][0] != b[k][0]]
     rounds = [k for k in both if a[k][1] != b[k][1]]
@@ -107,12 +105,13 @@ def compare(a_path: str, b_path: str) -> int:
                                                          tokens or rounds else "")
           + (f"; {len(added)} only in {b_path} (added since, not compared)" if added else "")
           + (f"; {len(lost)} missing from {b_path}: {lost[:8]}" if lost else ""))
-    return 1 if tokens or rounds or lost else 0
+    if not both:
+        print(f"no decode is in both {a_path} and {b_path}: nothing was compared")
+    return 1 if tokens or rounds or lost or not both else 0
 
 
 def write(out: str) -> int:
-    Path(out).write_text(json.dumps(digest()))
-    print(f"wrote {out}")
+    write_digest(out, digest())
     return 0
 
 

@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import digest_cli
+from benchmarks.common import digest_cli, read_digest, write_digest
 
 
 def build_inputs(work: Path) -> tuple[Path, Path, Path]:
@@ -175,21 +175,32 @@ def distill_and_eesd(work: Path, tok_dir: Path, corpus: Path, common: list[str])
 
 
 def compare(a_path: str, b_path: str) -> int:
-    a, b = json.loads(Path(a_path).read_text()), json.loads(Path(b_path).read_text())
+    a, b = (read_digest(x) for x in (a_path, b_path))
     print("| item | result |\n|---|---|")
-    same = True
+    same = bool(a)  # a digest of nothing proves nothing
     for key in a:
-        if a[key] == b.get(key):
+        if key not in b:
+            print(f"| {key} | missing from {b_path} |")
+            same = False
+            continue
+        if a[key] == b[key]:
             print(f"| {key} | bitwise identical |")
             continue
         same = False
-        if isinstance(a[key], list):
-            rel = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a[key], b[key]))
+        x, y = a[key], b[key]
+        if isinstance(x, list) and isinstance(y, list) and len(x) != len(y):
+            print(f"| {key} | differs: {len(x)} values vs {len(y)} |")
+        elif isinstance(x, list) and isinstance(y, list) and all(isinstance(v, (int, float)) for v in x + y):
+            rel = max(abs(u - v) / max(abs(u), 1e-12) for u, v in zip(x, y))
             print(f"| {key} | differs, max relative difference {rel:.2e} |")
-        elif isinstance(a[key], float):
-            print(f"| {key} | differs: {a[key]!r} vs {b[key]!r} |")
+        elif isinstance(x, float) and isinstance(y, float):
+            print(f"| {key} | differs: {x!r} vs {y!r} |")
         else:
             print(f"| {key} | differs |")
+    for key in (k for k in b if k not in a):
+        print(f"| {key} | only in {b_path} (added since, not compared) |")
+    if not a:
+        print(f"{a_path} holds no items: nothing was compared")
     return 0 if same else 1
 
 
@@ -203,7 +214,7 @@ def write(out: str) -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         result = digest(Path(tmp))
-    Path(out).write_text(json.dumps(result, indent=1))
+    write_digest(out, result, indent=1)
     print(json.dumps({k: v for k, v in result.items() if "metrics" not in k}, indent=1))
     return 0
 
