@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tests", nargs="+", default=[], help="pytest files for step 1 instead of the discovered ones")
     p.add_argument("--threads", type=int, help="torch threads (default 1, or OMP_NUM_THREADS)")
     args = p.parse_args(argv)
+    for flag, value in (("--budget-s", args.budget_s), ("--pytest-timeout-s", args.pytest_timeout_s)):
+        if not value > 0:  # a negative budget skipped every step and still passed
+            p.error(f"{flag} must be > 0, got {value}")
     names = {s.name for s in STEPS}
     if args.only and not set(args.only.split(",")) <= names:
         p.error(f"--only: unknown step(s) {', '.join(sorted(set(args.only.split(',')) - names))}")
@@ -73,6 +76,14 @@ def refuse_out(out: Path) -> str | None:
     """The one error line for an --out that cannot be the output directory, else None."""
     if out.exists() and not out.is_dir():
         return f"error: --out {out} is an existing file, not a directory; name a directory (created if missing)"
+    try:  # check.md and logs/ are replaced on a rerun: only where this check wrote them before
+        ours = json.loads((out / "check.json").read_text()).get("schema", "").startswith("draftforge.gpu-check/")
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    theirs = [name for name in ("check.json", "check.md", "logs") if (out / name).exists() and not ours]
+    if theirs:
+        return (f"error: --out {out} holds {', '.join(theirs)}, which no earlier GPU check wrote (a rerun replaces "
+                "them); name another directory")
     return None
 
 
@@ -160,7 +171,7 @@ def main(argv=None) -> int:
     t = check["tally"]
     say(f"{t['ok']} ok, {t['failed']} failed, {t['skipped']} skipped in {check['seconds']:.0f} s on "
         f"{env.get('device_name', device)} -> {out / 'check.json'}, {out / 'check.md'}")
-    return 1 if t["failed"] or device != "cuda" and not args.dry_run else 0
+    return 1 if t["failed"] or not t["ok"] or device != "cuda" and not args.dry_run else 0  # nothing ran: no pass
 
 
 if __name__ == "__main__":

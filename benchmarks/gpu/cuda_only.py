@@ -111,4 +111,6 @@ def run_step(ctx) -> dict:
     if code != 0:
         said = summary if any(counts.values()) else last_line(output)
         raise StepFailed(f"pytest exited {code}: {said}", result)
+    if ctx.device == "cuda" and not counts["passed"]:  # every CUDA-only test skipped on the GPU: nothing checked
+        raise StepFailed(f"no CUDA-only test ran on this CUDA machine ({summary}): read the log", result)
     return result

@@ -186,3 +186,31 @@ def test_dry_run_end_to_end_on_cpu(tmp_path):
     assert all(abs(d["gap"]) < 0.02 for c in checks for d in c["divergences"]), feature  # a few bf16 ulps at most
     assert "| step | what | status | seconds | result |" in (out / "check.md").read_text()
     assert done.returncode == 0 and "5 ok, 0 failed, 1 skipped in" in done.stdout.strip().splitlines()[-1]
+
+
+def test_a_check_where_nothing_ran_fails_and_a_users_files_in_out_are_kept(tmp_path, monkeypatch, capsys):
+    """From an audit: --budget-s -1 skipped every step and exited 0; on a CUDA machine where every CUDA-only test
+    skipped, step 1 was "ok"; a rerun replaced a user's check.md and logs/ in --out."""
+    monkeypatch.setattr(check, "STEPS", (STEPS[2],))  # one step, which skips
+    monkeypatch.setattr(check, "prepare_process", lambda dry_run: None)
+    threads = torch.get_num_threads()
+    try:
+        assert check.main(["--dry-run", "--out", str(tmp_path / "out")]) == 1  # no step ok: no pass
+        for flag in ("--budget-s", "--pytest-timeout-s"):
+            with pytest.raises(SystemExit):
+                check.main(["--dry-run", "--out", str(tmp_path / "out"), flag, "-1"])
+            assert f"{flag} must be > 0, got -1.0" in capsys.readouterr().err
+        user = tmp_path / "user"
+        (user / "logs").mkdir(parents=True)
+        (user / "check.md").write_text("my notes")
+        assert check.main(["--dry-run", "--out", str(user)]) == 2
+        assert "holds check.md, logs, which no earlier GPU check wrote" in capsys.readouterr().err
+        assert (user / "check.md").read_text() == "my notes"
+        assert check.main(["--dry-run", "--out", str(tmp_path / "out")]) == 1  # its own earlier output: rerun
+    finally:
+        torch.set_num_threads(threads)
+    ctx = Context(root=REPO, out=tmp_path, work=tmp_path, device="cuda", dry_run=False, say=lambda line: None,
+                  tests=["tests/x.py"], pytest_timeout_s=10)
+    monkeypatch.setattr(cuda_only, "run_pytest", lambda *a: (0, "20 skipped in 1.0s"))
+    with pytest.raises(StepFailed, match=r"no CUDA-only test ran on this CUDA machine \(0 passed, 0 failed, 20 "):
+        cuda_only.run_step(ctx)
