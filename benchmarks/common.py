@@ -13,6 +13,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -51,6 +52,35 @@ def time_ms(fn, device, repeats: int, *, calls: int = 1, warmup: int = 0, prepar
 def median_ms(fn, device, repeats: int, **kwargs) -> float:
     """statistics.median of `time_ms` (same arguments)."""
     return statistics.median(time_ms(fn, device, repeats, **kwargs))
+
+
+def rotated_ms(fns: dict[str, Callable], device, *, repeats: int, warmup: int, calls: int = 1,
+               prepare: dict[str, Callable] | None = None) -> dict[str, dict]:
+    """{name: {median_ms, min_ms, max_ms}} per call: untimed warm-up calls of every method first, then `repeats`
+    rounds in which the methods run in a rotating order (round r starts at method r mod M), each round's time the
+    mean of `calls` calls between two device syncs. prepare[name](), when given,
+    runs outside the clock before each round and its value is passed to every call of fns[name]."""
+    prepare = prepare or {}
+    names = list(fns)
+
+    def rounds(name):
+        return prepare[name]() if name in prepare else None
+
+    for name in names:
+        for _ in range(warmup):
+            fns[name](rounds(name))
+    times = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            inputs = rounds(name)
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fns[name](inputs)
+            sync(device)
+            times[name].append((time.perf_counter() - t0) / calls * 1e3)
+    return {name: {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts)}
+            for name, ts in times.items()}
 
 
 def tiny_model(kind: str, vocab: int, hidden: int, layers: int, *, device="cpu", dtype=torch.float32, seed: int = 0,
@@ -111,15 +141,28 @@ def print_table(headers: list[str], rows: list[list], right: set[int] | frozense
         print("| " + " | ".join(str(c) for c in row) + " |")
 
 
+COUNTS = ("repeats", "calls", "num_prompts", "max_new_tokens", "batch_size", "batch", "block", "threads")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for a count that must be >= 1 (repeats 0 or -1 ended in `no median for empty data`)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_flags(parser, **defaults) -> None:
     """Plain options, each `--name-with-dashes` typed by its default (a list default takes one or more values):
-    add_flags(p, num_prompts=8, max_new_tokens=64) is --num-prompts 8 and --max-new-tokens 64."""
+    add_flags(p, num_prompts=8, max_new_tokens=64) is --num-prompts 8 and --max-new-tokens 64. A count (COUNTS)
+    must be >= 1."""
     for name, default in defaults.items():
         flag = "--" + name.replace("_", "-")
         if isinstance(default, list):
             parser.add_argument(flag, type=type(default[0]), nargs="+", default=default)
         else:
-            parser.add_argument(flag, type=type(default), default=default)
+            kind = positive_int if name in COUNTS and type(default) is int else type(default)
+            parser.add_argument(flag, type=kind, default=default)
 
 
 def drafters_parser(doc: str, *, bench: str, num_prompts: int) -> argparse.ArgumentParser:

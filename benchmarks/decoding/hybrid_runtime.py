@@ -42,11 +42,14 @@ def tree_of(tree):
 
 
 def time_verifications(target, trees: dict, repeats: int, prompt_len: int) -> dict[str, float]:
-    """Median seconds of one verify per named tree; trees interleaved in each repeat, context reset each repeat."""
+    """Median seconds of one verify per named tree; trees interleaved in each repeat, their order rotated from repeat
+    to repeat (the first verify after a prefill is no tree's alone), context reset each repeat."""
     times = {name: [] for name in trees}
+    names = list(trees)
     for rep in range(repeats + 1):  # the first pass warms up
         target.prefill([3 + i % (target.vocab_size - 3) for i in range(prompt_len)])
-        for name, tree in trees.items():
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            tree = trees[name]
             t0 = time.perf_counter()
             target.verify(5, tree)
             dt = time.perf_counter() - t0

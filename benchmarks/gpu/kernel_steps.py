@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from typing import Callable
 
+from benchmarks.common import rotated_ms  # noqa: F401  (this module's steps time with it)
 from benchmarks.gpu.record import Skip
 
 TREE = {  # the tree-scan micro-benchmark's defaults on the GPU; a toy model for --dry-run
@@ -29,35 +28,6 @@ GRAPH = {  # the recipes' drafter (recipes/pretrain.yaml: Mamba2 "130m"), bf16 a
                  warmup=3),
     "dry": dict(size="tiny", vocab=256, tree="2,2", prefix=8, dtype="float32", calls=2, repeats=2, warmup=1),
 }
-
-
-def rotated_ms(fns: dict[str, Callable], device, *, repeats: int, warmup: int, calls: int = 1,
-               prepare: dict[str, Callable] | None = None) -> dict[str, dict]:
-    """{name: {median_ms, min_ms, max_ms}} per call (see the module docstring). prepare[name](), when given,
-    runs outside the clock before each round and its value is passed to every call of fns[name]."""
-    from benchmarks.common import sync
-
-    prepare = prepare or {}
-    names = list(fns)
-
-    def rounds(name):
-        return prepare[name]() if name in prepare else None
-
-    for name in names:
-        for _ in range(warmup):
-            fns[name](rounds(name))
-    times = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            inputs = rounds(name)
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fns[name](inputs)
-            sync(device)
-            times[name].append((time.perf_counter() - t0) / calls * 1e3)
-    return {name: {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts)}
-            for name, ts in times.items()}
 
 
 def kernel_unavailable(device: str) -> str | None:

@@ -23,7 +23,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from benchmarks.common import memory_mb, parse_timed, print_table, sync, time_ms, tiny_model, write_json
+from benchmarks.common import memory_mb, parse_timed, positive_int, print_table, sync, time_ms, tiny_model, write_json
 from draftforge.hfcompat import cache_kwargs
 
 
@@ -158,7 +158,7 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="drafter_context.json")
     ap.add_argument("--drafter", action="append", help="time this trained checkpoint through the harness "

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from benchmarks.common import print_table, write_json
+from benchmarks.common import positive_int, print_table, write_json
 
 
 def run(args) -> dict:
@@ -92,7 +92,7 @@ def main(argv=None):
                    help="prompt lengths in tokens (each plus --steps must fit the target's context)")
     p.add_argument("--chunks", type=int, nargs="+", default=[512, 2048], help="prefill chunk sizes to compare")
     p.add_argument("--steps", type=int, default=16, help="greedy tokens decoded after each prefill (compared)")
-    p.add_argument("--repeats", type=int, default=2, help="timed prefills per variant (median)")
+    p.add_argument("--repeats", type=positive_int, default=2, help="timed prefills per variant (median)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--out", help="JSON file to write")

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from benchmarks.common import print_table, write_json
+from benchmarks.common import positive_int, print_table, write_json
 
 # name: (pack_weights, growing cache, decode_attention, lean_forward)
 VARIANTS = {"before": ("off", False, "off", "off"), "packed": ("on", False, "off", "off"),
@@ -122,7 +122,7 @@ def main(argv=None) -> dict:
     p.add_argument("--target", required=True)
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--steps", type=int, default=32, help="tokens decoded per timed pass")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))

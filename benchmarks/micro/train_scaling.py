@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common import REPO, print_table, write_json
+from benchmarks.common import REPO, positive_int, print_table, write_json
 
 TINY = REPO / "recipes" / "tiny" / "pretrain.yaml"
 
@@ -81,7 +81,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", help="a pretrain recipe (default: the tiny recipe's shape on a local corpus)")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--out", default="benchmarks/results/train_scaling.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

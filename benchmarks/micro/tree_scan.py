@@ -16,7 +16,7 @@ import argparse
 import torch
 from transformers.cache_utils import DynamicCache
 
-from benchmarks.common import add_flags, median_ms, parse_timed, print_table, tiny_model, write_json
+from benchmarks.common import add_flags, parse_timed, print_table, rotated_ms, tiny_model, write_json
 from draftforge.decode.targets.stree import full_binary_parents, leaf_paths, mamba2_tree_logits
 from draftforge.hfcompat import cache_kwargs, output_cache
 
@@ -55,13 +55,13 @@ def bench_depth(model, cache, depth: int, args) -> dict:
     packed_logits = packed(None)[0]
     unrolled_logits = unrolled(expanded_cache(model, cache, len(paths)))
     max_diff = max((packed_logits[p] - unrolled_logits[i]).abs().max().item() for i, p in enumerate(paths))
-    packed_ms = median_ms(packed, args.device, args.repeats, warmup=args.warmup, prepare=lambda: None)
-    unrolled_ms = median_ms(unrolled, args.device, args.repeats, warmup=args.warmup,
-                            prepare=lambda: expanded_cache(model, cache, len(paths)))
-    # On CUDA the packed path runs the kernel; time the PyTorch reference there too (kernel vs spec).
-    ref_ms = (median_ms(lambda _: packed(_, "ref"), args.device, args.repeats, warmup=args.warmup,
-                        prepare=lambda: None)
-              if args.device.startswith("cuda") and args.impl != "ref" else None)
+    fns = {"packed": packed, "unrolled": unrolled}
+    if args.device.startswith("cuda") and args.impl != "ref":  # the packed path runs the kernel: time the PyTorch
+        fns["ref"] = lambda _: packed(_, "ref")  # reference there too (kernel vs spec)
+    ms = rotated_ms(fns, args.device, repeats=args.repeats, warmup=args.warmup,  # methods rotated per repeat
+                    prepare={"unrolled": lambda: expanded_cache(model, cache, len(paths))})
+    packed_ms, unrolled_ms = ms["packed"]["median_ms"], ms["unrolled"]["median_ms"]
+    ref_ms = ms["ref"]["median_ms"] if "ref" in ms else None
     return dict(depth=depth, nodes=n_nodes, leaves=len(paths), packed_ref_ms=ref_ms,
                 packed_ms=packed_ms, unrolled_ms=unrolled_ms, speedup=unrolled_ms / packed_ms,
                 packed_states=1, unrolled_states=len(paths),

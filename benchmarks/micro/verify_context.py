@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from benchmarks.common import print_table, write_json
+from benchmarks.common import positive_int, print_table, write_json
 
 VARIANTS = {"sdpa": ("off", None), "matmul": ("on", "0"), "probed": ("on", None)}  # decode_attention, FLASH_ROWS
 
@@ -54,7 +54,7 @@ def main(argv=None) -> dict:
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 7600])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 6, 34], help="query rows per forward (N)")
     p.add_argument("--calls", type=int, default=5, help="forwards averaged per sample")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import add_dtype_flag
+from benchmarks.common import add_dtype_flag, positive_int
 from tests.fixtures.tokenizers import testbed_bpe
 
 
@@ -106,7 +106,7 @@ def parse_args(argv=None):
                    help="sibling drafts at T > 0: without replacement (default, STree's) or i.i.d.")
     m.add_argument("--num-prompts", type=int, default=6, help="first N prompts (default 6)")
     m.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
-    m.add_argument("--repeats", type=int, default=3, help="timed passes, method order rotated (default 3)")
+    m.add_argument("--repeats", type=positive_int, default=3, help="timed passes, method order rotated (default 3)")
     m.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="fixed-length outputs (default on)")
     m.add_argument("--device", default="cpu")
