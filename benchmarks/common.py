@@ -123,12 +123,35 @@ def memory_mb(device) -> float:
     return psutil.Process(os.getpid()).memory_info().rss / 2**20
 
 
+def json_out_problem(path, flag: str = "--out") -> str | None:
+    """Why a benchmark's JSON cannot go to `path`, else None: a directory there, a file that is not JSON (a user's,
+    which is not replaced; an earlier result is), or no writable folder to make it in."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{flag} {path} is a directory; give the JSON file's name"
+    if path.exists() or path.is_symlink():
+        try:
+            json.loads(path.read_text())
+        except (OSError, ValueError):
+            return f"{flag} {path} exists and is not a JSON result; it is not replaced: give another {flag}"
+    parent = next((q for q in path.absolute().parents if q.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
+        return f"{flag} {path}: {parent} is not a writable directory"
+    return None
+
+
 def write_json(path, result, indent: int = 2):
-    """Write `result` as JSON atomically (parents created), say where, and return `result`."""
+    """Write `result` as JSON atomically (parents created), say where, and return `result`. Where `path` cannot
+    take it (json_out_problem) the result is printed instead and the run exits 2."""
     from draftforge.eval.report import atomic_write_text
 
     path = Path(path)
-    atomic_write_text(path, json.dumps(result, indent=indent, default=str) + "\n")
+    text = json.dumps(result, indent=indent, default=str) + "\n"
+    problem = json_out_problem(path)
+    if problem:
+        print(text)
+        raise SystemExit(f"error: {problem} (the result is printed above)")
+    atomic_write_text(path, text)
     print(f"wrote {path}")
     return result
 
@@ -193,6 +216,11 @@ def parse_timed(parser, argv=None):
 
     parser.add_argument("--threads", type=int, help="torch threads (default 1, or OMP_NUM_THREADS)")
     args = parser.parse_args(argv)
+    for name in ("out", "json"):  # the result's file, checked before the minutes of measuring
+        value = getattr(args, name, None)
+        problem = json_out_problem(value, f"--{name}") if isinstance(value, str) and value.endswith(".json") else None
+        if problem:
+            parser.error(problem)
     print(choose_threads(args.threads))
     return args
 

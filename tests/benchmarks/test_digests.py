@@ -59,3 +59,19 @@ def test_a_file_that_is_not_a_digest_is_one_line_and_kept(tmp_path, argv, messag
     assert done.returncode == 2 and done.stderr.startswith(message.format(tmp=tmp_path))
     assert len(done.stderr.strip().splitlines()) == 1
     assert (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
+def test_a_benchmarks_json_never_replaces_a_users_file(tmp_path, capsys):
+    # decode_digest / loss_digest and every write_json user replaced any file at --out after the run
+    from benchmarks.common import json_out_problem, write_json
+
+    mine = tmp_path / "notes.json"
+    mine.write_text("my notes\n")
+    with pytest.raises(SystemExit, match=r"notes.json exists and is not a JSON result; it is not replaced"):
+        write_json(mine, {"median_ms": 1.5})
+    assert mine.read_text() == "my notes\n" and '"median_ms": 1.5' in capsys.readouterr().out  # printed, not lost
+    assert json_out_problem(tmp_path, "--json").startswith("--json ") and "is a directory" in json_out_problem(tmp_path)
+    earlier = tmp_path / "r.json"
+    write_json(earlier, {"a": 1})
+    write_json(earlier, {"a": 2})  # an earlier result is replaced
+    assert json.loads(earlier.read_text()) == {"a": 2}
