@@ -97,8 +97,8 @@ def main() -> int:
         micro = G // 2  # 1 process: 2 micro-batches accumulated; 2 processes: one each (same global batch)
         runs = {1: [], 2: []}
         run_once(recipe, root / "warm", 1, 2, micro)  # warm the datasets cache and the page cache
-        for _ in range(args.repeats):
-            for procs in (1, 2):
+        for r in range(args.repeats):
+            for procs in ((1, 2), (2, 1))[r % 2]:  # alternated, and rotated so neither always runs first
                 runs[procs].append(run_once(recipe, root / f"run{procs}", procs, args.steps, micro))
     tok_s = {p: statistics.median(v) for p, v in runs.items()}
     eff = tok_s[2] / (2 * tok_s[1])

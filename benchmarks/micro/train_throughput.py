@@ -151,8 +151,10 @@ def main() -> None:
                                  args.block, 0).stats
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the workers' torch thread count
         runs = {"draftforge": [], "trainer": []} if args.compare == "trainer" else {k: [] for k in PRECISION_KINDS}
+        kinds = list(runs)
         for r in range(args.repeats):
-            for kind in runs:  # interleaved so drift on a shared machine hits both alike
+            # interleaved so drift on a shared machine hits both alike, and rotated so neither always runs first
+            for kind in kinds[r % len(kinds):] + kinds[: r % len(kinds)]:
                 runs[kind].append(spawn(kind, values, work))
                 print(f"repeat {r + 1}/{args.repeats} {kind}: {runs[kind][-1]['tokens_per_s']:,.0f} tokens/s",
                       flush=True)
