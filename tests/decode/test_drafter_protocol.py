@@ -117,6 +117,12 @@ def test_a_drafter_shorter_than_the_decode_is_refused_or_named_and_a_capped_deco
     with pytest.raises(DraftforgeError, match="learned position embeddings for 64 positions, and this decode may "
                                               r"reach 72 \(prompt \+ max_new_tokens\)"):
         dec.generate(prompt, max_new_tokens=12)
+    from draftforge.decode.drafters.lookup import PromptLookupDrafter
+    from draftforge.decode.drafters.lookup_first import LookupFirstDrafter
+
+    wrapped = build_decoder("chain", target, LookupFirstDrafter(PromptLookupDrafter(64), gpt2))
+    with pytest.raises(DraftforgeError, match="learned position embeddings for 64 positions"):  # its drafter's limit
+        wrapped.generate(prompt, max_new_tokens=12)
     rope = load_drafter(tiny_llama(vocab=64, seed=3, ctx=32), target)
     dec = build_decoder("chain", target, rope)
     with pytest.warns(UserWarning, match="the drafter's context is 32 positions .* may reach 72"):

@@ -75,6 +75,9 @@ class LookupFirstDrafter(Drafter):
     def cache_bytes(self) -> int | None:
         return self.drafter.cache_bytes()
 
+    def check_context(self, positions: int) -> None:
+        self.drafter.check_context(positions)  # the trained drafter's limit; lookup has none
+
     def draft(self, seq: list[int], plan, params: SamplingParams, generator) -> DraftTree:
         plan = as_plan(plan)
         if isinstance(plan, DynamicTree):
