@@ -111,8 +111,8 @@ def write_dir_atomically(out_dir: Path, fill) -> Path:
 
 def replace_dir(tmp_dir: Path, out_dir: Path) -> None:
     """Rename the finished `tmp_dir` onto `out_dir`; an existing `out_dir` is moved aside first, put back if
-    the rename fails, and removed after. A link at `out_dir` is replaced as a link (the directory it points at is
-    left as it is): rmtree refuses links, and a stray `.NAME.old-*` link stayed behind."""
+    the rename fails, and removed after. A link at `out_dir` gives way to the new directory and is removed as a
+    link (the directory it pointed at is left as it is): rmtree refused it, and a stray `.NAME.old-*` link stayed."""
     if not out_dir.exists() and not out_dir.is_symlink():
         tmp_dir.rename(out_dir)
         return

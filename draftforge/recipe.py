@@ -68,7 +68,8 @@ class LoraConfig:
 
     def check(self, at: str) -> None:
         require(self.r > 0, f"{at}.r", "must be > 0")
-        require(0 < self.alpha < math.inf, f"{at}.alpha", f"must be > 0 (the adapters' scale is alpha / r), got {self.alpha}")
+        require(0 < self.alpha < math.inf, f"{at}.alpha",
+                 f"must be > 0 (the adapters' scale is alpha / r), got {self.alpha}")
         require(0.0 <= self.dropout < 1.0, f"{at}.dropout", "must be in [0, 1)")
 
 

@@ -113,8 +113,8 @@ def save_predictor(predictor: ThetaPredictor, out_dir: Path, metadata: dict) -> 
     save_file(state, str(Path(out_dir) / WEIGHTS_FILE))
     from draftforge.export import FORMAT_VERSION
 
-    meta = {**metadata, "task": "theta", "format_version": FORMAT_VERSION, "target_dim": predictor.target_dim, "draft_dim": predictor.draft_dim,
-            "max_offset": predictor.max_offset, "mean_label": predictor.mean_label,
+    meta = {**metadata, "task": "theta", "format_version": FORMAT_VERSION, "target_dim": predictor.target_dim,
+            "draft_dim": predictor.draft_dim, "max_offset": predictor.max_offset, "mean_label": predictor.mean_label,
             "logit_shift": predictor.logit_shift}
     (Path(out_dir) / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
 
@@ -132,7 +132,6 @@ def read_predictor_meta(path) -> dict:
 
     check_format_version(meta, meta_path)
     return meta
-
 
 
 EARLY_EXIT = "early_exit"  # decode/methods/eesd.py EarlyExitDrafter.kind

@@ -92,9 +92,9 @@ def llama_to_hybrid(llama, mamba_layers: list[int]):
     window = getattr(c, "sliding_window", None)
     if window is not None and window < c.max_position_embeddings:  # Bamba's attention sees the whole context
         raise CompatibilityError(f"{c.model_type}: sliding_window={window} is below the context of "
-                                 f"{c.max_position_embeddings}, and the hybrid's attention layers see the whole context "
-                                 "(it would part from the model past the window); set config.sliding_window = None first "
-                                 "if full attention is what you convert")
+                                 f"{c.max_position_embeddings}, and the hybrid's attention layers see the whole "
+                                 "context (it would part from the model past the window); set "
+                                 "config.sliding_window = None first if full attention is what you convert")
     bad = [i for i in mamba_layers if not 0 <= i < llama.config.num_hidden_layers]
     if bad:
         raise CompatibilityError(f"layers {bad} do not exist (the model has {llama.config.num_hidden_layers})")

@@ -65,7 +65,8 @@ def test_bad_lengths_and_lengths_beyond_the_context_are_refused():
         longctx.build_longctx(count, (1024, 4096), per_bucket=1, context=2048)
     # an answer that leaves too little room: a raw ValueError at 2048 new tokens, a silently shrunk "1k" at 1900
     for new_tokens, room in ((2048, 0), (1900, 148)):
-        with pytest.raises(DataError, match=rf"a 1k-token question would hold at most {room} tokens: {new_tokens} of the "
+        with pytest.raises(DataError, match=rf"a 1k-token question would hold at most {room} tokens: {new_tokens} "
+                                            rf"of the "
                                             r"target's 2048 are kept for the answer \(--max-new-tokens\)"):
             longctx.build_longctx(count, (1024,), per_bucket=1, context=2048, new_tokens=new_tokens)
     for text in ("1k,x", "100", ""):

@@ -132,7 +132,8 @@ def test_head_round_trips(tmp_path):
     assert meta["format_version"] == 1
     meta_file = tmp_path / "h" / "draftforge.json"
     meta_file.write_text(json.dumps({**meta, "format_version": 2}))
-    with pytest.raises(CheckpointError, match=r"draftforge.json has format_version 2, newer than this draftforge \(1\)"):
+    with pytest.raises(CheckpointError, match=r"draftforge.json has format_version 2, newer than this draftforge "
+                                              r"\(1\)"):
         load_head(tmp_path / "h")
     del meta["format_version"]  # a head exported before the field existed reads as version 1
     meta_file.write_text(json.dumps(meta))

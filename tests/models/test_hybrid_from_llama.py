@@ -66,7 +66,8 @@ def test_an_explicit_head_dim_converts_and_what_bamba_cannot_express_is_refused(
     """A Llama whose heads x head_dim is twice its width failed with a size mismatch (head_dim was not passed on);
     qwen2 (biases on q/k/v, none on o) failed loading its state dict; a Mistral's sliding window was dropped, so the
     hybrid parted from the model past the window. Oracle: the source model's own logits."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     base = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=128)
