@@ -282,6 +282,24 @@ def versus_ar_cell(check: dict) -> str:
     return f"{check['identical']}/{check['total']}" + (f" ({', '.join(notes)})" if notes else "")
 
 
+def one_line_errors(main):
+    """A benchmark's main() whose draftforge errors (an unknown method, a bad option) end in one `error:` line and
+    exit 2, as draftforge's own commands do, not a traceback."""
+    import functools
+
+    @functools.wraps(main)
+    def wrapped(*args, **kwargs):
+        from draftforge.errors import DraftforgeError
+
+        try:
+            return main(*args, **kwargs)
+        except DraftforgeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+
+    return wrapped
+
+
 def digest_cli(doc: str, make, compare) -> int:
     """The regression digests' command line: `--out FILE` runs make(FILE), `--compare A B` runs compare(A, B)
     (each returns the exit status: 1 where the digests differ; 2 for a file that cannot be read or written)."""

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
-from benchmarks.common import add_flags, print_table, write_json
+from benchmarks.common import add_flags, one_line_errors, print_table, write_json
 from draftforge.decode import parse_tree
 from draftforge.decode.methods import per_method
 from draftforge.eval import metrics, runner
@@ -302,6 +302,7 @@ def print_result(result: dict) -> None:
                  "live tensors (fit span)", "pass mem MiB +pass (start)", "tok/s"], rows, right={1, 2, 3, 4, 5, 7})
 
 
+@one_line_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not (args.random_models or args.target):

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import add_flags
+from benchmarks.common import add_flags, one_line_errors
 from draftforge.decode import parse_tree
 from draftforge.decode.methods import per_method
 from draftforge.eval.manifest import command_line
@@ -103,6 +103,7 @@ def run_suite(args, target: str, drafters: dict[str, str | None], bench: str) ->
     return reports
 
 
+@one_line_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:

@@ -75,3 +75,15 @@ def test_a_benchmarks_json_never_replaces_a_users_file(tmp_path, capsys):
     write_json(earlier, {"a": 1})
     write_json(earlier, {"a": 2})  # an earlier result is replaced
     assert json.loads(earlier.read_text()) == {"a": 2}
+
+
+def test_a_benchmarks_draftforge_error_is_one_line(capsys):
+    # spec_decode / eval_memory with an unknown method ended in a RecipeError traceback
+    from benchmarks.common import one_line_errors
+    from draftforge.errors import RecipeError
+
+    @one_line_errors
+    def main():
+        raise RecipeError("unknown method 'bogus'")
+
+    assert main() == 2 and capsys.readouterr().err == "error: unknown method 'bogus'\n"
