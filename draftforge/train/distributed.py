@@ -163,6 +163,11 @@ def check_resume(saved: dict, acc, ckpt_dir) -> None:
     """A checkpoint resumes only on a backend that can read it, and on another W only if reshardable."""
     now, then = backend(acc), saved.get("backend")
     was_world = saved.get("world_size")
+    if then == "fsdp" and now == "single" and _flag(os.environ, "ACCELERATE_USE_FSDP"):
+        # the launch config is FSDP's, but on one CPU process Accelerate sets up no distributed state at all
+        raise CheckpointError(f"--resume: {ckpt_dir} was written under fsdp, and FSDP on CPU processes needs 2 or "
+                              "more of them (one CPU process runs without FSDP, which cannot read the sharded "
+                              "checkpoint); relaunch with --num_processes 2 or more")
     if then is not None and _family(then) != _family(now):
         raise CheckpointError(f"--resume: {ckpt_dir} was written under {then}; this launch is {now}. Resume "
                               f"with the launch config of the original run (checkpoint formats differ)")
@@ -248,10 +253,21 @@ def check_frozen_placement(acc, frozen: dict) -> None:
     """Frozen modules (a target, a teacher) must be whole on every process: ZeRO-3's init flag would have
     partitioned them while they were built, and nothing gathers them outside the training engine."""
     plugin = getattr(acc.state, "deepspeed_plugin", None)
-    if frozen and plugin is not None and getattr(plugin, "zero3_init_flag", False):
+    # with the flag off, transformers still partitions a model it loads under a ZeRO-3 config (HfDeepSpeedConfig):
+    # its parameters then hold no values here (numel 0, a ds_id), and the first forward died in torch
+    partitioned = plugin is not None and getattr(plugin, "zero_stage", None) == 3 and any(
+        hasattr(p, "ds_id") or p.numel() == 0 for module in frozen.values() for p in module.parameters())
+    if not frozen or plugin is None:
+        return
+    fix = ("launch it with ZeRO-2 (launch/deepspeed_zero2.yaml) or FSDP2 (launch/fsdp.yaml), which keep frozen "
+           "modules whole")
+    if partitioned:
+        raise DraftforgeError(f"this task keeps frozen modules ({', '.join(frozen)}) outside ZeRO, but under ZeRO-3 "
+                              "transformers partitioned them while loading (distill's teacher, eesd's trunk, an "
+                              f"online eagle3 target): {fix}")
+    if getattr(plugin, "zero3_init_flag", False):
         raise DraftforgeError(f"this task keeps frozen modules ({', '.join(frozen)}) outside ZeRO, but the launch "
                               "config sets zero3_init_flag: true, which partitions every model built under it; "
                               "set zero3_init_flag: false (launch/deepspeed_zero3.yaml does). Even then a frozen "
                               "model loaded through transformers (distill's teacher, eesd's trunk, an online eagle3 "
-                              "target) is partitioned by it under ZeRO-3: launch those with ZeRO-2 "
-                              "(launch/deepspeed_zero2.yaml) or FSDP2 (launch/fsdp.yaml)")
+                              f"target) is partitioned by it under ZeRO-3: {fix}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -179,6 +178,18 @@ def test_resume_on_another_world_size_only_where_resharding_works():
         dist.check_resume(ddp2, _fake_acc(world=2, ds=zero), "ck")
 
 
+def test_an_fsdp_checkpoint_resumed_on_one_cpu_process_says_why(monkeypatch):
+    # launched with launch/fsdp.yaml and --num_processes 1, the refusal said "written under fsdp; this launch is
+    # single. Resume with the launch config of the original run", which the user had done
+    fsdp2 = {"world_size": 2, "backend": "fsdp"}
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(CheckpointError, match="FSDP on CPU processes needs 2 or more.*--num_processes 2 or more"):
+        dist.check_resume(fsdp2, _fake_acc(world=1), "ck")
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    with pytest.raises(CheckpointError, match="written under fsdp; this launch is single. Resume with the launch"):
+        dist.check_resume(fsdp2, _fake_acc(world=1), "ck")  # not an FSDP launch: the launch config is the fix
+
+
 def test_gathered_state_rebuilds_the_same_model(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
     from draftforge.train.lm import build_model, load_tokenizer
 
@@ -334,6 +345,24 @@ def test_deepspeed_zero_two_processes_match_one_process(tiny_run, stage):
     assert state["backend"] == f"deepspeed-zero{stage}" and state["world_size"] == 2
 
 
+def _kill_tree(proc) -> None:
+    """SIGKILL a launcher and every process under it, and wait until all are gone. torchrun starts each worker in a
+    session of its own, so killing the launcher's process group left the workers training on as orphans: the
+    "resumed" run then found their later checkpoints (or raced them for the run's lock)."""
+    import psutil
+
+    procs = [psutil.Process(proc.pid)]
+    procs += procs[0].children(recursive=True)  # listed before any dies: an orphan is no child of anyone here
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    _, alive = psutil.wait_procs(procs, timeout=60)
+    assert not alive, f"still running after SIGKILL: {alive}"
+
+
 def _kill_after_checkpoint(config: str, recipe: Path, out: Path, step: int, max_steps: int) -> None:
     """Launch, SIGKILL the launcher and all its workers once checkpoint `step` exists, check it was mid-run."""
     proc = subprocess.Popen(_command(config, recipe, out), cwd=REPO, env=_env(),
@@ -344,8 +373,7 @@ def _kill_after_checkpoint(config: str, recipe: Path, out: Path, step: int, max_
             assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
             time.sleep(0.05)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers, mid-run
-        proc.wait()
+        _kill_tree(proc)  # the launcher and both workers, mid-run
     steps = [int(p.name[5:]) for p in ckpt.list_checkpoints(out)]
     assert max(steps) < max_steps and not (out / "export").exists(), "the kill came after the run had finished"
 
@@ -673,3 +701,26 @@ def test_two_processes_normalise_by_the_global_batchs_count_when_micro_batches_c
     assert _losses(two) == pytest.approx(_losses(one), rel=1e-6)
     _assert_same_weights(ckpt.latest_valid(one) / "model.safetensors", ckpt.latest_valid(two) / "model.safetensors",
                          1e-6)
+
+
+def test_a_frozen_module_zero3_partitioned_while_loading_is_one_line():
+    """distill under launch/deepspeed_zero3.yaml (zero3_init_flag false): transformers still partitioned the teacher
+    it loaded under the ZeRO-3 config, and the first forward died with torch's "'weight' must be 2-D"."""
+    from draftforge.train.distributed import check_frozen_placement
+
+    def acc(stage, init_flag=False):
+        plugin = SimpleNamespace(zero_stage=stage, zero3_init_flag=init_flag)
+        return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))
+
+    whole = torch.nn.Linear(4, 4)
+    partitioned = torch.nn.Linear(4, 4)
+    partitioned.weight = torch.nn.Parameter(torch.empty(0))  # what a ZeRO-3 partition leaves on a process
+    partitioned.weight.ds_id = 7
+    with pytest.raises(DraftforgeError, match=r"frozen modules \(teacher\) outside ZeRO, but under ZeRO-3 "
+                                              r"transformers partitioned them while loading.*ZeRO-2"):
+        check_frozen_placement(acc(3), {"teacher": partitioned})
+    check_frozen_placement(acc(3), {"teacher": whole})  # loaded whole: fine
+    check_frozen_placement(acc(2), {"teacher": partitioned})  # not ZeRO-3: not this check's case
+    with pytest.raises(DraftforgeError, match="sets zero3_init_flag: true"):
+        check_frozen_placement(acc(3, init_flag=True), {"teacher": whole})
+    check_frozen_placement(SimpleNamespace(state=SimpleNamespace()), {"teacher": partitioned})  # no DeepSpeed
