@@ -155,13 +155,20 @@ def load_rows(recipe, cfg: C2TConfig):
     return train, heldout, stats
 
 
-def target_fingerprint(target: str | None) -> str | None:
-    """The fingerprint of the recipe's target (None when no local target dir is named: not checked)."""
+def target_fingerprint(target: str | None, fingerprint=None) -> str | None:
+    """The fingerprint of the recipe's target (`fingerprint`, default the C2T harvest's): None when model.target is
+    not set or names a Hub id (not checked); a local path that does not exist is refused (a typo trained
+    unchecked)."""
     from pathlib import Path
 
-    if not target or not Path(target).is_dir():
+    from draftforge.loading import check_local
+
+    if not target:
+        return None
+    check_local(target, "model.target")
+    if not Path(target).expanduser().is_dir():
         return None
     from draftforge.harvest.c2t import model_fingerprint
     from draftforge.loading import load_causal_lm
 
-    return model_fingerprint(load_causal_lm(target, what="target"))
+    return (fingerprint or model_fingerprint)(load_causal_lm(target, what="target"))

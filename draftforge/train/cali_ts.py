@@ -91,6 +91,7 @@ def build_theta_task(recipe, accelerator, with_data: bool = True):
     if len(recipe.data.sources) != 1:
         raise RecipeError("data.sources: task theta reads exactly one harvest directory (draftforge harvest theta)")
     rows, manifest = load_harvest(recipe.data.sources[0], tokenizer=local_tokenizer(recipe))
+    check_harvest_target(recipe, manifest)
     import math
 
     mean = manifest["mean_label"]
@@ -110,6 +111,21 @@ def build_theta_task(recipe, accelerator, with_data: bool = True):
                     collate=theta_collate, export=export,
                     export_metadata={**pair_metadata(manifest), "harvest_rows": manifest["rows"]},
                     unit="rows", units=lambda b: len(b["label"]))
+
+
+def check_harvest_target(recipe, manifest: dict) -> None:
+    """model.target, where the recipe names one, must be the target the θ harvest ran (C2T checks its harvest the
+    same way): a predictor trained on another target's states was exported and refused only by eval."""
+    from draftforge.errors import CompatibilityError
+    from draftforge.models.cali_ts import model_fingerprint
+    from draftforge.train.c2t import target_fingerprint
+
+    ours = target_fingerprint(recipe.model.target, model_fingerprint)
+    theirs = manifest.get("target_fingerprint")
+    if ours is not None and theirs and ours != theirs:
+        raise CompatibilityError(f"the θ harvest {recipe.data.sources[0]} ran target {manifest.get('target') or '?'} "
+                                 f"(fingerprint {theirs}), but model.target is {recipe.model.target} (fingerprint "
+                                 f"{ours}); set model.target to the harvest's target, or harvest again for this one")
 
 
 def pair_metadata(manifest: dict) -> dict:

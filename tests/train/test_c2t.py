@@ -186,7 +186,7 @@ def test_a_resume_over_other_prompts_or_a_broken_record_is_refused(harvested, tm
     meta = json.loads((copy / "harvest.json").read_text())
     (copy / "harvest.json").write_text(json.dumps({**meta, "depth_origin": 1}))  # its d column counts from 1
     assert harvest_cli(t_dir, d_dir, bench, copy, "--resume") == 2
-    assert "another depth_origin (1 vs 0)" in capsys.readouterr().err
+    assert "another depth_origin (the harvest's 1, this run's 0)" in capsys.readouterr().err
     (copy / "harvest.json").write_text("{not json")
     assert harvest_cli(t_dir, d_dir, bench, copy, "--resume") == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
@@ -245,8 +245,11 @@ def test_harvest_bad_input(harvested, tmp_path, capsys):
         hv.load_harvest([mixed])
     with pytest.raises(CompatibilityError, match="not from this recipe's target"):
         hv.load_harvest([out], target_fingerprint="f" * 16)
-    with pytest.raises(DataError, match="no parquet shards"):
+    with pytest.raises(DataError, match="nothing does not exist"):
         hv.load_harvest([tmp_path / "nothing"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no parquet shards"):
+        hv.load_harvest([tmp_path / "empty"])
     shifted = tmp_path / "shifted"  # a harvest counting d from 1 would train a head reading every layer one off
     shutil.copytree(out, shifted)
     meta = json.loads((shifted / hv.META_FILE).read_text())
@@ -429,3 +432,32 @@ def test_a_top_k_past_the_vocabulary_names_this_commands_flag(harvested, tmp_pat
     assert harvest_cli(t_dir, d_dir, bench, tmp_path / "h", "--top-k", "100000") == 2
     err = capsys.readouterr().err
     assert "--top-k 100000 is larger than the drafter's vocabulary" in err and "--eagle-top-k" not in err
+
+
+def test_a_trees_harvest_cut_short_another_kind_or_a_missing_target_is_one_line(harvested, tmp_path):
+    """From an audit: a killed, unresumed trees harvest trained on part of its prompts with nothing said; a θ
+    harvest or a missing folder as data.sources was "holds no parquet shards"; a model.target that does not exist
+    skipped the target check and trained; a missing --bench was found only after both models loaded."""
+    from draftforge.errors import DataError, RecipeError
+    from draftforge.harvest.c2t import TreeHarvestJob, harvest_trees, load_harvest
+    from draftforge.train.c2t import target_fingerprint
+
+    t_dir, d_dir, bench, out = harvested
+    assert json.loads((out / "harvest.json").read_text())["prompts"] == 12
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut)
+    sorted(cut.glob("prompt-*.parquet"))[-1].unlink()
+    with pytest.raises(DataError, match=r"cut is incomplete \(11 of 12 prompts\).*--resume"):
+        load_harvest([cut])
+    theta = tmp_path / "theta"
+    theta.mkdir()
+    (theta / "harvest.json").write_text(json.dumps({"kind": "theta-harvest", "shards": {}}))
+    with pytest.raises(DataError, match="holds a theta-harvest, not a C2T trees harvest"):
+        load_harvest([theta])
+    with pytest.raises(DataError, match="harvest source .*missing does not exist"):
+        load_harvest([tmp_path / "missing"])
+    with pytest.raises(RecipeError, match=r"model.target': directory .*no-such-target does not exist"):
+        target_fingerprint(str(tmp_path / "no-such-target"))
+    with pytest.raises(DataError, match=r"--bench .*nope.jsonl does not exist"):  # t_dir/d_dir never load
+        harvest_trees(TreeHarvestJob(target=str(tmp_path / "t"), drafter=str(tmp_path / "d"),
+                                     bench=str(tmp_path / "nope.jsonl"), out=str(tmp_path / "o")))

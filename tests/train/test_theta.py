@@ -419,3 +419,33 @@ def test_sequences_past_the_targets_context_are_cut_at_it(pair, tmp_path, capsys
     assert manifest["rows"] == harvest(short, tmp_path / "explicit", max_len=24)["rows"] < 5 * 21
     with pytest.raises(DraftforgeError, match="--generate 30 leaves no prompt within the target's context of 24"):
         harvest(short, tmp_path / "gen", generate=30)
+
+
+def test_a_harvest_cut_short_another_target_or_mixed_flags_are_one_line_each(pair, tmp_path):
+    """From an audit: training on a killed, unresumed θ harvest died with KeyError 'mean_label'; a recipe whose
+    model.target is not the harvest's target trained and exported (eval refused it later); --resume with
+    --overwrite replaced the harvest silently; a missing --data was found only after both models loaded."""
+    from draftforge.harvest.cali_ts import load_harvest
+    from draftforge.recipe import recipe_from_dict
+    from draftforge.train import run
+
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "harvest.json").write_text(json.dumps({"kind": "theta-harvest", "shards": {"0": {"rows": 4}}}))
+    with pytest.raises(DataError, match=r"the θ harvest in .*cut is incomplete \(1 shards so far\).*--resume"):
+        load_harvest(cut)
+    harvest(pair, tmp_path / "h")
+    other = tiny_llama(vocab=VOCAB, seed=9)
+    other.save_pretrained(tmp_path / "other-target")
+    recipe = theta_recipe(tmp_path / "run", tmp_path / "other-target", tmp_path / "h", max_offset=4,
+                          eval_fraction=0.1, steps=2, batch=8)
+    with pytest.raises(CompatibilityError, match=r"ran target .*target \(fingerprint [0-9a-f]+\), but model.target is "
+                                                 r".*other-target \(fingerprint [0-9a-f]+\)"):
+        run(recipe_from_dict(recipe))
+    assert not (tmp_path / "run" / "export").exists()
+    before = (tmp_path / "h" / "harvest.json").read_text()
+    with pytest.raises(DraftforgeError, match="pass one of them"):
+        harvest(pair, tmp_path / "h", resume=True, overwrite=True, max_offset=3)
+    assert (tmp_path / "h" / "harvest.json").read_text() == before
+    with pytest.raises(DataError, match="harvest source .*nope.jsonl does not exist"):  # before any model loads:
+        harvest_theta(tmp_path / "no-target", tmp_path / "no-drafter", [str(tmp_path / "nope.jsonl")], tmp_path / "x")
