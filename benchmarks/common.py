@@ -123,17 +123,19 @@ def memory_mb(device) -> float:
     return psutil.Process(os.getpid()).memory_info().rss / 2**20
 
 
-def json_out_problem(path, flag: str = "--out") -> str | None:
-    """Why a benchmark's JSON cannot go to `path`, else None: a directory there, a file that is not JSON (a user's,
-    which is not replaced; an earlier result is), or no writable folder to make it in."""
+def json_out_problem(path, flag: str = "--out", what: str = "a JSON result", accept=lambda data: True) -> str | None:
+    """Why a benchmark's JSON cannot go to `path`, else None: a directory there, a file that is not `what` (JSON
+    that `accept` takes: a user's file is not replaced, an earlier result is), or no writable folder to make it in."""
     path = Path(path)
     if path.is_dir():
         return f"{flag} {path} is a directory; give the JSON file's name"
     if path.exists() or path.is_symlink():
         try:
-            json.loads(path.read_text())
+            ours = accept(json.loads(path.read_text()))
         except (OSError, ValueError):
-            return f"{flag} {path} exists and is not a JSON result; it is not replaced: give another {flag}"
+            ours = False
+        if not ours:
+            return f"{flag} {path} exists and is not {what}; it is not replaced: give another {flag}"
     parent = next((q for q in path.absolute().parents if q.exists()), None)
     if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
         return f"{flag} {path}: {parent} is not a writable directory"
@@ -334,18 +336,9 @@ def read_digest(path) -> dict:
 
 def digest_out_problem(out) -> None:
     """--out must be a new file or an earlier digest (a JSON object): a user's file there is not replaced."""
-    path = Path(out)
-    if path.is_dir():
-        raise DigestError(f"--out {out} is a directory; give the digest's file name")
-    if path.exists() or path.is_symlink():
-        try:
-            read_digest(path)
-        except DigestError:
-            raise DigestError(f"--out {out} exists and is not a digest; it is not replaced: give another --out") \
-                from None
-    parent = next((q for q in path.absolute().parents if q.exists()), None)
-    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise DigestError(f"--out {out}: {parent} is not a writable directory")
+    problem = json_out_problem(out, what="a digest", accept=lambda data: isinstance(data, dict))
+    if problem:
+        raise DigestError(problem)
 
 
 def write_digest(out, result: dict, indent: int | None = None) -> None:
