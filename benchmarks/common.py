@@ -177,6 +177,35 @@ def positive_int(text: str) -> int:
     return value
 
 
+def number_list(kind=float, minimum: float | None = None, empty_ok: bool = False):
+    """An argparse type for a comma list of numbers ('0,1' -> (0.0, 1.0)): a part that is not a `kind`, is below
+    `minimum`, is not finite or is given twice, or no value at all unless `empty_ok`, is refused with the parser's
+    usage line, not a traceback minutes in."""
+    def parse(text: str) -> tuple:
+        values = []
+        for part in (p.strip() for p in str(text).split(",")):
+            if not part:
+                continue
+            try:
+                value = kind(part)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"expects a comma list of {'whole numbers' if kind is int else 'numbers'}, got {part!r}") from None
+            if value != value or value in (float("inf"), float("-inf")):
+                raise argparse.ArgumentTypeError(f"expects finite numbers, got {part!r}")
+            if minimum is not None and value < minimum:
+                raise argparse.ArgumentTypeError(f"values must be >= {minimum:g}, got {part!r}")
+            if value in values:
+                raise argparse.ArgumentTypeError(f"{part!r} is given twice; give each value once")
+            values.append(value)
+        if not values and not empty_ok:
+            raise argparse.ArgumentTypeError("expects at least one value")
+        return tuple(values)
+
+    parse.__name__ = f"{kind.__name__} list"  # argparse names the type in its message
+    return parse
+
+
 def add_flags(parser, **defaults) -> None:
     """Plain options, each `--name-with-dashes` typed by its default (a list default takes one or more values):
     add_flags(p, num_prompts=8, max_new_tokens=64) is --num-prompts 8 and --max-new-tokens 64. A count (COUNTS)

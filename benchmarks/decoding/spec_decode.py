@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import add_flags, one_line_errors
+from benchmarks.common import add_flags, number_list, one_line_errors
 from draftforge.decode import parse_tree
 from draftforge.decode.methods import per_method
 from draftforge.eval.manifest import command_line
@@ -63,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--random-models", action="store_true", help="build tiny random models instead (smoke run)")
     p.add_argument("--bench", default="testbed", help="prompt file, or 'testbed' (default)")
     add_flags(p, num_prompts=8, max_new_tokens=64, repeats=3)
-    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--temperatures", type=number_list(float, 0), default="0,1", help="comma list (default 0,1)")
     p.add_argument("--chain-length", type=int, default=5)
     p.add_argument("--tree", default="3,2,2,1", help="static tree: widths like 3,2,2,1, parent lists per layer like "
                    "parents:0,0,0/0,0,1/0,0,1/0,0,0, or stree13 (STree's 13-token tree)")
@@ -80,7 +80,7 @@ def parse_args(argv=None):
 
 
 def run_suite(args, target: str, drafters: dict[str, str | None], bench: str) -> dict:
-    temps = tuple(float(t) for t in args.temperatures.split(","))
+    temps = tuple(args.temperatures)
     tree = parse_tree(args.tree)
     plan = {
         "mamba": (drafters.get("mamba"), ("ar", "chain", "tree", "ucb"), ("ar",)),

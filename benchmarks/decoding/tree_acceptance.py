@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from benchmarks.common import add_dtype_flag, add_flags, load_models, print_table, write_json
+from benchmarks.common import add_dtype_flag, add_flags, load_models, number_list, print_table, write_json
 
 
 def configs(trees: list[str], temperatures: list[float], chain_length: int):
@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
     p.add_argument("--bench", required=True, help="prompt file or a named bench (instructions, humaneval)")
     p.add_argument("--tree", action="append", required=True, help="a static tree (widths, parents:..., stree13); repeat")
     p.add_argument("--chain-length", type=int, default=4)
-    p.add_argument("--temperatures", default="0,1", help="comma list (default 0,1)")
+    p.add_argument("--temperatures", type=number_list(float, 0), default="0,1", help="comma list (default 0,1)")
     add_flags(p, num_prompts=16, max_new_tokens=64, out="runs/tree_acceptance.json")
     add_dtype_flag(p)
     a = p.parse_args(argv)
@@ -84,7 +84,7 @@ def main(argv=None) -> dict:
 
     target, drafter = load_models(a)
     prompts = [q.input_ids for q in load_prompts(a.bench, target.tokenizer, num_prompts=a.num_prompts)]
-    temps = [float(t) for t in a.temperatures.split(",")]
+    temps = list(a.temperatures)
     rows, t0 = [], time.perf_counter()
     todo = configs(a.tree, temps, a.chain_length)
     for k, (label, method, options, temp, draws) in enumerate(todo, 1):

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (add_dtype_flag, add_flags, load_models, parse_timed, print_table, versus_ar,
-                               versus_ar_cell, write_json)
+from benchmarks.common import (add_dtype_flag, add_flags, load_models, number_list, parse_timed, print_table,
+                               versus_ar, versus_ar_cell, write_json)
 
 
 def parse_args(argv=None):
@@ -33,20 +33,37 @@ def parse_args(argv=None):
     p.add_argument("--drafter", required=True)
     p.add_argument("--bench", required=True, help="held-out prompts (file or testbed/humaneval/instructions)")
     p.add_argument("--c2t", help="the main C2T head (swept over --betas)")
-    p.add_argument("--c2t-head", action="append", default=[], metavar="NAME=PATH",
+    p.add_argument("--c2t-head", action="append", default=[], metavar="NAME=PATH", type=named_path,
                    help="more heads (e.g. the feature ablation), swept over --ablation-betas")
-    p.add_argument("--ns", default="10,20,40,60,100", help="EAGLE-2 total_tokens values")
-    p.add_argument("--chains", default="", help="fixed chain lengths to compare with C2T's chain mode (Table 3)")
-    p.add_argument("--chain-betas", default="", help="β values of C2T's chain mode (K = 1) with the --c2t head")
-    add_flags(p, betas="0.3,0.4,0.5,0.6,0.7,0.8", ablation_betas="0.5", eagle_top_k=10, eagle_depth=5,
+    p.add_argument("--ns", type=number_list(int, 1), default="10,20,40,60,100", help="EAGLE-2 total_tokens values")
+    p.add_argument("--chains", type=number_list(int, 1, empty_ok=True), default="",
+                   help="fixed chain lengths to compare with C2T's chain mode (Table 3)")
+    p.add_argument("--chain-betas", type=number_list(float, 0, empty_ok=True), default="",
+                   help="β values of C2T's chain mode (K = 1) with the --c2t head")
+    p.add_argument("--betas", type=number_list(float, 0), default="0.3,0.4,0.5,0.6,0.7,0.8",
+                   help="β values swept with the --c2t head")
+    p.add_argument("--ablation-betas", type=number_list(float, 0), default="0.5",
+                   help="β values swept with each --c2t-head")
+    add_flags(p, eagle_top_k=10, eagle_depth=5,
               c2t_top_k=15, c2t_depth=10, num_prompts=10, max_new_tokens=64, repeats=3, chat_template="auto",
               out="tree_budget_out")
     add_dtype_flag(p)
-    return parse_timed(p, argv)
+    args = parse_timed(p, argv)
+    if args.chain_betas and not args.c2t:
+        p.error("--chain-betas runs C2T's chain mode with the --c2t head; give --c2t")
+    names = ["c2t"] * bool(args.c2t) + [name for name, _ in args.c2t_head]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # their points would share names and one head's would replace the other's
+        p.error(f"head name {twice[0]!r} is used twice (the --c2t head is named 'c2t'); give each --c2t-head its own")
+    return args
 
 
-def floats(text):
-    return [float(v) for v in str(text).split(",") if v.strip()]
+def named_path(text: str) -> tuple[str, str]:
+    """--c2t-head NAME=PATH -> (NAME, PATH)."""
+    name, eq, path = text.partition("=")
+    if not (name and eq and path):
+        raise argparse.ArgumentTypeError(f"expects NAME=PATH, got {text!r}")
+    return name, path
 
 
 def build_points(args, target, drafter) -> dict:
@@ -54,20 +71,20 @@ def build_points(args, target, drafter) -> dict:
     from draftforge.decode import build_decoder
 
     points = {"ar": (build_decoder("ar", target), {"method": "ar"})}
-    for n in [int(v) for v in floats(args.ns)]:
+    for n in args.ns:
         points[f"eagle2 N={n}"] = (build_decoder("eagle2", target, drafter, eagle_top_k=args.eagle_top_k,
                                                  eagle_depth=args.eagle_depth, total_tokens=n),
                                    {"method": "eagle2", "N": n})
-    heads = ([("c2t", args.c2t, floats(args.betas))] if args.c2t else []) + [
-        (*h.split("=", 1), floats(args.ablation_betas)) for h in args.c2t_head]
+    heads = ([("c2t", args.c2t, args.betas)] if args.c2t else []) + [
+        (name, path, args.ablation_betas) for name, path in args.c2t_head]
     for name, path, betas in heads:
         for beta in betas:
             points[f"{name} β={beta:g}"] = (build_decoder("c2t", target, drafter, c2t=path, beta=beta,
                                                           c2t_top_k=args.c2t_top_k, c2t_depth=args.c2t_depth),
                                             {"method": "c2t", "head": name, "path": path, "beta": beta})
-    for n in [int(v) for v in floats(args.chains)]:
+    for n in args.chains:
         points[f"chain K={n}"] = (build_decoder("chain", target, drafter, chain_length=n), {"method": "chain", "K": n})
-    for beta in floats(args.chain_betas):
+    for beta in args.chain_betas:
         points[f"c2t-chain β={beta:g}"] = (build_decoder("c2t", target, drafter, c2t=args.c2t, beta=beta, c2t_top_k=1,
                                                          c2t_depth=args.c2t_depth),
                                            {"method": "c2t_chain", "head": "c2t", "beta": beta})

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import add_dtype_flag, positive_int
+from benchmarks.common import add_dtype_flag, number_list, positive_int
 from tests.fixtures.tokenizers import testbed_bpe
 
 
@@ -74,7 +74,7 @@ def measure(args) -> dict:
     out = args.eval_out or f"runs/hybrid-eval/{shape.name.replace('/', '_').replace(':', '_')}"
     report = run_eval(EvalConfig(
         target=args.target, drafter=args.drafter, bench=args.bench, methods=methods,
-        temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+        temperatures=tuple(args.temperatures),
         method_options=per_method({"chain_length": args.chain_length, "tree": shape}, methods)[0], num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
         ignore_eos=args.ignore_eos, device=args.device, dtype=args.dtype, out_dir=out, command=command_line(),
         tree_draws=args.tree_draws,
@@ -101,7 +101,7 @@ def parse_args(argv=None):
                         "parents:0,0,0/0,0,1/0,0,1/0,0,0, or widths like 3,1,1,1")
     m.add_argument("--methods", default="ar,chain,tree,ucb", help="comma list (default ar,chain,tree,ucb)")
     m.add_argument("--chain-length", type=int, default=4, help="drafts per chain round (default 4, the paper's)")
-    m.add_argument("--temperatures", default="0,1", help="comma list (default 0,1)")
+    m.add_argument("--temperatures", type=number_list(float, 0), default="0,1", help="comma list (default 0,1)")
     m.add_argument("--tree-draws", choices=("distinct", "iid"), default="distinct",
                    help="sibling drafts at T > 0: without replacement (default, STree's) or i.i.d.")
     m.add_argument("--num-prompts", type=int, default=6, help="first N prompts (default 6)")
