@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from draftforge.argcheck import (EVAL_DEFAULTS, check_eval_settings, check_prefill_chunk, check_token_count,
-                                 temperature_list)
+                                 repeated, temperature_list)
 from draftforge.data.prompts import BENCHES
 from draftforge.decode import methods as method_registry
 from draftforge.decode.drafters.cuda_graphs import use_cuda_graphs
@@ -164,6 +164,10 @@ def validate(cfg: EvalConfig) -> EvalConfig:
     check_device(cfg.device)
     # "on" without CUDA fails here, before minutes of target loading (resolution needs no GPU).
     use_cuda_graphs(cfg.cuda_graphs, cfg.device)
+    twice = repeated(cfg.methods)
+    if twice is not None:  # a method runs once per temperature, with one set of options: a second listing was lost
+        raise RecipeError(f"--methods names {twice} twice; give each method once (its options are flags such as "
+                          "--chain-length, or method_options from Python)")
     for m in tuple(cfg.methods) + tuple(cfg.baselines or ()):
         if m not in method_registry.METHODS:
             raise RecipeError(f"unknown method {m!r}; {method_registry.suggest(m)}")

@@ -378,6 +378,7 @@ def test_the_curve_is_timed_again_after_the_runs_and_ar_pace_is_set_beside_it(be
     (dict(method_options={"chain": {"chain_lenght": 3}}), "did you mean .chain_length."),
     (dict(method_options={"c2t": {"beta": 0.5}}), "which this run does not run"),
     (dict(methods=("ar", "medusa")), "unknown method 'medusa'"),
+    (dict(methods=("ar", "chain", "chain")), "--methods names chain twice"),  # ran once, silently
     (dict(drafter=None), "need --drafter"),
     (dict(max_new_tokens=0), "max-new-tokens"),
     (dict(dtype="int8"), "--dtype must be one of"),
