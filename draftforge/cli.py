@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import re
 import sys
 
 from draftforge import __version__
@@ -92,8 +93,27 @@ def _expand_home(args) -> None:
             setattr(args, name, expand(value))
 
 
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """`--layers -1,2` is `--layers=-1,2`: argparse takes a value that starts with '-' for a flag unless it is one
+    plain negative number, so a list starting with one ended in "expected one argument". No draftforge option is a
+    dash and a digit, so such a token after a `--flag` can only be that flag's value."""
+    out, i = [], 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return out + argv[i:]
+        if (token.startswith("--") and "=" not in token and i + 1 < len(argv)
+                and re.fullmatch(r"-\d[\d.,eE+-]*", argv[i + 1])):
+            out.append(f"{token}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = _join_negative_values(sys.argv[1:] if argv is None else list(argv))
     # Before any command can import deepspeed: it logs its CPU-accelerator notice while being imported.
     quiet_known_notices()
     only = next((a for a in argv if a in COMMANDS), None)

@@ -185,6 +185,11 @@ def test_cli_prints_the_storage_first_and_one_error_line(tmp_path, target_dir, r
     assert not (tmp_path / "x").exists()
     assert cli_main([*argv[:-4], "--layers", "1,,3", "--out", str(tmp_path / "x")]) == 2  # was read as 1,3
     assert "--layers" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    # a list that starts with a negative id was argparse's "expected one argument"; now the range is named
+    assert cli_main([*argv[:-4], "--layers", "-1,2", "--out", str(tmp_path / "x")]) == 2
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "ids [-1] outside 0..3 for a target of 4 layers" in errors[0], errors
+    assert not (tmp_path / "x").exists()
     with pytest.raises(SystemExit):
         cli_main(["harvest", "hidden", "--help"])
     text = capsys.readouterr().out

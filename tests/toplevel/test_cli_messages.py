@@ -260,3 +260,15 @@ def test_a_home_path_the_shell_left_unexpanded_is_the_home_path(tmp_path, monkey
     args = cli.build_parser("eval").parse_args(["eval", "--target", "t", "--bench", "b", "--drafter", "~user/x"])
     cli._expand_home(args)
     assert args.drafter == "~user/x"  # another user's home: as given
+
+
+def test_a_value_that_starts_with_a_negative_number_is_the_flags_value():
+    # `--layers -1,2` was argparse's "expected one argument" (only one plain negative number passes as a value)
+    from draftforge.cli import _join_negative_values as join
+
+    assert join(["harvest", "hidden", "--layers", "-1,2", "--top-k", "4"]) == ["harvest", "hidden", "--layers=-1,2",
+                                                                            "--top-k", "4"]
+    assert join(["eval", "--temperature", "-0.5", "--temperature=-1"]) == ["eval", "--temperature=-0.5",
+                                                                          "--temperature=-1"]
+    assert join(["--set", "-x"]) == ["--set", "-x"]  # not a number: argparse's own reading stands
+    assert join(["prog", "--", "--layers", "-1"]) == ["prog", "--", "--layers", "-1"]  # after --, untouched
