@@ -246,13 +246,24 @@ def parse_timed(parser, argv=None):
     from draftforge.runtime import choose_threads
 
     parser.add_argument("--threads", type=int, help="torch threads (default 1, or OMP_NUM_THREADS)")
+    args = checked_args(parser, argv)
+    print(choose_threads(args.threads))
+    return args
+
+
+def checked_args(parser, argv=None, files: dict[str, str] | None = None):
+    """parser.parse_args(argv), and the result's JSON file checked before the minutes of measuring (a usage error
+    where write_json would refuse it at the end): --out / --json where they name a .json file, and `files`
+    (flag -> the file's name inside that flag's directory, e.g. {"out": "context_curves.json"})."""
     args = parser.parse_args(argv)
-    for name in ("out", "json"):  # the result's file, checked before the minutes of measuring
+    for name in dict.fromkeys(("out", "json", *(files or {}))):
         value = getattr(args, name, None)
-        problem = json_out_problem(value, f"--{name}") if isinstance(value, str) and value.endswith(".json") else None
+        if not isinstance(value, str):
+            continue
+        path = str(Path(value) / files[name]) if files and name in files else value
+        problem = json_out_problem(path, f"--{name}") if path.endswith(".json") else None
         if problem:
             parser.error(problem)
-    print(choose_threads(args.threads))
     return args
 
 

@@ -26,7 +26,7 @@ import re
 from dataclasses import fields
 from pathlib import Path
 
-from benchmarks.common import print_table, write_json
+from benchmarks.common import checked_args, print_table, write_json
 from draftforge.decode.base import DecodeStats
 from draftforge.eval.metrics import RunRecord, by_category
 
@@ -42,7 +42,7 @@ def parse_args(argv=None):
                    help="a run's name in the table and plot (default: its drafter path)")
     p.add_argument("--out", required=True, help="directory for context_curves.json / .png")
     p.add_argument("--no-plot", action="store_true", help="write the JSON and table only")
-    return p.parse_args(argv)
+    return checked_args(p, argv, files={"out": "context_curves.json"})
 
 
 def load_records(report: dict) -> list[RunRecord]:

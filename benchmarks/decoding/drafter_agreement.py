@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.common import drafters_parser, print_drafters, write_json
+from benchmarks.common import checked_args, drafters_parser, print_drafters, write_json
 
 
 def chain_tau(hits: list[bool], gamma: int) -> float:
@@ -109,7 +109,7 @@ def main(argv=None) -> dict:
     p = drafters_parser(__doc__, bench="testbed", num_prompts=20)
     p.add_argument("--chain-length", type=int, default=5, help="γ, draft tokens per chain round")
     p.add_argument("--out", default="benchmarks/results/drafter_agreement.json")
-    a = p.parse_args(argv)
+    a = checked_args(p, argv)
     result = run(a.target, a.drafter, a.bench, a.num_prompts, a.max_new_tokens, a.chain_length)
     r = result["retokenize"]
     print(f"{result['num_prompts']} prompts x <= {a.max_new_tokens} target tokens; "

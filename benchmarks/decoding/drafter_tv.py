@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.common import add_dtype_flag, add_flags, chosen_dtype, drafters_parser, print_drafters, write_json
+from benchmarks.common import (add_dtype_flag, add_flags, checked_args, chosen_dtype, drafters_parser, print_drafters,
+                               write_json)
 
 SCALES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)
 
@@ -114,7 +115,7 @@ def main(argv=None) -> dict:
     p.add_argument("--chain-length", type=int, default=5, help="γ for the τ estimate")
     p.add_argument("--out", default="benchmarks/results/drafter_tv.json")
     add_dtype_flag(p)
-    a = p.parse_args(argv)
+    a = checked_args(p, argv)
     if a.temperature <= 0:
         p.error("--temperature must be > 0 (TV between distributions)")
     result = run(a.target, a.drafter, a.bench, a.num_prompts, a.max_new_tokens, a.temperature, a.chain_length,

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
-from benchmarks.common import add_flags, one_line_errors, print_table, write_json
+from benchmarks.common import add_flags, checked_args, one_line_errors, print_table, write_json
 from draftforge.decode import parse_tree
 from draftforge.decode.methods import per_method
 from draftforge.eval import metrics, runner
@@ -270,7 +270,7 @@ def parse_args(argv=None):
     p.add_argument("--sampler-overhead", type=int, default=0, metavar="ROUNDS",
                    help="also time ROUNDS pairs of passes with the RSS sampling thread on vs off")
     p.add_argument("--out", default="bench_out/eval_memory.json")
-    return p.parse_args(argv)
+    return checked_args(p, argv)
 
 
 def kib(x) -> str:

@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import print_table, write_json
+from benchmarks.common import checked_args, print_table, write_json
 
 VOCAB, PROMPTS, DRAFTS = 48, 6, 4
 
@@ -51,7 +51,7 @@ def diverged(target, new_tokens: int, **assist) -> int | str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench_out/hf_assisted_ssm.json")
-    args = parser.parse_args(argv)
+    args = checked_args(parser, argv)
     import transformers
 
     from tests.fixtures.decode import tiny_llama, tiny_mamba2

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from benchmarks.common import add_dtype_flag, add_flags, load_models, number_list, print_table, write_json
+from benchmarks.common import add_dtype_flag, add_flags, checked_args, load_models, number_list, print_table, write_json
 
 
 def configs(trees: list[str], temperatures: list[float], chain_length: int):
@@ -79,7 +79,7 @@ def main(argv=None) -> dict:
     p.add_argument("--temperatures", type=number_list(float, 0), default="0,1", help="comma list (default 0,1)")
     add_flags(p, num_prompts=16, max_new_tokens=64, out="runs/tree_acceptance.json")
     add_dtype_flag(p)
-    a = p.parse_args(argv)
+    a = checked_args(p, argv)
     from draftforge.data.prompts import load_prompts
 
     target, drafter = load_models(a)

@@ -16,14 +16,14 @@ import statistics
 
 import torch
 
-from benchmarks.common import add_flags, print_table, time_ms, write_json
+from benchmarks.common import add_flags, checked_args, print_table, time_ms, write_json
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(parser, vocab=[8192, 49152], threads=1, repeats=7, calls=200, seed=0)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
-    args = parser.parse_args(argv)
+    args = checked_args(parser, argv)
     from draftforge.decode.sampling import draw_one
 
     torch.set_num_threads(args.threads)

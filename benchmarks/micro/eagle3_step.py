@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from benchmarks.common import add_flags, print_table, write_json
+from benchmarks.common import add_flags, checked_args, print_table, write_json
 
 
 def before(head, tokens_BT, aux_BTA, ttt_steps, teacher_BTV, next_BT, d2t, decay: float):
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
                         help="the head's body (eagle3.body): EAGLE-3's decoder layer or the feature Mamba2 drafter's")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     add_flags(parser, batch=8, block=256, prompt=64, ttt_steps=5, draft_vocab=8192, repeats=3, threads=1)
-    args = parser.parse_args(argv)
+    args = checked_args(parser, argv)
     torch.set_num_threads(args.threads)
     results = []
     for precision in args.precision:

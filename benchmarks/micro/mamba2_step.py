@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from benchmarks.common import add_flags
+from benchmarks.common import add_flags, checked_args
 from draftforge.decode.drafters.cuda_graphs import StaticStep
 from draftforge.decode.drafters.ssm_state import layer_states
 from draftforge.eval.report import atomic_write_text
@@ -94,7 +94,7 @@ def main() -> None:
     add_flags(p, repeats=7, warmup=5)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--json", default="runs/bench/mamba2_step.json", help="where to write the results")
-    args = p.parse_args()
+    args = checked_args(p)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     rows = [row for size in args.sizes for row in time_size(size, args, dtype)]

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from benchmarks.common import positive_int, print_table, write_json
+from benchmarks.common import checked_args, positive_int, print_table, write_json
 
 
 def run(args) -> dict:
@@ -96,7 +96,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--out", help="JSON file to write")
-    args = p.parse_args(argv)
+    args = checked_args(p, argv)
     out = run(args)
     if args.out:
         write_json(args.out, out)

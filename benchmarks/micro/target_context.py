@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from benchmarks.common import positive_int, print_table, write_json
+from benchmarks.common import checked_args, positive_int, print_table, write_json
 
 # name: (pack_weights, growing cache, decode_attention, lean_forward)
 VARIANTS = {"before": ("off", False, "off", "off"), "packed": ("on", False, "off", "off"),
@@ -128,7 +128,7 @@ def main(argv=None) -> dict:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench/target_context.json")
-    args = p.parse_args(argv)
+    args = checked_args(p, argv)
     if min(args.contexts) < 1 or args.steps < 1 or args.repeats < 1 or args.threads < 1:
         p.error("--contexts, --steps, --repeats and --threads must be >= 1")
     torch.set_num_threads(args.threads)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common import REPO, positive_int, print_table, write_json
+from benchmarks.common import REPO, checked_args, positive_int, print_table, write_json
 
 TINY = REPO / "recipes" / "tiny" / "pretrain.yaml"
 
@@ -83,7 +83,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--out", default="benchmarks/results/train_scaling.json")
-    args = ap.parse_args()
+    args = checked_args(ap)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         if args.recipe:

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO, add_flags, print_table, write_json
+from benchmarks.common import REPO, add_flags, checked_args, print_table, write_json
 
 
 def make_inputs(work: Path, files: int) -> tuple[Path, Path]:
@@ -134,7 +134,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads of every run (default 1)")
     p.add_argument("--out", default="runs/bench/train_throughput.json")
     p.add_argument("--worker", nargs=2, metavar=("KIND", "VALUES"), help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = checked_args(p)
     if args.worker:
         return worker(*args.worker)
 

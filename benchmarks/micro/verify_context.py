@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from benchmarks.common import positive_int, print_table, write_json
+from benchmarks.common import checked_args, positive_int, print_table, write_json
 
 VARIANTS = {"sdpa": ("off", None), "matmul": ("on", "0"), "probed": ("on", None)}  # decode_attention, FLASH_ROWS
 
@@ -60,7 +60,7 @@ def main(argv=None) -> dict:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench/verify_context.json")
-    args = p.parse_args(argv)
+    args = checked_args(p, argv)
     if min(args.contexts + args.rows) < 1 or min(args.calls, args.repeats, args.threads) < 1:
         p.error("--contexts, --rows, --calls, --repeats and --threads must be >= 1")
     torch.set_num_threads(args.threads)

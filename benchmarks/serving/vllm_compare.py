@@ -39,7 +39,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import print_table, write_json
+from benchmarks.common import checked_args, print_table, write_json
 
 DEFAULT_VENV = Path("~/.venvs/draftforge-vllm/bin/python").expanduser()
 REPO = Path(__file__).resolve().parents[2]
@@ -189,7 +189,7 @@ def main(argv=None) -> dict:
                    help="CPU threads for each engine: draftforge's torch threads, and vLLM's OpenMP threads bound to "
                         "cores 0..N-1 (VLLM_CPU_OMP_THREADS_BIND; a value already in the environment is kept)")
     p.add_argument("--out", default="runs/bench/vllm_compare.json")
-    args = p.parse_args(argv)
+    args = checked_args(p, argv)
     if args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
     python, note = vllm_python(args.vllm_python)
