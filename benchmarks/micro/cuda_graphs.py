@@ -2,8 +2,8 @@
 
 Tree drafting by batch expansion (Mamba Drafters §4.1) steps the drafter at batch 1 (committed
 tokens) and at B_i = N1·…·N_i (draft depth i). Per batch size we time the same StaticStep eagerly and
-replayed as a CUDA graph (after warm-up, median over repeats of `--steps` steps), then one whole
-`draft()` of the configuration both ways. On CPU graphs need CUDA: only eager is timed. Prints a
+replayed as a CUDA graph (after warm-up, median over repeats of `--steps` steps, the two alternated), then
+one whole `draft()` of the configuration both ways. On CPU graphs need CUDA: only eager is timed. Prints a
 table, writes JSON.
 
     python -m benchmarks.micro.cuda_graphs --device cuda --kind mamba2 --tree 3,2,2,1 --out cuda_graphs.json
@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import add_flags, median_ms, parse_timed, print_table, tiny_model, write_json
+from benchmarks.common import add_flags, parse_timed, print_table, rotated_ms, tiny_model, write_json
 from draftforge.decode.drafters.cuda_graphs import CudaGraph, StaticStep
 from draftforge.decode.drafters.mamba import MambaDrafter
 from draftforge.decode import parse_tree
@@ -34,25 +34,31 @@ def step_latencies(model, widths, args, device, graphs: bool) -> list[dict]:
         ids_B1 = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
         row = {"batch": batch}
         modes = {"eager": None, "graph": CudaGraph} if graphs else {"eager": None}
-        for name, graph_cls in modes.items():
-            step = StaticStep(model, [(c.clone(), s.clone()) for c, s in states], graph_cls() if graph_cls else None)
-            row[f"{name}_ms"] = median_ms(lambda: step(ids_B1), device, args.repeats, calls=args.steps,
-                                          warmup=args.warmup)
-        rows.append(row)
+        steps = {name: StaticStep(model, [(c.clone(), s.clone()) for c, s in states],
+                                  graph_cls() if graph_cls else None) for name, graph_cls in modes.items()}
+        times = rotated_ms({name: (lambda _, step=step: step(ids_B1)) for name, step in steps.items()}, device,
+                           repeats=args.repeats, warmup=args.warmup, calls=args.steps)  # eager and graph alternated
+        rows.append({**row, **{f"{name}_ms": t["median_ms"] for name, t in times.items()}})
     return rows
 
 
 @torch.inference_mode()
-def draft_latency(model, widths, args, device, mode: str) -> float:
-    drafter = MambaDrafter(model, model.config.vocab_size, cuda_graphs=mode)
+def draft_latency(model, widths, args, device, modes: dict[str, str]) -> dict[str, float]:
+    """{name: median ms of one whole draft} for each cuda_graphs mode (name -> "off" / "on"), modes alternated."""
     seq, params = list(range(1, 17)), SamplingParams()
-    gen = torch.Generator(device=device).manual_seed(0)
 
-    def one_draft():
-        drafter.draft(seq, widths, params, gen)
-        drafter.accept([])  # live state unchanged: every call drafts from the same prefix
+    def one_draft(mode):
+        drafter = MambaDrafter(model, model.config.vocab_size, cuda_graphs=mode)
+        gen = torch.Generator(device=device).manual_seed(0)
 
-    return median_ms(one_draft, device, args.repeats, calls=args.steps, warmup=args.warmup)
+        def draft(_):
+            drafter.draft(seq, widths, params, gen)
+            drafter.accept([])  # live state unchanged: every call drafts from the same prefix
+        return draft
+
+    times = rotated_ms({name: one_draft(mode) for name, mode in modes.items()}, device, repeats=args.repeats,
+                       warmup=args.warmup, calls=args.steps)
+    return {name: t["median_ms"] for name, t in times.items()}
 
 
 def main() -> None:
@@ -73,9 +79,7 @@ def main() -> None:
         print("CUDA graphs need a CUDA device: timing the eager static-buffer path only.")
     model = tiny_model(args.kind, args.vocab, args.hidden, args.layers, device=device, dtype=getattr(torch, args.dtype))
     rows = step_latencies(model, widths, args, device, graphs)
-    draft = {"eager_ms": draft_latency(model, widths, args, device, "off")}
-    if graphs:
-        draft["graph_ms"] = draft_latency(model, widths, args, device, "on")
+    draft = draft_latency(model, widths, args, device, {"eager_ms": "off", **({"graph_ms": "on"} if graphs else {})})
     print(f"\n{args.kind} hidden={args.hidden} layers={args.layers} vocab={args.vocab} tree={args.tree} "
           f"device={device} dtype={args.dtype} (median of {args.repeats} x {args.steps} calls)\n")
     table = []

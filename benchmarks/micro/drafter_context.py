@@ -2,7 +2,8 @@
 
 Mamba Drafters Fig. 1: a Mamba drafter's per-token cost and state stay flat with context, a
 Transformer's KV cache grows linearly. For each context length the drafter prefills a random
-context, then we time single-token decode steps (after warm-up, median of repeats) and read
+context, then we time single-token decode steps (after warm-up, median of repeats; every drafter and context is
+set up first, then timed in a rotating order per repeat, so slow drift of the machine hits all alike) and read
 memory (CUDA allocator peak on GPU, process RSS growth on CPU). Prints a table, writes JSON.
 
     python -m benchmarks.micro.drafter_context --contexts 1024 2048 4096 8192 --steps 16 --out drafter_context.json
@@ -17,18 +18,19 @@ cache), reduced draft heads included: the ms/token a drafting round really pays.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 from transformers import DynamicCache
 
-from benchmarks.common import memory_mb, parse_timed, positive_int, print_table, sync, time_ms, tiny_model, write_json
+from benchmarks.common import (memory_mb, parse_timed, positive_int, print_table, rotated_ms, sync, tiny_model,
+                               write_json)
 from draftforge.hfcompat import cache_kwargs
 
 
 @torch.inference_mode()
-def measure(model, ctx: int, steps: int, repeats: int, device) -> dict:
+def measure(model, ctx: int, device) -> tuple:
+    """(one decode step after a ctx-token prefill, the row's figures but its time)."""
     ids = torch.randint(0, model.config.vocab_size, (1, ctx), device=device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -36,16 +38,18 @@ def measure(model, ctx: int, steps: int, repeats: int, device) -> dict:
     cache = DynamicCache(config=model.config)
     model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))  # no ctx x V logits
     tok = ids[:, -1:]
-    times = time_ms(lambda: model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache)), device, repeats,
-                    calls=steps, warmup=1)
     state_mb = sum(t.numel() * t.element_size() for t in _cache_tensors(cache)) / 2**20
-    return {"context": ctx, "ms_per_token": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
-            "state_mb": state_mb, "memory_growth_mb": memory_mb(device) - mem_before}
+
+    def step():
+        model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache))
+
+    return step, {"context": ctx, "state_mb": state_mb, "memory_growth_mb": memory_mb(device) - mem_before}
 
 
 @torch.inference_mode()
-def measure_harness(path: str, ctx: int, steps: int, repeats: int, full_head: bool = False) -> dict:
-    """ms per drafted token through draftforge.decode's drafter for a checkpoint, after a ctx-token prefill.
+def measure_harness(path: str, ctx: int, steps: int, repeats: int, full_head: bool = False) -> tuple:
+    """(one drafted token through draftforge.decode's drafter for a checkpoint after a ctx-token prefill, the row's
+    figures but its time); (None, a skipped row) where the checkpoint's positions end before.
 
     full_head: swap a reduced draft head for a full-vocabulary one tied to the embedding (the cost that
     model.draft_vocab removes; the weights are then meaningless, the timing is not).
@@ -67,7 +71,7 @@ def measure_harness(path: str, ctx: int, steps: int, repeats: int, full_head: bo
     is_ssm = model.config.model_type in SSM_MODEL_TYPES
     drafter = (MambaDrafter if is_ssm else TransformerDrafter)(model, vocab)
     if not is_ssm and ctx + steps * (repeats + 2) > getattr(model.config, "max_position_embeddings", 1 << 30):
-        return {"context": ctx, "skipped": "beyond max_position_embeddings"}
+        return None, {"context": ctx, "skipped": "beyond max_position_embeddings"}
     seq = torch.randint(0, vocab, (ctx + steps * (repeats + 2),)).tolist()
     mem_before = memory_mb(torch.device("cpu"))
     drafter._sync(seq[:ctx])
@@ -77,19 +81,18 @@ def measure_harness(path: str, ctx: int, steps: int, repeats: int, full_head: bo
         pos[0] += 1
         drafter._sync(seq[:pos[0]])
 
-    times = time_ms(step, torch.device("cpu"), repeats, calls=steps, warmup=1)
     state = (sum(c.numel() * c.element_size() + h.numel() * h.element_size() for c, h in drafter.live)
              if is_ssm else sum(t.numel() * t.element_size() for t in _cache_tensors(drafter.lm.cache)))
-    return {"context": ctx, "ms_per_token": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
-            "state_mb": state / 2**20, "memory_growth_mb": memory_mb(torch.device("cpu")) - mem_before,
-            "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    return step, {"context": ctx, "state_mb": state / 2**20,
+                  "memory_growth_mb": memory_mb(torch.device("cpu")) - mem_before,
+                  "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
 
 
 @torch.inference_mode()
-def measure_feature(kind: str, target_dir: str, ctx: int, steps: int, repeats: int, draft_vocab: int = 8192,
-                    dtype=torch.bfloat16, device=torch.device("cpu")) -> dict:
-    """ms per drafted token of a drafter that reads the target (kind "eagle3" or "feature_mamba2") after ctx
-    committed anchors, and the bytes its committed state holds. The anchors' features are random: a step's cost
+def measure_feature(kind: str, target_dir: str, ctx: int, draft_vocab: int = 8192, dtype=torch.bfloat16,
+                    device=torch.device("cpu")) -> tuple:
+    """(one drafted token of a drafter that reads the target (kind "eagle3" or "feature_mamba2") after ctx
+    committed anchors, the row's figures but its time: the bytes its committed state holds, ...). The anchors' features are random: a step's cost
     does not depend on their values, so the target's ctx-token prefill is not run; the head is untrained (the
     same shapes a trained one has: the target's width, `draft_vocab` head rows)."""
     from transformers import AutoConfig
@@ -134,12 +137,20 @@ def measure_feature(kind: str, target_dir: str, ctx: int, steps: int, repeats: i
         drafter.node_out[-1] = out[-1]
         drafter.feed([-1], [int(tokens[0])], [0])
 
-    times = time_ms(step, device, repeats, calls=steps, warmup=1)
-    return {"context": ctx, "ms_per_token": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
-            "prompt_ms": prompt_ms, "state_mb": drafter.cache_bytes() / 2**20,
+    return step, {"context": ctx, "prompt_ms": prompt_ms, "state_mb": drafter.cache_bytes() / 2**20,
             "memory_growth_mb": memory_mb(device) - mem_before,
             "params_m": sum(p.numel() for p in head.parameters()) / 1e6,
             **({"attention": head.draftforge_attention} if hasattr(head, "draftforge_attention") else {})}
+
+
+@torch.inference_mode()  # the steps were set up in it: their tensors are inference tensors
+def timed_rows(setups: list[tuple], steps: int, repeats: int, device) -> list[dict]:
+    """The rows of `setups` ((step or None, row) each, all set up first) with their ms per token: every step timed
+    over `repeats` rounds of `steps` calls after one warm-up round, the steps' order rotated per round."""
+    steps_by = {i: (lambda _, f=step: f()) for i, (step, _) in enumerate(setups) if step is not None}
+    times = rotated_ms(steps_by, device, repeats=repeats, warmup=steps, calls=steps) if steps_by else {}
+    return [{**row, **({"ms_per_token": times[i]["median_ms"], "ms_min": times[i]["min_ms"],
+                        "ms_max": times[i]["max_ms"]} if i in times else {})} for i, (_, row) in enumerate(setups)]
 
 
 def _cache_tensors(cache):
@@ -170,24 +181,30 @@ def main():
                          "Mamba2 drafter, bf16, 8,192-row heads) through the harness's drafter code, on --device")
     args = parse_timed(ap)
     device = torch.device(args.device)
-    rows = []
+    setups = []  # (step, row) of every drafter at every context, all set up before any is timed
     for kind in ("eagle3", "feature_mamba2") if args.feature_target else ():
         for ctx in args.contexts:
-            r = measure_feature(kind, args.feature_target, ctx, args.steps, args.repeats, device=device)
-            rows.append({"drafter": kind, "params_m": round(r.pop("params_m"), 2), **r})
-            print(rows[-1], flush=True)
+            step, r = measure_feature(kind, args.feature_target, ctx, device=device)
+            setups.append((step, {"drafter": kind, "params_m": round(r.pop("params_m"), 2), **r}))
+            print(setups[-1][1], flush=True)
     for path in args.drafter or []:
         for ctx in args.contexts:
-            r = measure_harness(path, ctx, args.steps, args.repeats, args.full_head)
-            rows.append({"drafter": path + (" (full head)" if args.full_head else ""), "params_m": round(r.pop("params_m", 0.0), 2), **r})
-            print(rows[-1], flush=True)
+            step, r = measure_harness(path, ctx, args.steps, args.repeats, args.full_head)
+            setups.append((step, {"drafter": path + (" (full head)" if args.full_head else ""),
+                                  "params_m": round(r.pop("params_m", 0.0), 2), **r}))
+            print(setups[-1][1], flush=True)
     for kind in () if args.drafter or args.feature_target else ("mamba", "llama"):
-        extra = {"max_position_embeddings": max(args.contexts) + 16} if kind == "llama" else {}
+        positions = max(args.contexts) + (args.repeats + 2) * args.steps  # the context, then every timed step's
+        extra = {"max_position_embeddings": positions} if kind == "llama" else {}
         model = tiny_model(kind, args.vocab, args.hidden, args.layers, device=device, **extra)
         params_m = sum(p.numel() for p in model.parameters()) / 1e6
         for ctx in args.contexts:
-            rows.append({"drafter": "transformer" if kind == "llama" else kind, "params_m": round(params_m, 2),
-                         **measure(model, ctx, args.steps, args.repeats, device)})
+            step, r = measure(model, ctx, device)
+            setups.append((step, {"drafter": "transformer" if kind == "llama" else kind, "params_m": round(params_m, 2),
+                                  **r}))
+    print(f"timing {sum(s is not None for s, _ in setups)} drafter x context steps, {args.repeats} rotated rounds of "
+          f"{args.steps} calls each", flush=True)
+    rows = timed_rows(setups, args.steps, args.repeats, device)
     print_table(["drafter", "params (M)", "context", "ms/token", "min", "max", "prompt ms", "state MB", "mem +MB"],
                 [[r["drafter"], f"{r['params_m']:.2f}", r["context"], f"{r['ms_per_token']:.2f}", f"{r['ms_min']:.2f}",
                   f"{r['ms_max']:.2f}", f"{r['prompt_ms']:.0f}" if "prompt_ms" in r else "–", f"{r['state_mb']:.2f}",

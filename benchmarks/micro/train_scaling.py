@@ -60,6 +60,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+THREADS = 1  # torch threads of every process: 2 processes on 2 cores, one core each
+
+
 def run_once(recipe: Path, out: Path, procs: int, steps: int, micro: int) -> float:
     args = ["-m", "draftforge", "train", str(recipe), "--overwrite", "--set", f"output_dir={out}",
             "--set", f"train.max_steps={steps}", "--set", f"train.micro_batch_size={micro}",
@@ -68,7 +71,7 @@ def run_once(recipe: Path, out: Path, procs: int, steps: int, micro: int) -> flo
     if procs > 1:
         args = ["-m", "accelerate.commands.launch", "--config_file", str(REPO / "launch" / "multi_cpu.yaml"),
                 "--num_processes", str(procs), "--main_process_port", str(free_port()), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
@@ -104,12 +107,13 @@ def main() -> int:
     eff = tok_s[2] / (2 * tok_s[1])
     rows = [(p, tok_s[p], tok_s[p] / p, ", ".join(f"{x:,.0f}" for x in runs[p])) for p in (1, 2)]
     print(f"tiny pre-training recipe: global batch {G} x {values['train']['block_size']} tokens, "
-          f"{args.steps} steps, median of {args.repeats}; cores on this machine: {os.cpu_count()}")
+          f"{args.steps} steps, median of {args.repeats}; {THREADS} torch thread per process (OMP_NUM_THREADS); "
+          f"cores on this machine: {os.cpu_count()}")
     print_table(["processes", "tokens/s", "tokens/s/process", "runs"],
                 [[p, f"{t:,.0f}", f"{tp:,.0f}", all_runs] for p, t, tp, all_runs in rows], right={0, 1, 2})
     print(f"scaling efficiency (2 vs 1): {eff:.2f}  (1.00 = perfect; CPU cores shared, noisy)")
     result = {"recipe": args.recipe or "tiny pretrain shape, self-contained corpus", "steps": args.steps,
-              "repeats": args.repeats, "global_batch": G, "cpu_count": os.cpu_count(),
+              "repeats": args.repeats, "global_batch": G, "cpu_count": os.cpu_count(), "threads_per_process": THREADS,
               "tokens_per_s": {str(p): tok_s[p] for p in tok_s}, "runs": {str(p): runs[p] for p in runs},
               "tokens_per_s_per_process": {str(p): tok_s[p] / p for p in tok_s}, "scaling_efficiency": eff}
     write_json(args.out, result)
