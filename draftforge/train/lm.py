@@ -161,13 +161,17 @@ def add_lora(model, lora):
 
 
 def check_context(recipe: Recipe, vocab_size: int) -> None:
-    """block_size must fit the model's positions: read from the config, before data or model is built."""
+    """block_size must fit the model's positions: read from the config, before data or model is built (which also
+    checks a fresh model's preset and overrides before minutes of tokenizing)."""
     from transformers import AutoConfig
 
     m = recipe.model
     if m.init_from:
         config = AutoConfig.from_pretrained(resolve_checkpoint(m.init_from))
     elif m.arch in ("mamba", "mamba2"):
+        from draftforge.models.mamba import resolve_mamba_dims
+
+        resolve_mamba_dims(m.arch, m.size or "tiny", m.overrides)  # a preset typo, a bad override
         return  # recurrent: no position limit
     else:
         from draftforge.models.student import resolve_causal_lm_config

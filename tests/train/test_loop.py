@@ -326,6 +326,25 @@ def test_block_size_beyond_model_context_fails_before_training(tmp_path, tiny_co
         run(recipe_from_dict(values))
 
 
+@pytest.mark.parametrize("model, match", [
+    ({"arch": "mamba2", "size": "tinny"}, "unknown Mamba preset 'tinny'"),
+    ({"arch": "mamba", "size": "tiny", "overrides": {"hidden_size": 0}}, "hidden_size"),
+])
+def test_a_mamba_preset_or_override_typo_fails_before_tokenizing(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir,
+                                                                 monkeypatch, model, match):
+    # caught when the model was built, after the data: minutes of tokenizing on a real corpus
+    values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir)
+    values["model"] = {**model, "tokenizer": str(tiny_tokenizer_dir)}
+    import draftforge.data as data
+
+    def no_data(*a, **k):
+        raise AssertionError("the data was built before the model settings were checked")
+
+    monkeypatch.setattr(data, "build_block_data", no_data)
+    with pytest.raises(RecipeError, match=match):
+        run(recipe_from_dict(values))
+
+
 def test_a_tracker_that_is_not_installed_is_refused_before_anything_is_written(tmp_path, tiny_corpus_dir,
                                                                               tiny_tokenizer_dir, monkeypatch):
     # Accelerate drops a tracker it cannot import with a log line: a recipe naming wandb trained, exit 0, and
