@@ -37,11 +37,21 @@ def pickle_allowed(allow_pickle: bool | None = None) -> bool:
     return os.environ.get(ALLOW_PICKLE_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
+def hub_id(source) -> bool:
+    """Whether `source`, naming nothing here, is read as a Hugging Face Hub id: a str shaped "name" or "org/name"
+    whose org is not a local directory (runs/nope beside a runs/ folder is a mistyped run, not a repository on the
+    Hub: reading it as one cost a minute of retries on a machine without the Hub, then a Hub error)."""
+    text = str(source)
+    if isinstance(source, Path) or not _HUB_ID.match(text):
+        return False
+    org, slash, _ = text.partition("/")
+    return not (slash and Path(org).is_dir())
+
+
 def missing_local_path(source) -> Path | None:
     """`source` as a Path when it names a local path that does not exist (and is no Hub id), else None."""
-    text = str(source)
-    path = Path(text).expanduser()
-    if path.exists() or (not isinstance(source, Path) and _HUB_ID.match(text)):
+    path = Path(str(source)).expanduser()
+    if path.exists() or hub_id(source):
         return None
     return path
 
@@ -85,7 +95,7 @@ def local_model_dir(source, what: str = "model") -> Path | None:
             raise CheckpointError(f"{what} directory {path} holds no config.json, so it is not a Hugging Face "
                                   "model directory (for a draftforge run, use its export/ subdirectory)")
         return path
-    if isinstance(source, Path) or not _HUB_ID.match(text):
+    if not hub_id(source):
         raise CheckpointError(f"cannot load the {what}: directory {path} does not exist")
     return None
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import shutil
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -176,6 +178,22 @@ def test_a_missing_path_is_named_by_where_it_came_from(tmp_path, monkeypatch):
     with pytest.raises(RecipeError, match=r"^--target: cannot read a model config from 'nope' \(no such local "
                                           r"directory; tried it as a Hugging Face Hub id\): [^\n]*$"):
         loading.load_config("nope", "--target")
+
+
+def test_org_slash_name_under_a_local_folder_is_a_local_path(tmp_path, monkeypatch):
+    # runs/nope beside a runs/ folder went to the Hub as a repository id: a minute of retries where the Hub cannot
+    # be reached, then transformers' error; it is a mistyped run directory
+    from draftforge.errors import RecipeError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    assert loading.missing_local_path("runs/nope") == Path("runs/nope")
+    assert loading.missing_local_path("HuggingFaceTB/SmolLM2-135M") is None  # no such folder here: a Hub id
+    assert loading.missing_local_path("gpt2") is None
+    with pytest.raises(RecipeError, match=r"^recipe key 'model.target': directory runs/nope does not exist$"):
+        loading.load_config("runs/nope", "model.target")
+    with pytest.raises(CheckpointError, match=r"cannot load the target: directory runs/nope does not exist"):
+        load_target("runs/nope")
 
 
 def test_models_load_without_hub_kernels(dirs, tmp_path, monkeypatch):
