@@ -11,7 +11,9 @@ EPILOG = """examples:
   draftforge train recipes/tiny/pretrain.yaml
   draftforge train recipes/pretrain.yaml --set optim.lr=3e-4 --set train.max_steps=5000
   draftforge train recipes/tiny/pretrain.yaml --resume          # continue from the latest checkpoint
-  accelerate launch --config_file launch/multi_cpu.yaml -m draftforge train recipes/tiny/pretrain.yaml
+  draftforge train recipes/pretrain.yaml --auto-resume          # continue if output_dir holds the run, else start
+  accelerate launch --config_file launch/multi_cpu.yaml -m draftforge train recipes/tiny/pretrain.yaml \
+      --set train.micro_batch_size=8                            # 2 processes x 8 = the recipe's global batch 16
   draftforge train --help-recipe pretrain                       # every recipe field with its default and doc
 
 what a run writes in its output_dir (and, while it runs, the lock .NAME.lock beside it):
@@ -38,6 +40,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="override a recipe field, e.g. --set optim.lr=3e-4 (repeatable; value parsed as YAML)")
     what = p.add_mutually_exclusive_group()  # both at once silently resumed
     what.add_argument("--resume", action="store_true", help="continue from the latest intact checkpoint of output_dir")
+    what.add_argument("--auto-resume", action="store_true",
+                      help="continue the run in output_dir if it holds one, else start it: one command line for the "
+                           "first start and every restart (a SLURM requeue, a preempted job's rerun)")
     what.add_argument("--overwrite", action="store_true",
                       help="replace the draftforge run in output_dir (a directory marked .draftforge-run, kept until "
                            "the new run's first checkpoint); a folder of other files, a run holding files it did not "
@@ -60,7 +65,7 @@ def run(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     from draftforge.train import run as run_training
 
-    run_training(recipe, resume=args.resume, overwrite=args.overwrite)
+    run_training(recipe, resume=args.resume, overwrite=args.overwrite, auto_resume=args.auto_resume)
     return 0
 
 

@@ -10,10 +10,12 @@ def task_builder(task: str):
     return get_task(task).resolve("builder")
 
 
-def run(recipe, *, resume: bool = False, overwrite: bool = False, stop_after: int | None = None):
+def run(recipe, *, resume: bool = False, overwrite: bool = False, auto_resume: bool = False,
+        stop_after: int | None = None):
     from draftforge.train.loop import train
 
-    return train(recipe, task_builder(recipe.task), resume=resume, overwrite=overwrite, stop_after=stop_after)
+    return train(recipe, task_builder(recipe.task), resume=resume, overwrite=overwrite, auto_resume=auto_resume,
+                 stop_after=stop_after)
 
 
 # Modules that moved after 0.1.0 (one home per method, sub-packages by role): their old names import the new modules,

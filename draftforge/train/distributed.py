@@ -145,6 +145,26 @@ def batch_note(acc) -> str | None:
             f"train_batch_size={c['train_batch_size']}, gradient_clipping={c['gradient_clipping']}")
 
 
+# DeepSpeed's own defaults for the bucket sizes Accelerate fills from model.config.hidden_size when they are "auto"
+DEEPSPEED_BUCKET_DEFAULTS = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+                             "stage3_param_persistence_threshold": 100_000}
+
+
+def fill_deepspeed_buckets(acc, model: torch.nn.Module) -> list[str]:
+    """Give "auto" bucket sizes DeepSpeed's defaults where the model has no config.hidden_size to size them from
+    (theta's and c2t's small heads): Accelerate raised "Can't find `model.config` entry" in prepare. Returns the
+    keys it set."""
+    plugin = getattr(acc.state, "deepspeed_plugin", None)
+    config = getattr(model, "config", None)
+    if plugin is None or getattr(config, "hidden_size", None) or getattr(config, "hidden_sizes", None):
+        return []
+    zero = plugin.deepspeed_config.setdefault("zero_optimization", {})
+    filled = [key for key in DEEPSPEED_BUCKET_DEFAULTS if zero.get(key) == "auto"]
+    for key in filled:
+        zero[key] = DEEPSPEED_BUCKET_DEFAULTS[key]
+    return filled
+
+
 def fit_fsdp_wrap_policy(acc, model: torch.nn.Module) -> None:
     """Keep only the configured wrap classes this model has (Accelerate refuses absent ones)."""
     plugin = getattr(acc.state, "fsdp_plugin", None)
@@ -154,8 +174,11 @@ def fit_fsdp_wrap_policy(acc, model: torch.nn.Module) -> None:
     present = {type(m).__name__ for m in model.modules()}
     kept = [n for n in names if n in present]
     if not kept:
-        raise DraftforgeError(f"the FSDP config wraps {', '.join(names)} but the model has none of them; add "
-                              f"its block class to fsdp_transformer_layer_cls_to_wrap in the launch config")
+        raise DraftforgeError(f"the FSDP config wraps {', '.join(names)} but the model ({type(model).__name__}, "
+                              f"{sum(p.numel() for p in model.parameters()):,} parameters) has none of them; add its "
+                              "block class to fsdp_transformer_layer_cls_to_wrap in the launch config, or, for a "
+                              "small model without repeated blocks (the theta and c2t heads), launch with DDP "
+                              "(launch/multi_gpu.yaml, or launch/multi_cpu.yaml on CPU processes)")
     plugin.transformer_cls_names_to_wrap = kept
 
 

@@ -72,6 +72,39 @@ def check_trackers_installed(trackers: list[str]) -> None:
                           f"nothing to {them}): pip install {' '.join(missing)}, or drop {them}")
 
 
+def holds_run(output_dir, acc) -> bool:
+    """--auto-resume's choice, made by the main process and shared, so that no process decides after another has
+    written the run's first files: whether output_dir holds a run's recipe.yaml (a folder holding one that
+    draftforge did not write is then refused by --resume's own check, never taken over)."""
+    found = (Path(output_dir) / "recipe.yaml").is_file() if acc.is_main_process else None
+    if acc.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        found = broadcast_object_list([found])[0]
+    acc.print(f"[draftforge] --auto-resume: {'continuing the run in' if found else 'no run yet in'} {output_dir}"
+              + ("" if found else "; starting one"), flush=True)
+    return bool(found)
+
+
+def batch_problem(global_batch: int, micro: int, processes: int) -> str:
+    """Why global_batch cannot be micro x accumulation x processes, and the two ways out: a micro-batch that keeps
+    the global batch (the same training: only how many sequences one forward holds changes), or another global
+    batch (which changes the optimisation)."""
+    per_step = micro * processes
+    lo = max(per_step, global_batch // per_step * per_step)
+    text = (f"train.global_batch_size={global_batch} is not divisible by micro_batch_size x processes = {micro} x "
+            f"{processes}")
+    if global_batch % processes == 0:  # the same global batch with a smaller micro-batch (more accumulation)
+        each = global_batch // processes
+        keep = max(m for m in range(1, min(micro, each) + 1) if each % m == 0)
+        text += (f"; to keep the global batch (the same training), set train.micro_batch_size={keep} (it must divide "
+                 f"{each} sequences per process), or give another global batch: {lo} or "
+                 f"{lo + per_step}")
+    else:
+        text += f"; nearest valid global batch: {lo} or {lo + per_step}"
+    return text
+
+
 def make_accelerator(recipe: Recipe) -> Accelerator:
     t = recipe.train
     precision = resolve_precision(t.precision)
@@ -90,20 +123,20 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
     dist.adopt_cpu_fsdp(acc)  # an FSDP launch on CPU processes: Accelerate drops the FSDP plugin there
     per_step = t.micro_batch_size * acc.num_processes
     if t.global_batch_size % per_step:
-        lo = max(per_step, t.global_batch_size // per_step * per_step)
-        raise DraftforgeError(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x processes "
-            f"= {t.micro_batch_size} x {acc.num_processes}; nearest valid: {lo} or {lo + per_step}")
+        raise DraftforgeError(batch_problem(t.global_batch_size, t.micro_batch_size, acc.num_processes))
     acc.gradient_accumulation_steps = t.global_batch_size // per_step
     dist.configure_deepspeed(acc, recipe)  # DeepSpeed's batch fields come from the recipe, never "auto"
     return acc
 
 
-def train(recipe: Recipe, build_task, *, resume: bool = False, overwrite: bool = False,
+def train(recipe: Recipe, build_task, *, resume: bool = False, overwrite: bool = False, auto_resume: bool = False,
           stop_after: int | None = None) -> TrainResult:
-    """Run (or resume) a training run. `stop_after=k` stops after step k, as a kill would (tests)."""
+    """Run (or resume) a training run. `stop_after=k` stops after step k, as a kill would (tests). `auto_resume`:
+    resume where output_dir holds a run, else start one (a scheduler that reruns one command line)."""
     acc = make_accelerator(recipe)
     with run_lock(recipe.output_dir, acc):  # one run per output_dir at a time
+        if auto_resume:
+            resume = holds_run(recipe.output_dir, acc)
         run_dir = RunDir(recipe, acc, resume=resume, overwrite=overwrite)  # checks only: nothing written yet
         set_seed(recipe.train.seed)
         try:
@@ -129,6 +162,10 @@ class Trainer:
         dist.share_frozen(acc, spec.frozen)  # under FSDP, transformers may load them whole on rank 0 only
         opt, self.sched = build_optimizer(spec.model, recipe)
         dist.fit_fsdp_wrap_policy(acc, spec.model)
+        filled = dist.fill_deepspeed_buckets(acc, spec.model)
+        if filled:
+            self.say(f"[draftforge] DeepSpeed: {', '.join(filled)} set to DeepSpeed's defaults (the model has no "
+                     "config.hidden_size for \"auto\" to size them from)")
         if dist.batch_note(acc):
             self.say(f"[draftforge] {dist.batch_note(acc)}")
         self.model, self.opt = acc.prepare(spec.model, opt)

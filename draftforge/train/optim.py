@@ -18,6 +18,9 @@ def build_optimizer(model: torch.nn.Module, recipe: Recipe):
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # no empty group: DeepSpeed's ZeRO optimizer drops it, and the scheduler, built with one rate per group, then
+    # failed its first step (theta's predictor has no 1-D parameters)
+    groups = [g for g in groups if g["params"]]
     fused = o.fused if o.fused is not None else _fusable(decay + no_decay)
     opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused or None)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe))

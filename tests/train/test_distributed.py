@@ -105,8 +105,19 @@ def test_indivisible_process_count_names_nearest_valid_sizes(tmp_path, tiny_corp
 
     monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 3))
     recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, global_batch_size=8))
-    with pytest.raises(DraftforgeError, match=r"2 x 3; nearest valid: 6 or 12"):
-        make_accelerator(recipe)
+    with pytest.raises(DraftforgeError, match=r"2 x 3; nearest valid global batch: 6 or 12$"):
+        make_accelerator(recipe)  # 8 sequences cannot split over 3 processes: only another global batch does
+
+
+def test_a_micro_batch_too_large_for_the_processes_names_one_that_keeps_the_global_batch():
+    # the tiny recipes (global 16 = micro 16) on launch/multi_cpu.yaml's 2 processes: the error offered only other
+    # global batches, which change the training, where micro-batch 8 with accumulation 1 is the same training
+    from draftforge.train.loop import batch_problem
+
+    assert batch_problem(16, 16, 2).endswith("set train.micro_batch_size=8 (it must divide 8 sequences per "
+                                             "process), or give another global batch: 32 or 64")
+    assert "set train.micro_batch_size=6 " in batch_problem(12, 8, 2)  # the largest divisor of 6 not above 8
+    assert "set train.micro_batch_size=4 " in batch_problem(64, 6, 8)  # 8 per process: 6 does not divide it
 
 
 def test_deepspeed_launch_without_deepspeed_names_the_extra(monkeypatch):
@@ -151,6 +162,32 @@ def test_launch_configs_parse_and_name_installed_block_classes():
         ds = json.loads((REPO / launch["deepspeed_config"]["deepspeed_config_file"]).read_text())
         assert ds["zero_optimization"]["stage"] == z and ds["train_batch_size"] == "auto"
     assert yaml.safe_load((REPO / "launch" / "multi_cpu.yaml").read_text())["num_processes"] == 2
+    # CPU processes even where CUDA is present (else one GPU per process: NCCL DDP, or a missing cuda:1)
+    assert yaml.safe_load((REPO / "launch" / "multi_cpu.yaml").read_text())["use_cpu"] is True
+    for z in (2, 3):  # several machines: torchrun per node (pdsh without a hostfile made each node its own job)
+        launch = yaml.safe_load((REPO / "launch" / f"deepspeed_zero{z}.yaml").read_text())
+        assert launch["deepspeed_config"]["deepspeed_multinode_launcher"] == "standard"
+
+
+def test_deepspeed_bucket_sizes_of_a_model_without_a_config_get_deepspeeds_defaults():
+    # theta's and c2t's heads have no model.config: Accelerate's prepare raised "Can't find `model.config` entry"
+    # for the "auto" bucket sizes of launch/ds_zero2.json and ds_zero3.json
+    from draftforge.models.c2t import C2TClassifier
+    from draftforge.models.cali_ts import ThetaPredictor
+
+    for name in ("ds_zero2.json", "ds_zero3.json"):
+        for model in (ThetaPredictor(8, 8), C2TClassifier()):
+            config = json.loads((REPO / "launch" / name).read_text())
+            plugin = SimpleNamespace(deepspeed_config=config, zero_stage=config["zero_optimization"]["stage"])
+            filled = dist.fill_deepspeed_buckets(_fake_acc(ds=plugin), model)
+            zero = config["zero_optimization"]
+            assert filled and "auto" not in zero.values()
+            assert zero["reduce_bucket_size"] == 500_000_000
+            assert filled == [k for k in dist.DEEPSPEED_BUCKET_DEFAULTS if k in zero]
+    config = json.loads((REPO / "launch" / "ds_zero3.json").read_text())  # a transformers model: Accelerate sizes them
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=64))
+    assert dist.fill_deepspeed_buckets(_fake_acc(ds=SimpleNamespace(deepspeed_config=config)), model) == []
+    assert config["zero_optimization"]["reduce_bucket_size"] == "auto"
 
 
 def test_fsdp_wrap_policy_keeps_the_model_block_class(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
@@ -164,6 +201,11 @@ def test_fsdp_wrap_policy_keeps_the_model_block_class(tmp_path, tiny_corpus_dir,
     plugin.transformer_cls_names_to_wrap = ["GPT2Block"]
     with pytest.raises(DraftforgeError, match="has none of them"):
         dist.fit_fsdp_wrap_policy(_fake_acc(fsdp=plugin), model)
+    from draftforge.models.cali_ts import ThetaPredictor  # a small head: the way out is DDP, not another class
+
+    plugin.transformer_cls_names_to_wrap = list(dist.FSDP_BLOCK_CLASSES)
+    with pytest.raises(DraftforgeError, match=r"ThetaPredictor, .* launch with DDP \(launch/multi_gpu.yaml"):
+        dist.fit_fsdp_wrap_policy(_fake_acc(fsdp=plugin), ThetaPredictor(8, 8))
 
 
 def test_resume_on_another_world_size_only_where_resharding_works():
@@ -277,7 +319,7 @@ def _finished_then_aborted(proc, out: Path) -> bool:
 def _train(config, recipe, out, *extra) -> Path:
     proc = subprocess.run(_command(config, recipe, out, *extra), cwd=REPO, env=_env(), capture_output=True,
                           text=True, timeout=600)
-    if _finished_then_aborted(proc, out) and "--resume" not in extra:
+    if _finished_then_aborted(proc, out) and not {"--resume", "--auto-resume"} & set(extra):
         warnings.warn(f"{config}: the launch aborted at process exit after a finished run; retried once")
         proc = subprocess.run(_command(config, recipe, out, "--overwrite", *extra), cwd=REPO, env=_env(),
                               capture_output=True, text=True, timeout=600)
@@ -345,6 +387,91 @@ def test_deepspeed_zero_two_processes_match_one_process(tiny_run, stage):
     assert state["backend"] == f"deepspeed-zero{stage}" and state["world_size"] == 2
 
 
+FAKE_SRUN = """#!/bin/bash
+# srun on one machine: its options dropped, the command run once per "node" at once, SLURM_NODEID set, a log each
+while [[ $# -gt 0 && "$1" == --* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NNODES; i++)); do
+  SLURM_NODEID=$i "$@" > "$FAKE_LOGDIR/node$i.log" 2>&1 &
+  pids+=($!)
+done
+rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit $rc
+"""
+FAKE_SCONTROL = """#!/bin/bash
+[ "$1 $2" = "show hostnames" ] && printf 'localhost\\nlocalhost\\n'
+"""
+
+
+def _sbatch(tmp_path, recipe: Path, out: Path, *extra: str, restart: int = 0, config: str = "deepspeed_zero2.yaml"):
+    """launch/slurm/draftforge.sbatch as SLURM would run it on 2 nodes of 1 process each, both nodes this machine
+    (stand-ins for srun and scontrol on PATH): (the script's output, each node's log)."""
+    bin_dir, logs = tmp_path / "fakeslurm", tmp_path / f"logs{restart}"
+    bin_dir.mkdir(exist_ok=True)
+    logs.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**_env(), "PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "1", "SLURM_JOB_NODELIST": "localhost", "SLURM_SUBMIT_DIR":
+           str(REPO), "SLURM_RESTART_COUNT": str(restart), "LAUNCH_CONFIG": f"launch/{config}",
+           "MASTER_PORT": str(_free_port()), "FAKE_LOGDIR": str(logs)}
+    proc = subprocess.run(["bash", str(REPO / "launch" / "slurm" / "draftforge.sbatch"), str(recipe), "--set",
+                           f"output_dir={out}", *extra], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    nodes = [(logs / f"node{i}.log").read_text() if (logs / f"node{i}.log").exists() else "" for i in range(2)]
+    assert proc.returncode == 0, proc.stdout + proc.stderr + "\n".join(n[-3000:] for n in nodes)
+    return proc.stdout, nodes
+
+
+@pytest.mark.slow
+def test_sbatch_two_nodes_are_one_deepspeed_job_and_a_requeue_continues_the_run(tiny_run, tmp_path):
+    """Two nodes under launch/deepspeed_zero2.yaml trained as two separate one-node jobs (accelerate's pdsh launcher
+    with no hostfile fell back to the local machine); a requeued job's --overwrite replaced the run it had made."""
+    pytest.importorskip("deepspeed")
+    env_file = REPO / ".deepspeed_env"
+    had_env_file = env_file.exists()
+    out = tmp_path / "run"
+    said, nodes = _sbatch(tmp_path, tiny_run.recipe, out, "--overwrite")
+    assert "2 nodes x 1 GPUs = 2 processes" in said
+    for log in nodes:  # each node in one 2-process world, not a 1-process world of its own
+        assert "2 process(es) x micro-batch" in log and "1 process(es)" not in log, log[-2000:]
+    assert _losses(out) == pytest.approx(_losses(tiny_run.one), rel=1e-5)
+    assert env_file.exists() == had_env_file  # no copy of the environment (tokens included) left in the repo
+    metrics = (out / "metrics.jsonl").read_bytes()
+    said, nodes = _sbatch(tmp_path, tiny_run.recipe, out, "--overwrite", restart=1)  # SLURM reruns the same line
+    assert "restart 1 of this job: continuing its run (--auto-resume)" in said
+    assert "--auto-resume: continuing the run in" in nodes[0] and "no step left to run" in nodes[0], nodes[0][-2000:]
+    assert (out / "metrics.jsonl").read_bytes() == metrics and not list(out.parent.glob(".run.replaced*"))
+
+
+@pytest.mark.slow
+def test_theta_under_deepspeed_matches_one_process(tmp_path):
+    """theta's predictor (no model.config, no 1-D parameters) under launch/deepspeed_zero2.yaml died in prepare
+    (Accelerate could not size the "auto" bucket sizes) and then in the scheduler's first step (ZeRO dropped the
+    empty no-decay parameter group the scheduler had a rate for)."""
+    pytest.importorskip("deepspeed")
+    from draftforge.harvest.cali_ts import harvest_theta
+    from tests.fixtures.decode import tiny_llama, tiny_mamba2
+
+    vocab = 16
+    tiny_llama(vocab=vocab).save_pretrained(tmp_path / "target")
+    tiny_mamba2(vocab=vocab).save_pretrained(tmp_path / "drafter")
+    rows = [{"input_ids": [(5 * i + j) % vocab for i in range(30)], "prompt_len": 4} for j in range(8)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    harvest_theta(tmp_path / "target", tmp_path / "drafter", [str(tmp_path / "rows.jsonl")], tmp_path / "h",
+                  max_offset=4, anchor_stride=2, progress=False, dtype="float32")
+    recipe = tmp_path / "theta.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "task": "theta", "model": {"target": str(tmp_path / "target")},
+        "data": {"sources": [str(tmp_path / "h")], "eval_fraction": 0.0}, "theta": {"max_offset": 4},
+        "optim": {"lr": 3e-3, "warmup_steps": 0, "weight_decay": 0.0},
+        "train": {"max_steps": 4, "global_batch_size": 32, "micro_batch_size": 16, "eval_every": 0, "save_every": 0,
+                  "log_every": 1, "trackers": [], "precision": "fp32"}}))
+    one = _train(None, recipe, tmp_path / "one")
+    zero2 = _train("deepspeed_zero2.yaml", recipe, tmp_path / "zero2")
+    assert len(_losses(one)) == 4 and _losses(zero2) == pytest.approx(_losses(one), rel=1e-5)
+
+
 def _kill_tree(proc) -> None:
     """SIGKILL a launcher and every process under it, and wait until all are gone. torchrun starts each worker in a
     session of its own, so killing the launcher's process group left the workers training on as orphans: the
@@ -363,9 +490,9 @@ def _kill_tree(proc) -> None:
     assert not alive, f"still running after SIGKILL: {alive}"
 
 
-def _kill_after_checkpoint(config: str, recipe: Path, out: Path, step: int, max_steps: int) -> None:
+def _kill_after_checkpoint(config: str, recipe: Path, out: Path, step: int, max_steps: int, *extra) -> None:
     """Launch, SIGKILL the launcher and all its workers once checkpoint `step` exists, check it was mid-run."""
-    proc = subprocess.Popen(_command(config, recipe, out), cwd=REPO, env=_env(),
+    proc = subprocess.Popen(_command(config, recipe, out, *extra), cwd=REPO, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 300
@@ -636,8 +763,10 @@ def test_fsdp_two_processes_match_one_process(fsdp_run):
 @pytest.mark.slow
 def test_fsdp_sigkill_mid_run_then_resume_matches_uninterrupted_run(fsdp_run):
     killed = fsdp_run.root / "fsdp-killed"
-    _kill_after_checkpoint("fsdp.yaml", fsdp_run.recipe, killed, 4, 8)
-    _train("fsdp.yaml", fsdp_run.recipe, killed, "--resume")  # the sharded model and optimizer state come back
+    # --auto-resume both times (the same command line, as a requeued job reruns it): a start, then a resume, the
+    # choice made by the main process and shared with the other (the DDP test above resumes with --resume)
+    _kill_after_checkpoint("fsdp.yaml", fsdp_run.recipe, killed, 4, 8, "--auto-resume")
+    _train("fsdp.yaml", fsdp_run.recipe, killed, "--auto-resume")  # the sharded model and optimizer state come back
     assert _losses(killed) == _losses(fsdp_run.two)
     _assert_same_weights(fsdp_run.two / "export" / "model.safetensors", killed / "export" / "model.safetensors", 0)
 

@@ -160,6 +160,28 @@ def test_killed_before_the_first_checkpoint_resumes_from_step_zero(tmp_path, tin
     assert [r["loss"] for r in read_metrics(resumed.run_dir)] == full.losses
 
 
+def test_auto_resume_starts_a_run_then_continues_it(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, capsys):
+    """One command line for a job's first start and its restarts (a SLURM requeue): --resume refused the first
+    start (no run yet) and a plain start refused the restart (a run already there)."""
+    full = run(recipe_from_dict(_tiny(tmp_path / "a", tiny_corpus_dir, tiny_tokenizer_dir)))
+    part = recipe_from_dict(_tiny(tmp_path / "b", tiny_corpus_dir, tiny_tokenizer_dir))
+    run(part, auto_resume=True, stop_after=3)  # the first start, preempted after step 3
+    assert "--auto-resume: no run yet in" in capsys.readouterr().out
+    resumed = run(part, auto_resume=True)  # the requeued job: the same command
+    assert "--auto-resume: continuing the run in" in capsys.readouterr().out
+    assert [r["loss"] for r in read_metrics(resumed.run_dir)] == full.losses
+    mine = tmp_path / "mine"  # a folder of the user's that holds a recipe.yaml: --resume's refusal, not a takeover
+    mine.mkdir()
+    (mine / "recipe.yaml").write_text("task: pretrain\n")
+    with pytest.raises(CheckpointError, match="is not a run draftforge wrote"):
+        run(recipe_from_dict(_tiny(tmp_path / "c", tiny_corpus_dir, tiny_tokenizer_dir) | {"output_dir": str(mine)}),
+            auto_resume=True)
+    assert (mine / "recipe.yaml").read_text() == "task: pretrain\n" and len(list(mine.iterdir())) == 1
+    with pytest.raises(SystemExit):  # argparse: one of --resume, --auto-resume, --overwrite
+        cli_main(["train", "x.yaml", "--auto-resume", "--overwrite"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 def test_a_torn_metrics_line_does_not_stop_resume(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir):
     full = run(recipe_from_dict(_tiny(tmp_path / "a", tiny_corpus_dir, tiny_tokenizer_dir)))
     part = recipe_from_dict(_tiny(tmp_path / "b", tiny_corpus_dir, tiny_tokenizer_dir))
