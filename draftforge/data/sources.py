@@ -135,7 +135,10 @@ def is_hf_name(spec: str) -> bool:
     if os.path.exists(spec) or _GLOB_CHARS & set(spec):
         return False
     looks_like_path = spec.startswith((".", "/", "~")) or Path(spec).suffix != "" or spec.count("/") > 1
-    return not looks_like_path
+    # runs/corpus beside a runs/ folder is a mistyped local path (the Hub's retries took half a minute, then an
+    # error about the network), as for a model (loading.hub_id)
+    org, slash, _ = spec.partition("/")
+    return not looks_like_path and not (slash and Path(org).expanduser().is_dir())
 
 
 def resolve_local_files(spec: str, file_glob: str, quiet: bool = False) -> list[Path]:
@@ -155,7 +158,10 @@ def resolve_local_files(spec: str, file_glob: str, quiet: bool = False) -> list[
     if path.is_file():
         check_text_file(path)
         return [path]
-    files = sorted(p for p in path.glob(file_glob) if p.is_file() and not p.name.startswith(".") and not is_sidecar(p))
+    # nothing under a hidden folder (.git, .venv, .ipynb_checkpoints, ...), as a glob source skips them: a checked-out
+    # repository's .git/HEAD, config and hooks were trained on as documents
+    files = sorted(p for p in path.glob(file_glob) if p.is_file() and not is_sidecar(p)
+                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
     if not files:
         raise DataError(f"data folder {spec!r} has no files matching file_glob {file_glob!r}")
     return text_files_only(files, spec, path, quiet)

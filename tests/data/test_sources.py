@@ -9,6 +9,7 @@ import pytest
 
 import draftforge.data.sources as sources
 from draftforge.data import IGNORE_INDEX, build_block_data
+from draftforge.errors import DataError
 from tests.data.common import data_cfg, token_stream, write_jsonl
 
 
@@ -97,6 +98,26 @@ def test_hf_names_are_routed_to_load_dataset(monkeypatch, tmp_path, tok):
     assert packed_tokens(bd.train) == token_stream(tok, ["hello world", "tiny corpus"] * 2)
     assert sources.is_hf_name("HuggingFaceFW/fineweb-edu") and not sources.is_hf_name(str(tmp_path))
     assert not sources.is_hf_name("data/*.jsonl") and not sources.is_hf_name("missing.jsonl")
+
+
+def test_org_slash_name_under_a_local_folder_is_a_missing_local_source(tmp_path, monkeypatch):
+    # runs/corpus beside runs/ went to the Hub: half a minute of retries, then an error about the network
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    assert not sources.is_hf_name("runs/corpus") and sources.is_hf_name("HuggingFaceFW/fineweb-edu")
+    with pytest.raises(DataError, match="data source 'runs/corpus' does not exist"):
+        sources.resolve_local_files("runs/corpus", "**/*")
+
+
+def test_a_folder_source_reads_nothing_under_a_hidden_folder(tmp_path):
+    # a checked-out repository: its .git/HEAD, config and hooks were trained on as documents
+    repo = tmp_path / "repo"
+    for rel in ("main.py", "pkg/util.py", ".git/HEAD", ".git/hooks/pre-commit.sample", ".venv/lib/x.py",
+                "pkg/.ipynb_checkpoints/util-checkpoint.py", ".env"):
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text("x = 1\n")
+    found = sources.resolve_local_files(str(repo), "**/*", quiet=True)
+    assert [f.relative_to(repo).as_posix() for f in found] == ["main.py", "pkg/util.py"]
 
 
 def test_hf_prefix_loads_a_local_dataset_folder_for_real(tmp_path, tok):
