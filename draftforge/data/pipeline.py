@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 
 from draftforge.data.chat import closing_token, tokenize_conversation
 from draftforge.data.packing import StreamPacker, blocks_table, flatten_lists, pack_greedy, pack_stream
-from draftforge.data.sources import check_token_sources, load_sources
+from draftforge.data.sources import check_overlaps, check_token_sources, load_sources
 from draftforge.errors import DataError
 
 log = logging.getLogger("draftforge.data")
@@ -55,6 +55,7 @@ def build_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: int
     vocab_size = vocab_size or len(tokenizer)
     if cfg.format == "tokens":  # ids of another tokenizer would train silently: refuse before reading a row
         check_token_sources(cfg, tokenizer)
+    check_overlaps(cfg)  # a file read twice, or trained on and held out
     docs = load_sources(cfg)
     if cfg.streaming:
         return _build_streaming(docs, cfg, tokenizer, block_size, seed, eos_id, pad_id, vocab_size)

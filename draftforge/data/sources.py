@@ -329,6 +329,31 @@ def load_sources(cfg):
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
+def check_overlaps(cfg) -> None:
+    """DataError for a local file that data.sources reach twice (listed twice, or in a folder or glob and by name:
+    its rows were read twice, and the split could put the copies on both sides) or that data.eval_sources reach as
+    well (trained on and evaluated on), naming the file and the two specs."""
+    def reached(specs) -> dict[Path, str]:
+        seen: dict[Path, str] = {}
+        for spec in specs:
+            if is_hf_name(spec):
+                continue
+            for f in resolve_local_files(spec, cfg.file_glob, quiet=True):
+                real = f.resolve()
+                if real in seen:
+                    raise DataError(f"data.sources reach {f} twice ({seen[real]!r} and {spec!r}): its rows would be "
+                                    "read twice; list each file once")
+                seen[real] = spec
+        return seen
+
+    train = reached(cfg.sources)
+    for real, spec in reached(cfg.eval_sources).items():
+        if real in train:
+            raise DataError(f"{real} is both a training source (through {train[real]!r}) and an eval source "
+                            f"({spec!r}): its rows would be trained on and evaluated on; keep it out of data.sources "
+                            "(a glob or file_glob can leave it out)")
+
+
 def check_token_sources(cfg, tokenizer) -> None:
     """format=tokens recipe sources against the tokenizer it trains with, before any row is read."""
     files, outside = [], []

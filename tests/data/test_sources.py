@@ -148,3 +148,19 @@ def test_recipe_data_config_is_accepted_and_stats_are_json(tmp_path, tok):
     bd = build_block_data(cfg, tok, 8, seed=0)
     assert bd.eval is not None and bd.stats["eval_documents"] == 2
     assert json.loads(json.dumps(bd.stats)) == bd.stats
+
+
+def test_a_file_read_twice_or_both_trained_on_and_held_out_is_refused(tmp_path, tok):
+    # sources: [data] with eval_sources: [data/heldout.jsonl] trained on every eval row (5 of 5 eval blocks were
+    # train blocks too); a folder and a file in it read the file's rows twice, nothing said
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "train.jsonl", [{"text": f"train row {i}"} for i in range(6)])
+    write_jsonl(data / "heldout.jsonl", [{"text": f"held-out row {i}"} for i in range(3)])
+    with pytest.raises(DataError, match=r"heldout.jsonl is both a training source \(through '.*data'\) and an eval"):
+        build_block_data(data_cfg([str(data)], eval_sources=[str(data / "heldout.jsonl")]), tok, 8, seed=0)
+    with pytest.raises(DataError, match=r"data.sources reach .*train.jsonl twice"):
+        build_block_data(data_cfg([str(data), str(data / "train.jsonl")]), tok, 8, seed=0)
+    bd = build_block_data(data_cfg([str(data / "train.jsonl")], eval_sources=[str(data / "heldout.jsonl")]), tok, 8,
+                          seed=0)
+    assert bd.stats["eval_documents"] == 3
