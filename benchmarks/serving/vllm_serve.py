@@ -71,6 +71,14 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    names = [parse_setting(text)[0] for text in args.setting]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # results are keyed kind-K: the second would replace the first's
+        p.error(f"two settings are both {twice[0]}; serve them in two runs (--out each)")
+    # vLLM's worker imports the Mamba proposer as benchmarks.serving.mamba_proposer: the repository root on its path
+    # (run as a script, this file's own folder is on sys.path, not the root)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (root, os.environ.get("PYTHONPATH")) if x)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
 

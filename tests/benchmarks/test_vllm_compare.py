@@ -14,11 +14,79 @@ from benchmarks.serving import vllm_compare
 from benchmarks.serving.vllm_serve import parse_setting
 
 
-def test_no_vllm_environment_is_a_skip_with_its_reason(tmp_path):
+def test_no_vllm_environment_is_a_skip_with_its_reason(tmp_path, monkeypatch, capsys):
     out = tmp_path / "v.json"
-    result = vllm_compare.main(["--target", "t", "--vllm-python", str(tmp_path / "none" / "python"), "--out", str(out)])
+    monkeypatch.setenv("VLLM_PYTHON", str(tmp_path / "none" / "python"))  # the environment's default: a skip
+    result = vllm_compare.main(["--target", "t", "--out", str(out)])
     assert result["skipped"].startswith(f"no vLLM environment at {tmp_path / 'none' / 'python'}")
     assert json.loads(out.read_text()) == result
+    # a --vllm-python the user typed that holds no vLLM is a mistake (exit 2), not a skip a pipeline reads as done
+    with pytest.raises(SystemExit) as e:
+        vllm_compare.main(["--target", "t", "--vllm-python", str(tmp_path / "none" / "python"), "--out", str(out)])
+    assert e.value.code == 2 and "--vllm-python: no vLLM environment at" in capsys.readouterr().err
+    venv = tmp_path / "venv"  # the venv's directory stands for its python
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\necho 0.32.0\n")
+    (venv / "bin" / "python").chmod(0o755)
+    assert vllm_compare.vllm_python(str(venv)) == (str(venv / "bin" / "python"), "0.32.0")
+
+
+def test_vllms_error_lines_keep_the_worker_exception_and_the_reason_line():
+    # vLLM's workers log the root cause to stdout (it was not kept), and a pydantic error gives its reason on the
+    # line after "ValidationError" (it was filtered out)
+    out = "\n".join(["INFO starting", "(Worker pid=1) ERROR ... ValueError: the drafter's tokenizer differs",
+                     "pydantic_core.ValidationError: 1 validation error for SpeculativeConfig",
+                     "  Value error, Target and draft model should have the same vocabulary size.", "INFO a",
+                     "RuntimeError: Engine core initialization failed."])
+    lines = vllm_compare.error_lines(out).splitlines()
+    assert lines[:4] == [out.splitlines()[i] for i in (1, 2, 3, 5)] and lines[-1] == "INFO a"
+
+
+def test_relative_paths_reach_vllm_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "t").mkdir(parents=True)
+    assert vllm_compare.local_path("models/t") == str(tmp_path / "models" / "t")  # vLLM runs from the repo root
+    assert vllm_compare.local_path("org/hub-model") == "org/hub-model"
+
+
+def test_a_drafter_for_another_target_is_refused_before_vllm_runs(random_models, tiny_target):
+    vllm_compare.check_pair(random_models["target"], random_models["mamba_drafter"])  # a pair: no error
+    with pytest.raises(SystemExit, match=r"^error: --drafter .*mamba_drafter does not fit --target .*: "):
+        vllm_compare.check_pair(str(tiny_target), random_models["mamba_drafter"])  # vocabulary 128 vs 512
+
+
+def test_spread_draft_vocab_moves_ids_at_any_size():
+    # leaving out every step-th id past half the vocabulary kept the first N ids: d2t all 0, "spread" in name only
+    from benchmarks.serving.eagle3_init_export import spread_ids
+
+    for vocab, n in ((49152, 8192), (512, 500), (7, 3)):
+        ids = spread_ids(vocab, n)
+        assert len(set(ids)) == n and ids == sorted(ids) and 0 <= ids[0] and ids[-1] < vocab
+        assert sum(i != j for j, i in enumerate(ids)) > 0
+
+
+def test_fp32_outputs_that_differ_from_plain_end_the_run_with_1(tmp_path, monkeypatch, tiny_tokenizer_dir):
+    """The docstring's "every output must equal plain decoding's" was only a column in the table (exit 0)."""
+    import subprocess
+
+    bench = tmp_path / "p.jsonl"
+    bench.write_text('{"input_ids": [1, 5, 9]}\n{"input_ids": [1, 7]}\n')
+    monkeypatch.setattr(vllm_compare, "vllm_python", lambda given: ("python", "0.32.0"))
+
+    def served(cmd, **kwargs):  # vllm_serve.py's JSON: plain, and ngram with one output off
+        out = cmd[cmd.index("--out") + 1]
+        result = {"tokens": [[4, 4], [6, 6]], "tokens_per_s": 1.0}
+        json.dump({"results": {"plain": result, "ngram-3": {**result, "tokens": [[4, 4], [6, 0]]}}}, open(out, "w"))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(vllm_compare.subprocess, "run", served)
+    monkeypatch.setattr(vllm_compare, "harness", lambda *a, **k: {"ar": {"tokens": [[4, 4], [6, 6]],
+                                                                          "tokens_per_s": 1.0}})
+    args = ["--target", str(tiny_tokenizer_dir), "--bench", str(bench), "--out", str(tmp_path / "r.json")]
+    with pytest.raises(SystemExit, match=r"differ from vLLM's plain decoding: vLLM/ngram-3 \(1/2 identical\)"):
+        vllm_compare.main(args)
+    assert json.loads((tmp_path / "r.json").read_text())["engines"]["vLLM/ngram-3"]["identical_to_vllm_plain"] == 1
+    assert vllm_compare.main(args + ["--dtype", "bfloat16"])["dtype"] == "bfloat16"  # bf16: near-ties may differ
 
 
 def test_settings():
@@ -282,3 +350,16 @@ def test_on_vllms_rounds_an_eos_accepted_mid_round_counts_as_vllm_counts(tmp_pat
     assert got["tokens"] == [answer]
     assert got["spec_per_prompt"] == [{"num_drafts": rounds, "num_accepted_tokens": k * rounds,
                                        "accepted_per_pos": [rounds] * k}]
+
+
+def test_vllm_serve_refuses_two_settings_under_one_name(monkeypatch, capsys, tmp_path):
+    # results are keyed kind-K: the second drafter's replaced the first's in the JSON
+    import sys
+
+    from benchmarks.serving import vllm_serve
+
+    monkeypatch.setattr(sys, "argv", ["vllm_serve.py", "--target", "t", "--prompts", "p.json", "--out",
+                                      str(tmp_path / "o.json"), "--setting", "draft:/a:3", "--setting", "draft:/b:3"])
+    with pytest.raises(SystemExit) as e:
+        vllm_serve.main()
+    assert e.value.code == 2 and "two settings are both draft-3" in capsys.readouterr().err
