@@ -50,31 +50,58 @@ def render_with_spans(messages: list[dict], tokenizer) -> tuple[str, list[tuple[
 
     Render once with a unique sentinel per message content: where the sentinels land says
     exactly where each content goes, even if the same words also appear in a role marker
-    or an earlier turn. If the template alters contents (so the sentinel rendering does not
-    rebuild the real one), fall back to searching the contents in turn order.
+    or an earlier turn. A template that trims contents (Llama 3's, Gemma's `| trim`) rebuilds
+    the real rendering from the stripped contents instead. If neither rebuilds it, fall back
+    to searching the contents in turn order, each after its own turn's marker.
     """
     text = render(messages, tokenizer)
     sentinels = [f"\x00DF{i}\x00" for i in range(len(messages))]
     marked = render([{**m, "content": s} for m, s in zip(messages, sentinels)], tokenizer)
+    for contents in ([m["content"] for m in messages], [m["content"].strip() for m in messages]):
+        spans = _rebuild(text, marked, sentinels, messages, contents)
+        if spans is not None:
+            return text, spans
+    return text, _search_spans(text, messages, _markers(marked, sentinels))
+
+
+def _rebuild(text: str, marked: str, sentinels: list[str], messages: list[dict], contents: list[str]):
+    """The assistant spans where `marked` with each sentinel replaced by its content is `text`, else None."""
     pieces, spans, cursor = [], [], 0
-    for message, sentinel in zip(messages, sentinels):
+    for message, sentinel, content in zip(messages, sentinels, contents):
         at = marked.find(sentinel, cursor)
         if at < 0:
-            return text, _search_spans(text, messages)
+            return None
         pieces.append(marked[cursor:at])
         start = sum(map(len, pieces))
-        pieces.append(message["content"])
+        pieces.append(content)
         if message["role"] == "assistant":
-            spans.append((start, start + len(message["content"])))
+            spans.append((start, start + len(content)))
         cursor = at + len(sentinel)
     pieces.append(marked[cursor:])
-    return (text, spans) if "".join(pieces) == text else (text, _search_spans(text, messages))
+    return spans if "".join(pieces) == text else None
 
 
-def _search_spans(text: str, messages: list[dict]) -> list[tuple[int, int]]:
-    """Fallback: find each content (stripped, as templates may trim) in turn order."""
+def _markers(marked: str, sentinels: list[str]) -> list[str] | None:
+    """What the template writes before each message's content (its turn marker), from the sentinel rendering;
+    None where a sentinel is missing (a template that drops a message)."""
+    markers, cursor = [], 0
+    for sentinel in sentinels:
+        at = marked.find(sentinel, cursor)
+        if at < 0:
+            return None
+        markers.append(marked[cursor:at])
+        cursor = at + len(sentinel)
+    return markers
+
+
+def _search_spans(text: str, messages: list[dict], markers: list[str] | None = None) -> list[tuple[int, int]]:
+    """Fallback: find each content (stripped, as templates may trim) in turn order, past its turn's marker where
+    it is known: an answer such as "a" would otherwise be found inside the next marker ("<|start_header_id|>")."""
     spans, cursor = [], 0
-    for message in messages:
+    for i, message in enumerate(messages):
+        marker = markers[i].strip() if markers else ""
+        if marker and (m := text.find(marker, cursor)) >= 0:
+            cursor = m + len(marker)
         content = message["content"].strip()
         at = text.find(content, cursor) if content else -1
         if at < 0:

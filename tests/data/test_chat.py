@@ -142,6 +142,35 @@ def test_templates_that_trim_drop_or_glue_contents(make_tokenizer):
     assert _labelled_text(tok, out).strip() == "return a + b"
 
 
+LLAMA3_LIKE = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' "
+               "+ m['content'] | trim + '<|eot_id|>' }}{% endfor %}")
+
+
+@pytest.mark.parametrize("convo, answers", [
+    ([("user", "Pick a or b.\n"), ("assistant", "a")], ["a"]),  # the user's trailing newline: trimmed
+    ([("user", "Is it true?\n"), ("assistant", "True"), ("user", "Sure?"), ("assistant", "d")], ["True", "d"]),
+    ([("user", " x "), ("assistant", " t ")], ["t"]),
+])
+def test_a_trimming_templates_answers_are_labelled_not_its_markers(make_tokenizer, convo, answers):
+    """A trimming template (Llama 3's, Gemma's) sent every conversation with surrounding whitespace to a search
+    that found a one-letter answer inside the next turn's marker: "<|start_header_id|>" was labelled and the
+    answer was not. The labels are the answers and their <|eot_id|>, by hand."""
+    tok = make_tokenizer(chat_template=LLAMA3_LIKE)
+    tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    out = tokenize_conversation(openai_row(convo)["messages"], tok, max_length=1000)
+    labelled = [tok.decode([t]) for t in out["labels"] if t != IGNORE_INDEX]
+    assert "".join(labelled) == "".join(a + "<|eot_id|>" for a in answers), labelled
+    # the search (a template that changes contents otherwise) is held past each turn's marker too
+    from draftforge.data.chat import _markers, _search_spans, render
+
+    messages = openai_row(convo)["messages"]
+    text = render(messages, tok)
+    sentinels = [f"\x00DF{i}\x00" for i in range(len(messages))]
+    marked = render([{**m, "content": x} for m, x in zip(messages, sentinels)], tok)
+    spans = _search_spans(text, messages, _markers(marked, sentinels))
+    assert [text[a:b] for a, b in spans] == answers
+
+
 def test_a_change_to_the_masking_code_re_tokenizes_cached_conversations(tmp_path, make_tokenizer, monkeypatch):
     """`datasets` caches a tokenizing map by that function's own code and kwargs: a fix to how conversations are
     masked (draftforge/data/chat.py) was silently not applied to data tokenized before it. The chat module's
