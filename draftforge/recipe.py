@@ -33,7 +33,8 @@ class DataConfig:
     sources: list[str] = doc([], "HF dataset names, local .txt/.jsonl/.json/.parquet files, folders or globs")
     format: str = doc("text", "'text': raw documents packed with EOS; 'chat': ShareGPT/OpenAI conversations; "
                       "'tokens': JSONL/JSON/parquet rows {input_ids, prompt_len or loss_mask} used as is "
-                      "(no re-tokenization; e.g. a target's own continuations)")
+                      "(no re-tokenization; e.g. a target's own continuations); a chat or token row longer than "
+                      "train.block_size is cut there (counted)")
     text_field: str = doc("text", "column holding the text when format=text")
     hf_config: str | None = doc(None, "dataset config name for HF datasets")
     split: str = doc("train", "split to read from HF datasets")

@@ -125,8 +125,7 @@ def tokenize_conversation(messages: list[dict], tokenizer, max_length: int, clos
         raise DataError("format=chat needs a fast tokenizer (offset mapping); load it with use_fast=True")
     text, spans = render_with_spans(messages, tokenizer)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = enc["input_ids"][:max_length]
-    offsets = enc["offset_mapping"][:len(input_ids)]
+    input_ids, offsets = enc["input_ids"], enc["offset_mapping"]
     labels = []
     for token_id, (start, end) in zip(input_ids, offsets):
         in_assistant = any(start < s_end and end > s_start for s_start, s_end in spans)
@@ -136,7 +135,8 @@ def tokenize_conversation(messages: list[dict], tokenizer, max_length: int, clos
         for _, s_end in spans:
             for i in _turn_end(input_ids, offsets, text, s_end, closer):
                 labels[i] = input_ids[i]
-    return {"input_ids": input_ids, "labels": labels}
+    lost = sum(t != IGNORE_INDEX for t in labels[max_length:])  # the loss tokens truncation cuts off (reported)
+    return {"input_ids": input_ids[:max_length], "labels": labels[:max_length], "lost_loss_tokens": lost}
 
 
 def closing_token(tokenizer) -> int | None:

@@ -68,7 +68,8 @@ def build_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: int
         train_docs, eval_docs = split_documents(docs, cfg.eval_fraction, seed)
     train, train_stats = _to_blocks(train_docs, cfg, tokenizer, block_size, eos_id, pad_id)
     stats["rows_skipped"] += train_stats.pop("truncated_away")
-    stats.update(train_stats, format=cfg.format, block_size=block_size, eval_documents=0, eval_blocks=0)
+    stats.update(train_stats, format=cfg.format, block_size=block_size, eval_documents=0, eval_blocks=0,
+                 eval_asked=bool(cfg.eval_fraction > 0 or cfg.eval_sources))
     eval_ds = None
     if eval_docs is not None:
         eval_ds, eval_stats = _to_blocks(eval_docs, cfg, tokenizer, block_size, eos_id, pad_id)
@@ -105,7 +106,13 @@ def describe(bd: BlockData) -> str:
             f"({s['loss_tokens']:,} with loss, padding {s['padding_fraction']:.2%}) from {s['documents']:,} "
             f"{'token rows' if s['format'] == 'tokens' else s['format'] + ' documents'}; "
             f"{s['rows_skipped']:,}/{s['rows_read']:,} rows skipped; "
-            f"eval: {s['eval_blocks']:,} blocks from {s['eval_documents']:,} documents")
+            + (f"{s['rows_cut']:,} rows cut at the block size ({s['loss_tokens_cut']:,} loss tokens lost); "
+               if s.get("rows_cut") else "")
+            + f"eval: {s['eval_blocks']:,} blocks from {s['eval_documents']:,} documents")
+    if s.get("eval_asked") and not s["eval_blocks"]:  # trained without eval, nothing said
+        line += ("\nwarning: no held-out blocks: the recipe asks for held-out data (data.eval_fraction or "
+                 "data.eval_sources) but none came out of it (a single document holds nothing out; held-out rows "
+                 "longer than train.block_size lose their loss tokens), so this run is not evaluated")
     if s["padding_fraction"] > MOSTLY_PADDING:  # a block size far above the data's: compute spent on padding
         line += (f"\nwarning: {s['padding_fraction']:.0%} of every training block is padding ({s['tokens']:,} tokens "
                  f"in {s['blocks']:,} blocks of {bd.block_size}); lower train.block_size or add data")
@@ -195,7 +202,8 @@ def _out_of_vocab(where: str, token: int, vocab_size: int):
 
 def _truncate_tokens(batch, block_size):
     return {"input_ids": [ids[:block_size] for ids in batch["input_ids"]],
-            "labels": [labels[:block_size] for labels in batch["labels"]]}
+            "labels": [labels[:block_size] for labels in batch["labels"]],
+            "lost_loss_tokens": [sum(t != -100 for t in labels[block_size:]) for labels in batch["labels"]]}
 
 
 def _tokenize_text(batch, tokenizer, eos_id):
@@ -219,7 +227,8 @@ _CHAT_CODE = _chat_code_hash()
 def _tokenize_chat(batch, tokenizer, block_size, masking=None):  # masking: _CHAT_CODE, for the cache key only
     closer = closing_token(tokenizer)  # once per batch: it renders a probe conversation
     out = [tokenize_conversation(m, tokenizer, block_size, closer) for m in batch["messages"]]
-    return {"input_ids": [o["input_ids"] for o in out], "labels": [o["labels"] for o in out]}
+    return {"input_ids": [o["input_ids"] for o in out], "labels": [o["labels"] for o in out],
+            "lost_loss_tokens": [o["lost_loss_tokens"] for o in out]}
 
 
 def _tokenize(docs, cfg, tokenizer, block_size: int, eos_id: int):
@@ -250,7 +259,7 @@ def own_labels(labels: list[int]) -> list[int]:
 
 def _to_blocks(docs, cfg, tokenizer, block_size: int, eos_id: int, pad_id: int):
     tokenized = _tokenize(docs, cfg, tokenizer, block_size, eos_id)  # map output has no indices mapping
-    truncated_away = 0
+    truncated_away, cut, lost = 0, 0, 0
     if cfg.format == "text":
         tokens_N = flatten_lists(tokenized.data.column("input_ids"))
         input_ids_BS, labels_BS = pack_stream(tokens_N, tokens_N, block_size, pad_id)
@@ -258,9 +267,15 @@ def _to_blocks(docs, cfg, tokenizer, block_size: int, eos_id: int, pad_id: int):
         input_ids, labels = tokenized["input_ids"], [own_labels(lab) for lab in tokenized["labels"]]
         keep = [i for i, lab in enumerate(labels) if any(t != -100 for t in lab)]
         truncated_away = len(labels) - len(keep)
+        rows = "conversations" if cfg.format == "chat" else "token rows"
         if truncated_away:
-            log.warning("skipped %d conversations whose assistant tokens were all truncated away "
-                        "(block size %d)", truncated_away, block_size)
+            log.warning("skipped %d %s whose loss tokens were all truncated away (block size %d)", truncated_away,
+                        rows, block_size)
+        lost_per_row = tokenized["lost_loss_tokens"]  # a row longer than the block keeps its first block_size tokens
+        cut, lost = sum(n > 0 for n in lost_per_row), int(sum(lost_per_row))
+        if cut:
+            log.warning("%d %s are longer than block size %d: cut there, %d of their loss tokens lost (raise "
+                        "train.block_size to keep them)", cut, rows, block_size, lost)
         input_ids_BS, labels_BS = pack_greedy([input_ids[i] for i in keep], [labels[i] for i in keep],
                                               block_size, pad_id)
     n_tokens = len(tokens_N) if cfg.format == "text" else int(sum(len(input_ids[i]) for i in keep))
@@ -268,7 +283,7 @@ def _to_blocks(docs, cfg, tokenizer, block_size: int, eos_id: int, pad_id: int):
     stats = {"documents": len(docs) - truncated_away, "tokens": n_tokens,
              "loss_tokens": int((labels_BS != -100).sum()), "blocks": int(input_ids_BS.shape[0]),
              "padding_fraction": (n_slots - n_tokens) / n_slots if n_slots else 0.0,
-             "truncated_away": truncated_away}
+             "truncated_away": truncated_away, "rows_cut": cut, "loss_tokens_cut": lost}
     return datasets.Dataset(blocks_table(input_ids_BS, labels_BS)), stats
 
 

@@ -305,6 +305,11 @@ class Trainer:
         """A train.keep_best metric the eval does not log was refused only at the first eval, eval_every steps (minutes
         or hours) in: one held-out micro-batch names the eval's metrics before the first step. Every process runs it
         (the eval reduces across them) with the RNG forked, so the run's steps are what they would have been."""
+        if self.best.metric is not None and self.spec.eval_data is None:  # the recipe asked for held-out data
+            # (recipe.py checks that), and none came out of it: the last step's weights would be exported silently
+            raise DraftforgeError(f"train.keep_best: {self.best.metric} needs held-out data, and the held-out set "
+                                  "came out empty (a source of one document holds nothing out; held-out rows longer "
+                                  "than train.block_size lose their loss tokens); add documents or data.eval_sources")
         if self.best.metric in (None, "loss") or self.spec.eval_data is None:
             return
         devices = [self.acc.device] if torch.device(self.acc.device).type == "cuda" else []

@@ -186,7 +186,7 @@ def test_a_change_to_the_masking_code_re_tokenizes_cached_conversations(tmp_path
 
     def every_token(messages, tokenizer, max_length, closer=None):
         ids = tokenizer(render(messages, tokenizer), add_special_tokens=False)["input_ids"][:max_length]
-        return {"input_ids": ids, "labels": list(ids)}
+        return {"input_ids": ids, "labels": list(ids), "lost_loss_tokens": 0}
 
     monkeypatch.setattr(pipeline, "tokenize_conversation", every_token)
     monkeypatch.setattr(pipeline, "_CHAT_CODE", "an-edited-chat-module", raising=False)

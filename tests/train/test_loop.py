@@ -309,6 +309,21 @@ def test_keep_best_without_held_out_data_is_refused(tmp_path, tiny_corpus_dir, t
         recipe_from_dict(values)
 
 
+def test_keep_best_with_a_held_out_set_that_comes_out_empty_is_refused_and_said(tmp_path, tiny_tokenizer_dir, capsys):
+    # one document holds nothing out: the run trained without eval and exported the last step's weights, which
+    # train.keep_best exists to prevent; without keep_best the data line now says it is not evaluated
+    one = tmp_path / "one.txt"
+    one.write_text("def add(a, b):\n    return a + b\n" * 40)
+    values = tiny_recipe(tmp_path, one, tiny_tokenizer_dir, keep_best="loss", max_steps=2)
+    with pytest.raises(DraftforgeError, match="train.keep_best: loss needs held-out data, and the held-out set came "
+                                              "out empty"):
+        run(recipe_from_dict(values))
+    assert not (tmp_path / "run").exists()
+    values = tiny_recipe(tmp_path, one, tiny_tokenizer_dir, max_steps=1, save_every=0, eval_every=0)
+    run(recipe_from_dict(values))
+    assert "warning: no held-out blocks: the recipe asks for held-out data" in capsys.readouterr().out
+
+
 def test_block_size_beyond_model_context_fails_before_training(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir,
                                                                 monkeypatch):
     values = tiny_recipe(tmp_path, tiny_corpus_dir, tiny_tokenizer_dir, block_size=64)
