@@ -227,15 +227,28 @@ def iter_located_rows(path: Path):
             raise DataError(f"{path}: a .json source must hold a list of row objects (use .jsonl for one per line)")
         yield from ((f"{path} row {i}", row) for i, row in enumerate(rows))
     elif suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         index = 0
-        for batch in pq.ParquetFile(path).iter_batches():
+        for batch in parquet_file(path).iter_batches():
             for row in batch.to_pylist():
                 yield f"{path} row {index}", row
                 index += 1
     else:
         yield str(path), {"text": path.read_text(encoding="utf-8", errors="replace")}
+
+
+def parquet_file(path: Path):
+    """pyarrow's ParquetFile, or DataError naming the file (pyarrow's own error names none: in a folder of shards
+    the broken one was not said), a git-lfs pointer said as one."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        with open(path, "rb") as f:
+            lfs = f.read(40).startswith(b"version https://git-lfs")
+        hint = "a git-lfs pointer, not the data: run `git lfs pull` in its repository" if lfs else str(e)
+        raise DataError(f"{path}: not a readable Parquet file ({hint})") from None
 
 
 def _generate_rows(files, fmt, text_field, signature):
@@ -259,9 +272,7 @@ def _count_rows(path: Path, fmt: str) -> int:
         return sum(1 for where, row in iter_located_rows(path)
                    if normalize_tokens(row if isinstance(row, dict) else {}, where) is not None)
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows
+        return parquet_file(path).metadata.num_rows
     if suffix in (".jsonl", ".json"):
         return sum(1 for _ in iter_file_rows(path))
     return 1

@@ -178,3 +178,15 @@ def test_rows_cut_at_the_block_size_are_counted_with_the_loss_tokens_they_lose(t
     bd = build_block_data(data_cfg([src], format="tokens"), tok, 6, seed=0)
     assert (bd.stats["rows_cut"], bd.stats["loss_tokens_cut"], bd.stats["rows_skipped"]) == (2, 5, 1)
     assert "2 rows cut at the block size (5 loss tokens lost)" in describe(bd)
+
+
+def test_a_broken_parquet_file_or_an_lfs_pointer_is_named(tmp_path, tok):
+    # pyarrow's "Parquet magic bytes not found in footer" named no file: in a folder of shards, which one?
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"text": ["hello world", "tiny corpus"]}), good)
+    (tmp_path / "cut.parquet").write_bytes(good.read_bytes()[:40])
+    with pytest.raises(DataError, match=r"cut.parquet: not a readable Parquet file \("):
+        build_block_data(data_cfg([str(tmp_path / "cut.parquet")]), tok, 8, seed=0)
+    (tmp_path / "lfs.parquet").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 9\n")
+    with pytest.raises(DataError, match="lfs.parquet: not a readable Parquet file \\(a git-lfs pointer"):
+        build_block_data(data_cfg([str(tmp_path / "lfs.parquet")]), tok, 8, seed=0)
