@@ -251,9 +251,20 @@ def parquet_file(path: Path):
         raise DataError(f"{path}: not a readable Parquet file ({hint})") from None
 
 
+def _reader_code_hash() -> str:
+    """This module's and textcheck's source, hashed: part of the rows cache's key (see load_local)."""
+    import hashlib
+    import inspect
+
+    from draftforge.data import textcheck
+
+    here = inspect.getsource(inspect.getmodule(_reader_code_hash))
+    return hashlib.sha256((here + inspect.getsource(textcheck)).encode()).hexdigest()[:16]
+
+
 def _generate_rows(files, fmt, text_field, signature):
-    # `signature` (size, mtime per file) is unused here; it is part of gen_kwargs so the
-    # datasets cache fingerprint changes whenever a file changes.
+    # `signature` (size, mtime, ctime per file, the reading code's hash) is unused here; it is part of gen_kwargs so
+    # the datasets cache fingerprint changes whenever a file or the code that reads it changes.
     del signature
     for name in files:
         for where, row in iter_located_rows(Path(name)):
@@ -301,7 +312,11 @@ def load_local(files: list[Path], fmt: str, text_field: str) -> datasets.Dataset
     # here, not from deep inside the datasets builder (which also rejects zero rows).
     if sum(_count_rows(f, fmt) for f in files) == 0:
         raise DataError(f"data files {[str(f) for f in files][:3]} have no rows; check the paths or the files")
-    signature = [(os.path.getsize(n), os.stat(n).st_mtime_ns) for n in names]
+    # the cache key: each file's size, mtime and ctime (a same-size rewrite given back its old mtime, as cp -p and
+    # rsync -t do, still changes ctime) and the code that reads rows (an upgrade that normalises rows otherwise
+    # served the old rows from the datasets cache)
+    # (a tuple: datasets shards a generator over its list arguments, and `files` is the one list)
+    signature = (*((os.path.getsize(n), os.stat(n).st_mtime_ns, os.stat(n).st_ctime_ns) for n in names), _READER_CODE)
     with no_datasets_bars():
         return datasets.Dataset.from_generator(
             _generate_rows, features=features_for(fmt),
@@ -374,3 +389,6 @@ def check_token_sources(cfg, tokenizer) -> None:
         else:
             files += resolve_local_files(spec, cfg.file_glob, quiet=True)  # load_sources gives the notice
     check_row_files(files, tokenizer, TRAIN_FIX, outside)
+
+
+_READER_CODE = _reader_code_hash()

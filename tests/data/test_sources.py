@@ -190,3 +190,18 @@ def test_a_broken_parquet_file_or_an_lfs_pointer_is_named(tmp_path, tok):
     (tmp_path / "lfs.parquet").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 9\n")
     with pytest.raises(DataError, match="lfs.parquet: not a readable Parquet file \\(a git-lfs pointer"):
         build_block_data(data_cfg([str(tmp_path / "lfs.parquet")]), tok, 8, seed=0)
+
+
+def test_a_same_size_rewrite_given_back_its_mtime_is_read_again(tmp_path, tok):
+    # cp -p / rsync -t of a same-length file: size and mtime (the cache key) unchanged, the old rows were served
+    import os
+
+    src = tmp_path / "d.jsonl"
+    write_jsonl(src, [{"text": "alpha beta"}])
+    first = packed_tokens(build_block_data(data_cfg([str(src)]), tok, 8, seed=0).train)
+    stat = os.stat(src)
+    write_jsonl(src, [{"text": "gamma zeta"}])
+    os.utime(src, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.path.getsize(src) == stat.st_size
+    again = packed_tokens(build_block_data(data_cfg([str(src)]), tok, 8, seed=0).train)
+    assert again == token_stream(tok, ["gamma zeta"]) != first
