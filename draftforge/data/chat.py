@@ -123,7 +123,15 @@ def tokenize_conversation(messages: list[dict], tokenizer, max_length: int, clos
     turn-closing token id (`closing_token`), found here unless a caller of many conversations found it once."""
     if not getattr(tokenizer, "is_fast", False):
         raise DataError("format=chat needs a fast tokenizer (offset mapping); load it with use_fast=True")
-    text, spans = render_with_spans(messages, tokenizer)
+    try:
+        text, spans = render_with_spans(messages, tokenizer)
+    except Exception as e:  # a template's raise_exception ("System role not supported", roles must alternate)
+        from jinja2 import TemplateError
+
+        if not isinstance(e, TemplateError):
+            raise
+        # the row is skipped and counted by its reason (one row ended the run with jinja's traceback)
+        return {"input_ids": [], "labels": [], "lost_loss_tokens": 0, "refused": str(e).split("\n")[0] or "?"}
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids, offsets = enc["input_ids"], enc["offset_mapping"]
     labels = []
@@ -136,7 +144,7 @@ def tokenize_conversation(messages: list[dict], tokenizer, max_length: int, clos
             for i in _turn_end(input_ids, offsets, text, s_end, closer):
                 labels[i] = input_ids[i]
     lost = sum(t != IGNORE_INDEX for t in labels[max_length:])  # the loss tokens truncation cuts off (reported)
-    return {"input_ids": input_ids[:max_length], "labels": labels[:max_length], "lost_loss_tokens": lost}
+    return {"input_ids": input_ids[:max_length], "labels": labels[:max_length], "lost_loss_tokens": lost, "refused": ""}
 
 
 def closing_token(tokenizer) -> int | None:

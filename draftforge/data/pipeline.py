@@ -68,12 +68,15 @@ def build_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: int
         train_docs, eval_docs = split_documents(docs, cfg.eval_fraction, seed)
     train, train_stats = _to_blocks(train_docs, cfg, tokenizer, block_size, eos_id, pad_id)
     stats["rows_skipped"] += train_stats.pop("truncated_away")
+    refused = train_stats.pop("refused")
+    stats["rows_skipped"] += sum(refused.values())
+    stats["skip_reasons"] = {**stats.get("skip_reasons", {}), **refused}
     stats.update(train_stats, format=cfg.format, block_size=block_size, eval_documents=0, eval_blocks=0,
                  eval_asked=bool(cfg.eval_fraction > 0 or cfg.eval_sources))
     eval_ds = None
     if eval_docs is not None:
         eval_ds, eval_stats = _to_blocks(eval_docs, cfg, tokenizer, block_size, eos_id, pad_id)
-        stats["rows_skipped"] += eval_stats["truncated_away"]
+        stats["rows_skipped"] += eval_stats["truncated_away"] + sum(eval_stats["refused"].values())
         stats.update(eval_documents=eval_stats["documents"], eval_blocks=eval_stats["blocks"])
         if len(eval_ds) == 0:
             eval_ds = None
@@ -228,7 +231,7 @@ def _tokenize_chat(batch, tokenizer, block_size, masking=None):  # masking: _CHA
     closer = closing_token(tokenizer)  # once per batch: it renders a probe conversation
     out = [tokenize_conversation(m, tokenizer, block_size, closer) for m in batch["messages"]]
     return {"input_ids": [o["input_ids"] for o in out], "labels": [o["labels"] for o in out],
-            "lost_loss_tokens": [o["lost_loss_tokens"] for o in out]}
+            "lost_loss_tokens": [o["lost_loss_tokens"] for o in out], "refused": [o["refused"] for o in out]}
 
 
 def _tokenize(docs, cfg, tokenizer, block_size: int, eos_id: int):
@@ -265,8 +268,12 @@ def _to_blocks(docs, cfg, tokenizer, block_size: int, eos_id: int, pad_id: int):
         input_ids_BS, labels_BS = pack_stream(tokens_N, tokens_N, block_size, pad_id)
     else:
         input_ids, labels = tokenized["input_ids"], [own_labels(lab) for lab in tokenized["labels"]]
+        refused = Counter(r for r in (tokenized["refused"] if cfg.format == "chat" else []) if r)
+        if refused:  # rows the chat template raised on: skipped, by reason
+            log.warning("skipped %d conversations the chat template refused: %s", sum(refused.values()),
+                        ", ".join(f"{n} x {r}" for r, n in refused.most_common()))
         keep = [i for i, lab in enumerate(labels) if any(t != -100 for t in lab)]
-        truncated_away = len(labels) - len(keep)
+        truncated_away = len(labels) - len(keep) - sum(refused.values())
         rows = "conversations" if cfg.format == "chat" else "token rows"
         if truncated_away:
             log.warning("skipped %d %s whose loss tokens were all truncated away (block size %d)", truncated_away,
@@ -280,10 +287,12 @@ def _to_blocks(docs, cfg, tokenizer, block_size: int, eos_id: int, pad_id: int):
                                               block_size, pad_id)
     n_tokens = len(tokens_N) if cfg.format == "text" else int(sum(len(input_ids[i]) for i in keep))
     n_slots = input_ids_BS.size
-    stats = {"documents": len(docs) - truncated_away, "tokens": n_tokens,
+    refused = refused if cfg.format == "chat" else Counter()
+    stats = {"documents": len(docs) - truncated_away - sum(refused.values()), "tokens": n_tokens,
              "loss_tokens": int((labels_BS != -100).sum()), "blocks": int(input_ids_BS.shape[0]),
              "padding_fraction": (n_slots - n_tokens) / n_slots if n_slots else 0.0,
-             "truncated_away": truncated_away, "rows_cut": cut, "loss_tokens_cut": lost}
+             "truncated_away": truncated_away, "rows_cut": cut, "loss_tokens_cut": lost,
+             "refused": {f"chat template refused: {r}": n for r, n in refused.items()}}
     return datasets.Dataset(blocks_table(input_ids_BS, labels_BS)), stats
 
 

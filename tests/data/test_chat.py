@@ -171,6 +171,25 @@ def test_a_trimming_templates_answers_are_labelled_not_its_markers(make_tokenize
     assert [text[a:b] for a, b in spans] == answers
 
 
+NO_SYSTEM_ROLE = (  # Gemma's way: a system message raises
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}{{ '[' + m['role'] + ']\n' + m['content'] + '\n' }}{% endfor %}"
+)
+
+
+def test_a_conversation_the_chat_template_refuses_is_skipped_and_counted(tmp_path, make_tokenizer):
+    # one system-led row ended the whole run with jinja's TemplateError traceback, naming no row
+    from draftforge.data import describe
+
+    tok = make_tokenizer(chat_template=NO_SYSTEM_ROLE)
+    rows = [openai_row([("user", f"hi {i}"), ("assistant", f"return {i}")]) for i in range(3)]
+    rows.insert(1, openai_row([("system", "be brief"), ("user", "hi"), ("assistant", "ok")]))
+    bd = build_block_data(data_cfg([write_jsonl(tmp_path / "c.jsonl", rows)], format="chat"), tok, 64, seed=0)
+    assert bd.stats["documents"] == 3 and bd.stats["rows_skipped"] == 1
+    assert bd.stats["skip_reasons"] == {"chat template refused: System role not supported": 1}
+    assert "1/4 rows skipped" in describe(bd)
+
+
 def test_a_change_to_the_masking_code_re_tokenizes_cached_conversations(tmp_path, make_tokenizer, monkeypatch):
     """`datasets` caches a tokenizing map by that function's own code and kwargs: a fix to how conversations are
     masked (draftforge/data/chat.py) was silently not applied to data tokenized before it. The chat module's
@@ -186,7 +205,7 @@ def test_a_change_to_the_masking_code_re_tokenizes_cached_conversations(tmp_path
 
     def every_token(messages, tokenizer, max_length, closer=None):
         ids = tokenizer(render(messages, tokenizer), add_special_tokens=False)["input_ids"][:max_length]
-        return {"input_ids": ids, "labels": list(ids), "lost_loss_tokens": 0}
+        return {"input_ids": ids, "labels": list(ids), "lost_loss_tokens": 0, "refused": ""}
 
     monkeypatch.setattr(pipeline, "tokenize_conversation", every_token)
     monkeypatch.setattr(pipeline, "_CHAT_CODE", "an-edited-chat-module", raising=False)
