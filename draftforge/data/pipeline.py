@@ -62,8 +62,9 @@ def build_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: int
     if cfg.format == "tokens":  # before _usable_rows: its select() would hide the row index behind a mapping
         _check_vocab(docs, vocab_size)
     docs, stats = _usable_rows(docs, cfg)
+    eval_read = None  # eval_sources' own rows, counted apart (they are not among rows_read)
     if cfg.eval_sources:
-        train_docs, eval_docs = docs, _eval_source_docs(cfg, tokenizer, vocab_size)
+        train_docs, (eval_docs, eval_read) = docs, _eval_source_docs(cfg, tokenizer, vocab_size)
     else:
         train_docs, eval_docs = split_documents(docs, cfg.eval_fraction, seed)
     train, train_stats = _to_blocks(train_docs, cfg, tokenizer, block_size, eos_id, pad_id)
@@ -76,7 +77,11 @@ def build_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: int
     eval_ds = None
     if eval_docs is not None:
         eval_ds, eval_stats = _to_blocks(eval_docs, cfg, tokenizer, block_size, eos_id, pad_id)
-        stats["rows_skipped"] += eval_stats["truncated_away"] + sum(eval_stats["refused"].values())
+        skipped = eval_stats["truncated_away"] + sum(eval_stats["refused"].values())
+        if eval_read is None:  # held out of the rows read
+            stats["rows_skipped"] += skipped
+        else:
+            stats.update(eval_rows_read=eval_read["rows_read"], eval_rows_skipped=eval_read["rows_skipped"] + skipped)
         stats.update(eval_documents=eval_stats["documents"], eval_blocks=eval_stats["blocks"])
         if len(eval_ds) == 0:
             eval_ds = None
@@ -86,15 +91,16 @@ def build_block_data(cfg, tokenizer, block_size: int, seed: int, vocab_size: int
     return BlockData(train=train, eval=eval_ds, stats=stats, block_size=block_size)
 
 
-def _eval_source_docs(cfg, tokenizer, vocab_size: int) -> datasets.Dataset:
-    """The usable rows of `cfg.eval_sources`, read and checked as `cfg.sources` are (max_documents not applied)."""
+def _eval_source_docs(cfg, tokenizer, vocab_size: int) -> tuple[datasets.Dataset, dict]:
+    """The usable rows of `cfg.eval_sources`, read and checked as `cfg.sources` are (max_documents not applied),
+    and their counts (rows_read, rows_skipped, skip_reasons)."""
     eval_cfg = dataclasses.replace(cfg, sources=list(cfg.eval_sources), eval_sources=[], max_documents=None)
     if eval_cfg.format == "tokens":
         check_token_sources(eval_cfg, tokenizer)
     docs = load_sources(eval_cfg)
     if eval_cfg.format == "tokens":
         _check_vocab(docs, vocab_size)
-    return _usable_rows(docs, eval_cfg)[0]
+    return _usable_rows(docs, eval_cfg)
 
 
 MOSTLY_PADDING = 0.5  # describe() warns above this padding fraction
@@ -109,9 +115,12 @@ def describe(bd: BlockData) -> str:
             f"({s['loss_tokens']:,} with loss, padding {s['padding_fraction']:.2%}) from {s['documents']:,} "
             f"{'token rows' if s['format'] == 'tokens' else s['format'] + ' documents'}; "
             f"{s['rows_skipped']:,}/{s['rows_read']:,} rows skipped; "
+            + (f"{s['rows_unused']:,} rows past data.max_documents not used; " if s.get("rows_unused") else "")
             + (f"{s['rows_cut']:,} rows cut at the block size ({s['loss_tokens_cut']:,} loss tokens lost); "
                if s.get("rows_cut") else "")
-            + f"eval: {s['eval_blocks']:,} blocks from {s['eval_documents']:,} documents")
+            + f"eval: {s['eval_blocks']:,} blocks from {s['eval_documents']:,} documents"
+            + (f" ({s['eval_rows_skipped']:,}/{s['eval_rows_read']:,} eval rows skipped)"
+               if s.get("eval_rows_skipped") else ""))
     if s.get("eval_asked") and not s["eval_blocks"]:  # trained without eval, nothing said
         line += ("\nwarning: no held-out blocks: the recipe asks for held-out data (data.eval_fraction or "
                  "data.eval_sources) but none came out of it (a single document holds nothing out; held-out rows "
@@ -163,9 +172,11 @@ def _usable_rows(docs: datasets.Dataset, cfg):
                         f"{_no_rows_hint(cfg, reasons)}")
     if reasons:
         log.warning("skipped %d of %d data rows: %s", len(docs) - len(good_idx), len(docs), summary)
+    usable = len(good_idx)
     if cfg.max_documents is not None:
         good_idx = good_idx[: cfg.max_documents]
-    stats = {"rows_read": len(docs), "rows_skipped": sum(reasons.values()), "skip_reasons": dict(reasons)}
+    stats = {"rows_read": len(docs), "rows_skipped": sum(reasons.values()), "skip_reasons": dict(reasons),
+             "rows_unused": usable - len(good_idx)}  # past data.max_documents
     return docs.select(good_idx), stats
 
 

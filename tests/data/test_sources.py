@@ -205,3 +205,18 @@ def test_a_same_size_rewrite_given_back_its_mtime_is_read_again(tmp_path, tok):
     assert os.path.getsize(src) == stat.st_size
     again = packed_tokens(build_block_data(data_cfg([str(src)]), tok, 8, seed=0).train)
     assert again == token_stream(tok, ["gamma zeta"]) != first
+
+
+def test_the_data_line_counts_eval_sources_apart_and_rows_past_max_documents(tmp_path, tok):
+    # an eval_sources row cut away was counted as a skipped training row ("5/20 rows skipped" when all 20 trained),
+    # and rows past max_documents went unsaid
+    from draftforge.data import describe
+
+    train = write_jsonl(tmp_path / "train.jsonl", [{"input_ids": [3, 4, 5, 6], "prompt_len": 1}] * 6)
+    held = write_jsonl(tmp_path / "held.jsonl", [{"input_ids": [3, 4, 5, 6], "prompt_len": 1},
+                                                 {"input_ids": list(range(3, 20)), "prompt_len": 12}])
+    bd = build_block_data(data_cfg([train], format="tokens", eval_sources=[str(held)], max_documents=4), tok, 8,
+                          seed=0)
+    line = describe(bd)
+    assert "0/6 rows skipped; 2 rows past data.max_documents not used;" in line
+    assert "eval: 1 blocks from 1 documents (1/2 eval rows skipped)" in line
