@@ -26,6 +26,7 @@ import gzip
 import itertools
 import json
 import os
+import re
 from pathlib import Path
 
 import datasets
@@ -141,6 +142,23 @@ def is_hf_name(spec: str) -> bool:
     return not looks_like_path and not (slash and Path(org).expanduser().is_dir())
 
 
+def hub_dataset_card(folder: Path) -> str | None:
+    """What marks `folder` as a Hugging Face dataset repository (a README.md whose YAML header maps configs or
+    dataset_info, or a dataset_infos.json), else None."""
+    if (folder / "dataset_infos.json").is_file():
+        return "dataset_infos.json"
+    readme = folder / "README.md"
+    if not readme.is_file():
+        return None
+    with open(readme, encoding="utf-8", errors="replace") as f:
+        head = f.read(65536)
+    if not head.startswith("---"):
+        return None
+    header = head[3:].split("\n---", 1)[0]
+    keys = [k for k in ("configs", "dataset_info") if re.search(rf"^{k}:", header, re.M)]
+    return f"README.md's header maps {' and '.join(keys)}" if keys else None
+
+
 def resolve_local_files(spec: str, file_glob: str, quiet: bool = False) -> list[Path]:
     """A file, a folder (files matching `file_glob`, sorted) or a glob (sorted); only text files (and .parquet):
     a file source that is not text is refused, a folder or glob skips them with a notice (none if `quiet`)."""
@@ -158,6 +176,10 @@ def resolve_local_files(spec: str, file_glob: str, quiet: bool = False) -> list[
     if path.is_file():
         check_text_file(path)
         return [path]
+    card = hub_dataset_card(path)
+    if card:  # read as files, every split and the dataset card itself were trained on
+        raise DataError(f"data folder {spec!r} is laid out as a Hugging Face dataset ({card}); read as files it would "
+                        f"train on every split and on its README: give it as 'hf:{spec}' (data.split picks the split)")
     # nothing under a hidden folder (.git, .venv, .ipynb_checkpoints, ...), as a glob source skips them: a checked-out
     # repository's .git/HEAD, config and hooks were trained on as documents
     files = sorted(p for p in path.glob(file_glob) if p.is_file() and not is_sidecar(p)

@@ -220,3 +220,20 @@ def test_the_data_line_counts_eval_sources_apart_and_rows_past_max_documents(tmp
     line = describe(bd)
     assert "0/6 rows skipped; 2 rows past data.max_documents not used;" in line
     assert "eval: 1 blocks from 1 documents (1/2 eval rows skipped)" in line
+
+
+def test_a_folder_laid_out_as_a_hub_dataset_asks_for_hf(tmp_path, tok):
+    # read as files, its test split and its dataset card were trained on (4 of 4 test rows); hf: reads the split
+    ds = tmp_path / "clone"
+    (ds / "data").mkdir(parents=True)
+    (ds / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: "
+                                  "data/train-*\n  - split: test\n    path: data/test-*\n---\n# My dataset\n")
+    pq.write_table(pa.table({"text": ["train row one", "train row two"]}), ds / "data" / "train-00000-of-00001.parquet")
+    pq.write_table(pa.table({"text": ["test row"]}), ds / "data" / "test-00000-of-00001.parquet")
+    with pytest.raises(DataError, match=r"laid out as a Hugging Face dataset \(README.md's header maps configs\).*"
+                                        r"give it as 'hf:"):
+        build_block_data(data_cfg([str(ds)]), tok, 8, seed=0)
+    bd = build_block_data(data_cfg([f"hf:{ds}"]), tok, 8, seed=0)
+    assert packed_tokens(bd.train) == token_stream(tok, ["train row one", "train row two"])
+    (ds / "README.md").write_text("# notes\nconfigs: not a header\n")  # a plain README: a folder of files
+    assert len(sources.resolve_local_files(str(ds), "**/*", quiet=True)) == 3
