@@ -273,13 +273,14 @@ def own_labels(labels: list[int]) -> list[int]:
 
 def _to_blocks(docs, cfg, tokenizer, block_size: int, eos_id: int, pad_id: int):
     tokenized = _tokenize(docs, cfg, tokenizer, block_size, eos_id)  # map output has no indices mapping
-    truncated_away, cut, lost = 0, 0, 0
+    truncated_away, cut, lost, refused = 0, 0, 0, Counter()
     if cfg.format == "text":
         tokens_N = flatten_lists(tokenized.data.column("input_ids"))
         input_ids_BS, labels_BS = pack_stream(tokens_N, tokens_N, block_size, pad_id)
     else:
         input_ids, labels = tokenized["input_ids"], [own_labels(lab) for lab in tokenized["labels"]]
-        refused = Counter(r for r in (tokenized["refused"] if cfg.format == "chat" else []) if r)
+        if cfg.format == "chat":
+            refused = Counter(r for r in tokenized["refused"] if r)
         if refused:  # rows the chat template raised on: skipped, by reason
             log.warning("skipped %d conversations the chat template refused: %s", sum(refused.values()),
                         ", ".join(f"{n} x {r}" for r, n in refused.most_common()))
@@ -298,7 +299,6 @@ def _to_blocks(docs, cfg, tokenizer, block_size: int, eos_id: int, pad_id: int):
                                               block_size, pad_id)
     n_tokens = len(tokens_N) if cfg.format == "text" else int(sum(len(input_ids[i]) for i in keep))
     n_slots = input_ids_BS.size
-    refused = refused if cfg.format == "chat" else Counter()
     stats = {"documents": len(docs) - truncated_away - sum(refused.values()), "tokens": n_tokens,
              "loss_tokens": int((labels_BS != -100).sum()), "blocks": int(input_ids_BS.shape[0]),
              "padding_fraction": (n_slots - n_tokens) / n_slots if n_slots else 0.0,

@@ -381,7 +381,7 @@ def check_overlaps(cfg) -> None:
     """DataError for a local file that data.sources reach twice (listed twice, or in a folder or glob and by name:
     its rows were read twice, and the split could put the copies on both sides) or that data.eval_sources reach as
     well (trained on and evaluated on), naming the file and the two specs."""
-    def reached(specs) -> dict[Path, str]:
+    def reached(specs, key: str) -> dict[Path, str]:
         seen: dict[Path, str] = {}
         for spec in specs:
             if is_hf_name(spec):
@@ -389,13 +389,13 @@ def check_overlaps(cfg) -> None:
             for f in resolve_local_files(spec, cfg.file_glob, quiet=True):
                 real = f.resolve()
                 if real in seen:
-                    raise DataError(f"data.sources reach {f} twice ({seen[real]!r} and {spec!r}): its rows would be "
-                                    "read twice; list each file once")
+                    raise DataError(f"{key} reach {f} twice ({seen[real]!r} and {spec!r}): its rows would be read "
+                                    "twice; list each file once")
                 seen[real] = spec
         return seen
 
-    train = reached(cfg.sources)
-    for real, spec in reached(cfg.eval_sources).items():
+    train = reached(cfg.sources, "data.sources")
+    for real, spec in reached(cfg.eval_sources, "data.eval_sources").items():
         if real in train:
             raise DataError(f"{real} is both a training source (through {train[real]!r}) and an eval source "
                             f"({spec!r}): its rows would be trained on and evaluated on; keep it out of data.sources "
