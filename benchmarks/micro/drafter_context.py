@@ -92,9 +92,9 @@ def measure_harness(path: str, ctx: int, steps: int, repeats: int, full_head: bo
 def measure_feature(kind: str, target_dir: str, ctx: int, draft_vocab: int = 8192, dtype=torch.bfloat16,
                     device=torch.device("cpu")) -> tuple:
     """(one drafted token of a drafter that reads the target (kind "eagle3" or "feature_mamba2") after ctx
-    committed anchors, the row's figures but its time: the bytes its committed state holds, ...). The anchors' features are random: a step's cost
-    does not depend on their values, so the target's ctx-token prefill is not run; the head is untrained (the
-    same shapes a trained one has: the target's width, `draft_vocab` head rows)."""
+    committed anchors, the row's figures but its time: the bytes its committed state holds, ...). The anchors'
+    features are random: a step's cost does not depend on their values, so the target's ctx-token prefill is not
+    run; the head is untrained (the same shapes a trained one has: the target's width, `draft_vocab` head rows)."""
     from transformers import AutoConfig
 
     from draftforge.decode.drafters.eagle3 import Eagle3Drafter, FeatureMambaDrafter
