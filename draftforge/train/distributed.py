@@ -30,6 +30,13 @@ def require_backend_installed(env=os.environ) -> None:
         raise DraftforgeError(f"this launch uses a DeepSpeed config but deepspeed is not installed: run "
                               f"{DEEPSPEED_EXTRA} (on CPU-only machines set DS_BUILD_OPS=0), or launch with "
                               "launch/multi_gpu.yaml or launch/fsdp.yaml instead")
+    ds_json = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if _flag(env, "ACCELERATE_USE_DEEPSPEED") and ds_json and ds_json != "none" and not os.path.isfile(ds_json):
+        # launch/deepspeed_zero*.yaml name their JSON relative to the repository root: Accelerate's own error was
+        # a traceback ending in "Expected a string path to an existing deepspeed config"
+        raise DraftforgeError(f"the launch config's deepspeed_config_file {ds_json!r} does not exist from "
+                              f"{os.getcwd()}; launch from the repository root (launch/ holds the JSON), or give "
+                              "the file's absolute path in the launch config")
 
 
 def accelerator_kwargs(env=os.environ) -> dict:

@@ -130,6 +130,19 @@ def test_deepspeed_launch_without_deepspeed_names_the_extra(monkeypatch):
         dist.require_backend_installed({"ACCELERATE_USE_DEEPSPEED": "true"})
 
 
+def test_a_deepspeed_json_that_is_not_there_from_here_is_one_line(tmp_path, monkeypatch):
+    # launch/deepspeed_zero2.yaml names launch/ds_zero2.json relative to the repository root: launched from
+    # elsewhere, Accelerate's traceback ended in "Expected a string path to an existing deepspeed config"
+    pytest.importorskip("deepspeed")
+    monkeypatch.chdir(tmp_path)
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "launch/ds_zero2.json"}
+    with pytest.raises(DraftforgeError, match=r"deepspeed_config_file 'launch/ds_zero2.json' does not exist from .*; "
+                                              r"launch from the repository root"):
+        dist.require_backend_installed(env)
+    monkeypatch.chdir(REPO)
+    dist.require_backend_installed(env)
+
+
 def _fake_acc(world=2, A=2, ds=None, fsdp=None):
     return SimpleNamespace(num_processes=world, gradient_accumulation_steps=A,
                            state=SimpleNamespace(deepspeed_plugin=ds, fsdp_plugin=fsdp))
