@@ -37,15 +37,19 @@ def pickle_allowed(allow_pickle: bool | None = None) -> bool:
     return os.environ.get(ALLOW_PICKLE_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
+def org_is_local_folder(text: str) -> bool:
+    """Whether `text` is "org/name" with `org` a folder here: runs/nope beside runs/ is a mistyped local path, not a
+    Hub repository or dataset (read as one it cost half a minute or more of retries without the Hub, then a Hub
+    error). Shared by the model loaders (hub_id) and the data sources (data/sources.py is_hf_name)."""
+    org, slash, _ = str(text).partition("/")
+    return bool(slash) and Path(org).expanduser().is_dir()
+
+
 def hub_id(source) -> bool:
     """Whether `source`, naming nothing here, is read as a Hugging Face Hub id: a str shaped "name" or "org/name"
-    whose org is not a local directory (runs/nope beside a runs/ folder is a mistyped run, not a repository on the
-    Hub: reading it as one cost a minute of retries on a machine without the Hub, then a Hub error)."""
+    whose org is not a local folder."""
     text = str(source)
-    if isinstance(source, Path) or not _HUB_ID.match(text):
-        return False
-    org, slash, _ = text.partition("/")
-    return not (slash and Path(org).is_dir())
+    return not isinstance(source, Path) and bool(_HUB_ID.match(text)) and not org_is_local_folder(text)
 
 
 def missing_local_path(source) -> Path | None:

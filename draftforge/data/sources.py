@@ -42,6 +42,7 @@ from draftforge.data.textcheck import (
     text_files_only,
 )
 from draftforge.errors import DataError
+from draftforge.loading import org_is_local_folder
 
 FORMATS = ("text", "chat", "tokens")
 ROW_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -136,10 +137,7 @@ def is_hf_name(spec: str) -> bool:
     if os.path.exists(spec) or _GLOB_CHARS & set(spec):
         return False
     looks_like_path = spec.startswith((".", "/", "~")) or Path(spec).suffix != "" or spec.count("/") > 1
-    # runs/corpus beside a runs/ folder is a mistyped local path (the Hub's retries took half a minute, then an
-    # error about the network), as for a model (loading.hub_id)
-    org, slash, _ = spec.partition("/")
-    return not looks_like_path and not (slash and Path(org).expanduser().is_dir())
+    return not looks_like_path and not org_is_local_folder(spec)  # runs/corpus beside runs/: a local path
 
 
 def hub_dataset_card(folder: Path) -> str | None:
