@@ -213,7 +213,7 @@ def iter_jsonl(path: str | Path):
     check_text_file(path)
     opener = gzip.open if is_gzipped_jsonl(path) else open
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rt", encoding="utf-8-sig") as f:  # -sig: a leading BOM (Windows tools write one) is dropped
             for line_no, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
@@ -238,7 +238,7 @@ def iter_located_rows(path: Path):
     if suffix == ".json":
         data = path.read_bytes()
         try:
-            rows = json.loads(data.decode("utf-8"))
+            rows = json.loads(data.decode("utf-8-sig"))
         except UnicodeDecodeError as e:
             raise _not_utf8(path, data.count(b"\n", 0, e.start) + 1) from None
         except json.JSONDecodeError as e:
@@ -253,7 +253,7 @@ def iter_located_rows(path: Path):
                 yield f"{path} row {index}", row
                 index += 1
     else:
-        yield str(path), {"text": path.read_text(encoding="utf-8", errors="replace")}
+        yield str(path), {"text": path.read_text(encoding="utf-8-sig", errors="replace")}
 
 
 def parquet_file(path: Path):

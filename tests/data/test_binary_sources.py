@@ -156,3 +156,16 @@ def test_the_cli_refuses_a_binary_source_in_one_line_before_any_model_or_write(t
     assert "process(es) x micro-batch" not in out  # the trainer's first line, after the model is built
     assert not (tmp_path / "run").exists()
     assert not [p for p in cache.rglob("*") if p.is_file()]  # the datasets cache got nothing either
+
+
+def test_a_leading_utf8_bom_is_dropped_in_jsonl_json_and_text(tmp_path):
+    """Windows tools (Notepad, PowerShell's Out-File) start UTF-8 files with a BOM: the JSONL reader refused line 1
+    and a .txt document trained U+FEFF as its first character."""
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "rows.jsonl").write_bytes(bom + b'{"text": "first"}\n{"text": "second"}\n')
+    (tmp_path / "rows.json").write_bytes(bom + b'[{"text": "third"}]')
+    (tmp_path / "doc.txt").write_bytes(bom + b"fourth")
+    with gzip.open(tmp_path / "rows.jsonl.gz", "wb") as f:
+        f.write(bom + b'{"text": "fifth"}\n')
+    names = ["rows.jsonl", "rows.json", "doc.txt", "rows.jsonl.gz"]
+    assert texts(data_cfg([tmp_path / n for n in names])) == ["first", "second", "third", "fourth", "fifth"]
