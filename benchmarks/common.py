@@ -123,9 +123,18 @@ def memory_mb(device) -> float:
     return psutil.Process(os.getpid()).memory_info().rss / 2**20
 
 
-def json_out_problem(path, flag: str = "--out", what: str = "a JSON result", accept=lambda data: True) -> str | None:
+WRITTEN_BY = "draftforge benchmarks"  # the value of "written_by" in every JSON that write_json / write_digest write
+
+
+def ours(data) -> bool:
+    """Whether parsed JSON is a result or digest this module wrote (its "written_by" mark): only those are replaced."""
+    return isinstance(data, dict) and data.get("written_by") == WRITTEN_BY
+
+
+def json_out_problem(path, flag: str = "--out", what: str = "a JSON result", accept=ours) -> str | None:
     """Why a benchmark's JSON cannot go to `path`, else None: a directory there, a file that is not `what` (JSON
-    that `accept` takes: a user's file is not replaced, an earlier result is), or no writable folder to make it in."""
+    that `accept` takes: a user's file, even a JSON object, is not replaced; an earlier result is), or no writable
+    folder to make it in."""
     path = Path(path)
     if path.is_dir():
         return f"{flag} {path} is a directory; give the JSON file's name"
@@ -135,7 +144,8 @@ def json_out_problem(path, flag: str = "--out", what: str = "a JSON result", acc
         except (OSError, ValueError):
             ours = False
         if not ours:
-            return f"{flag} {path} exists and is not {what}; it is not replaced: give another {flag}"
+            return (f"{flag} {path} exists and is not {what} written by draftforge's benchmarks; it is not replaced: "
+                    f"give another {flag}")
     parent = next((q for q in path.absolute().parents if q.exists()), None)
     if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
         return f"{flag} {path}: {parent} is not a writable directory"
@@ -143,19 +153,21 @@ def json_out_problem(path, flag: str = "--out", what: str = "a JSON result", acc
 
 
 def write_json(path, result, indent: int = 2):
-    """Write `result` as JSON atomically (parents created), say where, and return `result`. Where `path` cannot
-    take it (json_out_problem) the result is printed instead and the run exits 2."""
+    """Write `result` as JSON atomically (parents created), marked as ours (a dict gets "written_by"), say where,
+    and return what was written. Where `path` cannot take it (json_out_problem) the result is printed instead and
+    the run exits 2."""
     from draftforge.eval.report import atomic_write_text
 
     path = Path(path)
-    text = json.dumps(result, indent=indent, default=str) + "\n"
+    marked = {**result, "written_by": WRITTEN_BY} if isinstance(result, dict) else result
+    text = json.dumps(marked, indent=indent, default=str) + "\n"
     problem = json_out_problem(path)
     if problem:
         print(text)
         raise SystemExit(f"error: {problem} (the result is printed above)")
     atomic_write_text(path, text)
     print(f"wrote {path}")
-    return result
+    return marked
 
 
 def print_table(headers: list[str], rows: list[list], right: set[int] | frozenset = frozenset()) -> None:
@@ -371,12 +383,13 @@ def read_digest(path) -> dict:
         raise DigestError(f"{path}: not a readable digest ({getattr(e, 'strerror', None) or e})") from None
     if not isinstance(data, dict):
         raise DigestError(f"{path}: not a digest (a digest is a JSON object)")
+    data.pop("written_by", None)  # the mark is not a digest entry (digests written before it have none)
     return data
 
 
 def digest_out_problem(out) -> None:
-    """--out must be a new file or an earlier digest (a JSON object): a user's file there is not replaced."""
-    problem = json_out_problem(out, what="a digest", accept=lambda data: isinstance(data, dict))
+    """--out must be a new file or an earlier digest (its "written_by" mark): a user's file there is not replaced."""
+    problem = json_out_problem(out, what="a digest")
     if problem:
         raise DigestError(problem)
 
@@ -384,5 +397,5 @@ def digest_out_problem(out) -> None:
 def write_digest(out, result: dict, indent: int | None = None) -> None:
     digest_out_problem(out)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(result, indent=indent))
+    Path(out).write_text(json.dumps({**result, "written_by": WRITTEN_BY}, indent=indent))
     print(f"wrote {out}")

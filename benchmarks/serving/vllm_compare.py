@@ -198,8 +198,7 @@ def main(argv=None) -> dict:
         if args.vllm_python:  # a path the user gave is a mistake to say, not a skip (exit 0) to find in a pipeline
             p.error(f"--vllm-python: {note}")
         print(f"skipped: {note}")
-        write_json(args.out, {"skipped": note})
-        return {"skipped": note}
+        return write_json(args.out, {"skipped": note})
     # vLLM runs from the repository root: a relative path is made absolute here, where the user meant it
     args.target, args.drafter = local_path(args.target), args.drafter and local_path(args.drafter)
     kind = drafter_kind(args.drafter) if args.drafter else None
@@ -228,10 +227,9 @@ def main(argv=None) -> dict:
         # both streams in one: vLLM's workers log their exceptions (the root cause) to stdout
         done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
         if done.returncode != 0:  # the root cause is usually far above the last lines: keep all of it
-            log = (Path(args.out).with_suffix(".vllm.log") if args.out else
-                   Path(tempfile.gettempdir()) / "vllm_compare.vllm.log")
-            log.parent.mkdir(parents=True, exist_ok=True)
-            log.write_text(done.stdout)
+            log = failure_log(Path(args.out).with_suffix(".vllm.log") if args.out else
+                              Path(tempfile.gettempdir()) / "vllm_compare.vllm.log")
+            log.write_text(LOG_HEADER + done.stdout)
             raise SystemExit(f"vLLM failed (its whole output: {log}); error lines:\n" + error_lines(done.stdout))
         served = json.loads(vllm_out.read_text())["results"]
     plain = served["plain"]["tokens"]
@@ -268,7 +266,7 @@ def main(argv=None) -> dict:
         result["drafter_counts_per_prompt"] = [{"vllm": a, "draftforge": b} for a, b in pairs]
         print(f"drafts and accepted drafts per position, vLLM's {kind}-{k} vs draftforge's chain on vLLM's rounds: "
               f"equal on {same}/{len(pairs)} prompts")
-    write_json(args.out, result)
+    result = write_json(args.out, result)
     differ = {name: r["identical_to_vllm_plain"] for name, r in result["engines"].items()
               if r["identical_to_vllm_plain"] < len(plain) and not name.startswith("draftforge/ar, ")}
     if args.dtype == "float32" and differ:  # greedy in fp32: every setting must give plain decoding's tokens
@@ -280,6 +278,26 @@ def main(argv=None) -> dict:
 def local_path(path: str) -> str:
     """`path` made absolute where it names something here (a Hub id or a missing path is left as given)."""
     return str(Path(path).expanduser().resolve()) if Path(path).expanduser().exists() else path
+
+
+LOG_HEADER = "# vLLM's whole output (stdout and stderr), kept by benchmarks.serving.vllm_compare\n"
+
+
+def failure_log(path: Path) -> Path:
+    """Where vLLM's output goes after a failure: `path`, or, where a file there is not an earlier such log (a user's
+    file), the first free `name-1.vllm.log`, `name-2.vllm.log`, ... beside it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stem, n, candidate = path.name.removesuffix(".vllm.log"), 0, path
+    while candidate.exists() or candidate.is_symlink():
+        try:
+            with open(candidate, encoding="utf-8", errors="replace") as f:
+                if f.readline() == LOG_HEADER and not candidate.is_symlink():
+                    return candidate
+        except OSError:
+            pass
+        n += 1
+        candidate = path.with_name(f"{stem}-{n}.vllm.log")
+    return candidate
 
 
 def check_pair(target: str, drafter: str) -> None:

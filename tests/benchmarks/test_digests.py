@@ -46,13 +46,16 @@ def test_decode_digest_compare_fails_when_nothing_is_in_both(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--compare", "{tmp}/nope.json", "{tmp}/a.json"], "error: {tmp}/nope.json: not a readable digest"),
-    (["--out", "{tmp}/notes.txt"], "error: --out {tmp}/notes.txt exists and is not a digest; it is not replaced"),
+    (["--out", "{tmp}/notes.txt"], "error: --out {tmp}/notes.txt exists and is not a digest written by draftforge's "
+                                   "benchmarks; it is not replaced"),
+    (["--out", "{tmp}/mine.json"], "error: --out {tmp}/mine.json exists and is not a digest written by"),
     (["--out", "{tmp}"], "error: --out {tmp} is a directory"),
 ])
 def test_a_file_that_is_not_a_digest_is_one_line_and_kept(tmp_path, argv, message):
     # a missing file was a traceback with exit 1 (the exit of "differ"); --out over a user's file replaced it after
     # the run, and --out a directory failed only after the run
     (tmp_path / "notes.txt").write_text("mine\n")
+    (tmp_path / "mine.json").write_text('{"k": "a JSON object of the user\'s, not a digest"}')
     _write(tmp_path / "a.json", {"k": [[1], [0]]})
     done = subprocess.run([sys.executable, "-m", "benchmarks.regression.decode_digest",
                            *[a.format(tmp=tmp_path) for a in argv]], cwd=REPO, capture_output=True, text=True)
@@ -67,14 +70,20 @@ def test_a_benchmarks_json_never_replaces_a_users_file(tmp_path, capsys):
 
     mine = tmp_path / "notes.json"
     mine.write_text("my notes\n")
-    with pytest.raises(SystemExit, match=r"notes.json exists and is not a JSON result; it is not replaced"):
+    with pytest.raises(SystemExit, match=r"notes.json exists and is not a JSON result written by draftforge's "
+                                         r"benchmarks; it is not replaced"):
         write_json(mine, {"median_ms": 1.5})
     assert mine.read_text() == "my notes\n" and '"median_ms": 1.5' in capsys.readouterr().out  # printed, not lost
     assert json_out_problem(tmp_path, "--json").startswith("--json ") and "is a directory" in json_out_problem(tmp_path)
     earlier = tmp_path / "r.json"
     write_json(earlier, {"a": 1})
     write_json(earlier, {"a": 2})  # an earlier result is replaced
-    assert json.loads(earlier.read_text()) == {"a": 2}
+    assert json.loads(earlier.read_text()) == {"a": 2, "written_by": "draftforge benchmarks"}
+    theirs = tmp_path / "theirs.json"  # a JSON object is not a result for being one
+    theirs.write_text('{"a": 1}')
+    with pytest.raises(SystemExit, match="theirs.json exists and is not a JSON result"):
+        write_json(theirs, {"a": 2})
+    assert theirs.read_text() == '{"a": 1}'
 
 
 def test_a_benchmarks_draftforge_error_is_one_line(capsys):

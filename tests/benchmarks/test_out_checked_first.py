@@ -28,14 +28,16 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("content", ["my notes, not a result\n", '{"my": "settings"}\n'], ids=["text", "json"])
 @pytest.mark.parametrize("module, needs, flag, inside", CASES, ids=[c[0].rsplit(".", 1)[1] for c in CASES])
-def test_a_users_file_as_the_result_is_refused_before_measuring(module, needs, flag, inside, tmp_path, monkeypatch,
-                                                                capsys):
+def test_a_users_file_as_the_result_is_refused_before_measuring(module, needs, flag, inside, content, tmp_path,
+                                                                monkeypatch, capsys):
+    # a user's JSON object (a config, someone's results) was taken for an earlier result and replaced
     mod = importlib.import_module(module)
     notes = tmp_path / "notes"
     mine = (notes / inside) if inside else tmp_path / "notes.json"
     mine.parent.mkdir(parents=True, exist_ok=True)
-    mine.write_text("my notes, not a result\n")
+    mine.write_text(content)
     out = str(notes if inside else mine)
     monkeypatch.setattr(sys, "argv", [module, *needs, flag, out])  # the mains without argv read sys.argv
     takes_argv = "argv" in mod.main.__code__.co_varnames[: mod.main.__code__.co_argcount]
@@ -43,4 +45,4 @@ def test_a_users_file_as_the_result_is_refused_before_measuring(module, needs, f
         mod.main([*needs, flag, out]) if takes_argv else mod.main()
     assert e.value.code == 2
     assert f"{flag} {mine} exists and is not a JSON result" in capsys.readouterr().err
-    assert mine.read_text() == "my notes, not a result\n"
+    assert mine.read_text() == content

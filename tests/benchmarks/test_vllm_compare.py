@@ -363,3 +363,15 @@ def test_vllm_serve_refuses_two_settings_under_one_name(monkeypatch, capsys, tmp
     with pytest.raises(SystemExit) as e:
         vllm_serve.main()
     assert e.value.code == 2 and "two settings are both draft-3" in capsys.readouterr().err
+
+
+def test_vllms_output_after_a_failure_never_replaces_a_users_file(tmp_path):
+    # the log beside --out (v.vllm.log) was written over whatever file had that name
+    log = tmp_path / "v.vllm.log"
+    assert vllm_compare.failure_log(log) == log  # free: used
+    log.write_text(vllm_compare.LOG_HEADER + "an earlier failure\n")
+    assert vllm_compare.failure_log(log) == log  # an earlier log of ours: replaced
+    log.write_text("my notes\n")
+    (tmp_path / "v-1.vllm.log").write_text("more notes\n")
+    assert vllm_compare.failure_log(log) == tmp_path / "v-2.vllm.log"  # a user's files: kept, the next free name
+    assert log.read_text() == "my notes\n"
